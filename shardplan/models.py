@@ -1,0 +1,613 @@
+"""Model registry: which model a plan is for, and what its checkpoint holds on disk.
+
+A model is named by a built-in short name, alias or HF id (all case-insensitive), by a local HF checkpoint directory,
+or by a config.json path. `resolve_model` turns any of these plus "key=value" overrides into a `ModelSpec`: the
+config dict, its sha256 (the plan cache key) and, for a local directory, where the real checkpoint lives.
+
+Built-in configs are the public hub config.json files, stored in `shardplan/configs/<short-name>.json` because this
+tool must work without hub access. Each file carries our own bookkeeping under keys starting with "_shardplan"
+(HF id, aliases, a note on what was changed); those keys are stripped before the config is used or written.
+
+`checkpoint_tensors` lists the tensors as the hub's safetensors files name them (one tensor per expert), because
+that is what a trainer holds and what vLLM's weight loaders consume. Real headers are read when a local checkpoint
+is available; otherwise the list comes from the transformers model built on the meta device, with transformers 5's
+fused-expert parameters mapped back to per-expert names through transformers' own (reversed) conversion mapping.
+
+torch and transformers are imported lazily: resolving a model and writing its config must stay cheap.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .errors import ShardplanError
+
+__all__ = [
+    "ConfigError", "ModelSpec", "UnknownModelError", "checkpoint_tensors", "config_sha256", "group_of",
+    "list_models", "read_safetensors_header", "resolve_model",
+]
+
+CONFIGS_DIR = Path(__file__).with_name("configs")
+# Keys of ours inside built-in JSON files ("_shardplan": {hf_id, aliases}, "_shardplan_note": "..."): never model config.
+_OWN_KEY_PREFIX = "_shardplan"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Fields every consumer (transformers, vLLM, our tensor listing) needs; checked after overrides so that an override
+# may supply a field a hand-written config.json lacks.
+_REQUIRED_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+# Tensors the real checkpoints store in float32 whatever the model dtype, keyed by architecture. DeepSeek-V3 and
+# Kimi-K2 keep the router's score-correction bias in float32 (it is added to sigmoid scores and must stay exact).
+_FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
+    "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
+}
+
+# safetensors header dtype codes -> torch dtype names (the spelling used everywhere else in shardplan).
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+}
+# A header larger than this is not a safetensors header (the format itself caps it at 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class UnknownModelError(ShardplanError):
+    """The model spec is neither a built-in (short name, alias, HF id) nor an existing path."""
+
+
+class ConfigError(ShardplanError):
+    """A config.json, checkpoint index/header or override is unusable; the message names the file and field."""
+
+
+TensorInfo = tuple[str, tuple[int, ...], str]  # (on-disk name, shape, dtype name)
+
+
+# --------------------------------------------------------------------------------------------------- the spec
+
+def config_sha256(config: Mapping[str, Any]) -> str:
+    """sha256 hex of the canonical JSON form of a config: the identity of a model for caching plans."""
+    return hashlib.sha256(_canonical_json(config).encode()).hexdigest()
+
+
+def _canonical_json(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One resolved model: its HF config (after overrides) and where it came from.
+
+    name: built-in short name, or the absolute path given. hf_id: hub id for built-ins, else None.
+    source_dir: the local checkpoint directory when one was given (its safetensors describe the real tensors).
+    """
+    name: str
+    hf_id: str | None
+    config: dict[str, Any]
+    config_sha256: str = ""  # computed from config when left empty
+    source_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.config_sha256:
+            object.__setattr__(self, "config_sha256", config_sha256(self.config))
+
+    # config is a dict, so the generated field hash would fail; the sha already identifies the config.
+    def __hash__(self) -> int:
+        return hash((self.name, self.hf_id, self.config_sha256, self.source_dir))
+
+    @property
+    def architecture(self) -> str:
+        return self.config["architectures"][0]
+
+    @property
+    def origin(self) -> str:
+        """Where the config came from, for error messages."""
+        if self.hf_id is not None:
+            return f"built-in {self.name}"
+        if self.source_dir is not None:
+            return str(Path(self.source_dir) / "config.json")
+        return self.name
+
+    def materialize(self, dir: str | os.PathLike | None = None) -> str:
+        """Write config.json (the config after overrides) into `dir` and return the directory.
+
+        The default is a per-config directory in the user cache, so repeated runs reuse it and vLLM's
+        `ModelConfig(model=<dir>)` sees exactly this config. Only config.json is written: vLLM never loads real
+        weights here, and the original checkpoint stays readable through `checkpoint_tensors`.
+        """
+        target = Path(dir).expanduser() if dir is not None else _cache_root() / "configs" / self.config_sha256[:16]
+        if self.source_dir is not None and target.resolve() == Path(self.source_dir).resolve():
+            raise ConfigError(
+                f"Refusing to materialize {self.origin} into its own checkpoint directory {target}: that would "
+                f"overwrite the original config.json. Pass another directory, or dir=None for the cache.")
+        text = json.dumps(self.config, indent=2, sort_keys=True) + "\n"
+        config_path = target / "config.json"
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            if config_path.is_file() and config_path.read_text() == text:
+                return str(target)
+            # Write-then-rename so concurrent runs sharing the cache never see a half-written config.json.
+            fd, tmp_name = tempfile.mkstemp(dir=target, prefix=".config.", suffix=".json.tmp")
+            try:
+                with os.fdopen(fd, "w") as tmp:
+                    tmp.write(text)
+                os.replace(tmp_name, config_path)
+            except BaseException:
+                Path(tmp_name).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise ShardplanError(
+                f"Cannot write {config_path} for {self.origin}: {exc.strerror or exc}. Pass a writable directory "
+                f"to materialize(dir=...) or set XDG_CACHE_HOME to a writable location.") from exc
+        return str(target)
+
+
+def _cache_root() -> Path:
+    # Read at call time, not import time, so tests and callers can redirect the cache through the environment.
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardplan"
+
+
+# --------------------------------------------------------------------------------------------------- built-ins
+
+@dataclass(frozen=True)
+class _BuiltIn:
+    short_name: str
+    hf_id: str
+    aliases: tuple[str, ...]
+    path: Path
+    config: dict[str, Any]  # stripped of our own keys; copied before handing out
+
+
+@lru_cache(maxsize=1)
+def _builtins() -> tuple[dict[str, _BuiltIn], dict[str, str]]:
+    """(short name -> built-in, lower-cased lookup key -> short name), loaded once from shardplan/configs/."""
+    by_name: dict[str, _BuiltIn] = {}
+    lookup: dict[str, str] = {}
+    for path in sorted(CONFIGS_DIR.glob("*.json")):
+        short = path.stem
+        raw = _read_json_object(path, f"built-in {short} ({path})")
+        meta = raw.get("_shardplan")
+        if not isinstance(meta, dict) or not isinstance(meta.get("hf_id"), str):
+            raise ConfigError(f"built-in {short} ({path}): field '_shardplan.hf_id' is missing; every built-in "
+                              f"config needs \"_shardplan\": {{\"hf_id\": ..., \"aliases\": [...]}}.")
+        hf_id = meta["hf_id"]
+        aliases = tuple(meta.get("aliases", ()))
+        by_name[short] = _BuiltIn(short, hf_id, aliases, path, _strip_own_keys(raw))
+        # The hub repo's own name ("Kimi-K2-Instruct") is accepted too: it is what people copy from the hub page.
+        for key in (short, hf_id, hf_id.rsplit("/", 1)[-1], *aliases):
+            key = key.lower()
+            if lookup.get(key, short) != short:
+                raise ConfigError(f"built-in {short} ({path}): name {key!r} is already used by built-in "
+                                  f"{lookup[key]}; aliases must be unique.")
+            lookup[key] = short
+    return by_name, lookup
+
+
+def list_models() -> list[tuple[str, str, str]]:
+    """Built-in models as (short name, HF id, architecture), sorted by short name."""
+    by_name, _ = _builtins()
+    return [(b.short_name, b.hf_id, b.config["architectures"][0]) for b in by_name.values()]
+
+
+def _unknown_model_message(spec: str) -> str:
+    rows = "\n".join(f"  {short:<18} {hf_id:<40} {arch}" for short, hf_id, arch in list_models())
+    looks_like_path = os.sep in spec or spec.startswith((".", "~")) or spec.endswith(".json")
+    path_note = f"\nNo file or directory {spec!r} exists either." if looks_like_path else ""
+    return (f"Unknown model {spec!r}.{path_note}\n"
+            f"Built-in models (short name, HF id, architecture; names are case-insensitive):\n{rows}\n"
+            f"For any other model, pass a local directory containing its HF config.json (a downloaded snapshot; "
+            f"weights are optional), or the path of a config.json file. shardplan never downloads from the hub.")
+
+
+# --------------------------------------------------------------------------------------------------- resolving
+
+def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[str, Any] | None = None) -> ModelSpec:
+    """Resolve a model name or path plus overrides to a ModelSpec.
+
+    spec: built-in short name / alias / HF id (case-insensitive), a local directory with config.json, or a
+    config.json path. An existing path wins over a built-in name, as in transformers and vLLM.
+    overrides: "key=value" strings (value parsed as JSON when it parses, else taken as a string; dotted keys set
+    nested values, e.g. "rope_scaling.factor=8") or a dict of key -> value (dotted keys allowed).
+    """
+    text = os.fspath(spec).strip()
+    path = Path(text).expanduser()
+    if text and path.is_dir():
+        source_dir = path.resolve()
+        config_path = source_dir / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{source_dir} has no config.json. Point at an HF checkpoint directory (one that "
+                              f"contains config.json) or at a config.json file.")
+        name, hf_id, origin = str(source_dir), None, str(config_path)
+        base = _strip_own_keys(_read_json_object(config_path, origin))
+    elif text and path.is_file():
+        config_path = path.resolve()
+        # A bare config file says nothing about where the weights are, so there is no source_dir: files that
+        # happen to sit next to it are not assumed to belong to it.
+        source_dir, name, hf_id, origin = None, str(config_path), None, str(config_path)
+        base = _strip_own_keys(_read_json_object(config_path, origin))
+    else:
+        by_name, lookup = _builtins()
+        short = lookup.get(text.lower())
+        if short is None:
+            raise UnknownModelError(_unknown_model_message(text))
+        builtin = by_name[short]
+        source_dir, name, hf_id, origin = None, short, builtin.hf_id, f"built-in {short} ({builtin.path})"
+        base = copy.deepcopy(builtin.config)
+
+    parsed = _parse_overrides(overrides)
+    config = _apply_overrides(base, parsed, origin)
+    _validate_config(config, origin, overridden=bool(parsed))
+    try:
+        sha = config_sha256(config)
+    except (TypeError, ValueError) as exc:  # only reachable through dict overrides holding non-JSON values
+        raise ConfigError(f"{origin}: an override value is not JSON-serialisable ({exc}). Use numbers, strings, "
+                          f"booleans, null, lists and dicts.") from exc
+    return ModelSpec(name=name, hf_id=hf_id, config=config, config_sha256=sha,
+                     source_dir=str(source_dir) if source_dir is not None else None)
+
+
+def _read_json_object(path: Path, origin: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot read {origin}: {exc.strerror or exc}.") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{origin} is not UTF-8 text ({exc.reason}); it should be a JSON config.") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
+                          f"Fix the file (or re-download config.json).") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin} must hold a JSON object (an HF config), not a {type(data).__name__}.")
+    return data
+
+
+def _strip_own_keys(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if not k.startswith(_OWN_KEY_PREFIX)}
+
+
+def _parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> list[tuple[str, tuple[str, ...], Any]]:
+    """Overrides as (original text, key path, value)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        items = [(f"{key}={value!r}", str(key), value) for key, value in overrides.items()]
+    else:
+        if isinstance(overrides, str):  # one override passed bare instead of in a list
+            overrides = [overrides]
+        items = []
+        for text in overrides:
+            if not isinstance(text, str) or "=" not in text:
+                raise ConfigError(f"Bad override {text!r}: expected key=value, e.g. num_hidden_layers=2 or "
+                                  f"rope_scaling.factor=8.0.")
+            key, raw = text.split("=", 1)
+            raw = raw.strip()
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw  # not JSON: a plain string such as torch_dtype=bfloat16
+            items.append((text, key, value))
+    parsed = []
+    for text, key, value in items:
+        key_path = tuple(part.strip() for part in key.strip().split("."))
+        if not all(key_path):
+            raise ConfigError(f"Bad override {text!r}: the key {key.strip()!r} has an empty part; use key=value "
+                              f"or dotted.key=value.")
+        parsed.append((text, key_path, value))
+    return parsed
+
+
+def _apply_overrides(config: dict[str, Any], overrides: list[tuple[str, tuple[str, ...], Any]],
+                     origin: str) -> dict[str, Any]:
+    config = copy.deepcopy(config)
+    for text, key_path, value in overrides:
+        node = config
+        for depth, part in enumerate(key_path[:-1]):
+            child = node.setdefault(part, {})  # a missing parent becomes a new mapping
+            if not isinstance(child, dict):
+                parent = ".".join(key_path[:depth + 1])
+                raise ConfigError(
+                    f"Bad override {text!r} for {origin}: field '{parent}' is {json.dumps(child)}, not a mapping, "
+                    f"so '{'.'.join(key_path)}' cannot be set inside it. Set the whole field instead, e.g. "
+                    f"'{parent}={{\"{key_path[depth + 1]}\": ...}}'.")
+            node = child
+        node[key_path[-1]] = copy.deepcopy(value)
+    return config
+
+
+def _validate_config(config: dict[str, Any], origin: str, overridden: bool) -> None:
+    where = f"{origin} (after overrides)" if overridden else origin
+
+    def fail(field: str, problem: str, example: str) -> None:
+        raise ConfigError(f"{where}: field '{field}' {problem}. Fix config.json or pass an override such as "
+                          f"{example}.")
+
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
+        fail("architectures", "is missing" if archs is None else f"must be a non-empty list of class names, got "
+             f"{json.dumps(archs)}", "'architectures=[\"LlamaForCausalLM\"]'")
+    model_type = config.get("model_type")
+    if not (isinstance(model_type, str) and model_type):
+        fail("model_type", "is missing" if model_type is None else f"must be a string, got {json.dumps(model_type)}",
+             "model_type=llama")
+    for field in _REQUIRED_POSITIVE_INTS:
+        value = config.get(field)
+        if value is None:
+            fail(field, "is missing", f"{field}=<int>")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            fail(field, f"must be a positive integer, got {json.dumps(value)}", f"{field}=<int>")
+
+
+# --------------------------------------------------------------------------------------------------- checkpoints
+
+def group_of(name: str) -> str:
+    """Weight group of a checkpoint tensor: "layers.<i>", "embed", "head" (lm_head, final norm) or "other"."""
+    match = _LAYER_NAME.match(name)
+    if match:
+        return f"layers.{int(match.group(1))}"
+    if name.startswith("model.embed_tokens."):
+        return "embed"
+    if name.startswith(("lm_head.", "model.norm.")):
+        return "head"
+    return "other"
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) from a .safetensors file's header, without reading tensor data.
+
+    Format: 8-byte little-endian header length, then that many bytes of JSON {name: {dtype, shape, data_offsets}}
+    plus an optional "__metadata__" entry.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise ConfigError(f"{path} is not a safetensors file: it is shorter than the 8-byte header length. "
+                                  f"Re-download it or remove it from the checkpoint directory.")
+            (header_len,) = struct.unpack("<Q", prefix)
+            file_size = os.fstat(f.fileno()).st_size
+            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+                raise ConfigError(f"{path} is not a safetensors file (or is truncated): its header claims "
+                                  f"{header_len} bytes but the file has {file_size}. Re-download it.")
+            header_bytes = f.read(header_len)
+    except OSError as exc:
+        raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
+    try:
+        header = json.loads(header_bytes)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_code, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: header entry for tensor {name!r} lacks a valid 'dtype'/'shape' "
+                              f"({exc!r}). Re-download the file.") from exc
+        tensors[name] = (shape, _SAFETENSORS_DTYPES.get(dtype_code, str(dtype_code).lower()))
+    return tensors
+
+
+def checkpoint_tensors(spec: ModelSpec, dtype: Any = "bfloat16", include_mtp: bool = False) -> list[TensorInfo]:
+    """The checkpoint's tensors as (name, shape, dtype name), in the hub's on-disk naming, sorted by name.
+
+    With a local checkpoint (spec.source_dir holding *.safetensors and/or model.safetensors.index.json) names,
+    shapes and dtypes come from the safetensors headers; names listed by the index whose shard files are absent
+    take their shape from the config-built model. Otherwise everything comes from the config-built model and
+    `dtype` is reported for every tensor except those the real checkpoints keep in float32.
+
+    include_mtp: also list multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, stored as
+    model.layers.<num_hidden_layers + k>). Layers beyond num_hidden_layers (+ MTP) are dropped, so a local
+    checkpoint resolved with num_hidden_layers=2 lists only what that shrunk config uses.
+    """
+    dtype_name = _dtype_name(dtype)
+    if spec.source_dir is not None:
+        source = Path(spec.source_dir)
+        if (source / INDEX_FILE).is_file() or any(source.glob("*.safetensors")):
+            return _tensors_from_checkpoint_dir(spec, source, dtype_name, include_mtp)
+    return _with_dtype(_meta_tensors(spec, include_mtp), dtype_name)
+
+
+def _dtype_name(dtype: Any) -> str:
+    import torch  # deferred: only callers that list tensors pay for torch
+
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ShardplanError(f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or "
+                             f"'float32'.")
+    return name
+
+
+def _with_dtype(meta: tuple[tuple[str, tuple[int, ...], bool], ...], dtype_name: str) -> list[TensorInfo]:
+    return [(name, shape, "float32" if keep_fp32 else dtype_name) for name, shape, keep_fp32 in meta]
+
+
+def _layer_filter(config: dict[str, Any], include_mtp: bool):
+    """Predicate on tensor names: drop layers the (possibly shrunk) config does not have."""
+    n_layers = config["num_hidden_layers"]
+    limit = n_layers + (int(config.get("num_nextn_predict_layers") or 0) if include_mtp else 0)
+
+    def keep(name: str) -> bool:
+        match = _LAYER_NAME.match(name)
+        return match is None or int(match.group(1)) < limit
+    return keep
+
+
+def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
+                                 include_mtp: bool) -> list[TensorInfo]:
+    index_path = source / INDEX_FILE
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        index = _read_json_object(index_path, str(index_path))
+        weight_map = index.get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ConfigError(f"{index_path}: field 'weight_map' is missing or not a mapping of tensor name -> "
+                              f"shard file. Re-download the index, or delete it to use the shard headers alone.")
+        shard_files = sorted({source / shard for shard in weight_map.values()})
+    else:
+        shard_files = sorted(source.glob("*.safetensors"))
+
+    on_disk: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in shard_files:
+        if shard.is_file():  # an index without (some of) its shards is allowed: see below
+            on_disk.update(read_safetensors_header(shard))
+
+    keep = _layer_filter(spec.config, include_mtp)
+    names = [name for name in (weight_map if weight_map is not None else on_disk) if keep(name)]
+    missing = [name for name in names if name not in on_disk]
+    if missing:
+        # Shard files absent: the index still gives the names, the config-built model gives the shapes.
+        by_name = {name: (shape, keep_fp32)
+                   for name, shape, keep_fp32 in _meta_tensors(spec, include_mtp=True)}
+        unknown = [name for name in missing if name not in by_name]
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise ConfigError(
+                f"{index_path}: {len(unknown)} tensor(s) listed in 'weight_map' have no shard file here and do not "
+                f"exist in a {spec.architecture} built from {spec.origin}: {shown}. Put the shard files next to the "
+                f"index so their headers can be read (quantized checkpoints need them for the extra tensors).")
+        for name in missing:
+            shape, keep_fp32 = by_name[name]
+            on_disk[name] = (shape, "float32" if keep_fp32 else dtype_name)
+    return [(name, on_disk[name][0], on_disk[name][1]) for name in sorted(names, key=_natural_key)]
+
+
+def _natural_key(name: str) -> tuple:
+    # layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects.
+    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
+
+
+# Built models are the slow part (Kimi-K2: ~70k tensors), so results are kept per (config sha, include_mtp).
+_META_CACHE: OrderedDict[tuple[str, bool], tuple[tuple[str, tuple[int, ...], bool], ...]] = OrderedDict()
+_META_CACHE_SIZE = 16
+_META_LOCK = threading.Lock()
+
+
+def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    """(on-disk name, shape, stored-as-float32) for the model the config describes, cached per config sha."""
+    sha = config_sha256(spec.config)  # recomputed: spec.config is a dict and may have been edited in place
+    key = (sha, include_mtp)
+    with _META_LOCK:
+        if key in _META_CACHE:
+            _META_CACHE.move_to_end(key)
+            return _META_CACHE[key]
+    result = _build_meta_tensors(spec, include_mtp)
+    with _META_LOCK:
+        _META_CACHE[key] = result
+        while len(_META_CACHE) > _META_CACHE_SIZE:
+            _META_CACHE.popitem(last=False)
+    return result
+
+
+def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    # A deep copy: transformers' config classes edit nested dicts in place (rope_scaling gains rope_theta and
+    # rope_type), which would silently change spec.config and its sha.
+    config = copy.deepcopy(spec.config)
+    n_layers = config["num_hidden_layers"]
+    n_mtp = int(config.get("num_nextn_predict_layers") or 0) if include_mtp else 0
+    if n_mtp:
+        # transformers does not build DeepSeek's MTP modules. Each MTP layer is an ordinary decoder layer (dense or
+        # MoE by the same rule as the main stack) plus a few extras, so building n_mtp more layers yields its body.
+        config["num_hidden_layers"] = n_layers + n_mtp
+    shapes = _on_disk_shapes_from_transformers(config, spec.origin)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    for layer in range(n_layers, n_layers + n_mtp):
+        # DeepSeek-V3's on-disk MTP extras (as its inference code and vLLM's deepseek_mtp loader name them).
+        prefix = f"model.layers.{layer}."
+        shapes.update({
+            prefix + "embed_tokens.weight": (vocab, hidden),
+            prefix + "enorm.weight": (hidden,),
+            prefix + "hnorm.weight": (hidden,),
+            prefix + "eh_proj.weight": (hidden, 2 * hidden),
+            prefix + "shared_head.norm.weight": (hidden,),
+            prefix + "shared_head.head.weight": (vocab, hidden),
+        })
+    fp32_suffixes = _FLOAT32_ON_DISK.get(spec.architecture, ())
+    return tuple((name, shapes[name], name.endswith(fp32_suffixes))
+                 for name in sorted(shapes, key=_natural_key))
+
+
+def _on_disk_shapes_from_transformers(config: dict[str, Any], origin: str) -> dict[str, tuple[int, ...]]:
+    """Build the model on the meta device and return its checkpoint tensors under their on-disk names."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = config.pop("model_type")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
+        raise ConfigError(
+            f"{origin}: transformers {transformers.__version__} cannot build model_type {model_type!r} "
+            f"({config['architectures'][0]}) from this config: {type(exc).__name__}: {exc}. Check the config "
+            f"fields (and overrides) named in that message.") from exc
+
+    # Tied parameters (tie_word_embeddings: lm_head.weight is embed_tokens.weight) are stored once on disk, under
+    # the first name. state_dict() lists both and, on meta, returns distinct tensor objects, so compare Parameters.
+    first_name_of: dict[int, str] = {}
+    tied_duplicates = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name_of:
+            tied_duplicates.add(name)
+        else:
+            first_name_of[id(param)] = name
+    # state_dict() already leaves out non-persistent buffers (rotary inv_freq) and keeps persistent ones
+    # (DeepSeek's e_score_correction_bias), which is exactly what the checkpoint stores.
+    state = {name: t for name, t in model.state_dict().items() if name not in tied_duplicates}
+    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in state:
+        state.pop("lm_head.weight", None)
+
+    on_disk = _revert_fused_experts(model, state, origin)
+    return {name: tuple(t.shape) for name, t in on_disk.items()}
+
+
+def _revert_fused_experts(model, state: dict, origin: str) -> dict:
+    """Map transformers-5 module names back to the hub's on-disk names.
+
+    transformers 5 fuses per-expert weights at load time (e.g. experts.{e}.gate_proj/up_proj ->
+    experts.gate_up_proj [E, 2I, H], Mixtral's block_sparse_moe.experts.{e}.w1/w3 -> mlp.experts.gate_up_proj).
+    Its conversion mapping is what save_pretrained reverses to write hub-format files, so reversing it here gives
+    the on-disk names by construction. Splitting meta tensors is free; the result is checked below because this is
+    transformers-internal API.
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older/newer transformers without the mapping: names are used as built, then checked
+        reverted = state
+    else:
+        reverted = revert_weight_conversion(model, state)
+
+    fused = [name for name in reverted if re.search(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj|w[123])"
+                                                   r"(\.weight)?$", name)]
+    before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
+    # The reverse split squeezes each per-expert slice, which would also drop a genuine size-1 dimension.
+    bad_rank = [name for name, t in reverted.items() if re.search(r"\.experts\.\d+\.", name) and t.dim() != 2]
+    if fused or before != after or bad_rank:
+        import transformers
+        problem = (f"fused expert tensors left: {fused[:3]}" if fused else
+                   f"expert tensors that are not 2-D: {bad_rank[:3]}" if bad_rank else
+                   f"element count changed from {before} to {after}")
+        raise ShardplanError(
+            f"{origin}: could not map transformers {transformers.__version__} parameter names back to on-disk "
+            f"checkpoint names ({problem}). Point resolve_model at a local checkpoint directory with safetensors "
+            f"or an index so the real names are read, or report this with the transformers version.")
+    return reverted

@@ -1,0 +1,411 @@
+"""Record what vLLM's real `load_weights` does to each checkpoint tensor, on a model built on the meta device.
+
+Design. The recording tensor `RecTensor` is a meta tensor subclass: it has a shape and dtype and no data. A
+`TorchFunctionMode` (`_Recorder`) sees every torch call the loader makes while it runs:
+
+* Views (narrow, view, transpose, unbind, chunk, expand, `[a:b]`, ...) are run on the meta tensor itself. A meta view
+  shares its base's storage and carries the exact storage offset and strides, so a whole chain of views folds into one
+  `ir.View(leaf, Region)` for free: we never need to replay view ops one by one.
+* Which *leaf* a meta storage holds is looked up at use time in `self.leaf_of[storage]`. A checkpoint tensor starts as
+  `ir.Source(name)`; an op that makes a new storage (reshape needing a copy, cat, index_select, .to(dtype)) makes an
+  `ir.Call` leaf; an in-place op on a loaded tensor (`zero_()`, `mul_()`, `copy_` into it) replaces the storage's leaf
+  with an `ir.Update`, so any alias made earlier sees the new value, as in eager torch.
+* A copy into a parameter (copy_, `param[idx] = w`) is the sink: it becomes an `ir.Write(param, Region, View)`. Writes
+  into a parameter that read no checkpoint tensor (fill_/zero_ of padding rows) are recorded as `ir.Full` writes.
+* A loader that reads values (`.item()`, `bool(t)`, `torch.equal`), or applies an op outside `ir.ALLOWED_OPS`, stops
+  recording for that checkpoint tensor: it becomes an `ir.Fallback` (the consumer needs it whole and runs the real
+  loader); `strict=True` raises `UnsupportedLoaderOp` naming the tensor, the op and the loader function instead.
+
+Parameters are identified by their storage: vLLM loaders write into `param.data[...]`, a plain view, not the Parameter.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import ir
+from .errors import ShardplanError
+from .layout import Layout
+
+
+class UnsupportedLoaderOp(ShardplanError):
+    pass
+
+
+class RecordError(ShardplanError):
+    pass
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class RecTensor(torch.Tensor):
+    """A metadata-only checkpoint tensor: meta storage, real shape/dtype. All the recording is done by `_Recorder`,
+    which identifies these tensors by storage, so the subclass itself stays inert (no per-op overhead outside it)."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def make(shape, dtype: torch.dtype) -> "RecTensor":
+        return torch.Tensor._make_subclass(RecTensor, torch.empty(shape, dtype=dtype, device="meta"))
+
+    def __repr__(self):
+        return f"RecTensor({list(self.shape)}, {dtype_name(self.dtype)})"
+
+
+class _ValueRead(Exception):
+    """Raised inside the loader when it needs data we do not have; unwinds out of load_weights."""
+
+    def __init__(self, sources: set[str], op: str, reason: str):
+        super().__init__(f"{op}: {reason}")
+        self.sources, self.op, self.reason = sources, op, reason
+
+
+def op_name(func) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if qual.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + qual.split(".", 1)[1]
+    if qual.endswith(".__get__") or qual.endswith(".__set__"):
+        return "Tensor." + qual.rsplit(".", 2)[-2] + ".get"
+    module = getattr(func, "__module__", "") or ""
+    if module.startswith("torch.nn.functional"):
+        return "F." + qual
+    return "torch." + qual
+
+
+# Calls that only read metadata (shape, dtype, ...): answered from the meta tensor, never a value read.
+_METADATA = frozenset({
+    "Tensor.size", "Tensor.dim", "Tensor.ndimension", "Tensor.stride", "Tensor.numel", "Tensor.nelement",
+    "Tensor.storage_offset", "Tensor.element_size", "Tensor.is_contiguous", "Tensor.__len__", "Tensor.get_device",
+    "Tensor.is_floating_point", "Tensor.is_complex", "Tensor.untyped_storage", "Tensor.__hash__", "Tensor.__format__",
+    "Tensor.__repr__", "Tensor.data_ptr", "Tensor.type", "Tensor.__reduce_ex__", "Tensor.__eq__.get",
+})
+# Value reads: the loader looks at data.
+_VALUE_READS = frozenset({
+    "Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__int__", "Tensor.__float__", "Tensor.__index__",
+    "Tensor.numpy", "Tensor.equal", "torch.equal", "torch.allclose", "Tensor.allclose", "Tensor.__array__",
+    "Tensor.any", "Tensor.all", "torch.any", "torch.all", "torch.nonzero", "Tensor.nonzero", "torch.unique",
+    "torch.where", "Tensor.__eq__", "Tensor.__ne__", "Tensor.__lt__", "Tensor.__gt__", "Tensor.__le__",
+    "Tensor.__ge__", "torch.isnan", "torch.isinf", "Tensor.max", "Tensor.min", "Tensor.abs", "Tensor.sum",
+    "torch.sum", "Tensor.mean", "torch.max", "torch.min",
+})
+_INPLACE_SINKS = frozenset({"Tensor.copy_", "Tensor.__setitem__", "Tensor.fill_", "Tensor.zero_"})
+
+
+@dataclass
+class RankRecording:
+    """What one rank's loader did: writes in recording order plus per-source bookkeeping."""
+    rank: int
+    params: dict[str, ir.TensorMeta]
+    writes: list[ir.Write] = field(default_factory=list)
+    fallbacks: dict[str, ir.Fallback] = field(default_factory=dict)
+    fed: list[str] = field(default_factory=list)  # names fed to the loader, in order
+    ops_seen: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def not_needed(self) -> list[str]:
+        read: set[str] = set()
+        for w in self.writes:
+            ir._collect_sources(w.src.leaf, read)
+        return [n for n in self.fed if n not in read and n not in self.fallbacks]
+
+    def to_plan(self) -> ir.RankPlan:
+        used = sorted({w.param for w in self.writes})
+        return ir.RankPlan(rank=self.rank, params=tuple(self.params[p] for p in used), writes=tuple(self.writes),
+                           fallbacks=tuple(sorted(self.fallbacks.values(), key=lambda f: f.source)),
+                           not_needed=tuple(sorted(self.not_needed())))
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, param_of_storage: dict[int, tuple[str, torch.Tensor]], recording: RankRecording):
+        super().__init__()
+        self.param_of = param_of_storage
+        self.rec = recording
+        self.leaf_of: dict[int, ir.Leaf] = {}
+        self.keepalive: list[torch.Tensor] = []  # storage keys are addresses: keep their owners alive
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+    def add_source(self, name: str, t: torch.Tensor) -> None:
+        self.leaf_of[_key(t)] = ir.Source(name)
+        self.keepalive.append(t)
+
+    def _tracked(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and (type(t) is RecTensor or _key(t) in self.leaf_of)
+
+    def view_of(self, t: torch.Tensor) -> ir.View:
+        return ir.View(self.leaf_of[_key(t)], ir.Region(t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+
+    def sources_of(self, tensors) -> set[str]:
+        names: set[str] = set()
+        for t in tensors:
+            leaf = self.leaf_of.get(_key(t))
+            if leaf is not None:
+                ir._collect_sources(leaf, names)
+        return names
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tracked = [a for a in _tensor_args(args, kwargs) if self._tracked(a)]
+        if not tracked:
+            if func in _FAST_SINK_FUNCS and args and isinstance(args[0], torch.Tensor) and _key(args[0]) in self.param_of:
+                return self._param_write_without_source(func, args, kwargs)
+            return func(*args, **kwargs)
+        name = op_name(func)
+        ops = self.rec.ops_seen
+        ops[name] = ops.get(name, 0) + 1
+        if name in _METADATA or name.endswith(".get") and name[:-4] not in _VALUE_READS:
+            return func(*args, **kwargs)
+        if name in _VALUE_READS:
+            raise _ValueRead(self.sources_of(tracked), name, "the loader reads tensor values, which a recording "
+                                                              "does not have")
+        dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("Tensor.copy_", "Tensor.__setitem__") and dst is not None and not self._tracked(dst):
+            return self._sink(name, func, args, kwargs)
+        if name.endswith("_") and not name.endswith("__") and dst is not None and self._tracked(dst):
+            return self._inplace_on_loaded(name, func, args, kwargs, tracked)
+        return self._op(name, func, args, kwargs, tracked)
+
+    def _op(self, name, func, args, kwargs, tracked):
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        new_leaf = None
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            k = _key(o)
+            if k in self.leaf_of:      # a view of a tracked storage: geometry says everything
+                continue
+            if name not in ir.ALLOWED_OPS:
+                raise _ValueRead(self.sources_of(tracked), name, f"op {name} is not in the replay allowlist")
+            if new_leaf is None:
+                new_leaf = self._call_leaf(name, args, kwargs, tracked)
+            self.leaf_of[k] = new_leaf if not isinstance(out, (tuple, list)) else ir.Call(
+                new_leaf.op, new_leaf.args, new_leaf.kwargs, new_leaf.inputs, i)
+            self.keepalive.append(o)
+        if isinstance(out, (tuple, list)):
+            return type(out)(_as_rec(o) for o in out)
+        return _as_rec(out)
+
+    def _call_leaf(self, name, args, kwargs, tracked) -> ir.Call:
+        inputs: list[ir.View] = []
+        index_of: dict[int, int] = {}
+
+        def lit(a):
+            if isinstance(a, torch.Tensor):
+                if self._tracked(a):
+                    if id(a) not in index_of:
+                        index_of[id(a)] = len(inputs)
+                        inputs.append(self.view_of(a))
+                    return ir.Arg(index_of[id(a)])
+                if a.device.type == "meta":
+                    raise _ValueRead(self.sources_of(tracked), name, "an argument is a model tensor on the meta "
+                                                                     "device, whose values are unknown")
+                flat = a.detach().cpu().reshape(-1)
+                if flat.numel() > 1 << 16:
+                    raise _ValueRead(self.sources_of(tracked), name, "a constant tensor argument is too large")
+                return ir.Const(dtype_name(a.dtype), tuple(a.shape), tuple(flat.tolist()))
+            if isinstance(a, (list, tuple)):
+                return tuple(lit(x) for x in a)
+            if isinstance(a, slice):
+                return ir.Slice(a.start, a.stop, a.step)
+            if isinstance(a, torch.dtype):
+                return ir.DType(dtype_name(a))
+            if a is Ellipsis or a is None or isinstance(a, (bool, int, float, str)):
+                return a
+            if isinstance(a, torch.device):
+                return None  # devices are the replayer's choice
+            if isinstance(a, torch.Size):
+                return tuple(a)
+            raise _ValueRead(self.sources_of(tracked), name, f"argument of type {type(a).__name__} cannot be recorded")
+
+        call_args = tuple(lit(a) for a in args)
+        call_kwargs = tuple(sorted((k, lit(v)) for k, v in kwargs.items() if not isinstance(v, torch.device)))
+        return ir.Call(name, call_args, call_kwargs, tuple(inputs))
+
+    def _inplace_on_loaded(self, name, func, args, kwargs, tracked):
+        """`w.zero_()`, `w.mul_(2)`, `w.copy_(x)`, `w[idx] = v` on a loaded tensor: its storage gets a new leaf."""
+        dst = args[0]
+        if name not in ir.ALLOWED_OPS and name != "Tensor.__setitem__":
+            raise _ValueRead(self.sources_of(tracked), name, f"in-place op {name} is not in the replay allowlist")
+        region_view = self.view_of(dst)
+        if name == "Tensor.__setitem__":
+            sub = dst.__getitem__(args[1])
+            if _key(sub) != _key(dst):
+                raise _ValueRead(self.sources_of(tracked), name, "advanced-index assignment into a loaded tensor")
+            value = args[2]
+            region = ir.Region(sub.storage_offset(), tuple(sub.shape), tuple(sub.stride()))
+            new_value = self._value_view(value, tuple(sub.shape), dtype_name(sub.dtype), tracked, name)
+        else:
+            region = region_view.region
+            # replay runs the in-place op on a clone, never on the trainer's tensor
+            clone = ir.Call("Tensor.clone", (ir.Arg(0),), (), (region_view,))
+            rest_args = args[1:]
+            call = self._call_leaf(name, (dst,) + tuple(rest_args), kwargs, tracked)
+            inputs = (ir.View(clone, ir.full_region(region.sizes)),) + call.inputs[1:]
+            new_value = ir.View(ir.Call(name, call.args, call.kwargs, inputs), ir.full_region(region.sizes))
+        func(*args, **kwargs)  # shape checks on meta
+        k = _key(dst)
+        self.leaf_of[k] = ir.Update(self.leaf_of[k], region, new_value)
+        return dst
+
+    def _value_view(self, value, sizes, dtype, tracked, name) -> ir.View:
+        if isinstance(value, torch.Tensor):
+            if self._tracked(value):
+                return self.view_of(value.expand(sizes) if tuple(value.shape) != sizes else value)
+            if value.device.type == "meta":
+                raise _ValueRead(self.sources_of(tracked), name, "the value written comes from a meta model tensor")
+            flat = value.detach().cpu().reshape(-1)
+            if flat.numel() == 1 or bool((flat == flat[0]).all()):
+                return ir.View(ir.Full(flat[0].item(), sizes, dtype), ir.full_region(sizes))
+            raise _ValueRead(self.sources_of(tracked), name, "a non-constant plain tensor written into a parameter")
+        return ir.View(ir.Full(value, sizes, dtype), ir.full_region(sizes))
+
+    def _sink(self, name, func, args, kwargs):
+        dst, src = (args[0], args[1]) if name == "Tensor.copy_" else (args[0].__getitem__(args[1]), args[2])
+        if _key(dst) != _key(args[0]):
+            raise _ValueRead(self.sources_of([src]), name, "advanced-index assignment into a parameter")
+        k = _key(dst)
+        if k not in self.param_of:
+            # a scratch tensor of the loader (copied into a parameter later): track it like a loaded tensor
+            base = self.leaf_of.get(k) or ir.Full(float("nan"), (dst.untyped_storage().nbytes() // dst.element_size(),),
+                                                 dtype_name(dst.dtype))
+            region = ir.Region(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+            self.leaf_of[k] = ir.Update(base, region, self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype),
+                                                                       [src], name))
+            self.keepalive.append(dst)
+            return args[0]
+        pname, param = self.param_of[k]
+        if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
+            src = src.expand(dst.shape)  # copy_ broadcasts
+        value = self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype), [src], name)
+        self.rec.writes.append(ir.Write(pname, _region_in(dst, param), value))
+        return args[0]
+
+    def _param_write_without_source(self, func, args, kwargs):
+        name = op_name(func)
+        if name == "Tensor.copy_":
+            dst, value = args[0], args[1]
+        elif name == "Tensor.__setitem__":
+            dst, value = args[0].__getitem__(args[1]), args[2]
+        elif name == "Tensor.fill_":
+            dst, value = args[0], args[1]
+        else:  # zero_
+            dst, value = args[0], 0
+        out = func(*args, **kwargs)
+        if _key(dst) == _key(args[0]):
+            pname, param = self.param_of[_key(dst)]
+            try:
+                view = self._value_view(value, tuple(dst.shape), dtype_name(dst.dtype), [], name)
+            except _ValueRead:
+                return out  # not a constant we can see (e.g. model-side init): not part of loading a checkpoint
+            self.rec.writes.append(ir.Write(pname, _region_in(dst, param), view))
+        return out
+
+
+_FAST_SINK_FUNCS = {torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.Tensor.__setitem__}
+
+
+def _region_in(dst: torch.Tensor, param: torch.Tensor) -> ir.Region:
+    return ir.Region(dst.storage_offset() - param.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+
+
+def _as_rec(t):
+    if isinstance(t, torch.Tensor) and type(t) is not RecTensor and t.device.type == "meta":
+        return torch.Tensor._make_subclass(RecTensor, t)
+    return t
+
+
+def _tensor_args(args, kwargs):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            yield a
+
+
+def _loader_frame(tb) -> str:
+    """The innermost weight-loading function in a traceback: what to name in an error."""
+    best = ""
+    for frame in traceback.extract_tb(tb):
+        if "shardplan" in frame.filename or "/torch/" in frame.filename:
+            continue
+        if "load" in frame.name:
+            best = f"{frame.name} ({frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno})"
+    return best
+
+
+def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int, ...], str]], *, rank: int,
+                  strict: bool = False) -> RankRecording:
+    """Feed `model.load_weights` a RecTensor per checkpoint tensor and record every write into a parameter."""
+    param_of: dict[int, tuple[str, torch.Tensor]] = {}
+    params: dict[str, ir.TensorMeta] = {}
+    for pname, p in list(model.named_parameters()) + list(model.named_buffers()):
+        param_of.setdefault(_key(p), (pname, p))
+        params.setdefault(pname, ir.TensorMeta(pname, tuple(p.shape), dtype_name(p.dtype)))
+    rec = RankRecording(rank=rank, params=params)
+    remaining = list(tensors)
+    t0 = time.perf_counter()
+    while remaining:
+        mode = _Recorder(param_of, rec)
+        fed: list[str] = []
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, shape, dtype in remaining:
+                t = RecTensor.make(shape, getattr(torch, dtype))
+                mode.add_source(name, t)
+                fed.append(name)
+                rec.fed.append(name)
+                yield name, t
+
+        try:
+            with mode:
+                model.load_weights(feed())
+            remaining = []
+        except _ValueRead as e:
+            culprits = e.sources or {fed[-1]} if fed else e.sources
+            _fallback(rec, culprits, e.op, e.reason, _loader_frame(e.__traceback__), strict)
+            remaining = remaining[len(fed):]
+        except ShardplanError:
+            raise
+        except Exception as e:  # the loader itself failed on this tensor
+            if not fed:
+                raise RecordError(f"vLLM's load_weights failed before reading any tensor: {e}") from e
+            _fallback(rec, {fed[-1]}, type(e).__name__, str(e).splitlines()[0][:300], _loader_frame(e.__traceback__),
+                      strict)
+            remaining = remaining[len(fed):]
+    rec.seconds = time.perf_counter() - t0
+    return rec
+
+
+def _fallback(rec: RankRecording, culprits: set[str], op: str, reason: str, loader: str, strict: bool) -> None:
+    if strict:
+        raise UnsupportedLoaderOp(
+            f"cannot record the loader for {', '.join(sorted(culprits))}: {op} ({reason}) in {loader or 'the loader'}."
+            f" Drop --strict to record it as a fallback (the consumer then receives the whole tensor and runs the "
+            f"real loader).")
+    for name in culprits:
+        rec.fallbacks[name] = ir.Fallback(name, op, reason, loader)
+    # a half-recorded tensor must not be replayed: drop whatever it already wrote
+    rec.writes = [w for w in rec.writes if not (_sources(w) & culprits)]
+
+
+def _sources(w: ir.Write) -> set[str]:
+    out: set[str] = set()
+    ir._collect_sources(w.src.leaf, out)
+    return out
