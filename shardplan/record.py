@@ -133,6 +133,7 @@ class _Recorder(TorchFunctionMode):
         self.rec = recording
         self.leaf_of: dict[int, ir.Leaf] = {}
         self.keepalive: list[torch.Tensor] = []  # storage keys are addresses: keep their owners alive
+        self.num_scratch = 0  # loader scratch tensors tracked by storage (not RecTensors)
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def add_source(self, name: str, t: torch.Tensor) -> None:
@@ -155,13 +156,24 @@ class _Recorder(TorchFunctionMode):
 
     # -- dispatch ------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PASSTHROUGH:  # metadata queries (shape, dtype, size(), ...): the meta tensor answers them
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        tracked = [a for a in _tensor_args(args, kwargs) if self._tracked(a)]
+        # Fast path first: most calls the loader makes touch no recorded tensor. Outputs of recorded ops are always
+        # RecTensors, so a type check suffices, except for loader scratch tensors we track by storage (rare).
+        if self.num_scratch:
+            tracked = [a for a in _tensor_args(args, kwargs) if self._tracked(a)]
+        else:
+            tracked = [a for a in _tensor_args(args, kwargs) if type(a) is RecTensor]
         if not tracked:
-            if func in _FAST_SINK_FUNCS and args and isinstance(args[0], torch.Tensor) and _key(args[0]) in self.param_of:
-                return self._param_write_without_source(func, args, kwargs)
+            if func in _FAST_SINK_FUNCS and args and isinstance(args[0], torch.Tensor):
+                k = _key(args[0])
+                if k in self.param_of:
+                    return self._param_write_without_source(func, args, kwargs)
             return func(*args, **kwargs)
-        name = op_name(func)
+        name = _OP_NAMES.get(func)
+        if name is None:
+            name = _OP_NAMES[func] = op_name(func)
         ops = self.rec.ops_seen
         ops[name] = ops.get(name, 0) + 1
         if name in _METADATA or name.endswith(".get") and name[:-4] not in _VALUE_READS:
@@ -284,6 +296,7 @@ class _Recorder(TorchFunctionMode):
             self.leaf_of[k] = ir.Update(base, region, self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype),
                                                                        [src], name))
             self.keepalive.append(dst)
+            self.num_scratch += 1
             return args[0]
         pname, param = self.param_of[k]
         if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
@@ -313,6 +326,15 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+_OP_NAMES: dict = {}
+_PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
+                torch.Tensor.storage_offset, torch.Tensor.element_size, torch.Tensor.is_contiguous,
+                torch.Tensor.__len__, torch.Tensor.untyped_storage, torch.Tensor.is_floating_point,
+                torch.Tensor.data_ptr, torch.Tensor.get_device, torch.Tensor.ndimension, torch.Tensor.nelement,
+                torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+                torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
+                torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_sparse.__get__,
+                torch.Tensor.is_quantized.__get__}
 _FAST_SINK_FUNCS = {torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.Tensor.__setitem__}
 
 
@@ -326,17 +348,16 @@ def _as_rec(t):
     return t
 
 
-def _tensor_args(args, kwargs):
+def _tensor_args(args, kwargs) -> list:
+    out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    yield x
-    for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            yield a
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    if kwargs:
+        out.extend(a for a in kwargs.values() if isinstance(a, torch.Tensor))
+    return out
 
 
 def _loader_frame(tb) -> str:

@@ -1,0 +1,61 @@
+"""Per-rank record time for a model at real dimensions (meta device), next to the bare real loader in the same run.
+
+    python bench/record_bench.py --model kimi-k2 --tp 32 [--rank 0] [--repeat 3]
+
+For each of (no EP, EP): builds the rank's model on meta, then times
+  bare:    model.load_weights() fed plain meta tensors (what vLLM's own loader costs with no data)
+  record:  shardplan's recording of the same loader (RecTensor + recorder mode), on a fresh build
+and prints the ratio. Bar (issue 2): record <= 1.3x bare.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def bare_load(model, tensors) -> float:
+    def feed():
+        for name, shape, dtype in tensors:
+            yield name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    t0 = time.perf_counter()
+    model.load_weights(feed())
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    from shardplan.build import build_for_recording
+    from shardplan.layout import Layout
+    from shardplan.record import record_loader
+    from shardplan.session import RecordSession
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="kimi-k2")
+    ap.add_argument("--tp", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ep", choices=["both", "on", "off"], default="both")
+    args = ap.parse_args()
+    rows = []
+    for ep in {"both": (False, True), "on": (True,), "off": (False,)}[args.ep]:
+        session = RecordSession(args.model, Layout(tp=args.tp, ep=ep))
+        bare, recs = [], []
+        for _ in range(args.repeat):
+            model, _ = build_for_recording(session.vllm_config, session.layout, args.rank)
+            bare.append(bare_load(model, session.tensors))
+            model, _ = build_for_recording(session.vllm_config, session.layout, args.rank)
+            t0 = time.perf_counter()
+            recording = record_loader(model, session.tensors, rank=args.rank)
+            recs.append(time.perf_counter() - t0)
+        b, r = statistics.median(bare), statistics.median(recs)
+        rows.append((f"{args.model} tp{args.tp}{' ep' if ep else ''} rank {args.rank}", len(session.tensors),
+                     len(recording.writes), b, r, r / b))
+    print(f"{'case':<28} {'tensors':>8} {'writes':>7} {'bare s':>8} {'record s':>9} {'ratio':>6}")
+    for case, n, w, b, r, ratio in rows:
+        print(f"{case:<28} {n:>8} {w:>7} {b:>8.2f} {r:>9.2f} {ratio:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""`shardplan record | verify | inspect | models`: a thin layer over session / store / inspect."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .errors import ShardplanError
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in short name or HF id (see `shardplan models`), a local HF "
+                                                  "directory, or a config.json path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (shapes the expert-parallel group)")
+    p.add_argument("--ep", action="store_true", help="vLLM's enable_expert_parallel")
+    p.add_argument("--ranks", default=None, help="global ranks to record, e.g. 0,3-5 (default: all)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardplan", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rec = sub.add_parser("record", help="record vLLM's loaders for a model and layout into a plan file")
+    _layout_args(rec)
+    rec.add_argument("--out", default=None, help="output directory (default: the per-user plan cache)")
+    rec.add_argument("--strict", action="store_true", help="fail on any loader that cannot be recorded, instead of "
+                                                           "recording it as a fallback")
+    rec.add_argument("--exhaustive", action="store_true", help="record every rank fully (no sampling); the output "
+                                                               "is byte-identical either way")
+
+    ver = sub.add_parser("verify", help="prove replay == vLLM's real load_weights, bitwise, on random tensors")
+    _layout_args(ver)
+    ver.add_argument("--seed", type=int, default=0)
+
+    ins = sub.add_parser("inspect", help="print a plan: IR, bytes per rank and layer, redundancy, ops, fallbacks")
+    ins.add_argument("plan", help="plan file path")
+    ins.add_argument("--rank", type=int, default=None, help="print this rank's IR (default: summary only)")
+    ins.add_argument("--max-lines", type=int, default=200, help="IR lines to print (0: all)")
+
+    sub.add_parser("models", help="list the built-in models")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ShardplanError as e:
+        print(f"shardplan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _layout(args):
+    from .layout import Layout, parse_ranks
+
+    layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep)
+    return layout, parse_ranks(args.ranks, layout.world_size)
+
+
+def _progress(total: int):
+    start = time.perf_counter()
+    done = [0]
+
+    def tick(stats):
+        done[0] += 1
+        width = 30
+        filled = width * done[0] // total
+        elapsed = time.perf_counter() - start
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} ranks  {elapsed:6.1f}s")
+        if done[0] == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return tick
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return ""
+
+
+def cmd_record(args) -> int:
+    from .session import RecordSession
+    from . import store
+
+    layout, ranks = _layout(args)
+    t0 = time.perf_counter()
+    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict)
+    plans, stats = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
+    data = session.encode(plans)
+    path = store.plan_path(session.spec, layout, args.dtype, out_dir=args.out, ranks=ranks)
+    from .planfile import write_plan
+
+    write_plan(path, data)
+    print(f"{'rank':>5} {'recorded':>9} {'fallback':>9} {'not needed':>11} {'bytes':>12} {'seconds':>8}")
+    for s in stats:
+        print(f"{s.rank:>5} {s.num_recorded:>9} {s.num_fallback:>9} {s.num_not_needed:>11} {_human(s.nbytes):>12} "
+              f"{s.seconds:>8.2f}")
+    print(f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
+          f"tensors; plan {path} ({_human(len(data))}); {time.perf_counter() - t0:.1f}s")
+    for plan in plans:
+        for f in plan.fallbacks[:5]:
+            print(f"  fallback on rank {plan.rank}: {f.source}: {f.op} in {f.loader or '?'}: {f.reason}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .session import RecordSession
+    from .verify import random_checkpoint, verify_rank
+
+    layout, ranks = _layout(args)
+    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override)
+    checkpoint = random_checkpoint(session.tensors, args.seed)
+    failures = 0
+    print(f"{'rank':>5} {'params':>7} {'mismatched':>11} {'unwritten':>10}  verdict")
+    for rank in ranks:
+        plan, _ = session.record_rank(rank)
+        verdict = verify_rank(session.vllm_config, layout, rank, plan, checkpoint)
+        failures += not verdict.ok
+        print(f"{rank:>5} {verdict.num_params:>7} {len(verdict.mismatched):>11} {len(verdict.unwritten):>10}  "
+              f"{'bitwise equal' if verdict.ok else 'MISMATCH'}")
+        for name in verdict.mismatched:
+            print(f"      mismatch: {name}")
+        for name in verdict.unwritten:
+            print(f"      not written by the real loader either (left NaN): {name}")
+    print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to vLLM's load_weights")
+    return 1 if failures else 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect import inspect_plan
+
+    print(inspect_plan(args.plan, rank=args.rank, max_lines=args.max_lines))
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import list_models
+
+    for short, hf_id, arch in list_models():
+        print(f"{short:<20} {hf_id:<40} {arch}")
+    return 0
+
+
+_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models}
+
+if __name__ == "__main__":
+    sys.exit(main())
