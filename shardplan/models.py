@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 CONFIGS_DIR = Path(__file__).with_name("configs")
-# Keys of ours inside built-in JSON files ("_shardplan": {hf_id, aliases}, "_shardplan_note": "..."): never model config.
+# Our keys in built-in JSON files ("_shardplan": {hf_id, aliases}, "_shardplan_note": "..."), never model config.
 _OWN_KEY_PREFIX = "_shardplan"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -48,10 +48,14 @@ INDEX_FILE = "model.safetensors.index.json"
 _REQUIRED_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 # Tensors the real checkpoints store in float32 whatever the model dtype, keyed by architecture. DeepSeek-V3 and
-# Kimi-K2 keep the router's score-correction bias in float32 (it is added to sigmoid scores and must stay exact).
+# Kimi-K2 keep the router's score-correction bias in float32 even in their BF16/FP8 releases.
 _FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
     "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
 }
+
+# model_types found in hub configs that transformers does not register, mapped to the class they are built on (the
+# same mapping vLLM applies). Used only to build the meta model; the config itself is left as the user wrote it.
+_TRANSFORMERS_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 
 # safetensors header dtype codes -> torch dtype names (the spelling used everywhere else in shardplan).
 _SAFETENSORS_DTYPES = {
@@ -219,34 +223,37 @@ def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[st
     """Resolve a model name or path plus overrides to a ModelSpec.
 
     spec: built-in short name / alias / HF id (case-insensitive), a local directory with config.json, or a
-    config.json path. An existing path wins over a built-in name, as in transformers and vLLM.
+    config.json path. A directory with config.json or a file wins over a built-in name, as in transformers and
+    vLLM; a directory without config.json does not.
     overrides: "key=value" strings (value parsed as JSON when it parses, else taken as a string; dotted keys set
     nested values, e.g. "rope_scaling.factor=8") or a dict of key -> value (dotted keys allowed).
     """
     text = os.fspath(spec).strip()
-    path = Path(text).expanduser()
-    if text and path.is_dir():
+    path = Path(text).expanduser() if text else None
+    by_name, lookup = _builtins()
+    if path is not None and (path / "config.json").is_file():
         source_dir = path.resolve()
         config_path = source_dir / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"{source_dir} has no config.json. Point at an HF checkpoint directory (one that "
-                              f"contains config.json) or at a config.json file.")
         name, hf_id, origin = str(source_dir), None, str(config_path)
         base = _strip_own_keys(_read_json_object(config_path, origin))
-    elif text and path.is_file():
+    elif path is not None and path.is_file():
         config_path = path.resolve()
         # A bare config file says nothing about where the weights are, so there is no source_dir: files that
         # happen to sit next to it are not assumed to belong to it.
         source_dir, name, hf_id, origin = None, str(config_path), None, str(config_path)
         base = _strip_own_keys(_read_json_object(config_path, origin))
-    else:
-        by_name, lookup = _builtins()
-        short = lookup.get(text.lower())
-        if short is None:
-            raise UnknownModelError(_unknown_model_message(text))
-        builtin = by_name[short]
+    elif text.lower() in lookup:
+        # Checked after real checkpoints but before other directories: an output folder named "kimi-k2" in the
+        # working directory must not shadow the built-in.
+        builtin = by_name[lookup[text.lower()]]
+        short = builtin.short_name
         source_dir, name, hf_id, origin = None, short, builtin.hf_id, f"built-in {short} ({builtin.path})"
         base = copy.deepcopy(builtin.config)
+    elif path is not None and path.is_dir():
+        raise ConfigError(f"{path.resolve()} has no config.json. Point at an HF checkpoint directory (one that "
+                          f"contains config.json) or at a config.json file.")
+    else:
+        raise UnknownModelError(_unknown_model_message(text))
 
     parsed = _parse_overrides(overrides)
     config = _apply_overrides(base, parsed, origin)
@@ -462,7 +469,9 @@ def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
                               f"shard file. Re-download the index, or delete it to use the shard headers alone.")
         shard_files = sorted({source / shard for shard in weight_map.values()})
     else:
-        shard_files = sorted(source.glob("*.safetensors"))
+        # Without an index, HF-format files are model*.safetensors; some repos (Mistral) also ship a
+        # consolidated.safetensors in another naming, which must not be mixed in.
+        shard_files = sorted(source.glob("model*.safetensors")) or sorted(source.glob("*.safetensors"))
 
     on_disk: dict[str, tuple[tuple[int, ...], str]] = {}
     for shard in shard_files:
@@ -548,18 +557,23 @@ def _on_disk_shapes_from_transformers(config: dict[str, Any], origin: str) -> di
     """Build the model on the meta device and return its checkpoint tensors under their on-disk names."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-    model_type = config.pop("model_type")
+    model_type = _TRANSFORMERS_MODEL_TYPE.get(config["model_type"], config["model_type"])
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{origin}: field 'model_type' is {model_type!r}, which transformers {transformers.__version__} does not "
+            f"know, so its tensors cannot be listed. Use the model_type of the architecture it is built on (Kimi-K2's "
+            f"\"kimi_k2\" is \"deepseek_v3\"), or point at a local checkpoint with safetensors files.")
     try:
-        hf_config = AutoConfig.for_model(model_type, **config)
+        hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
         raise ConfigError(
             f"{origin}: transformers {transformers.__version__} cannot build model_type {model_type!r} "
-            f"({config['architectures'][0]}) from this config: {type(exc).__name__}: {exc}. Check the config "
-            f"fields (and overrides) named in that message.") from exc
+            f"({config['architectures'][0]}) from this config: {type(exc).__name__}: {_shorten(str(exc))}. Check "
+            f"the config fields (and overrides) named in that message.") from exc
 
     # Tied parameters (tie_word_embeddings: lm_head.weight is embed_tokens.weight) are stored once on disk, under
     # the first name. state_dict() lists both and, on meta, returns distinct tensor objects, so compare Parameters.
@@ -578,6 +592,11 @@ def _on_disk_shapes_from_transformers(config: dict[str, Any], origin: str) -> di
 
     on_disk = _revert_fused_experts(model, state, origin)
     return {name: tuple(t.shape) for name, t in on_disk.items()}
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    # Some transformers errors embed every known model type; the gist is at the start.
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _revert_fused_experts(model, state: dict, origin: str) -> dict:
