@@ -290,7 +290,9 @@ def view_str(view: View, source_shapes: Mapping[str, tuple[int, ...]]) -> str:
 
 def format_write(w: Write, param_shapes: Mapping[str, tuple[int, ...]],
                  source_shapes: Mapping[str, tuple[int, ...]]) -> str:
-    return f"{w.param}{region_str(param_shapes.get(w.param), w.dst)} <- {view_str(w.src, source_shapes)}"
+    shape = param_shapes.get(w.param)
+    dst = "" if shape is not None and w.dst == full_region(shape) else region_str(shape, w.dst)
+    return f"{w.param}{dst} <- {view_str(w.src, source_shapes)}"
 
 
 def _lit_str(lit, ins: list[str]) -> str:
