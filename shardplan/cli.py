@@ -108,9 +108,13 @@ def cmd_record(args) -> int:
               f"{s.seconds:>8.2f}")
     print(f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
           f"tensors; plan {path} ({_human(len(data))}); {time.perf_counter() - t0:.1f}s")
-    for plan in plans:
-        for f in plan.fallbacks[:5]:
-            print(f"  fallback on rank {plan.rank}: {f.source}: {f.op} in {f.loader or '?'}: {f.reason}")
+    print(f"recording: {session.sampling_note}")
+    fallbacks = [(r, f) for r, fs in sorted(session.body.fallbacks.items()) for f in fs] if plans is None else \
+        [(p.rank, f) for p in plans for f in p.fallbacks]
+    for rank, f in fallbacks[:10]:
+        print(f"  fallback on rank {rank}: {f.source}: {f.op} in {f.loader or '?'}: {f.reason}")
+    if len(fallbacks) > 10:
+        print(f"  ... {len(fallbacks) - 10} more fallbacks (shardplan inspect lists them all)")
     return 0
 
 

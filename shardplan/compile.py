@@ -7,7 +7,7 @@ overlap (last write wins in the real loader) keep their recording order instead:
 Templating. A Kimi-K2 rank has ~70k writes, but they are a few dozen *shapes* repeated over layers, experts and ranks.
 Every write is flattened into a skeleton (its structure, with each integer replaced by a hole, and each digit group of
 a dotted name replaced by `{}`) plus the vector of those integers. Writes with the same skeleton form a group; the
-group's variables are the integers in its checkpoint names (layer, expert, ...) plus the consumer rank. Each hole is
+group's variables are (consumer rank, layer of the destination param or -1, the integers of its checkpoint names). Each hole is
 fitted as an exact integer affine function of the variables. A hole that does not fit splits the group by that hole's
 value, so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
 stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank instantiates without touching the others.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,6 +36,22 @@ def _split_name(name: str, ints: list[int]) -> str:
         ints.append(int(m.group(0)))
         return "{}"
     return _DIGITS.sub(repl, name.replace("{", "{{").replace("}", "}}"))
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER_TEXT = re.compile(r"(?:^|\.)layers\.\{\}\.")
+
+
+def _layer_hole(text: str) -> int | None:
+    """Index, among a name template's holes, of its layer index (`layers.{}.`), None when it has none."""
+    m = _LAYER_TEXT.search(text)
+    return text[:m.start()].count("{}") if m else None
+
+
+def layer_of(name: str) -> int:
+    """Decoder layer index in a dotted name (`model.layers.7.x` -> 7), -1 when the name is not in a layer."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
 
 
 def flatten_write(w: ir.Write) -> tuple[tuple, list[int], list[int]]:
@@ -70,7 +86,10 @@ def _leaf(leaf: ir.Leaf, holes: list[int], var_values: list[int]) -> tuple:
     if isinstance(leaf, ir.Source):
         before = len(holes)
         text = _split_name(leaf.name, holes)
-        var_values.extend(holes[before:])
+        # the source's layer index is not a variable of its own: it is fitted on the param's layer (variable 1),
+        # which keeps index tries from repeating one subtree per layer
+        skip = _layer_hole(text)
+        var_values.extend(v for i, v in enumerate(holes[before:]) if i != skip)
         return ("S", text)
     if isinstance(leaf, ir.Full):
         value = leaf.value
@@ -294,12 +313,68 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
     out.append(Group(skeleton, coeffs, build_trie(tuples), var_rows.shape[1]))
 
 
+# ---- the checkpoint tensor table, templated like writes -----------------------------------------------------
+class SourceTable(Mapping):
+    """name -> TensorMeta for ~70k checkpoint tensors, stored as (name template, shape, dtype, index trie) rows.
+    Lookups go through the template; iterating materialises names (sorted) once, on demand."""
+
+    def __init__(self, templates: Sequence[tuple]):
+        self.templates = sorted((str(t), tuple(s), str(d), i) for t, s, d, i in templates)
+        self._by_text: dict[str, list] = {}
+        for text, shape, dtype, index in self.templates:
+            self._by_text.setdefault(text, []).append((shape, dtype, index))
+        self._names: list[str] | None = None
+
+    @classmethod
+    def from_metas(cls, metas: Iterable[ir.TensorMeta]) -> "SourceTable":
+        rows: dict[tuple, list] = {}
+        for m in metas:
+            ints: list[int] = []
+            text = _split_name(m.name, ints)
+            rows.setdefault((text, tuple(m.shape), m.dtype), []).append(tuple(ints))
+        return cls([(t, s, d, build_trie(sorted(set(v)))) for (t, s, d), v in rows.items()])
+
+    def __getitem__(self, name: str) -> ir.TensorMeta:
+        ints: list[int] = []
+        text = _split_name(name, ints)
+        for shape, dtype, index in self._by_text.get(text, ()):
+            if (index is None and not ints) or (index is not None and _trie_has(index, ints)):
+                return ir.TensorMeta(name, shape, dtype)
+        raise KeyError(name)
+
+    def _materialise(self) -> list[str]:
+        if self._names is None:
+            names = []
+            for text, _, _, index in self.templates:
+                if index is None:
+                    names.append(_Filler(()).name(text))
+                else:
+                    names.extend(_Filler(t).name(text) for t in iter_trie(index))
+            self._names = sorted(names)
+        return self._names
+
+    def __iter__(self):
+        return iter(self._materialise())
+
+    def __len__(self) -> int:
+        return sum(1 if index is None else sum(1 for _ in iter_trie(index)) for _, _, _, index in self.templates)
+
+
+def _trie_has(node, values: Sequence[int]) -> bool:
+    for v in values:
+        node = trie_child(node, v)
+        if node is None:
+            return False
+        node = node if node != () else None
+    return node is None
+
+
 # ---- the plan body --------------------------------------------------------------------------------------
 @dataclass
 class PlanBody:
     """Everything a plan file holds after its header: decoded but still templated."""
     ranks: tuple[int, ...]
-    sources: dict[str, ir.TensorMeta]
+    sources: "SourceTable"
     params: dict[str, ir.TensorMeta]        # union over ranks (param metadata is rank independent in vLLM)
     rank_params: dict[int, tuple[str, ...]]
     groups: list[Group]
@@ -346,15 +421,17 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
             seen.add(w)
             skel, holes, var_values = flatten_write(w)
             rows = by_skeleton.setdefault((skel, len(var_values)), ([], []))
-            rows[0].append([plan.rank] + var_values)
+            rows[0].append([plan.rank, layer_of(w.param)] + var_values)
             rows[1].append(holes)
+    # only the order among writes to one param matters: a stable sort by param makes it canonical
+    ordered = {r: sorted(ws, key=lambda w: w.param) for r, ws in ordered.items()}
     groups: list[Group] = []
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
         _make_groups(skel, np.asarray(var_rows, dtype=np.int64),
                      np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1), groups)
     return PlanBody(
         ranks=tuple(sorted(p.rank for p in plans)),
-        sources={s.name: s for s in sorted(sources, key=lambda s: s.name)},
+        sources=SourceTable.from_metas(sources),
         params=dict(sorted(params.items())),
         rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
         groups=groups,
@@ -387,6 +464,88 @@ def canonical(plan: ir.RankPlan) -> ir.RankPlan:
     writes = [w for w in plan.writes if w.dst.numel > 0]
     overlapping = _overlapping_params(writes)
     free = sorted(set(w for w in writes if w.param not in overlapping), key=_write_sort_key)
-    kept = [w for w in writes if w.param in overlapping]
+    kept = sorted((w for w in writes if w.param in overlapping), key=lambda w: w.param)
     return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
                        writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
+
+
+# ---- sampled recording: extend a few recorded layers to every layer of their class ---------------------------
+def rename_layer(w: ir.Write, old: int, new: int) -> ir.Write:
+    a, b = f"layers.{old}.", f"layers.{new}."
+
+    def name(n: str) -> str:
+        return n.replace(a, b) if n.startswith(a) or ("." + a) in n else n
+
+    def leaf(x):
+        if isinstance(x, ir.Source):
+            return ir.Source(name(x.name))
+        if isinstance(x, ir.Call):
+            return ir.Call(x.op, x.args, x.kwargs, tuple(ir.View(leaf(v.leaf), v.region) for v in x.inputs), x.out)
+        if isinstance(x, ir.Update):
+            return ir.Update(leaf(x.base), x.region, ir.View(leaf(x.value.leaf), x.value.region))
+        return x
+    return ir.Write(name(w.param), w.dst, ir.View(leaf(w.src.leaf), w.src.region))
+
+
+def check_layer_invariance(plans: Sequence[ir.RankPlan], classes: dict[int, list[int]]) -> str | None:
+    """None when, on every rank, the writes of each sampled layer equal the class representative's, renamed.
+    `classes` maps a representative (sampled) layer to the other sampled layers of its class."""
+    for plan in plans:
+        by_layer: dict[int, list[ir.Write]] = {}
+        for w in plan.writes:
+            if w.dst.numel:
+                by_layer.setdefault(layer_of(w.param), []).append(w)
+        for rep, others in classes.items():
+            expected = by_layer.get(rep, [])
+            for other in others:
+                got = [rename_layer(w, other, rep) for w in by_layer.get(other, [])]
+                if got != expected:
+                    return f"rank {plan.rank}: layer {other} is not a renamed copy of layer {rep}"
+        fallback_layers = {layer_of(f.source) for f in plan.fallbacks}
+        if fallback_layers - {-1}:
+            return f"rank {plan.rank}: fallbacks inside layers {sorted(fallback_layers - {-1})}"
+    return None
+
+
+def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[int],
+                  sources: Sequence[ir.TensorMeta]) -> PlanBody:
+    """`full_layers[rep]`: every layer of rep's class (rep included); layers in `drop` were sampled only to check
+    invariance. Rebuilds each group's index over all layers; the result equals compiling every layer directly."""
+    groups: list[Group] = []
+    for g in body.groups:
+        rows = []
+        for t in iter_trie(g.index):
+            layer = t[1]
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]):
+                rows.append((t[0], new) + t[2:])
+        if rows:
+            groups.append(Group(g.skeleton, g.coeffs, build_trie(sorted(rows)), g.num_vars))
+    params: dict[str, ir.TensorMeta] = {}
+    rank_params: dict[int, tuple[str, ...]] = {}
+    for rank, names in body.rank_params.items():
+        out = set()
+        for n in names:
+            layer = layer_of(n)
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
+                renamed = n.replace(f"layers.{layer}.", f"layers.{new}.", 1) if layer >= 0 else n
+                meta = body.params[n]
+                params[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
+                out.add(renamed)
+        rank_params[rank] = tuple(sorted(out))
+    ordered = {}
+    for rank, writes in body.ordered.items():
+        out_writes = []
+        for w in writes:
+            layer = layer_of(w.param)
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
+                out_writes.append(rename_layer(w, layer, new) if layer >= 0 else w)
+        ordered[rank] = sorted(out_writes, key=lambda w: w.param)
+    return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
+                    params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
+                    fallbacks=body.fallbacks, not_needed={})

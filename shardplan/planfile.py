@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 from . import __version__, ir
-from .compile import Group, PlanBody, flatten_write, instantiate, unflatten_write
+from .compile import Group, PlanBody, SourceTable, flatten_write, instantiate, unflatten_write
 from .errors import ShardplanError
 from .layout import Layout
 
@@ -84,25 +84,24 @@ class PlanHeader:
 
 # ---- body encoding ---------------------------------------------------------------------------------------
 def _encode_body(body: PlanBody) -> list:
-    source_index = {name: i for i, name in enumerate(body.sources)}
     param_index = {name: i for i, name in enumerate(body.params)}
     groups = sorted(body.groups, key=lambda g: (repr(g.skeleton), repr(g.index)))
     return [
-        [[m.name, list(m.shape), m.dtype] for m in body.sources.values()],
+        [[text, list(shape), dtype, index] for text, shape, dtype, index in body.sources.templates],
         [[m.name, list(m.shape), m.dtype] for m in body.params.values()],
         [[r, [param_index[n] for n in body.rank_params[r]]] for r in sorted(body.rank_params)],
         [[g.skeleton, list(g.coeffs.shape), g.coeffs.reshape(-1).tolist(), g.index, g.num_vars] for g in groups],
         [[r, [list(flatten_write(w)[:2]) for w in body.ordered[r]]] for r in sorted(body.ordered)],
         [[r, [[f.source, f.op, f.reason, f.loader] for f in body.fallbacks[r]]] for r in sorted(body.fallbacks)],
         # not-needed names are derived on load (sources - read - fallbacks): storing them would dwarf the plan
-        [[r, [source_index[n] for n in body.not_needed.get(r, ())]] for r in ()],
+        [],
     ]
 
 
 def _decode_body(raw, path: str) -> PlanBody:
     try:
         sources_raw, params_raw, rank_params_raw, groups_raw, ordered_raw, fallbacks_raw, _ = raw
-        sources = {n: ir.TensorMeta(n, tuple(s), d) for n, s, d in sources_raw}
+        sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
         params = {n: ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw}
         param_names = list(params)
         rank_params = {int(r): tuple(param_names[i] for i in idx) for r, idx in rank_params_raw}

@@ -26,6 +26,7 @@ class RecordSession:
         from . import models  # vLLM side only
         from .build import make_vllm_config
 
+        self._model, self._overrides = model, list(overrides)
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict = layout, dtype, strict
         self.vllm_config = make_vllm_config(self.spec.materialize(), layout, dtype, self.spec.name)
@@ -63,13 +64,70 @@ class RecordSession:
 
     def record_plans(self, ranks: Sequence[int], *, exhaustive: bool = False,
                      progress: Callable[[RankStats], None] | None = None):
+        """Plans for `ranks`. Unless exhaustive, records every rank on a model cut to the first few layers (enough for
+        each class of identical layers to appear twice), checks that same-class layers are renamed copies of each
+        other, and extends them to every layer at compile time (`self.body`). Falls back to recording every layer
+        whenever a check fails; the result is byte-identical either way (bench/compile_bench.py checks it)."""
+        self.body = None
+        self.sampling_note = "exhaustive (asked)" if exhaustive else ""
+        if not exhaustive:
+            sampled = self._record_sampled(ranks, progress)
+            if sampled is not None:
+                return sampled
         return self.record(ranks, progress)
 
-    def encode(self, plans: Sequence[ir.RankPlan]) -> bytes:
+    def _record_sampled(self, ranks, progress):
+        from .compile import check_layer_invariance, compile_plans, extend_layers, layer_of
+
+        classes = layer_classes(self.tensors)
+        num_layers = len(classes)
+        if self.layout.pp > 1 or num_layers < 4:
+            self.sampling_note = "exhaustive (pipeline parallel or too few layers to sample)"
+            return None
+        members: dict[tuple, list[int]] = {}
+        for layer, signature in sorted(classes.items()):
+            members.setdefault(signature, []).append(layer)
+        sampled = sorted({m for ms in members.values() for m in ms[:2]})
+        num_sampled = sampled[-1] + 1
+        if num_sampled >= num_layers:
+            self.sampling_note = "exhaustive (layers do not repeat enough to sample)"
+            return None
+        shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
+                               overrides=[*self._overrides, f"num_hidden_layers={num_sampled}"])
+        expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
+        if sorted(shrunk.tensors) != sorted(expected):
+            self.sampling_note = "exhaustive (the cut model's checkpoint differs from the full one's first layers)"
+            return None
+        plans, stats = shrunk.record(ranks, progress)
+        reps = {ms[0]: [m for m in ms[1:2] if m < num_sampled] for ms in members.values()}
+        problem = check_layer_invariance(plans, reps)
+        if problem:
+            self.sampling_note = f"exhaustive (sampling check failed: {problem})"
+            return None
+        body = compile_plans(plans, shrunk.sources)
+        full_layers = {ms[0]: ms for ms in members.values()}
+        drop = {m for ms in members.values() for m in ms[1:2]}
+        self.body = extend_layers(body, full_layers, drop, self.sources)
+        self.sampling_note = (f"sampled: recorded layers {sampled} of {num_layers} on every rank, extended to "
+                              f"{len(members)} layer classes")
+        full_stats = [self._stats_from_body(s) for s in stats]
+        return None, full_stats
+
+    def _stats_from_body(self, s: RankStats) -> RankStats:
+        from .inspect import group_bytes
+
+        plan_writes = self.body.num_writes(s.rank)
+        nbytes = sum(group_bytes(self.body, s.rank).values())
+        num_read = num_sources_read(self.body, s.rank)
+        fallbacks = len(self.body.fallbacks.get(s.rank, ()))
+        return RankStats(s.rank, num_read, fallbacks, len(self.sources) - num_read - fallbacks, nbytes, s.seconds,
+                         s.device)
+
+    def encode(self, plans: Sequence[ir.RankPlan] | None) -> bytes:
         from .compile import compile_plans
         from .planfile import encode
 
-        body = compile_plans(plans, self.sources)
+        body = self.body if plans is None else compile_plans(plans, self.sources)
         return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
                       config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
                       vllm_version=self.vllm_version)
@@ -89,3 +147,60 @@ def plan_nbytes(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta]) -> int:
     total = sum(w.dst.numel * itemsize(dtypes[w.param]) for w in plan.writes)
     total += sum(sources[f.source].numel * itemsize(sources[f.source].dtype) for f in plan.fallbacks)
     return total
+
+
+def layer_classes(tensors) -> dict[int, tuple]:
+    """layer -> signature (its checkpoint names and shapes with the layer index removed): equal signature, same class."""
+    from .compile import layer_of
+
+    out: dict[int, list] = {}
+    for name, shape, dtype in tensors:
+        layer = layer_of(name)
+        if layer >= 0:
+            out.setdefault(layer, []).append((name.replace(f"layers.{layer}.", "layers.*.", 1), tuple(shape), dtype))
+    return {layer: tuple(sorted(sig)) for layer, sig in out.items()}
+
+
+def num_sources_read(body, rank: int) -> int:
+    """Distinct checkpoint tensors a rank reads, counted from the templates without building names."""
+    from .compile import iter_trie, trie_child
+
+    seen: set = set()
+    for g in body.groups:
+        sources = _source_slots(g.skeleton)
+        if not sources:
+            continue
+        rows = g.instances(rank)
+        for text, cols in sources:
+            if "layers.{}." in text:
+                cols = [1] + cols  # the source's layer index is fitted on the param layer (variable 1)
+            for row in {tuple(r) for r in rows[:, cols].tolist()} if cols else {()}:
+                seen.add((text, row))
+    for w in body.ordered.get(rank, ()):
+        for name in _write_sources(w):
+            seen.add((name, ()))
+    return len(seen)
+
+
+def _write_sources(w) -> set[str]:
+    out: set[str] = set()
+    ir._collect_sources(w.src.leaf, out)
+    return out
+
+
+def _source_slots(skeleton) -> list[tuple[str, list[int]]]:
+    """(source name template, its variable columns) for each Source in a write skeleton."""
+    out, pos = [], 2
+
+    def walk(node):
+        nonlocal pos
+        if isinstance(node, tuple) and node:
+            if node[0] == "S" and len(node) == 2 and isinstance(node[1], str):
+                n = node[1].count("{}") - (1 if "layers.{}." in node[1] else 0)
+                out.append((node[1], list(range(pos, pos + n))))
+                pos += n
+                return
+            for child in node:
+                walk(child)
+    walk(skeleton[3])
+    return out
