@@ -25,7 +25,8 @@ def _hole_layout(skeleton) -> dict:
 
 
 def group_bytes(body: PlanBody, rank: int) -> dict[str, int]:
-    """Bytes per weight group (decoder layer) a rank receives, from the templated body, vectorised."""
+    """Bytes per weight group (decoder layer) a rank receives, from the templated body, vectorised: a write's group
+    is its param's layer, which is variable 1 of every template."""
     out: dict[str, int] = defaultdict(int)
     for g in body.groups:
         var_rows = g.instances(rank)
@@ -34,11 +35,13 @@ def group_bytes(body: PlanBody, rank: int) -> dict[str, int]:
         holes = g.coeffs[:, :1].T + var_rows @ g.coeffs[:, 1:].T
         info = _hole_layout(g.skeleton)
         numel = np.prod(holes[:, info["sizes"]], axis=1) if info["sizes"] else np.ones(len(holes), dtype=np.int64)
-        names = [_fill(info["param_text"], row[:info["num_name"]]) for row in holes.tolist()] if info["num_name"] \
-            else [_fill(info["param_text"], [])] * len(holes)
-        size = itemsize(body.params[names[0]].dtype) if names[0] in body.params else 2
-        for name, n in zip(names, numel.tolist()):
-            out[ir.group_of(name)] += n * size
+        first_name = _fill(info["param_text"], holes[0, :info["num_name"]].tolist())
+        size = itemsize(body.params[first_name].dtype) if first_name in body.params else 2
+        layers, inverse = np.unique(var_rows[:, 1], return_inverse=True)
+        sums = np.bincount(inverse.reshape(-1), weights=numel.astype(np.float64))
+        for layer, total in zip(layers.tolist(), sums.tolist()):
+            label = f"layers.{layer}" if layer >= 0 else ir.group_of(first_name)
+            out[label] += int(total) * size
     for w in body.ordered.get(rank, ()):
         out[ir.group_of(w.param)] += w.dst.numel * itemsize(body.params[w.param].dtype)
     for f in body.fallbacks.get(rank, ()):
@@ -122,7 +125,7 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
         rp = plan.rank(rank)
         text = rp.format(body.sources).splitlines()
         lines.append("")
-        lines.append(f"IR of rank {rank} ({len(rp.writes)} writes, {len(rp.not_needed)} checkpoint tensors not needed):")
+        lines.append(f"IR of rank {rank} ({len(rp.writes)} writes, {len(plan.not_needed(rank))} checkpoint tensors not needed):")
         lines.extend(text if max_lines == 0 else text[:max_lines])
         if max_lines and len(text) > max_lines:
             lines.append(f"... {len(text) - max_lines} more lines (--max-lines 0 prints all)")

@@ -217,10 +217,12 @@ def _check_ops(body: PlanBody, path: str) -> None:
                                f"name allowlisted ops; this one is corrupt or hostile. " + _advice(path))
 
 
-def check_bounds(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta], path: str) -> None:
+def check_bounds(plan: ir.RankPlan, sources, path: str, only_generic: bool = False) -> None:
     """Every destination box inside its parameter and every source view inside its checkpoint tensor."""
     params = {p.name: p for p in plan.params}
     for w in plan.writes:
+        if only_generic and ir.is_pure_view(w):
+            continue  # already checked, vectorised, per template
         param = params.get(w.param)
         if param is None:
             raise PlanBoundsError(f"{path}: rank {plan.rank} writes to {w.param}, which the plan does not declare. "
@@ -232,7 +234,7 @@ def check_bounds(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta], path: str
 def _check_view_bounds(view: ir.View, sources, rank, path) -> None:
     leaf = view.leaf
     if isinstance(leaf, ir.Source):
-        meta = sources.get(leaf.name)
+        meta = _lookup(sources, leaf.name)
         if meta is None:
             raise PlanBoundsError(f"{path}: rank {rank} reads {leaf.name}, which is not a checkpoint tensor of this "
                                   f"plan. " + _advice(path))
@@ -276,15 +278,79 @@ class PlanFile:
         return self.body.ranks
 
     def rank(self, rank: int) -> ir.RankPlan:
+        """The rank's writes, bounds-checked (vectorised per template). `not_needed` is left empty here: ask
+        `not_needed(rank)`, which materialises every checkpoint name."""
         if rank not in self._cache:
             if rank not in self.body.rank_params:
                 raise PlanFileError(f"{self.path}: no plan for rank {rank}; this file covers ranks "
                                     f"{list(self.body.ranks)} of layout {self.header.layout.tag()}.")
-            plan = instantiate(self.body, rank)
-            read = plan.sources_read()
-            fallback_names = {f.source for f in plan.fallbacks}
-            not_needed = tuple(n for n in self.body.sources if n not in read and n not in fallback_names)
-            plan = ir.RankPlan(plan.rank, plan.params, plan.writes, plan.fallbacks, not_needed)
-            check_bounds(plan, self.body.sources, self.path)
+            checked: list[bool] = []
+
+            def check(group, holes):
+                checked.append(_check_group_bounds(group, holes, self.body, rank, self.path))
+            plan = instantiate(self.body, rank, check)
+            # writes of non-view templates and ordered writes were not covered by the vectorised check
+            if not all(checked) or plan.writes and self.body.ordered.get(rank):
+                check_bounds(plan, self.body.sources, self.path, only_generic=all(checked))
             self._cache[rank] = plan
         return self._cache[rank]
+
+    def not_needed(self, rank: int) -> tuple[str, ...]:
+        plan = self.rank(rank)
+        read = plan.sources_read()
+        fallback_names = {f.source for f in plan.fallbacks}
+        return tuple(n for n in self.body.sources if n not in read and n not in fallback_names)
+
+
+def _check_group_bounds(group, holes, body: PlanBody, rank: int, path: str) -> bool:
+    """Vectorised bounds check of a pure-view template's writes; False when the template is not a pure view."""
+    from .compile import pure_view_layout
+
+    layout = pure_view_layout(group.skeleton)
+    if layout is None:
+        return False
+    if len(holes) == 0:
+        return True
+    ptext, kp, nd, stext, ks, ns = layout
+
+    def check(first: int, ndim: int, name_cols: slice, text: str, table, what: str):
+        names_ix, inverse = np.unique(holes[:, name_cols], axis=0, return_inverse=True)
+        numels = []
+        by_text = getattr(table, "_by_text", {}).get(text, ())
+        for row in names_ix.tolist():
+            name = text.format(*row)
+            if len(by_text) == 1:  # one shape for every tensor of this template: no per-name lookup needed
+                shape, dtype, _ = by_text[0]
+                meta = ir.TensorMeta(name, shape, dtype)
+            else:
+                meta = table.get(name) if isinstance(table, dict) else _lookup(table, name)
+            if meta is None:
+                raise PlanBoundsError(f"{path}: rank {rank}: {what} {name} is not declared in the plan. "
+                                      + _advice(path))
+            numels.append(meta.numel)
+        numel = np.asarray(numels, dtype=np.int64)[inverse.reshape(-1)]
+        offset = holes[:, first]
+        sizes = holes[:, first + 1:first + 1 + ndim]
+        strides = holes[:, first + 1 + ndim:first + 1 + 2 * ndim]
+        span = (sizes - 1) * strides
+        lo = offset + np.where(span < 0, span, 0).sum(axis=1)
+        hi = offset + np.where(span > 0, span, 0).sum(axis=1) + 1
+        empty = (sizes == 0).any(axis=1)
+        bad = ~empty & ((lo < 0) | (hi > numel))
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            name = text.format(*holes[i, name_cols].tolist())
+            raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(offset[i])}, sizes "
+                                  f"{sizes[i].tolist()}, strides {strides[i].tolist()}) lies outside {what} {name} "
+                                  f"({int(numel[i])} elements). " + _advice(path))
+    check(kp, nd, slice(0, kp), ptext, body.params, "destination")
+    first_src = kp + 1 + 2 * nd
+    check(first_src + ks, ns, slice(first_src, first_src + ks), stext, body.sources, "source")
+    return True
+
+
+def _lookup(table, name):
+    try:
+        return table[name]
+    except KeyError:
+        return None

@@ -153,8 +153,20 @@ def test_never_pickles(tmp_path):
     assert b"pickle" not in path.read_bytes() and b"\x80\x04" not in path.read_bytes()[:2]
 
 
-def test_load_plan_by_fingerprint(tmp_path, monkeypatch):
+@pytest.fixture
+def isolated_store(tmp_path, monkeypatch):
+    """Only tmp_path is searched: neither the shipped plans/ nor the user's cache."""
     from shardplan import store
+
+    monkeypatch.setattr(store, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDPLAN_PLAN_PATH", str(tmp_path))
+    return tmp_path
+
+
+def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
+    from shardplan import store
+    tmp_path = isolated_store
     from shardplan.models import resolve_model
 
     spec = resolve_model("llama-3.1-8b")
@@ -162,7 +174,6 @@ def test_load_plan_by_fingerprint(tmp_path, monkeypatch):
                   config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16",
                   vllm_version=store.installed_vllm_version() or "0.32.0")
     planfile.write_plan(tmp_path / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16"), data)
-    monkeypatch.setenv("SHARDPLAN_PLAN_PATH", str(tmp_path))
     plan = store.load_plan("Llama-3.1-8B", tp=2, rank=1)
     assert isinstance(plan, ir.RankPlan) and plan.rank == 1
     # another layout: refused with the list of existing plans and the command that records the missing one
@@ -174,15 +185,15 @@ def test_load_plan_by_fingerprint(tmp_path, monkeypatch):
         store.load_plan("llama-3.1-8b", tp=2, overrides=["num_hidden_layers=2"])
 
 
-def test_stale_vllm_is_refused(tmp_path, monkeypatch):
+def test_stale_vllm_is_refused(isolated_store, monkeypatch):
     from shardplan import store
+    tmp_path = isolated_store
     from shardplan.models import resolve_model
 
     spec = resolve_model("llama-3.1-8b")
     data = encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id, architecture=spec.architecture,
                   config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.1.0")
     planfile.write_plan(tmp_path / "x.plan", data)
-    monkeypatch.setenv("SHARDPLAN_PLAN_PATH", str(tmp_path))
     monkeypatch.setattr(store, "installed_vllm_version", lambda: "0.32.0")
     with pytest.raises(store.StalePlan, match="vLLM 0.1.0"):
         store.load_plan("llama-3.1-8b", tp=2)

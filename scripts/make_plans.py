@@ -1,0 +1,28 @@
+"""Regenerate every plan shipped in plans/ (`make plans`). Each is recorded for all ranks of its layout."""
+import subprocess
+import sys
+from pathlib import Path
+
+LAYOUTS = [
+    ("kimi-k2", ["--tp", "32", "--ep"]),
+    ("kimi-k2", ["--tp", "16", "--ep"]),
+    ("kimi-k2", ["--tp", "32"]),
+    ("deepseek-v3", ["--tp", "16", "--ep"]),
+    ("qwen3-235b-a22b", ["--tp", "8"]),
+    ("qwen3-235b-a22b", ["--tp", "8", "--ep"]),
+    ("qwen3-30b-a3b", ["--tp", "4"]),
+    ("llama-3.1-70b", ["--tp", "8"]),
+    ("llama-3.1-8b", ["--tp", "1"]),
+    ("llama-3.1-8b", ["--tp", "2"]),
+]
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parent.parent / "plans"
+    for model, flags in LAYOUTS:
+        cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
+        print("$", " ".join(cmd[1:]), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print("\n".join(proc.stdout.splitlines()[-2:]), flush=True)
+        if proc.returncode:
+            print(proc.stderr, file=sys.stderr)
+            sys.exit(proc.returncode)
