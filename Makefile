@@ -17,7 +17,7 @@ demo: setup
 	$(PY) -m shardplan.cli inspect out/kimi-k2--tp32-ep--bfloat16.plan --rank 0 --max-lines 20
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
 
 # Regenerate every plan shipped in plans/.
 plans: setup
