@@ -1,0 +1,834 @@
+"""The sync engine: at every RL step, ship each consumer (inference) rank exactly its bytes from the trainer ranks.
+
+Roles and what each one calls
+-----------------------------
+    Coordinator (driver)      announce(version): who takes part, and the schedule id, on the control channel
+    TrainerSync (per trainer) sync(version): pack each consumer's groups, send them, mark them done
+    ConsumerSync (per cons.)  sync(version): receive into two registered buffers, verify, apply; state -> (version, complete)
+
+The data path per (trainer, consumer) pair is a *lane*: a thread on the trainer that, for each weight group (one
+decoder layer) the pair shares, packs the group into one of two staging slots, waits for the consumer's "slot free"
+mark, sends, and then marks the *previous* group done (with checksums). So packing group N+1 overlaps the transfer of
+N, and at most two groups are in flight per side. The consumer posts receives for groups N and N+1 (marking both
+slots free), waits for N's done marks, verifies, applies N while N+1 is in flight, then re-posts the slot for N+2.
+
+Control channel keys (values are short strings or JSON):
+    join/<rank>                      {"epoch", "held"}    a rank (re)starting; trainers say which tensors they hold whole
+    schedule/<id>                    the Schedule (JSON)  written once per membership
+    v<V>/announce                    {"schedule", "members": {rank: epoch}}
+    v<V>/free/<consumer>/<g>         "ok <unix time>" | "abort: ..."        consumer -> its trainers
+    v<V>/done/<trainer>/<consumer>/<g>  {"sums": [...]} | "abort: ..."      trainer -> consumer, after the send finished
+    v<V>/result/<rank>               {"ok", "epoch", "errors"}
+
+Failure model
+-------------
+Every wait has a deadline and names the peer it waited for. A consumer waits `timeout_s` for each group's bytes from
+each of its trainers; a trainer waits `1.5 * timeout_s` for a consumer (the consumer may itself be waiting up to
+`timeout_s` on another trainer, and must be the first to give up, so nobody blames a bystander). Whoever gives up
+writes "abort: <why>" into every mark the other side may still wait on, so peers end at once instead of timing out.
+A lane's failure never stops the other lanes: surviving consumers complete (degraded sync). Each rank that saw any
+failure bumps its epoch (so adapters re-open its connections), records its result, and raises SyncFailed naming the
+peers. The coordinator leaves out of the next version every rank that wrote no result (dead or stalled) and brings
+back any rank that re-joined (a restart writes `join/<rank>` with a fresh epoch). A consumer's `state` says
+(version, complete): complete only when every byte of that version arrived, matched its checksum and was applied;
+(new version, False) as soon as the first group of a version was applied.
+
+Checksum: sum of the buffer as int32 words (plus tail bytes) into int64; cheap on CPU and GPU; catches missing,
+zeroed, truncated or stale pieces, not swapped words.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Protocol, Sequence
+
+import torch
+
+from shardplan.errors import ShardplanError
+from shardplan.ir import TensorMeta
+from shardplan.transport.base import (Control, Peer, PeerAborted, PeerError, Tag, Transport, consumer_name,
+                                      deadline_after, left, trainer_name)
+
+# ---- what the engine needs from the other stages ---------------------------------------------------------------------
+Box = tuple[tuple[int, int], ...]   # [start, stop) per dimension
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """`nbytes` at byte `offset` of a consumer's packed buffer for one group, made from the checkpoint tensors
+    `sources`: a trainer can produce it if it holds all of them whole, or, when `only` is set, if it is one of
+    those trainer ranks (segments cut from trainer-local shards by shardplan.shards)."""
+    offset: int
+    nbytes: int
+    sources: tuple[str, ...]
+    only: tuple[int, ...] = ()
+
+
+class WeightSource(Protocol):
+    """Trainer side: the checkpoint tensors this rank holds (in the spirit of vLLM's WeightSource)."""
+
+    def metadata(self) -> Mapping[str, TensorMeta]:
+        """Full (unsharded) name, shape and dtype of every tensor this rank holds any part of."""
+
+    def boxes(self) -> Mapping[str, Box]:
+        """Which box of each tensor this rank holds. The scheduler uses only whole boxes (see docs/transports.md)."""
+
+    def group(self, group: str) -> Mapping[str, torch.Tensor]:
+        """This rank's tensors of one weight group, ready to pack (e.g. gathered for this group only)."""
+
+
+class Packer(Protocol):
+    """Trainer side: turns checkpoint tensors into each consumer's packed bytes (replay.Replayer behind an adapter)."""
+
+    def consumers(self) -> Sequence[int]: ...
+
+    def groups(self) -> Sequence[str]:
+        """Weight groups in sync order (one per decoder layer, then the rest)."""
+
+    def layout(self, consumer: int, group: str) -> Sequence[Segment]:
+        """The consumer's packed buffer for one group, segment by segment, in offset order."""
+
+    def pack(self, consumer: int, group: str, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
+             segments: Sequence[int]) -> None:
+        """Write the listed segments (indices into layout()) into `out` (uint8) at their offsets."""
+
+
+class Unpacker(Protocol):
+    """Consumer side: scatters one group's packed bytes into the live params (apply.Applier behind an adapter)."""
+
+    def sizes(self) -> Mapping[str, int]:
+        """Bytes of this consumer's packed buffer per group (sizes the receive buffers, once)."""
+
+    def apply(self, group: str, buffer: torch.Tensor) -> None: ...
+
+
+@dataclass(kw_only=True)
+class SyncConfig:
+    timeout_s: float = 30.0
+    """Longest a consumer waits for one group's bytes from one trainer (trainers give consumers 1.5x that)."""
+    verify: bool = True
+    """Checksum every piece on both sides; a mismatch fails the consumer's sync (ChecksumMismatch)."""
+    announce_timeout_s: float = 600.0
+    """Longest a rank waits for the coordinator to announce the version it was asked to sync."""
+
+    def __post_init__(self):
+        if self.timeout_s <= 0 or self.announce_timeout_s <= 0:
+            raise ValueError("SyncConfig: timeouts must be positive")
+
+
+# ---- errors and results ----------------------------------------------------------------------------------------------------
+class ScheduleError(ShardplanError):
+    """No schedule exists: some consumer needs a tensor no live trainer holds whole, or the two sides' plans differ."""
+
+
+class ChecksumMismatch(PeerError):
+    """Bytes from this trainer arrived but differ from what it packed."""
+
+
+class NotAMember(ShardplanError):
+    """This rank is not part of the announced version (it failed or was restarted); it re-joined for the next one."""
+
+
+class SyncFailed(ShardplanError):
+    """This rank's part of a sync did not complete. `failures` maps each failed peer's name to its error."""
+
+    def __init__(self, rank: str, version: int, failures: Mapping[Peer, BaseException]):
+        self.rank, self.version, self.failures = rank, version, dict(failures)
+        lines = "; ".join(f"{peer}: {type(e).__name__}: {e}" for peer, e in sorted(self.failures.items()))
+        super().__init__(f"{rank}: sync of version {version} failed for {', '.join(sorted(self.failures))} ({lines})")
+
+    def __reduce__(self):
+        return (SyncFailed, (self.rank, self.version, self.failures))
+
+
+class SyncState(NamedTuple):
+    version: int
+    complete: bool
+
+
+@dataclass
+class SyncReport:
+    rank: str
+    version: int
+    seconds: float
+    nbytes: int                       # bytes this rank sent (trainer) or received (consumer)
+    peers: tuple[str, ...] = ()       # peers it exchanged bytes with
+
+
+# ---- the static schedule -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [lo, hi) of a consumer's group buffer, packed and sent by one trainer (segments: layout indices)."""
+    trainer: int
+    lo: int
+    hi: int
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    groups: tuple[str, ...]
+    trainers: tuple[int, ...]
+    consumers: tuple[int, ...]
+    nbytes: Mapping[int, tuple[int, ...]]                # consumer -> end of its last segment, per group
+    pieces: Mapping[tuple[int, int], tuple[Piece, ...]]  # (consumer, group index) -> pieces in byte order
+
+    def of(self, consumer: int, group_index: int, trainer: int | None = None) -> tuple[Piece, ...]:
+        pieces = self.pieces.get((consumer, group_index), ())
+        return pieces if trainer is None else tuple(p for p in pieces if p.trainer == trainer)
+
+    def bytes_by_trainer(self) -> dict[int, int]:
+        out = {t: 0 for t in self.trainers}
+        for pieces in self.pieces.values():
+            for p in pieces:
+                out[p.trainer] += p.hi - p.lo
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"groups": list(self.groups), "trainers": list(self.trainers),
+                           "consumers": list(self.consumers), "nbytes": {str(c): list(n) for c, n in self.nbytes.items()},
+                           "pieces": [[c, g, p.trainer, p.lo, p.hi, list(p.segments)]
+                                      for (c, g), ps in sorted(self.pieces.items()) for p in ps]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        d = json.loads(text)
+        pieces: dict[tuple[int, int], list[Piece]] = {}
+        for c, g, t, lo, hi, segs in d["pieces"]:
+            pieces.setdefault((c, g), []).append(Piece(t, lo, hi, tuple(segs)))
+        return cls(tuple(d["groups"]), tuple(d["trainers"]), tuple(d["consumers"]),
+                   {int(c): tuple(n) for c, n in d["nbytes"].items()}, {k: tuple(v) for k, v in pieces.items()})
+
+
+def build_schedule(layouts: Mapping[int, Mapping[str, Sequence[Segment]]], groups: Sequence[str],
+                   held: Mapping[int, frozenset[str] | None], trainers: Sequence[int],
+                   consumers: Sequence[int]) -> Schedule:
+    """Which trainer serves which bytes of which consumer, per group; computed once per membership.
+
+    `held[t]`: the tensors trainer t holds whole (None: all of them). Per group: each consumer's segments are cut into
+    runs with the same set of eligible trainers, each run into ceil(#trainers / #consumers) chunks of about equal
+    bytes (so more trainers than consumers still all work), and the chunks go largest-first to the eligible trainer
+    with the least bytes in this group (then overall): balanced per pipeline step and contiguous per consumer.
+    """
+    if not trainers:
+        raise ScheduleError("no live trainer rank: nothing can serve the sync")
+    trainers, consumers = tuple(sorted(trainers)), tuple(sorted(consumers))
+    chunks_per_run = max(1, math.ceil(len(trainers) / max(len(consumers), 1)))
+    total = {t: 0 for t in trainers}
+    nbytes: dict[int, list[int]] = {c: [] for c in consumers}
+    pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
+    for gi, group in enumerate(groups):
+        chunks: list[tuple[int, list[int], int, tuple[int, ...]]] = []   # (consumer, segment indices, bytes, eligible)
+        for c in consumers:
+            segs = list(layouts[c].get(group, ()))
+            nbytes[c].append(max((s.offset + s.nbytes for s in segs), default=0))
+            run: list[int] = []
+            run_eligible: tuple[int, ...] = ()
+            for i, seg in enumerate(segs):
+                if seg.nbytes == 0:
+                    continue
+                if seg.only:
+                    eligible = tuple(t for t in trainers if t in seg.only)
+                else:
+                    eligible = tuple(t for t in trainers if held[t] is None or all(n in held[t] for n in seg.sources))
+                if not eligible:
+                    if seg.only:
+                        raise ScheduleError(f"{consumer_name(c)}, group {group}: bytes at {seg.offset} come only from "
+                                            f"trainer {list(seg.only)}, which is not live; re-plan the shards "
+                                            f"(shardplan.shards.plan_shards) without it")
+                    missing = sorted(n for n in seg.sources if not any(held[t] is None or n in held[t] for t in trainers))
+                    raise ScheduleError(f"{consumer_name(c)}, group {group}: no live trainer holds {missing} whole "
+                                        f"(live trainers: {list(trainers)}); restore the trainer that holds them, or "
+                                        f"have the WeightSource gather them")
+                if run and eligible != run_eligible:
+                    chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
+                    run = []
+                run.append(i)
+                run_eligible = eligible
+            if run:
+                chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
+        load = {t: 0 for t in trainers}
+        owner: dict[tuple[int, int], int] = {}   # (consumer, first segment of chunk) -> trainer
+        for c, idx, size, eligible in sorted(chunks, key=lambda ch: (-ch[2], ch[0], ch[1][0])):
+            t = min(eligible, key=lambda t: (load[t], total[t], t))
+            load[t] += size
+            total[t] += size
+            owner[(c, idx[0])] = t
+        for c in consumers:
+            segs = list(layouts[c].get(group, ()))
+            mine = sorted((ch for ch in chunks if ch[0] == c), key=lambda ch: ch[1][0])
+            merged: list[Piece] = []
+            for _, idx, _, _ in mine:
+                t = owner[(c, idx[0])]
+                lo, hi = segs[idx[0]].offset, segs[idx[-1]].offset + segs[idx[-1]].nbytes
+                if merged and merged[-1].trainer == t and merged[-1].segments[-1] + 1 == idx[0] \
+                        and all(segs[j].nbytes == 0 for j in range(merged[-1].segments[-1] + 1, idx[0])):
+                    prev = merged.pop()
+                    merged.append(Piece(t, prev.lo, hi, prev.segments + tuple(idx)))
+                else:
+                    merged.append(Piece(t, lo, hi, tuple(idx)))
+            if merged:
+                pieces[(c, gi)] = tuple(merged)
+    return Schedule(tuple(groups), trainers, consumers, {c: tuple(n) for c, n in nbytes.items()}, pieces)
+
+
+def _split_run(c: int, run: list[int], segs: list[Segment], eligible: tuple[int, ...], parts: int):
+    parts = min(parts, len(eligible), len(run))
+    size = sum(segs[i].nbytes for i in run)
+    out, cur, acc, cut = [], [], 0, 1
+    for i in run:
+        cur.append(i)
+        acc += segs[i].nbytes
+        if cut < parts and acc >= size * cut / parts:
+            out.append((c, cur, sum(segs[j].nbytes for j in cur), eligible))
+            cur, cut = [], cut + 1
+    if cur:
+        out.append((c, cur, sum(segs[j].nbytes for j in cur), eligible))
+    return out
+
+
+def held_whole(source: WeightSource, needed: set[str]) -> frozenset[str] | None:
+    """Names of needed tensors the source holds whole; None when it holds all of them (saves publishing the list)."""
+    meta, boxes = source.metadata(), source.boxes()
+    whole = {n for n, box in boxes.items() if n in meta and tuple(box) == tuple((0, s) for s in meta[n].shape)}
+    return None if needed <= whole else frozenset(whole & needed)
+
+
+def checksum(view: torch.Tensor) -> int:
+    """Sum of the bytes as int32 words (tail bytes added singly), in int64. Works on any device."""
+    n = view.numel()
+    words = n // 4 * 4 if view.data_ptr() % 4 == 0 else 0
+    total = view[:words].view(torch.int32).sum(dtype=torch.int64) if words else torch.zeros((), dtype=torch.int64)
+    if words < n:
+        total = total + view[words:].sum(dtype=torch.int64).to(total.device)
+    return int(total)
+
+
+# ---- control channel keys --------------------------------------------------------------------------------------------------
+def _announce_key(v: int) -> str:
+    return f"v{v}/announce"
+
+
+def _free_key(v: int, consumer: Peer, g: int) -> str:
+    return f"v{v}/free/{consumer}/{g}"
+
+
+def _done_key(v: int, trainer: Peer, consumer: Peer, g: int) -> str:
+    return f"v{v}/done/{trainer}/{consumer}/{g}"
+
+
+def _result_key(v: int, rank: Peer) -> str:
+    return f"v{v}/result/{rank}"
+
+
+def _join(control: Control, name: Peer, held: frozenset[str] | None = None) -> int:
+    epoch = control.add(f"epoch/{name}", 1)   # monotonic across restarts: a new incarnation never reuses an epoch
+    control.set(f"join/{name}", json.dumps({"epoch": epoch, "held": None if held is None else sorted(held)}))
+    return epoch
+
+
+# ---- coordinator --------------------------------------------------------------------------------------------------------
+@dataclass
+class Announcement:
+    version: int
+    schedule_id: str
+    members: dict[str, int]            # rank name -> epoch
+    excluded: tuple[str, ...] = ()
+
+
+class Coordinator:
+    """Decides, per version, who takes part, and publishes the schedule. Runs in the driver (or the launcher).
+
+    `layouts[c][group]`: consumer c's segments per group (the same layouts the trainers' Packer reports)."""
+
+    def __init__(self, control: Control, layouts: Mapping[int, Mapping[str, Sequence[Segment]]],
+                 groups: Sequence[str], num_trainers: int, config: SyncConfig | None = None):
+        self.control, self.layouts, self.groups = control, layouts, tuple(groups)
+        self.trainers, self.consumers = tuple(range(num_trainers)), tuple(sorted(layouts))
+        self.config = config or SyncConfig()
+        self.members: dict[str, int] = {}
+        self.last_version: int | None = None
+        self._schedules: dict[tuple, str] = {}
+        self._held: dict[int, frozenset[str] | None] = {}
+        self._known: dict[str, int] = {}     # highest epoch seen per rank
+
+    def names(self) -> list[str]:
+        return [trainer_name(t) for t in self.trainers] + [consumer_name(c) for c in self.consumers]
+
+    def results(self, version: int, timeout_s: float) -> dict[str, dict]:
+        """Results of `version` from its members, waiting at most `timeout_s` in all; missing ranks are left out."""
+        out, deadline = {}, deadline_after(timeout_s)
+        for name in self.members:
+            try:
+                out[name] = json.loads(self.control.get(_result_key(version, name), left(deadline), name, "result"))
+            except PeerError:
+                pass
+        return out
+
+    def announce(self, version: int, wait_for_joins_s: float | None = None) -> Announcement:
+        """Announce `version`: members are the ranks that reported a result for the last version (with the epoch they
+        reported), plus ranks that (re-)joined since; ranks silent since the last version are excluded."""
+        # a trainer's in-flight transfers may run up to 1.5x timeout after a consumer gave up: wait them out so no
+        # write of the last version can land in a buffer of this one
+        results = self.results(self.last_version, 2 * self.config.timeout_s) if self.last_version is not None else {}
+        deadline = deadline_after(self.config.timeout_s if wait_for_joins_s is None else wait_for_joins_s)
+        members: dict[str, int] = {}
+        while True:
+            for name in self.names():
+                # alive at the last version: it wrote a result (with its epoch, bumped if it failed)
+                epoch = results[name]["epoch"] if name in results else None
+                joined = self.control.try_get(f"join/{name}")
+                if joined is not None:
+                    record = json.loads(joined)
+                    if name.startswith("trainer"):
+                        held = record["held"]
+                        self._held[int(name[7:])] = None if held is None else frozenset(held)
+                    # a join counts only if newer than anything seen from that rank: a dead rank's old join doesn't
+                    if record["epoch"] > max(self._known.get(name, -1), epoch if epoch is not None else -1):
+                        epoch = record["epoch"]
+                if epoch is not None:
+                    members[name] = epoch
+            # the first version waits (bounded) for every rank to join; later versions take who is there
+            if self.last_version is not None or len(members) == len(self.names()) or left(deadline) == 0:
+                break
+            time.sleep(0.05)
+        for name, epoch in members.items():
+            self._known[name] = max(self._known.get(name, -1), epoch)
+        trainers = tuple(t for t in self.trainers if trainer_name(t) in members)
+        consumers = tuple(c for c in self.consumers if consumer_name(c) in members)
+        held = {t: self._held.get(t) for t in trainers}
+        key = (trainers, consumers, tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())))
+        schedule_id = self._schedules.get(key)
+        if schedule_id is None:
+            schedule = build_schedule({c: self.layouts[c] for c in consumers}, self.groups, held, trainers, consumers)
+            schedule_id = f"s{version}"
+            self.control.set(f"schedule/{schedule_id}", schedule.to_json())
+            self._schedules[key] = schedule_id
+        excluded = tuple(n for n in self.names() if n not in members)
+        self.control.set(_announce_key(version), json.dumps({"schedule": schedule_id, "members": members}))
+        self.members, self.last_version = members, version
+        return Announcement(version, schedule_id, members, excluded)
+
+
+# ---- shared rank plumbing ----------------------------------------------------------------------------------------------------
+class _Rank:
+    name: str
+    epoch: int
+
+    def __init__(self, transport: Transport, control: Control, config: SyncConfig | None):
+        self.transport, self.control = transport, control
+        self.config = config or SyncConfig()
+        self._schedules: dict[str, Schedule] = {}
+
+    def _announcement(self, version: int) -> tuple[dict, Schedule]:
+        ann = json.loads(self.control.get(_announce_key(version), self.config.announce_timeout_s, "coordinator",
+                                          f"announcement of version {version}"))
+        if ann["members"].get(self.name) != self.epoch:
+            why = "failed or stalled in the last version" if self.name not in ann["members"] else "restarted"
+            self._rejoin()
+            raise NotAMember(f"{self.name} (epoch {self.epoch}) is not part of version {version} ({why}); "
+                             f"it re-joined and takes part from the next announced version")
+        sid = ann["schedule"]
+        if sid not in self._schedules:
+            self._schedules[sid] = Schedule.from_json(
+                self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule"))
+        return ann, self._schedules[sid]
+
+    def _rejoin(self) -> None:
+        self.epoch = _join(self.control, self.name, getattr(self, "held", None))
+
+    def _finish(self, version: int, failures: dict[Peer, BaseException]) -> None:
+        if failures:
+            # a new epoch makes every adapter re-open its connections to this rank: nothing half-done is reused
+            self.epoch = self.control.add(f"epoch/{self.name}", 1)
+        self.control.set(_result_key(version, self.name), json.dumps(
+            {"ok": not failures, "epoch": self.epoch,
+             "errors": {p: f"{type(e).__name__}: {e}" for p, e in failures.items()}}))
+        if failures:
+            raise SyncFailed(self.name, version, failures)
+
+
+class _GroupTensors:
+    """The source's tensors of a group, fetched once per sync for all lanes, dropped when the last lane packed it."""
+
+    def __init__(self, source: WeightSource, uses: Mapping[str, int]):
+        self.source, self.uses = source, dict(uses)
+        self.cache: dict[str, Mapping[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, group: str) -> Mapping[str, torch.Tensor]:
+        with self.lock:
+            if group not in self.cache:
+                self.cache[group] = self.source.group(group)
+            return self.cache[group]
+
+    def release(self, group: str) -> None:
+        with self.lock:
+            self.uses[group] -= 1
+            if self.uses[group] == 0:
+                self.cache.pop(group, None)
+
+
+def _aligned(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+# ---- trainer -----------------------------------------------------------------------------------------------------------------
+class TrainerSync(_Rank):
+    """One trainer rank. Staging: two slots per consumer, each the size of that consumer's largest group, allocated
+    and registered once."""
+
+    def __init__(self, rank: int, packer: Packer, source: WeightSource, transport: Transport, control: Control,
+                 config: SyncConfig | None = None, device: torch.device | str = "cpu"):
+        self.rank, self.name = rank, trainer_name(rank)
+        self.packer, self.source = packer, source
+        self.groups = tuple(packer.groups())
+        self.consumers = tuple(packer.consumers())
+        super().__init__(transport, control, config)
+        sizes = {c: _aligned(max((max((s.offset + s.nbytes for s in packer.layout(c, g)), default=0)
+                                  for g in self.groups), default=1)) for c in self.consumers}
+        self.staging = {c: torch.zeros(2 * sizes[c], dtype=torch.uint8, device=device) for c in self.consumers}
+        self.slots = {c: (buf[:sizes[c]], buf[sizes[c]:]) for c, buf in self.staging.items()}
+        transport.register(list(self.staging.values()))
+        control.prewarm(len(self.consumers) + 2)   # one per lane (or pair rendezvous), opened now rather than mid-sync
+        needed = {n for c in self.consumers for g in self.groups for s in packer.layout(c, g) for n in s.sources}
+        self.held = held_whole(source, needed)
+        self.epoch = _join(control, self.name, self.held)
+
+    def sync(self, version: int) -> SyncReport:
+        start = time.monotonic()
+        ann, schedule = self._announcement(version)
+        lanes = [c for c in schedule.consumers
+                 if any(schedule.of(c, g, self.rank) for g in range(len(schedule.groups)))]
+        self.transport.connect({self.name: self.epoch, **{consumer_name(c): ann["members"][consumer_name(c)]
+                                                          for c in lanes}})
+        uses = {g: sum(1 for c in lanes if schedule.of(c, gi, self.rank)) for gi, g in enumerate(schedule.groups)}
+        tensors = _GroupTensors(self.source, uses)
+        failures: dict[Peer, BaseException] = {}
+        sent = {c: 0 for c in lanes}
+        threads = [threading.Thread(target=self._lane, args=(version, c, schedule, tensors, failures, sent),
+                                    name=f"{self.name}->consumer{c}", daemon=True) for c in lanes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()   # every wait in a lane has a deadline; only this rank's own pack/source can stall it
+        self._finish(version, failures)
+        return SyncReport(self.name, version, time.monotonic() - start, sum(sent.values()),
+                          tuple(consumer_name(c) for c in lanes))
+
+    def _lane(self, version: int, c: int, schedule: Schedule, tensors: _GroupTensors,
+              failures: dict[Peer, BaseException], sent: dict[int, int]) -> None:
+        peer = consumer_name(c)
+        wait_s = 1.5 * self.config.timeout_s
+        if self.slots[c][0].is_cuda:
+            torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
+        in_flight = None   # (group index, pendings, sums): the previous group, finished after the next one is sent
+        todo = [gi for gi in range(len(schedule.groups)) if schedule.of(c, gi, self.rank)]
+        done: set[int] = set()
+        try:
+            for k, gi in enumerate(todo):
+                group, pieces = schedule.groups[gi], schedule.of(c, gi, self.rank)
+                slot = self.slots[c][k % 2]   # free: the group that used it (k-2) finished in the last iteration
+                self.packer.pack(c, group, tensors.get(group), slot, sorted({i for p in pieces for i in p.segments}))
+                tensors.release(group)
+                sums = [checksum(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
+                free = self.control.get(_free_key(version, peer, gi), wait_s, peer, f"receive slot for {group}")
+                if not free.startswith("ok"):
+                    raise PeerAborted(peer, free)
+                if time.time() > float(free.split()[1]) + self.config.timeout_s:
+                    # the consumer stopped waiting for this group: a late one-sided write could land in its next version
+                    raise PeerAborted(peer, f"gave up on group {group} before this trainer could send it")
+                pendings = [self.transport.send(peer, slot[p.lo:p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
+                            for p in pieces]
+                if in_flight is not None:
+                    self._mark_done(version, peer, in_flight, wait_s)
+                    done.add(in_flight[0])
+                in_flight = (gi, pendings, sums)
+                sent[c] += sum(p.hi - p.lo for p in pieces)
+            if in_flight is not None:
+                self._mark_done(version, peer, in_flight, wait_s)
+                done.add(in_flight[0])
+        except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
+            failures[peer] = e
+            for gi in todo:   # let the consumer end now rather than time out on us
+                if gi not in done:
+                    self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {e}")
+
+    def _mark_done(self, version: int, peer: Peer, in_flight, wait_s: float) -> None:
+        gi, pendings, sums = in_flight
+        for pending in pendings:
+            pending.wait(wait_s)
+        self.control.set(_done_key(version, self.name, peer, gi), json.dumps({"sums": sums}))
+
+
+# ---- consumer ----------------------------------------------------------------------------------------------------------------
+class ConsumerSync(_Rank):
+    """One consumer (inference) rank: two receive buffers, each the size of its largest group, registered once."""
+
+    def __init__(self, rank: int, unpacker: Unpacker, transport: Transport, control: Control,
+                 config: SyncConfig | None = None, device: torch.device | str = "cpu", initial_version: int = 0):
+        self.rank, self.name = rank, consumer_name(rank)
+        self.unpacker = unpacker
+        self.sizes = dict(unpacker.sizes())
+        super().__init__(transport, control, config)
+        size = _aligned(max(self.sizes.values(), default=1))
+        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        transport.register(self.buffers)
+        control.prewarm(4)   # this rank's waits and its transport's pair rendezvous, opened now rather than mid-sync
+        self._state = SyncState(initial_version, True)
+        self.held = None
+        self.epoch = _join(control, self.name)
+
+    @property
+    def state(self) -> SyncState:
+        """(version of the weights held, whether every byte of that version arrived, verified, and was applied)."""
+        return self._state
+
+    def sync(self, version: int) -> SyncReport:
+        start = time.monotonic()
+        ann, schedule = self._announcement(version)
+        c, groups = self.rank, schedule.groups
+        for gi, group in enumerate(groups):
+            if schedule.nbytes[c][gi] > self.sizes.get(group, 0):
+                raise ScheduleError(f"{self.name}: the trainers' layout of {group} has {schedule.nbytes[c][gi]} bytes, "
+                                    f"this rank's has {self.sizes.get(group, 0)}: the two sides use different plans")
+        trainers = sorted({p.trainer for gi in range(len(groups)) for p in schedule.of(c, gi)})
+        self.transport.connect({self.name: self.epoch,
+                                **{trainer_name(t): ann["members"][trainer_name(t)] for t in trainers}})
+        posted: dict[int, list] = {}
+        received = 0
+
+        def post(gi: int) -> None:
+            buf = self.buffers[gi % 2]
+            posted[gi] = [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
+                                              Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(c, gi)]
+            self.control.set(_free_key(version, self.name, gi), f"ok {time.time():.6f}")
+
+        failures: dict[Peer, BaseException] = {}
+        try:
+            for gi in range(min(2, len(groups))):
+                post(gi)
+            for gi, group in enumerate(groups):
+                buf, pieces = self.buffers[gi % 2], schedule.of(c, gi)
+                deadline = deadline_after(self.config.timeout_s)
+                seen: dict[int, int] = {}
+                for piece, pending in zip(pieces, posted.pop(gi)):
+                    peer = trainer_name(piece.trainer)
+                    mark = self.control.get(_done_key(version, peer, self.name, gi), left(deadline), peer,
+                                            f"bytes of {group}")
+                    if mark.startswith("abort"):
+                        raise PeerAborted(peer, mark)
+                    pending.wait(max(left(deadline), 0.001))
+                    j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
+                    if self.config.verify:
+                        expected, got = json.loads(mark)["sums"][j], checksum(buf[piece.lo:piece.hi])
+                        if expected != got:
+                            raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, "
+                                                         f"trainer packed {expected}")
+                    received += piece.hi - piece.lo
+                if self.sizes.get(group, 0):
+                    if self._state != SyncState(version, False):
+                        self._state = SyncState(version, False)   # params now hold a mix of two versions
+                    self.unpacker.apply(group, buf[:self.sizes[group]])
+                if gi + 2 < len(groups):
+                    post(gi + 2)
+            self._state = SyncState(version, True)
+        except BaseException as e:  # noqa: BLE001 - recorded and raised by _finish as SyncFailed
+            failures[getattr(e, "peer", self.name)] = e
+            for gi in range(len(groups)):   # trainers waiting for a free slot end now
+                if self.control.try_get(_free_key(version, self.name, gi)) is None:
+                    self.control.set(_free_key(version, self.name, gi), f"abort: {self.name} gave up: {e}")
+        self._finish(version, failures)
+        return SyncReport(self.name, version, time.monotonic() - start, received,
+                          tuple(trainer_name(t) for t in trainers))
+
+
+# ---- adapters to the other stages: replay (trainer), apply (consumer), shards (sharded trainers) ---------------------------
+def layouts_of(packer: Packer) -> dict[int, dict[str, tuple[Segment, ...]]]:
+    """What the Coordinator needs: every consumer's segments per group."""
+    return {c: {g: tuple(packer.layout(c, g)) for g in packer.groups()} for c in packer.consumers()}
+
+
+def _segment_sources(replayer, seg) -> tuple[str, ...]:
+    from shardplan import ir
+    names: set[str] = set()
+    plan = next(p for p in replayer.plans if p.rank == seg.refs[0].rank)
+    ir._collect_sources(plan.writes[seg.refs[0].index].src.leaf, names)
+    return tuple(sorted(names))
+
+
+def _ordered_groups(layouts) -> tuple[str, ...]:
+    from shardplan.replay import group_order
+    return tuple(sorted({g for lay in layouts for g in lay.group_names}, key=group_order))
+
+
+class _Packs:
+    """Bound replays per (key, segment subset, output buffer, tensors): built on first use, reused every sync."""
+
+    def __init__(self):
+        self.bound: dict[tuple, object] = {}
+
+    def run(self, key, replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor], out: torch.Tensor):
+        from shardplan.replay import GroupSpan, PackLayout, Replayer
+        sub_key = (key, tuple(segments))
+        if sub_key not in self.bound or self.bound[sub_key][0] is not replayer:
+            if len(segments) == len(replayer.layout.segments):
+                sub = replayer
+            else:   # a trainer serving part of a group packs only its segments, at their offsets
+                lay = replayer.layout
+                segs = tuple(lay.segments[i] for i in segments)
+                sub = Replayer.__new__(Replayer)
+                sub.plans, sub.sources, sub.device, sub._by_rank = replayer.plans, replayer.sources, replayer.device, \
+                    replayer._by_rank
+                sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(lay.groups[0].name, 0, lay.nbytes,
+                                                                                     0, len(segs)),), lay.ranks, lay.base)
+                sub._batches, sub._computed = sub._plan_batches()
+                sub._group_replayers = {}
+            self.bound[sub_key] = (replayer, sub, {})
+        _, sub, by_buffer = self.bound[sub_key]
+        from shardplan.replay import StaleBindingError
+        bound = by_buffer.get(out.data_ptr())
+        if bound is not None:
+            try:
+                bound.pack(check=True)   # check(): the trainer's tensors still have the storage bound to
+                return
+            except StaleBindingError:
+                pass
+        if len(by_buffer) >= 4 and out.data_ptr() not in by_buffer:
+            by_buffer.pop(next(iter(by_buffer)))
+        names = sub.sources_read()
+        by_buffer[out.data_ptr()] = sub.bind({n: tensors[n] for n in names}, out[:sub.layout.nbytes])
+        by_buffer[out.data_ptr()].pack(check=False)
+
+
+class ReplayPacker:
+    """Packer over shardplan.replay for trainers that hold checkpoint tensors whole (replicated, or gathered per
+    group by the WeightSource): one Replayer per consumer plan; any trainer holding a segment's sources may serve it.
+
+    Plans with fallbacks (tensors whose loader could not be recorded) are refused: the sync engine ships packed
+    bytes only (see docs/transports.md)."""
+
+    def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
+                 device: torch.device | str | None = None):
+        from shardplan.replay import Replayer
+        for plan in plans:
+            if plan.fallbacks:
+                raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
+                                     f"({plan.fallbacks[0].source}, ...); the sync engine does not ship fallbacks yet")
+        self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device) for p in plans}
+        self._groups = _ordered_groups(r.layout for r in self.replayers.values())
+        self._packs = _Packs()
+
+    def consumers(self):
+        return sorted(self.replayers)
+
+    def groups(self):
+        return self._groups
+
+    def layout(self, consumer: int, group: str):
+        rep = self.replayers[consumer]
+        if group not in rep.layout.group_names:
+            return ()
+        rep_g = rep.for_group(group)
+        return tuple(Segment(s.offset, s.nbytes, _segment_sources(rep_g, s)) for s in rep_g.layout.segments)
+
+    def pack(self, consumer, group, tensors, out, segments):
+        rep_g = self.replayers[consumer].for_group(group)
+        self._packs.run((consumer, group), rep_g, segments, tensors, out)
+
+
+class ApplyUnpacker:
+    """Unpacker over shardplan.apply: the consumer's own plan, its layout, its live params."""
+
+    def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256):
+        from shardplan.apply import Applier
+        from shardplan.replay import PackLayout
+        self.layout = PackLayout.from_plans(plan, alignment)
+        self.applier = Applier(plan, self.layout, params)
+
+    def sizes(self):
+        return {g.name: g.nbytes for g in self.layout.groups}
+
+    def apply(self, group, buffer):
+        self.applier.apply_group(group, buffer)
+
+
+def _sharded_layouts(sharded, consumer: int, alignment: int):
+    """Per trainer rank: the (trainer, consumer) sub-plan's layout; the consumer's group buffer is their
+    concatenation in trainer order, each part aligned (so every part is a buffer of its own for Applier/Replayer)."""
+    from shardplan.replay import PackLayout
+    parts = {t: PackLayout.from_plans(p, alignment) for t, p in sharded.for_consumer(consumer).items()}
+    return parts
+
+
+def _sharded_bases(parts, group: str, alignment: int) -> dict[int, int]:
+    bases, offset = {}, 0
+    for t, lay in sorted(parts.items()):
+        if group in lay.group_names:
+            bases[t] = offset
+            offset = _aligned(offset + lay.group(group).nbytes, alignment)
+    return bases
+
+
+class ShardedPacker:
+    """Packer for sharded trainers (shardplan.shards.ShardedPlan): trainer `rank` packs, for each consumer, the
+    pieces plan_shards gave it, from its local shards; each piece can come from that trainer only."""
+
+    def __init__(self, sharded, rank: int, *, alignment: int = 256, device: torch.device | str | None = None):
+        from shardplan.replay import Replayer
+        self.sharded, self.rank, self.alignment = sharded, rank, alignment
+        self.consumer_ranks = sorted({c for _, c in sharded.plans})
+        self.parts = {c: _sharded_layouts(sharded, c, alignment) for c in self.consumer_ranks}
+        self._groups = _ordered_groups(lay for parts in self.parts.values() for lay in parts.values())
+        mine = {c: p for (t, c), p in sharded.plans.items() if t == rank}
+        self.replayers = {c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device)
+                          for c, p in mine.items()}
+        self._packs = _Packs()
+
+    def consumers(self):
+        return self.consumer_ranks
+
+    def groups(self):
+        return self._groups
+
+    def layout(self, consumer: int, group: str):
+        parts, out = self.parts[consumer], []
+        for t, base in _sharded_bases(parts, group, self.alignment).items():
+            out += [Segment(base + s.offset, s.nbytes, (), (t,)) for s in parts[t].group(group).segments]
+        return tuple(out)
+
+    def pack(self, consumer, group, tensors, out, segments):
+        base = _sharded_bases(self.parts[consumer], group, self.alignment)[self.rank]
+        rep_g = self.replayers[consumer].for_group(group)
+        first = sum(len(self.parts[consumer][t].group(group).segments)
+                    for t in sorted(self.parts[consumer]) if t < self.rank and group in self.parts[consumer][t].group_names)
+        mine = [i - first for i in segments]
+        self._packs.run((consumer, group), rep_g, mine, tensors, out[base:base + rep_g.layout.nbytes])
+
+
+class ShardedUnpacker:
+    """Unpacker for a consumer fed by sharded trainers: one Applier per trainer part of each group."""
+
+    def __init__(self, sharded, consumer: int, params: Mapping[str, torch.Tensor], *, alignment: int = 256):
+        from shardplan.apply import Applier
+        self.alignment = alignment
+        self.parts = _sharded_layouts(sharded, consumer, alignment)
+        plans = sharded.for_consumer(consumer)
+        self.appliers = {t: Applier(plans[t], lay, params) for t, lay in self.parts.items()}
+        groups = {g for lay in self.parts.values() for g in lay.group_names}
+        self._sizes = {}
+        for g in groups:
+            bases = _sharded_bases(self.parts, g, alignment)
+            last = max(bases, key=bases.get)
+            self._sizes[g] = bases[last] + self.parts[last].group(g).nbytes
+
+    def sizes(self):
+        return dict(self._sizes)
+
+    def apply(self, group, buffer):
+        for t, base in _sharded_bases(self.parts, group, self.alignment).items():
+            n = self.parts[t].group(group).nbytes
+            self.appliers[t].apply_group(group, buffer[base:base + n])

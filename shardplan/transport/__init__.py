@@ -1,0 +1,33 @@
+"""Transports, chosen by name. Optional dependencies (ray, nixl, mooncake) are imported only when chosen.
+
+    create("nccl", me=..., control=..., device=...)             torch.distributed pairs: NCCL on CUDA, gloo on CPU
+    create("rdt:nccl" | "rdt:gloo" | "rdt:nixl", me=..., actor=..., handles=..., router=...)   Ray Direct Transport
+    create("mooncake:tcp" | "mooncake:rdma", me=..., control=...)   Mooncake TransferEngine, one-sided writes
+
+See base.py for the Protocol and docs/transports.md for each adapter's recipe and limits.
+"""
+from __future__ import annotations
+
+from shardplan.errors import ShardplanError
+from shardplan.transport.base import (Control, Done, MissingDependency, Peer, PeerAborted, PeerDied, PeerError,
+                                      PeerTimeout, Pending, Tag, Transport, consumer_name, trainer_name)
+
+NAMES = ("nccl", "rdt:nccl", "rdt:gloo", "rdt:nixl", "mooncake:tcp", "mooncake:rdma")
+
+
+def create(name: str, **options) -> Transport:
+    """Build the adapter called `name`; `options` go to its constructor (see each module)."""
+    if name == "nccl":
+        from shardplan.transport.nccl import NcclTransport
+        return NcclTransport(**options)
+    if name.startswith("rdt:") and name[4:] in ("nccl", "gloo", "nixl"):
+        from shardplan.transport.rdt import RdtTransport
+        return RdtTransport(backend=name[4:], **options)
+    if name.startswith("mooncake:") and name[9:] in ("tcp", "rdma"):
+        from shardplan.transport.mooncake import MooncakeTransport
+        return MooncakeTransport(protocol=name[9:], **options)
+    raise ShardplanError(f"unknown transport {name!r}: choose one of {', '.join(NAMES)}")
+
+
+__all__ = ["NAMES", "create", "Control", "Done", "MissingDependency", "Peer", "PeerAborted", "PeerDied", "PeerError",
+           "PeerTimeout", "Pending", "Tag", "Transport", "consumer_name", "trainer_name"]

@@ -1,0 +1,219 @@
+"""The one small Protocol every transport adapter implements, the control channel, and the peer errors.
+
+The sync engine (`shardplan.sync`) moves bytes between two kinds of endpoints: trainer ranks (senders) and consumer
+(inference) ranks (receivers). Per sync it calls, on each rank:
+
+    transport.register(buffers)            once, at construction: the buffers every byte goes out of / lands in
+    transport.connect({peer: epoch})       at the start of every sync: the peers of this version and their epochs
+    transport.send(peer, view, tag)        trainer: a view of a registered staging buffer -> the consumer
+    transport.recv(peer, view, tag)        consumer: a view of a registered receive buffer <- the trainer
+    pending.wait(timeout_s)                both: block until that one transfer finished, or raise a PeerError
+    transport.close()
+
+`tag` says where the bytes land on the consumer (receive slot and byte offset) so one-sided adapters (Mooncake writes,
+NIXL pulls) can address the consumer's registered buffer directly; two-sided adapters (torch.distributed NCCL/gloo)
+match sends and receives per peer pair in posting order, which the engine keeps identical on both sides.
+
+A one-sided adapter (`one_sided = True`) returns an already-finished Pending from `recv`: the consumer learns that the
+bytes arrived from the trainer's "done" mark on the control channel, which the trainer sets only after `send`'s
+Pending finished.
+
+Peers are named "trainer<i>" / "consumer<j>": the names appear in every error and in control-channel keys. Epochs
+count a rank's incarnations (a restart or a failed sync bumps it): an adapter re-opens its connection to a peer whose
+epoch changed, so state left behind by a failed transfer (unmatched receives, a half-dead socket) is never reused.
+
+Why no collectives: NCCL and gloo collectives hang when one member dies. Every adapter therefore talks per peer pair,
+and every wait has a deadline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Protocol, Sequence
+
+import torch
+
+from shardplan.errors import ShardplanError
+
+Peer = str
+
+
+def trainer_name(rank: int) -> Peer:
+    return f"trainer{rank}"
+
+
+def consumer_name(rank: int) -> Peer:
+    return f"consumer{rank}"
+
+
+# ---- errors --------------------------------------------------------------------------------------------------------
+class PeerError(ShardplanError):
+    """A transfer with one peer failed. `peer` names it ("trainer1", "consumer3")."""
+
+    def __init__(self, peer: Peer, message: str):
+        super().__init__(f"{peer}: {message}")
+        self.peer, self.detail = peer, message
+
+    def __reduce__(self):   # keep (peer, message) across pickling (Ray, multiprocessing)
+        return (type(self), (self.peer, self.detail))
+
+
+class PeerTimeout(PeerError):
+    """A peer did not answer within the timeout (stalled, overloaded, or dead without closing its connections)."""
+
+
+class PeerDied(PeerError):
+    """A peer's process or connection is gone (connection reset, actor died, transfer refused)."""
+
+
+class PeerAborted(PeerError):
+    """A peer gave up on this sync because of a third rank; the message says which and why."""
+
+
+class MissingDependency(ShardplanError):
+    """An optional transport was chosen whose package is not installed; the message has the install command."""
+
+
+# ---- the Protocol ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Tag:
+    """Where one transfer's bytes land on the consumer: `nbytes` at `offset` of receive buffer `slot`."""
+    version: int
+    group: int      # index of the weight group in the schedule
+    slot: int       # index into the consumer's registered receive buffers (double buffering: group % 2)
+    offset: int     # byte offset inside that buffer
+    nbytes: int
+
+
+class Pending(Protocol):
+    def wait(self, timeout_s: float) -> None:
+        """Return once the transfer finished; raise PeerTimeout / PeerDied (naming the peer) otherwise."""
+
+
+class Transport(Protocol):
+    one_sided: bool   # True: recv() is a no-op, arrival is announced on the control channel by the sender
+
+    def register(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Called once per endpoint with every buffer it will send from or receive into (never grown later)."""
+
+    def connect(self, peers: Mapping[Peer, int]) -> None:
+        """Called at the start of every sync with this version's peers and their epochs. Must not raise for one bad
+        peer: record the error and raise it from that peer's next send/recv."""
+
+    def send(self, peer: Peer, src: torch.Tensor, tag: Tag) -> Pending: ...
+
+    def recv(self, peer: Peer, dst: torch.Tensor, tag: Tag) -> Pending: ...
+
+    def close(self) -> None: ...
+
+
+class Done:
+    """An already-finished Pending (one-sided receive, empty transfer)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class Failed:
+    """A Pending that re-raises an error recorded earlier (e.g. connect() could not reach the peer)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self, timeout_s: float) -> None:
+        raise self.error
+
+
+# ---- control channel -------------------------------------------------------------------------------------------------
+class Control:
+    """The control channel: a small key-value store (torch's TCPStore) every rank of a sync reaches.
+
+    It carries what must never hang on a dead peer: the coordinator's announcement of each version, the schedule,
+    "slot free" / "bytes done" marks with checksums, per-rank results, and adapter rendezvous data. Every read has a
+    deadline and names the peer it waited for. Picklable: it pickles as its address and reconnects (Ray actors,
+    spawned processes). Host the server (`Control.serve`) in the process that outlives the ranks: the RL driver or
+    the launcher.
+
+    Clients come from a per-process pool and are used by one thread at a time: a TCPStore client serialises its
+    operations (a blocking wait would stall every other thread), and opening one occasionally takes seconds on some
+    machines (seen: 5 s in ~3% of connects in a gVisor sandbox), so they are opened ahead (`prewarm`) and reused.
+    """
+
+    _pools: dict[tuple[str, int], list] = {}
+    _pool_lock = threading.Lock()
+
+    def __init__(self, host: str, port: int, *, _server: torch.distributed.TCPStore | None = None):
+        self.host, self.port = host, port
+        self._server = _server
+
+    @classmethod
+    def serve(cls, host: str = "127.0.0.1", port: int = 0) -> "Control":
+        server = torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=60), use_libuv=True)
+        control = cls(host, server.port, _server=server)
+        control.prewarm(2)
+        return control
+
+    def __reduce__(self):
+        return (Control, (self.host, self.port))
+
+    def _new_client(self) -> torch.distributed.TCPStore:
+        return torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60))
+
+    def lease(self) -> torch.distributed.TCPStore:
+        """A client for this thread's exclusive use; give it back with `release` (or keep it, e.g. a NCCL pair)."""
+        with Control._pool_lock:
+            pool = Control._pools.setdefault((self.host, self.port), [])
+            if pool:
+                return pool.pop()
+        return self._new_client()
+
+    def release(self, client: torch.distributed.TCPStore) -> None:
+        with Control._pool_lock:
+            Control._pools.setdefault((self.host, self.port), []).append(client)
+
+    def prewarm(self, num_clients: int) -> None:
+        """Open clients until the pool holds `num_clients` (call at startup, where a slow connect costs nothing)."""
+        with Control._pool_lock:
+            missing = num_clients - len(Control._pools.setdefault((self.host, self.port), []))
+        for _ in range(missing):
+            self.release(self._new_client())
+
+    def _call(self, fn):
+        client = self.lease()
+        try:
+            return fn(client)
+        finally:
+            self.release(client)
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda s: s.set(key, value))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(lambda s: s.add(key, amount))
+
+    def try_get(self, key: str) -> str | None:
+        return self._call(lambda s: s.get(key).decode() if s.check([key]) else None)
+
+    def get(self, key: str, timeout_s: float, peer: Peer, what: str = "") -> str:
+        """Value of `key`, waiting at most `timeout_s`; PeerTimeout(peer) when it never appears."""
+        client = self.lease()
+        try:
+            client.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+            return client.get(key).decode()
+        except Exception as e:  # DistStoreError on timeout; anything else (server gone) is just as final
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                raise PeerTimeout(peer, f"no answer within {timeout_s:.1f} s{' (' + what + ')' if what else ''}") from None
+            raise PeerDied(peer, f"control channel failed while waiting for {what or key}: {e}") from e
+        finally:
+            self.release(client)
+
+
+def deadline_after(timeout_s: float) -> float:
+    return time.monotonic() + timeout_s
+
+
+def left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
