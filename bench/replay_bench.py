@@ -6,7 +6,7 @@
 Plans: until the recorder produces real plan files, the plans are synthesized here by `PlanBuilder`, which mimics
 what vLLM's loaders record (narrow of the HF tensor copied into a narrow of the fused param): Kimi-K2 decoder layer 1
 (MLA attention, 384 experts, 1 shared expert) for a TP32 rank with and without EP, and a Llama-3.1-70B layer for a
-TP8 rank. `--plan FILE` is the placeholder for real plans.
+TP8 rank. `--plan FILE[,FILE]` adds one decoder layer of a recorded plan file (bench/plan_cases.py).
 
 Bytes counted like the ceiling: bytes read + bytes written (pack: source bytes read + packed bytes written; apply:
 packed bytes read + param bytes written). Padding is not counted. CUDA: events, warm-up, median of --iters runs;
@@ -351,11 +351,11 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the bitwise check against the reference")
     ap.add_argument("--ceiling-mib", type=int, default=1024, help="size of the copy that gives the ceiling")
     ap.add_argument("--profile-ops", action="store_true", help="also time each op of the batched pack alone")
-    ap.add_argument("--plan", default=None, help="placeholder: a recorded plan file (not wired yet)")
+    ap.add_argument("--plan", default=None, help="also bench this recorded plan file (one layer of --plan-rank)")
+    ap.add_argument("--plan-rank", type=int, default=0)
+    ap.add_argument("--plan-layer", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
-    if args.plan:
-        raise SystemExit("--plan: loading recorded plan files is not wired yet (waiting on the plan-file reader)")
     experts = args.experts or (384 if args.device == "cuda" else 24)
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{torch.get_num_threads()} threads"
     print(f"# device {name}, torch {torch.__version__}; copy = {args.ceiling_mib} MiB copy_ (read + write), timed "
@@ -369,8 +369,14 @@ def main() -> None:
         "kimi-stacked": (f"  same, trainer experts [E,I,H]", lambda: kimi_k2_layer(num_experts=experts), True),
         "tiny": ("tiny: 4096 boxes x 512 B", lambda: tiny_boxes(), False),
     }
+    if args.plan:
+        from plan_cases import PlanLayer
+        for path in args.plan.split(","):
+            layer = PlanLayer(path, args.plan_rank, args.plan_layer)
+            cases[f"plan:{path}"] = (layer.label, lambda layer=layer: layer, False)
+            args.cases += f",plan:{path}"
     rows = []
-    for key in args.cases.split(","):
+    for key in [c for c in args.cases.split(",") if c]:
         label, build, stacked = cases[key]
         rows += bench_case(label, build(), args, stacked)
     for r in rows:

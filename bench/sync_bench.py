@@ -70,6 +70,10 @@ def small_layer(layer: int, tp: int, rank: int):
 
 def case_builder(case: str):
     from replay_bench import kimi_k2_layer, llama70b_layer
+    if case.startswith("plan="):  # a recorded plan file: layers 1.. of consumer ranks 0..N-1
+        from plan_cases import PlanLayer
+        path = case.split("=", 1)[1]
+        return (lambda layer, rank: PlanLayer(path, rank, layer + 1), 3)
     return {"llama": (lambda layer, rank: llama70b_layer(layer, tp=8, rank=rank), 8),
             "kimi-ep": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=True), 3),
             "kimi": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=False), 3),
@@ -370,12 +374,11 @@ def main() -> None:
     ap.add_argument("--num-consumers", type=int, default=1, help="consumer processes (GPU1..N); TP ranks 0..N-1")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 8, kimi 3, small 4)")
     ap.add_argument("--iters", type=int, default=5, help="timed runs per measurement (median), after one warm-up")
-    ap.add_argument("--plan", default=None, help="placeholder: a recorded plan file (not wired yet)")
+    ap.add_argument("--plan", default=None, help="also sync layers of these recorded plan files (comma list)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     if args.plan:
-        raise SystemExit("--plan: plan files do not expand to RankPlans yet (shardplan.planfile); use the synthesized "
-                         "cases for now")
+        args.cases = ",".join([c for c in args.cases.split(",") if c] + [f"plan={p}" for p in args.plan.split(",")])
     if args.device == "cuda" and torch.cuda.device_count() < args.num_consumers + 1:
         raise SystemExit(f"need {args.num_consumers + 1} GPUs, found {torch.cuda.device_count()}")
     print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version() if args.device == 'cuda' else '-'}, "

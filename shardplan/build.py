@@ -89,7 +89,9 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
     with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \
             set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
         try:
-            return initialize_model(vllm_config=vllm_config)
+            model = initialize_model(vllm_config=vllm_config)
+            _forget_pp_missing_layers()
+            return model
         except ShardplanError:
             raise
         except Exception as e:
@@ -97,6 +99,32 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
                 raise MetaBuildFailed(str(e)) from e
             raise LayoutRejected(f"vLLM failed to build the model for rank {rank} of {layout.tag()}: "
                                  f"{' '.join(str(e).split())[:600]}") from e
+
+
+@contextlib.contextmanager
+def loading_context(vllm_config, layout: Layout, rank: int):
+    """What vLLM runs `model.load_weights` under on global `rank`: that rank's parallel state, the current vLLM config
+    and the model dtype as torch's default dtype. Needed when recording *and* when running the real loader: many
+    loaders ask for the TP/EP rank while loading (sharded_weight_loader for Mamba's A/D, DBRX's experts, GPT-OSS,
+    Llama 4's experts) and fail, or would see another process's state, outside it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \
+            set_default_torch_dtype(vllm_config.model_config.dtype):
+        yield
+
+
+def _forget_pp_missing_layers() -> None:
+    """vLLM caches each model's pipeline-missing layers by `id(model)` (models/utils.py), built lazily the first time a
+    loader asks `is_pp_missing_parameter`. One engine builds one model, so that is safe there; we build many models in
+    one process, and a new model that reuses a freed model's id would get the old model's list: its loader then skips
+    layers it has (recorded as not needed) or looks up layers it lacks (KeyError). Clear it for every new model."""
+    from vllm.model_executor.models import utils as model_utils
+
+    cache = getattr(model_utils, "_model_to_pp_missing_layer_names", None)
+    if isinstance(cache, dict):
+        cache.clear()
 
 
 class MetaBuildFailed(Exception):

@@ -52,12 +52,22 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class RecTensor(torch.Tensor):
     """A metadata-only checkpoint tensor: meta storage, real shape/dtype. All the recording is done by `_Recorder`,
-    which identifies these tensors by storage, so the subclass itself stays inert (no per-op overhead outside it)."""
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    which identifies these tensors by storage. The subclass's own __torch_function__ does nothing but make torch list
+    RecTensor in `types` when one is among a call's arguments: the recorder's fast path for every other call is then
+    `if not types`, without scanning arguments (the loader makes ~20 torch calls per tensor, mostly on params)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @staticmethod
     def make(shape, dtype: torch.dtype) -> "RecTensor":
-        return torch.Tensor._make_subclass(RecTensor, torch.empty(shape, dtype=dtype, device="meta"))
+        # made while the recorder mode is active (fed lazily): keep it out of the mode, which would take the
+        # torch.empty for a loader scratch tensor (_Recorder._factory) and leave the fast path for good
+        with torch._C.DisableTorchFunction():
+            base = torch.empty(shape, dtype=dtype, device="meta")
+        return torch.Tensor._make_subclass(RecTensor, base)
 
     def __repr__(self):
         return f"RecTensor({list(self.shape)}, {dtype_name(self.dtype)})"
@@ -75,8 +85,15 @@ def op_name(func) -> str:
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     if qual.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + qual.split(".", 1)[1]
+    if qual.startswith("_VariableFunctionsClass."):
+        # torch.cat, torch.narrow, ... are C functions whose __qualname__ is `_VariableFunctionsClass.cat`: name them
+        # as the allowlist and the replayer do (`torch.cat`), or they could never be recorded.
+        return "torch." + qual.split(".", 1)[1]
     if qual.endswith(".__get__") or qual.endswith(".__set__"):
-        return "Tensor." + qual.rsplit(".", 2)[-2] + ".get"
+        # property access (`t.T`, `t.data`, `t.shape`): func is the getset descriptor's bound __get__, whose
+        # __self__ names the attribute; the qualname alone would say "getset_descriptor" for all of them.
+        attr = getattr(getattr(func, "__self__", None), "__name__", None) or qual.rsplit(".", 2)[-2]
+        return "Tensor." + attr + (".get" if qual.endswith(".__get__") else ".set")
     module = getattr(func, "__module__", "") or ""
     if module.startswith("torch.nn.functional"):
         return "F." + qual
@@ -117,7 +134,8 @@ class RankRecording:
         read: set[str] = set()
         for w in self.writes:
             ir._collect_sources(w.src.leaf, read)
-        return [n for n in self.fed if n not in read and n not in self.fallbacks]
+        # dict.fromkeys: a name fed again after a fallback (see _unfinished) is listed once
+        return [n for n in dict.fromkeys(self.fed) if n not in read and n not in self.fallbacks]
 
     def to_plan(self) -> ir.RankPlan:
         used = sorted({w.param for w in self.writes})
@@ -157,34 +175,61 @@ class _Recorder(TorchFunctionMode):
     # -- dispatch ------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PASSTHROUGH:  # metadata queries (shape, dtype, size(), ...): the meta tensor answers them
+            if types:  # skip RecTensor's own (no-op) __torch_function__: most calls on it are these
+                with _NO_SUBCLASS_TF():
+                    return func(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         # Fast path first: most calls the loader makes touch no recorded tensor. Outputs of recorded ops are always
         # RecTensors, so a type check suffices, except for loader scratch tensors we track by storage (rare).
         if self.num_scratch:
             tracked = [a for a in _tensor_args(args, kwargs) if self._tracked(a)]
+        elif not types:  # torch lists the tensor subclasses among the args here: none means no RecTensor
+            tracked = ()
         else:
             tracked = [a for a in _tensor_args(args, kwargs) if type(a) is RecTensor]
         if not tracked:
+            if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].device.type != "meta":
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.device.type == "meta":
+                    # `idx.to(loaded_weight.device)` (Llama 4's EP expert indices): in a real load the loaded tensor
+                    # is on the CPU, so the constant stays there, values and all; on meta its values would be lost
+                    # and the op using it could not be recorded. Keep the CPU tensor (with the dtype asked for).
+                    return args[0].to(dtype=out.dtype)
+                return out
+            if func in _FACTORIES:
+                return self._factory(func, args, kwargs)
             if func in _FAST_SINK_FUNCS and args and isinstance(args[0], torch.Tensor):
                 k = _key(args[0])
                 if k in self.param_of:
                     return self._param_write_without_source(func, args, kwargs)
+            elif _is_inplace(func) and args and isinstance(args[0], torch.Tensor) and _key(args[0]) in self.param_of:
+                # `param.mul_(s)` after loading: transforms data the plan wrote, which a plan cannot express
+                self._check_param_untouched(_key(args[0]), op_name(func), "an in-place op on a parameter that "
+                                                                           "already holds loaded data")
             return func(*args, **kwargs)
         name = _OP_NAMES.get(func)
         if name is None:
             name = _OP_NAMES[func] = op_name(func)
         ops = self.rec.ops_seen
         ops[name] = ops.get(name, 0) + 1
-        if name in _METADATA or name.endswith(".get") and name[:-4] not in _VALUE_READS:
+        if name in _METADATA:
             return func(*args, **kwargs)
+        if name.endswith(".get") and name[:-4] not in _VALUE_READS:
+            # `t.T`, `t.mT`, `t.data`: a view of the loaded tensor. Return it as a RecTensor: the fast path below
+            # recognises tracked tensors by type, so a plain tensor here would make later ops on it (`t.T.contiguous()`)
+            # invisible and their writes silently lost.
+            return _as_rec(func(*args, **kwargs))
         if name in _VALUE_READS:
             raise _ValueRead(self.sources_of(tracked), name, "the loader reads tensor values, which a recording "
                                                               "does not have")
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name in ("Tensor.copy_", "Tensor.__setitem__") and dst is not None and not self._tracked(dst):
             return self._sink(name, func, args, kwargs)
-        if name.endswith("_") and not name.endswith("__") and dst is not None and self._tracked(dst):
+        # `t[i] = v` into a loaded (or scratch) tensor is in-place too: it used to fall through to _op and be lost
+        if (name == "Tensor.__setitem__" or name.endswith("_") and not name.endswith("__")) and dst is not None \
+                and self._tracked(dst):
             return self._inplace_on_loaded(name, func, args, kwargs, tracked)
         return self._op(name, func, args, kwargs, tracked)
 
@@ -321,12 +366,48 @@ class _Recorder(TorchFunctionMode):
             try:
                 view = self._value_view(value, tuple(dst.shape), dtype_name(dst.dtype), [], name)
             except _ValueRead:
-                return out  # not a constant we can see (e.g. model-side init): not part of loading a checkpoint
+                # A value computed from model tensors, e.g. vLLM's composed_weight_loader:
+                # `param.copy_(-torch.exp(param.float()))` after loading. If it overwrites (or copies from) a
+                # parameter that holds loaded data, replaying the plain writes would be wrong: fall back the
+                # tensors loaded there. Otherwise it is model-side init, not part of loading a checkpoint.
+                self._check_param_untouched(_key(dst), name, "the loader writes a value computed from model "
+                                                             "tensors (not from a checkpoint tensor) into a parameter")
+                if isinstance(value, torch.Tensor) and _key(value) in self.param_of:
+                    self._check_param_untouched(_key(value), name, "the loader copies a loaded parameter into "
+                                                                   "another parameter")
+                return out
             self.rec.writes.append(ir.Write(pname, _region_in(dst, param), view))
         return out
 
+    def _factory(self, func, args, kwargs):
+        """`torch.zeros(..., device=loaded.device)` and friends: a scratch tensor the loader may fill from checkpoint
+        tensors and copy into a parameter. Track it from birth as a constant, so the elements the loader does not
+        overwrite keep their value in the plan (unknown for `empty`: NaN, which any reader of them would expose)."""
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "meta" and not _key(out) in self.param_of:
+            value = _FACTORIES[func]
+            if value is None:  # full / new_full: the fill value is the argument after the size
+                value = kwargs.get("fill_value", args[2] if func is torch.Tensor.new_full else args[1])
+            if isinstance(value, (bool, int, float)):
+                numel = out.untyped_storage().nbytes() // out.element_size()
+                self.leaf_of[_key(out)] = ir.Full(value, (numel,), dtype_name(out.dtype))
+                self.keepalive.append(out)
+                self.num_scratch += 1
+        return out
+
+    def _check_param_untouched(self, k: int, op: str, reason: str) -> None:
+        """Raise a value read naming the checkpoint tensors already written into the parameter with storage `k`."""
+        pname = self.param_of[k][0]
+        sources: set[str] = set()
+        for w in self.rec.writes:
+            if w.param == pname:
+                ir._collect_sources(w.src.leaf, sources)
+        if sources:
+            raise _ValueRead(sources, op, f"{reason} ({pname})")
+
 
 _OP_NAMES: dict = {}
+_NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
 _PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
                 torch.Tensor.storage_offset, torch.Tensor.element_size, torch.Tensor.is_contiguous,
                 torch.Tensor.__len__, torch.Tensor.untyped_storage, torch.Tensor.is_floating_point,
@@ -336,6 +417,21 @@ _PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.
                 torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_sparse.__get__,
                 torch.Tensor.is_quantized.__get__}
 _FAST_SINK_FUNCS = {torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.Tensor.__setitem__}
+_INPLACE: dict = {}
+# factories whose meta results the recorder tracks as constants (see _Recorder._factory); None: fill value argument
+_FACTORIES = {torch.zeros: 0, torch.ones: 1, torch.empty: float("nan"), torch.full: None,
+              torch.Tensor.new_zeros: 0, torch.Tensor.new_ones: 1, torch.Tensor.new_empty: float("nan"),
+              torch.Tensor.new_full: None}
+
+
+def _is_inplace(func) -> bool:
+    """`Tensor.mul_` and friends (trailing underscore, not a dunder); cached per function: this is the fast path."""
+    hit = _INPLACE.get(func)
+    if hit is None:
+        name = op_name(func)
+        hit = _INPLACE[func] = (name.endswith("_") and not name.endswith("__")
+                                and name not in ("Tensor.requires_grad_", "Tensor.share_memory_"))
+    return hit
 
 
 def _region_in(dst: torch.Tensor, param: torch.Tensor) -> ir.Region:
@@ -401,7 +497,7 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
         except _ValueRead as e:
             culprits = e.sources or {fed[-1]} if fed else e.sources
             _fallback(rec, culprits, e.op, e.reason, _loader_frame(e.__traceback__), strict)
-            remaining = remaining[len(fed):]
+            remaining = _unfinished(rec, remaining, len(fed), culprits) + remaining[len(fed):]
         except ShardplanError:
             raise
         except Exception as e:  # the loader itself failed on this tensor
@@ -409,9 +505,19 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
                 raise RecordError(f"vLLM's load_weights failed before reading any tensor: {e}") from e
             _fallback(rec, {fed[-1]}, type(e).__name__, str(e).splitlines()[0][:300], _loader_frame(e.__traceback__),
                       strict)
-            remaining = remaining[len(fed):]
+            remaining = _unfinished(rec, remaining, len(fed), {fed[-1]}) + remaining[len(fed):]
     rec.seconds = time.perf_counter() - t0
     return rec
+
+
+def _unfinished(rec: RankRecording, remaining: list, num_fed: int, culprits: set[str]) -> list:
+    """Tensors fed before the aborted load that wrote nothing yet, to feed again to the restarted load_weights: a
+    loader may hold a tensor back (to fuse it with a later one) and the abort lost it. Re-feeding one that the loader
+    skipped costs nothing; without this it would be wrongly reported as not needed."""
+    read: set[str] = set()
+    for w in rec.writes:
+        ir._collect_sources(w.src.leaf, read)
+    return [t for t in remaining[:num_fed] if t[0] not in read and t[0] not in culprits and t[0] not in rec.fallbacks]
 
 
 def _fallback(rec: RankRecording, culprits: set[str], op: str, reason: str, loader: str, strict: bool) -> None:

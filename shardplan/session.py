@@ -30,7 +30,13 @@ class RecordSession:
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict = layout, dtype, strict
         self.vllm_config = make_vllm_config(self.spec.materialize(), layout, dtype, self.spec.name)
-        self.tensors = models.checkpoint_tensors(self.spec, dtype)
+        from vllm.config import set_current_vllm_config
+
+        # Once vLLM's Transformers backend has built a model, it has decorated that transformers class in place with
+        # @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another config of
+        # the same class (a transformers meta build) would fail later in this process without one.
+        with set_current_vllm_config(self.vllm_config):
+            self.tensors = models.checkpoint_tensors(self.spec, dtype)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
     @property
@@ -40,12 +46,13 @@ class RecordSession:
         return vllm.__version__
 
     def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
-        from .build import build_for_recording
+        from .build import build_for_recording, loading_context
         from .record import record_loader
 
         t0 = time.perf_counter()
         model, device = build_for_recording(self.vllm_config, self.layout, rank)
-        recording = record_loader(model, self.tensors, rank=rank, strict=self.strict)
+        with loading_context(self.vllm_config, self.layout, rank):  # loaders ask for the TP/EP rank while loading
+            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict)
         plan = recording.to_plan()
         del model
         stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),

@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from . import interp, ir
-from .build import build_model
+from .build import build_model, loading_context
 from .layout import Layout
 
 
@@ -71,7 +71,8 @@ def verify_rank(vllm_config, layout: Layout, rank: int, plan: ir.RankPlan,
     verdict = RankVerdict(rank)
     real = build_model(vllm_config, layout, rank, "cpu")
     poison(real)
-    with torch.no_grad():
+    # the real loader runs as on that rank (loaders ask for the TP/EP rank while loading), as recording does
+    with torch.no_grad(), loading_context(vllm_config, layout, rank):
         real.load_weights(iter(list(checkpoint.items())))
     replayed = build_model(vllm_config, layout, rank, "cpu")
     poison(replayed)
@@ -79,7 +80,7 @@ def verify_rank(vllm_config, layout: Layout, rank: int, plan: ir.RankPlan,
     params.update(dict(replayed.named_buffers()))
     interp.run_plan(plan, params, checkpoint)
     if plan.fallbacks:
-        with torch.no_grad():
+        with torch.no_grad(), loading_context(vllm_config, layout, rank):
             replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
     compare_models(real, replayed, verdict)
     return verdict
