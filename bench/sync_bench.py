@@ -288,12 +288,10 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
         t_raw = timed("raw", raw_run)
     else:
         raw_buf = torch.zeros(bytes_per_consumer, dtype=torch.uint8, device=device)
-        holder = {}
 
-        def raw_prepare():
-            holder["w"] = transport.pairs["trainer0"].pg.recv([raw_buf], 0, 0)
-
-        t_raw = timed("raw", lambda: holder["w"].wait(), raw_prepare)
+        # Post the receive only after "go": a pre-posted NCCL recv occupies the stream, and timed()'s synchronize
+        # before "ready" would then wait for a send that only starts after "ready" (the first H200 run hung here).
+        t_raw = timed("raw", lambda: transport.pairs["trainer0"].pg.recv([raw_buf], 0, 0).wait())
 
     # -- broadcast full layers, narrow on the consumer --
     if index == 0:
