@@ -1,7 +1,10 @@
 """Record what vLLM's real `load_weights` does to each checkpoint tensor, on a model built on the meta device.
 
-Design. The recording tensor `RecTensor` is a meta tensor subclass: it has a shape and dtype and no data. A
-`TorchFunctionMode` (`_Recorder`) sees every torch call the loader makes while it runs:
+Design. The recording tensor `RecTensor` is a meta tensor subclass: it has a shape and dtype and no data. The
+recorder (`_Recorder`) sees every torch call that has a RecTensor among its arguments (through
+`RecTensor.__torch_function__`) and the few calls on plain tensors that matter (writes into parameters, scratch-tensor
+factories, `.to`, in-place ops: hooked only while a recording runs). A global TorchFunctionMode would be simpler but
+costs ~1.5x on vLLM's loaders even when it does nothing; it is pushed only once a loader creates a scratch tensor.
 
 * Views (narrow, view, transpose, unbind, chunk, expand, `[a:b]`, ...) are run on the meta tensor itself. A meta view
   shares its base's storage and carries the exact storage offset and strides, so a whole chain of views folds into one
@@ -43,6 +46,8 @@ class RecordError(ShardplanError):
 
 
 def _key(t: torch.Tensor) -> int:
+    if type(t) is RecTensor:
+        return t._storage_key
     return t.untyped_storage()._cdata
 
 
@@ -58,19 +63,48 @@ class RecTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        rec = _ACTIVE
+        # outside a recording, the recorder's own calls, and metadata queries (shape, dtype, size(): ~10 per tensor
+        # in vLLM's loaders): a plain meta tensor answers
+        if rec is None or rec.busy or func in _PASSTHROUGH:
+            with _NO_SUBCLASS_TF():
+                return func(*args, **kwargs) if kwargs else func(*args)
+        return rec.dispatch(func, types, args, kwargs)
 
     @staticmethod
     def make(shape, dtype: torch.dtype) -> "RecTensor":
         # made while the recorder mode is active (fed lazily): keep it out of the mode, which would take the
         # torch.empty for a loader scratch tensor (_Recorder._factory) and leave the fast path for good
         with torch._C.DisableTorchFunction():
-            base = torch.empty(shape, dtype=dtype, device="meta")
-        return torch.Tensor._make_subclass(RecTensor, base)
+            base = _ORIGINAL["torch.empty"](shape, dtype=dtype, device="meta")
+        return _wrap(base)
 
     def __repr__(self):
         return f"RecTensor({list(self.shape)}, {dtype_name(self.dtype)})"
+
+    # Metadata the loaders read ~10 times per tensor (shape, ndim, ...), answered from attributes cached at creation:
+    # through __torch_function__ each read would cost a Python dispatch, half of the recording's overhead.
+    shape = property(lambda self: self._shape)
+    ndim = property(lambda self: len(self._shape))
+    dtype = property(lambda self: self._dtype)
+    device = property(lambda self: _META)
+
+    def refresh(self) -> None:
+        """Re-read the cached metadata (after an in-place op that may change it)."""
+        with _NO_SUBCLASS_TF():
+            self._shape, self._dtype = torch.Size(torch.Tensor.size(self)), torch.Tensor.dtype.__get__(self)
+            self._storage_key = torch.Tensor.untyped_storage(self)._cdata
+
+
+_META = torch.device("meta")
+_TensorBase = torch._C.TensorBase  # isinstance against torch.Tensor runs a Python __instancecheck__: hot paths use this
+
+
+def _wrap(base: torch.Tensor) -> "RecTensor":
+    """A RecTensor sharing `base`'s meta storage and geometry."""
+    r = torch.Tensor._make_subclass(RecTensor, base)
+    r._shape, r._dtype, r._storage_key = base.shape, base.dtype, base.untyped_storage()._cdata
+    return r
 
 
 class _ValueRead(Exception):
@@ -144,9 +178,16 @@ class RankRecording:
                            not_needed=tuple(sorted(self.not_needed())))
 
 
-class _Recorder(TorchFunctionMode):
+class _Recorder:
+    """Sees (1) every torch call with a RecTensor among its arguments, through RecTensor.__torch_function__, and
+    (2) the few calls on plain tensors that matter (writes into params, scratch factories, `.to`, in-place ops),
+    through wrappers `_hooks()` installs on those functions for the duration of a recording. A TorchFunctionMode would
+    see everything, but costs ~1.5x on vLLM's loaders even when it does nothing (~21 torch calls per tensor, mostly
+    on params): it is pushed only once the loader makes a scratch tensor, whose later ops must all be seen."""
+
     def __init__(self, param_of_storage: dict[int, tuple[str, torch.Tensor]], recording: RankRecording):
-        super().__init__()
+        self.busy = False
+        self.full_mode: _FullMode | None = None
         self.param_of = param_of_storage
         self.rec = recording
         self.leaf_of: dict[int, ir.Leaf] = {}
@@ -159,7 +200,7 @@ class _Recorder(TorchFunctionMode):
         self.keepalive.append(t)
 
     def _tracked(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and (type(t) is RecTensor or _key(t) in self.leaf_of)
+        return isinstance(t, _TensorBase) and (type(t) is RecTensor or _key(t) in self.leaf_of)
 
     def view_of(self, t: torch.Tensor) -> ir.View:
         return ir.View(self.leaf_of[_key(t)], ir.Region(t.storage_offset(), tuple(t.shape), tuple(t.stride())))
@@ -173,7 +214,62 @@ class _Recorder(TorchFunctionMode):
         return names
 
     # -- dispatch ------------------------------------------------------------------------------------------
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
+        self.busy = True  # the handler's own torch calls run plain (and RecTensor's hook stays out of them)
+        try:
+            with _NO_SUBCLASS_TF():
+                # torch hands a Tensor method's *current* attribute to __torch_function__: our hook, not the original
+                func = _UNHOOK.get(func, func)
+                if func in _FAST_VIEWS and type(args[0]) is RecTensor and not self.num_scratch:
+                    out = self._fast_view(func, args, kwargs)
+                    if out is not None:
+                        return out
+                elif func is _COPY and len(args) == 2 and not kwargs and type(args[1]) is RecTensor \
+                        and type(args[0]) is not RecTensor and not self.num_scratch:
+                    out = self._fast_copy(args[0], args[1])
+                    if out is not None:
+                        return out
+                return self.handle(func, types, args, kwargs)
+        finally:
+            self.busy = False
+
+    # The two calls vLLM's loaders make for almost every tensor: `loaded.narrow(...)` and `param_view.copy_(loaded)`.
+    # Same result as handle(), without its general checks; anything unusual returns None and takes the general path.
+    def _fast_view(self, func, args, kwargs):
+        base = args[0]
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if type(out) is not torch.Tensor or out.untyped_storage()._cdata != base._storage_key:
+            return None if type(out) is not torch.Tensor else _FAST_FALLBACK
+        name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(func, op_name(func))
+        self.rec.ops_seen[name] = self.rec.ops_seen.get(name, 0) + 1
+        r = torch.Tensor._make_subclass(RecTensor, out)
+        r._shape, r._dtype, r._storage_key = out.shape, out.dtype, base._storage_key
+        return r
+
+    def _fast_copy(self, dst, src):
+        entry = self.param_of.get(dst.untyped_storage()._cdata)
+        if entry is None or src._shape != dst.shape:
+            return None
+        self.rec.ops_seen["Tensor.copy_"] = self.rec.ops_seen.get("Tensor.copy_", 0) + 1
+        pname, param = entry
+        leaf = self.leaf_of[src._storage_key]
+        self.rec.writes.append(ir.Write(
+            pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(dst.shape), dst.stride()),
+            ir.View(leaf, ir.Region(src.storage_offset(), tuple(src._shape), src.stride()))))
+        return dst
+
+    def watch_everything(self) -> None:
+        """A loader scratch tensor exists: from now on every call may touch it, so see every call."""
+        if self.full_mode is None:
+            self.full_mode = _FullMode(self)
+            self.full_mode.__enter__()
+
+    def close(self) -> None:
+        if self.full_mode is not None:
+            self.full_mode.__exit__(None, None, None)
+            self.full_mode = None
+
+    def handle(self, func, types, args=(), kwargs=None):
         if func in _PASSTHROUGH:  # metadata queries (shape, dtype, size(), ...): the meta tensor answers them
             if types:  # skip RecTensor's own (no-op) __torch_function__: most calls on it are these
                 with _NO_SUBCLASS_TF():
@@ -189,7 +285,7 @@ class _Recorder(TorchFunctionMode):
         else:
             tracked = [a for a in _tensor_args(args, kwargs) if type(a) is RecTensor]
         if not tracked:
-            if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) \
+            if func is _ORIGINAL["Tensor.to"] and args and isinstance(args[0], torch.Tensor) \
                     and args[0].device.type != "meta":
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.device.type == "meta":
@@ -238,7 +334,7 @@ class _Recorder(TorchFunctionMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         new_leaf = None
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
+            if not isinstance(o, _TensorBase):
                 continue
             k = _key(o)
             if k in self.leaf_of:      # a view of a tracked storage: geometry says everything
@@ -259,7 +355,7 @@ class _Recorder(TorchFunctionMode):
         index_of: dict[int, int] = {}
 
         def lit(a):
-            if isinstance(a, torch.Tensor):
+            if isinstance(a, _TensorBase):
                 if self._tracked(a):
                     if id(a) not in index_of:
                         index_of[id(a)] = len(inputs)
@@ -312,6 +408,8 @@ class _Recorder(TorchFunctionMode):
             inputs = (ir.View(clone, ir.full_region(region.sizes)),) + call.inputs[1:]
             new_value = ir.View(ir.Call(name, call.args, call.kwargs, inputs), ir.full_region(region.sizes))
         func(*args, **kwargs)  # shape checks on meta
+        if type(dst) is RecTensor:
+            dst.refresh()
         k = _key(dst)
         self.leaf_of[k] = ir.Update(self.leaf_of[k], region, new_value)
         return dst
@@ -342,6 +440,7 @@ class _Recorder(TorchFunctionMode):
                                                                        [src], name))
             self.keepalive.append(dst)
             self.num_scratch += 1
+            self.watch_everything()
             return args[0]
         pname, param = self.param_of[k]
         if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
@@ -387,12 +486,13 @@ class _Recorder(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out.device.type == "meta" and not _key(out) in self.param_of:
             value = _FACTORIES[func]
             if value is None:  # full / new_full: the fill value is the argument after the size
-                value = kwargs.get("fill_value", args[2] if func is torch.Tensor.new_full else args[1])
+                value = kwargs.get("fill_value", args[2] if func is _ORIGINAL["Tensor.new_full"] else args[1])
             if isinstance(value, (bool, int, float)):
                 numel = out.untyped_storage().nbytes() // out.element_size()
                 self.leaf_of[_key(out)] = ir.Full(value, (numel,), dtype_name(out.dtype))
                 self.keepalive.append(out)
                 self.num_scratch += 1
+                self.watch_everything()
         return out
 
     def _check_param_untouched(self, k: int, op: str, reason: str) -> None:
@@ -407,6 +507,11 @@ class _Recorder(TorchFunctionMode):
 
 
 _OP_NAMES: dict = {}
+_COPY = torch.Tensor.copy_
+# pure view ops: the output shares the input's storage, its geometry is the whole record
+_FAST_VIEWS = {torch.Tensor.narrow, torch.Tensor.view, torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.select,
+               torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.permute, torch.Tensor.expand}
+_FAST_FALLBACK = None
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
 _PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
                 torch.Tensor.storage_offset, torch.Tensor.element_size, torch.Tensor.is_contiguous,
@@ -434,25 +539,90 @@ def _is_inplace(func) -> bool:
     return hit
 
 
+class _FullMode(TorchFunctionMode):
+    def __init__(self, recorder: "_Recorder"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.recorder.busy:
+            return func(*args, **(kwargs or {}))
+        return self.recorder.dispatch(func, types, args, kwargs)
+
+
+_ACTIVE: "_Recorder | None" = None
+# Functions whose calls on plain tensors the recorder must see. Wrapped only while a recording runs.
+_HOOKED_TENSOR_METHODS = ("to", "copy_", "fill_", "zero_", "__setitem__", "new_zeros", "new_ones", "new_empty",
+                          "new_full", "mul_", "add_", "sub_", "div_", "neg_", "exp_", "clamp_", "masked_fill_",
+                          "index_copy_", "index_fill_", "index_put_", "scatter_", "normal_", "uniform_", "abs_",
+                          "copysign_", "pow_", "sqrt_", "reciprocal_", "addcmul_", "addcdiv_", "lerp_", "t_",
+                          "transpose_", "squeeze_", "unsqueeze_", "resize_", "set_", "fill_diagonal_", "clamp_min_",
+                          "clamp_max_", "sign_", "log_", "tanh_", "sigmoid_", "exponential_", "bernoulli_")
+_HOOKED_TORCH_FUNCTIONS = ("zeros", "ones", "empty", "full")
+_ORIGINAL: dict = {f"Tensor.{n}": getattr(torch.Tensor, n) for n in _HOOKED_TENSOR_METHODS}
+_ORIGINAL.update({f"torch.{n}": getattr(torch, n) for n in _HOOKED_TORCH_FUNCTIONS})
+
+
+_UNHOOK: dict = {}
+_REC_TYPES = (RecTensor,)
+
+
+def _hook(original):
+    def hooked(*args, **kwargs):
+        rec = _ACTIVE
+        if rec is None or rec.busy or rec.full_mode is not None:
+            return original(*args, **kwargs)  # (with a RecTensor argument, RecTensor.__torch_function__ sees it)
+        for a in args:
+            if type(a) is RecTensor:  # what RecTensor.__torch_function__ would do, minus torch's round trip
+                return rec.dispatch(original, _REC_TYPES, args, kwargs)
+        return rec.dispatch(original, (), args, kwargs)
+    hooked.__wrapped__ = original
+    _UNHOOK[hooked] = original
+    return hooked
+
+
+@contextlib.contextmanager
+def _recording(recorder: "_Recorder"):
+    """Make `recorder` the active one and hook the plain-tensor calls it needs; undo both on exit."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RecordError("a recording is already running in this thread; recordings do not nest")
+    for n in _HOOKED_TENSOR_METHODS:
+        setattr(torch.Tensor, n, _hook(_ORIGINAL[f"Tensor.{n}"]))
+    for n in _HOOKED_TORCH_FUNCTIONS:
+        setattr(torch, n, _hook(_ORIGINAL[f"torch.{n}"]))
+    _ACTIVE = recorder
+    try:
+        yield
+    finally:
+        _ACTIVE = None
+        recorder.close()
+        for n in _HOOKED_TENSOR_METHODS:
+            setattr(torch.Tensor, n, _ORIGINAL[f"Tensor.{n}"])
+        for n in _HOOKED_TORCH_FUNCTIONS:
+            setattr(torch, n, _ORIGINAL[f"torch.{n}"])
+        _UNHOOK.clear()
+
+
 def _region_in(dst: torch.Tensor, param: torch.Tensor) -> ir.Region:
     return ir.Region(dst.storage_offset() - param.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
 
 
 def _as_rec(t):
-    if isinstance(t, torch.Tensor) and type(t) is not RecTensor and t.device.type == "meta":
-        return torch.Tensor._make_subclass(RecTensor, t)
+    if isinstance(t, _TensorBase) and type(t) is not RecTensor and t.device.type == "meta":
+        return _wrap(t)
     return t
 
 
 def _tensor_args(args, kwargs) -> list:
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, _TensorBase):
             out.append(a)
         elif type(a) is list or type(a) is tuple:
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
+            out.extend(x for x in a if isinstance(x, _TensorBase))
     if kwargs:
-        out.extend(a for a in kwargs.values() if isinstance(a, torch.Tensor))
+        out.extend(a for a in kwargs.values() if isinstance(a, _TensorBase))
     return out
 
 
@@ -491,7 +661,7 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
                 yield name, t
 
         try:
-            with mode:
+            with _recording(mode):
                 model.load_weights(feed())
             remaining = []
         except _ValueRead as e:
