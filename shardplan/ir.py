@@ -196,9 +196,23 @@ class RankPlan:
 
     def format(self, sources: Mapping[str, TensorMeta]) -> str:
         shapes = {p.name: p.shape for p in self.params}
-        lines = [format_write(w, shapes, {k: v.shape for k, v in sources.items()}) for w in self.writes]
+        source_shapes = _Shapes(sources)  # looked up per name: a plan's source table can hold ~70k tensors
+        lines = [format_write(w, shapes, source_shapes) for w in self.writes]
         lines += [f"# fallback {f.source}: {f.op} in {f.loader or '?'}: {f.reason}" for f in self.fallbacks]
         return "\n".join(lines)
+
+
+class _Shapes:
+    """name -> shape, read through a TensorMeta mapping on demand."""
+
+    def __init__(self, metas: Mapping[str, TensorMeta]):
+        self.metas = metas
+
+    def get(self, name: str, default=None):
+        try:
+            return self.metas[name].shape
+        except KeyError:
+            return default
 
 
 def _collect_sources(leaf: Leaf, out: set[str]) -> None:

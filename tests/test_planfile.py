@@ -228,3 +228,32 @@ def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok 2"
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "shardplan.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_inspect_shipped_kimi_plan():
+    """The full-size Kimi-K2 TP32+EP plan: 32 ranks, ~31x less than a full broadcast, no fallbacks; fast."""
+    out = _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "5", timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "layout tp32-ep, ranks 32" in text and "fallbacks: 0" in text
+    assert "31.0x" in text  # 1912 GiB checkpoint / 61.7 GiB per rank
+    assert "IR of rank 3 (3015 writes, 66960 checkpoint tensors not needed)" in text
+    assert "model.layers.1.mlp.experts" in _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3",
+                                               "--max-lines", "0", timeout=60).stdout
+
+
+def test_cli_errors_are_clean():
+    out = _cli("record", "--model", "no-such-model", "--tp", "2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "Unknown model 'no-such-model'" in out.stderr and "kimi-k2" in out.stderr
+    out = _cli("inspect", "README.md")
+    assert out.returncode == 2 and "not a shardplan plan file" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("record", "--model", "llama-3.1-8b", "--tp", "3", "--override", "num_hidden_layers=2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "tp3" in out.stderr, out.stderr
+    out = _cli("record", "--model", "llama-3.1-8b", "--tp", "2", "--ep", "--override", "num_hidden_layers=2")
+    assert out.returncode == 2 and "expert" in out.stderr.lower(), out.stderr
