@@ -9,6 +9,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 
 import torch
 
@@ -62,8 +63,11 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
     except ShardplanError:
         raise
     except Exception as e:  # pydantic ValidationError, ValueError, ...
-        reason = " ".join(str(e).split())[:600]
-        raise LayoutRejected(f"vLLM rejects {label}: {reason}. Choose a layout vLLM accepts (TP must divide the "
+        reason = " ".join(str(e).split())
+        # pydantic wraps vLLM's own sentence: keep just that
+        reason = re.sub(r"^\d+ validation errors? for \w+ (Value error, )?", "", reason)
+        reason = re.split(r" \[type=", reason)[0][:600]
+        raise LayoutRejected(f"vLLM rejects {label}: {reason.rstrip('.')}. Choose a layout vLLM accepts (TP must divide the "
                              f"attention heads; --ep needs a MoE model).") from None
     if layout.ep and not _is_moe(model_config):
         raise LayoutRejected(f"vLLM rejects {label}: --ep (enable_expert_parallel) needs a mixture-of-experts model, "
