@@ -82,11 +82,9 @@ def _progress(total: int):
 
 
 def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return ""
+    from .inspect import _human as human
+
+    return human(nbytes)
 
 
 def cmd_record(args) -> int:
