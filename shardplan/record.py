@@ -239,7 +239,7 @@ class _Recorder:
         base = args[0]
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is not torch.Tensor or out.untyped_storage()._cdata != base._storage_key:
-            return None if type(out) is not torch.Tensor else _FAST_FALLBACK
+            return None  # not a view of the loaded tensor after all: the general path handles it
         name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(func, op_name(func))
         self.rec.ops_seen[name] = self.rec.ops_seen.get(name, 0) + 1
         r = torch.Tensor._make_subclass(RecTensor, out)
@@ -511,7 +511,6 @@ _COPY = torch.Tensor.copy_
 # pure view ops: the output shares the input's storage, its geometry is the whole record
 _FAST_VIEWS = {torch.Tensor.narrow, torch.Tensor.view, torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.select,
                torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.permute, torch.Tensor.expand}
-_FAST_FALLBACK = None
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
 _PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
                 torch.Tensor.storage_offset, torch.Tensor.element_size, torch.Tensor.is_contiguous,
