@@ -24,6 +24,7 @@ Parameters are identified by their storage: vLLM loaders write into `param.data[
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -64,8 +65,21 @@ class RecTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         rec = _ACTIVE
-        # outside a recording, the recorder's own calls, and metadata queries (shape, dtype, size(): ~10 per tensor
-        # in vLLM's loaders): a plain meta tensor answers
+        self = args[0] if args else None
+        if type(self) is RecTensor and not kwargs:
+            # The two hot cases, ~2 per tensor in vLLM's loaders, answered on the plain meta alias `_plain` (same
+            # storage and geometry): no context manager, no second trip through torch's dispatch. Metadata queries
+            # (size(), dim(), ...) outside a recording or from the recorder itself:
+            if func in _PASSTHROUGH or rec is None or rec.busy:
+                return func(self._plain, *args[1:])
+            # A pure view op (narrow, view, transpose, ...) while no loader scratch tensor exists: its output shares
+            # the loaded tensor's storage, so its geometry is its whole record (see _Recorder.handle for the rest).
+            if func in _FAST_VIEWS and not rec.num_scratch:
+                out = func(self._plain, *args[1:])
+                rec.fast_counts[func] = rec.fast_counts.get(func, 0) + 1
+                r = _make_subclass(RecTensor, out)
+                r._plain, r._shape, r._dtype, r._storage_key = out, out.shape, out.dtype, self._storage_key
+                return r
         if rec is None or rec.busy or func in _PASSTHROUGH:
             with _NO_SUBCLASS_TF():
                 return func(*args, **kwargs) if kwargs else func(*args)
@@ -73,11 +87,17 @@ class RecTensor(torch.Tensor):
 
     @staticmethod
     def make(shape, dtype: torch.dtype) -> "RecTensor":
-        # made while the recorder mode is active (fed lazily): keep it out of the mode, which would take the
-        # torch.empty for a loader scratch tensor (_Recorder._factory) and leave the fast path for good
-        with torch._C.DisableTorchFunction():
-            base = _ORIGINAL["torch.empty"](shape, dtype=dtype, device="meta")
-        return _wrap(base)
+        rec = _ACTIVE
+        if rec is not None and rec.full_mode is not None:
+            # fed lazily, so possibly while the recorder's mode is active: keep this torch.empty out of it (the mode
+            # would take it for a loader scratch tensor, see _Recorder._factory)
+            with torch._C.DisableTorchFunction():
+                base = _EMPTY(shape, dtype=dtype, device="meta")
+        else:
+            base = _EMPTY(shape, dtype=dtype, device="meta")
+        r = _make_subclass(RecTensor, base)
+        r._plain, r._shape, r._dtype, r._storage_key = base, base.shape, dtype, base.untyped_storage()._cdata
+        return r
 
     def __repr__(self):
         return f"RecTensor({list(self.shape)}, {dtype_name(self.dtype)})"
@@ -90,20 +110,25 @@ class RecTensor(torch.Tensor):
     device = property(lambda self: _META)
 
     def refresh(self) -> None:
-        """Re-read the cached metadata (after an in-place op that may change it)."""
+        """Re-read the cached metadata and alias (after an in-place op that may change the geometry, e.g. t_())."""
         with _NO_SUBCLASS_TF():
-            self._shape, self._dtype = torch.Size(torch.Tensor.size(self)), torch.Tensor.dtype.__get__(self)
-            self._storage_key = torch.Tensor.untyped_storage(self)._cdata
+            self._plain = torch.Tensor.as_strided(self, torch.Tensor.size(self), torch.Tensor.stride(self),
+                                                  torch.Tensor.storage_offset(self))
+            self._shape, self._dtype = self._plain.shape, self._plain.dtype
+            self._storage_key = self._plain.untyped_storage()._cdata
 
 
 _META = torch.device("meta")
 _TensorBase = torch._C.TensorBase  # isinstance against torch.Tensor runs a Python __instancecheck__: hot paths use this
 
 
+_make_subclass = torch.Tensor._make_subclass
+
+
 def _wrap(base: torch.Tensor) -> "RecTensor":
-    """A RecTensor sharing `base`'s meta storage and geometry."""
-    r = torch.Tensor._make_subclass(RecTensor, base)
-    r._shape, r._dtype, r._storage_key = base.shape, base.dtype, base.untyped_storage()._cdata
+    """A RecTensor sharing `base`'s meta storage and geometry; `base` (a plain tensor) stays its `_plain` alias."""
+    r = _make_subclass(RecTensor, base)
+    r._plain, r._shape, r._dtype, r._storage_key = base, base.shape, base.dtype, base.untyped_storage()._cdata
     return r
 
 
@@ -163,6 +188,8 @@ class RankRecording:
     fed: list[str] = field(default_factory=list)  # names fed to the loader, in order
     ops_seen: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    tier: str = "fast"    # which recorder produced this: "fast" or "full" (see record_loader)
+    tier_note: str = ""   # why the fast tier gave up, when it did
 
     def not_needed(self) -> list[str]:
         read: set[str] = set()
@@ -193,6 +220,7 @@ class _Recorder:
         self.leaf_of: dict[int, ir.Leaf] = {}
         self.keepalive: list[torch.Tensor] = []  # storage keys are addresses: keep their owners alive
         self.num_scratch = 0  # loader scratch tensors tracked by storage (not RecTensors)
+        self.fast_counts: dict = {}  # calls taken by the fast paths, by function (named into ops_seen at close())
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def add_source(self, name: str, t: torch.Tensor) -> None:
@@ -242,20 +270,22 @@ class _Recorder:
             return None  # not a view of the loaded tensor after all: the general path handles it
         name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(func, op_name(func))
         self.rec.ops_seen[name] = self.rec.ops_seen.get(name, 0) + 1
-        r = torch.Tensor._make_subclass(RecTensor, out)
-        r._shape, r._dtype, r._storage_key = out.shape, out.dtype, base._storage_key
+        r = _make_subclass(RecTensor, out)
+        r._plain, r._shape, r._dtype, r._storage_key = out, out.shape, out.dtype, base._storage_key
         return r
 
     def _fast_copy(self, dst, src):
+        # touches only plain tensors (src through its `_plain` alias): no torch function runs, so no `busy` needed
         entry = self.param_of.get(dst.untyped_storage()._cdata)
-        if entry is None or src._shape != dst.shape:
+        shape = dst.shape
+        if entry is None or src._shape != shape:
             return None
-        self.rec.ops_seen["Tensor.copy_"] = self.rec.ops_seen.get("Tensor.copy_", 0) + 1
+        self.fast_counts[_COPY] = self.fast_counts.get(_COPY, 0) + 1
         pname, param = entry
-        leaf = self.leaf_of[src._storage_key]
+        plain = src._plain
         self.rec.writes.append(ir.Write(
-            pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(dst.shape), dst.stride()),
-            ir.View(leaf, ir.Region(src.storage_offset(), tuple(src._shape), src.stride()))))
+            pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
+            ir.View(self.leaf_of[src._storage_key], ir.Region(plain.storage_offset(), tuple(shape), plain.stride()))))
         return dst
 
     def watch_everything(self) -> None:
@@ -265,6 +295,10 @@ class _Recorder:
             self.full_mode.__enter__()
 
     def close(self) -> None:
+        for func, n in self.fast_counts.items():
+            name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(func, op_name(func))
+            self.rec.ops_seen[name] = self.rec.ops_seen.get(name, 0) + n
+        self.fast_counts = {}
         if self.full_mode is not None:
             self.full_mode.__exit__(None, None, None)
             self.full_mode = None
@@ -312,6 +346,11 @@ class _Recorder:
         ops[name] = ops.get(name, 0) + 1
         if name in _METADATA:
             return func(*args, **kwargs)
+        if name in ("Tensor.data.set", "Tensor.set_"):
+            # `param.data = loaded`: the parameter now *is* the loaded tensor (its storage and geometry), which a
+            # plan of copies cannot express; the consumer runs the real loader for it
+            raise _ValueRead(self.sources_of(tracked), name, "the loader replaces a tensor's storage (`.data = ...` "
+                                                             "or set_)")
         if name.endswith(".get") and name[:-4] not in _VALUE_READS:
             # `t.T`, `t.mT`, `t.data`: a view of the loaded tensor. Return it as a RecTensor: the fast path below
             # recognises tracked tensors by type, so a plain tensor here would make later ops on it (`t.T.contiguous()`)
@@ -508,6 +547,9 @@ class _Recorder:
 
 _OP_NAMES: dict = {}
 _COPY = torch.Tensor.copy_
+_TO = torch.Tensor.to
+_FILL, _ZERO = torch.Tensor.fill_, torch.Tensor.zero_
+_EMPTY = torch.empty
 # pure view ops: the output shares the input's storage, its geometry is the whole record
 _FAST_VIEWS = {torch.Tensor.narrow, torch.Tensor.view, torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.select,
                torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.permute, torch.Tensor.expand}
@@ -567,6 +609,17 @@ _REC_TYPES = (RecTensor,)
 
 
 def _hook(original):
+    if original is _COPY:
+        def hooked_copy(*args, **kwargs):
+            rec = _ACTIVE
+            # `param_view.copy_(loaded)`, once per tensor: straight to the recorder's fast path (see dispatch)
+            if rec is not None and len(args) == 2 and not kwargs and not rec.busy and rec.full_mode is None \
+                    and type(args[1]) is RecTensor and type(args[0]) is not RecTensor:
+                if rec._fast_copy(args[0], args[1]) is not None:
+                    return args[0]
+            return hooked(*args, **kwargs)
+        _UNHOOK[hooked_copy] = original
+
     def hooked(*args, **kwargs):
         rec = _ACTIVE
         if rec is None or rec.busy or rec.full_mode is not None:
@@ -577,7 +630,7 @@ def _hook(original):
         return rec.dispatch(original, (), args, kwargs)
     hooked.__wrapped__ = original
     _UNHOOK[hooked] = original
-    return hooked
+    return hooked_copy if original is _COPY else hooked
 
 
 @contextlib.contextmanager
@@ -601,6 +654,170 @@ def _recording(recorder: "_Recorder"):
         for n in _HOOKED_TORCH_FUNCTIONS:
             setattr(torch, n, _ORIGINAL[f"torch.{n}"])
         _UNHOOK.clear()
+
+
+class _FastGaveUp(Exception):
+    """The fast tier met something it does not record; the full tier takes the whole rank over."""
+
+
+class _FastRecorder:
+    """The fast tier. vLLM's loaders mostly take a view of the loaded tensor (narrow, view, transpose, chunk, ...)
+    and copy_ it into a view of a parameter. A view of a meta tensor carries its exact storage offset and strides, so
+    with *plain* meta tensors fed to the loader, only the final `param_view.copy_(loaded_view)` has to be seen: the
+    storage of its source says which checkpoint tensor it reads and its geometry which elements. No tensor subclass,
+    no torch-function round trip per view: recording costs about the loader's own time (issue 2's bar).
+
+    What it cannot see it must not miss. It gives up (the full tier then records the rank from the start) when:
+    * a sink's source is a meta storage it did not feed (an op made new storage: cat, contiguous, .to(dtype), ...),
+      or its dtype differs from the fed tensor's (a dtype-reinterpreting view), or its shape differs from the
+      destination's (broadcast copy);
+    * the source's version counter moved (an in-place op on the loaded tensor or any alias sharing the counter);
+    * any other hooked call (`to`, `__setitem__`, fill_/zero_/mul_/..., factories: see _HOOKED_TENSOR_METHODS) has a
+      fed tensor or a parameter among its tensor arguments (covers in-place ops through `.data`, which has its own
+      version counter), or a factory makes a meta tensor (a loader scratch tensor);
+    * a parameter's storage changed under it (`param.data = loaded`);
+    * the loader raised anything (value reads on meta raise), or swallowed one of our give-ups.
+    """
+
+    def __init__(self, param_of: dict, rank: int, params: dict):
+        self.param_of = param_of
+        self.rec = RankRecording(rank=rank, params=params)
+        self.source_of: dict[int, tuple[ir.Source, torch.dtype]] = {}  # fed storage -> (leaf, fed dtype)
+        self.keepalive: list[torch.Tensor] = []  # storage keys are addresses: keep their owners alive
+        self.anomaly = ""
+
+    def give_up(self, why: str):
+        if not self.anomaly:
+            self.anomaly = why
+        raise _FastGaveUp(why)
+
+    def run(self, model, tensors: list) -> bool:
+        rec, source_of, keepalive = self.rec, self.source_of, self.keepalive
+
+        def feed():
+            for name, shape, dtype in tensors:
+                dt = getattr(torch, dtype)
+                t = _EMPTY(shape, dtype=dt, device="meta")
+                source_of[t.untyped_storage()._cdata] = (ir.Source(name), dt)
+                keepalive.append(t)
+                rec.fed.append(name)
+                yield name, t
+
+        global _ACTIVE_FAST
+        if _ACTIVE is not None or _ACTIVE_FAST is not None:
+            raise RecordError("a recording is already running in this thread; recordings do not nest")
+        for n in _HOOKED_TENSOR_METHODS:
+            setattr(torch.Tensor, n, _fast_hook(_ORIGINAL[f"Tensor.{n}"]))
+        for n in _HOOKED_TORCH_FUNCTIONS:
+            setattr(torch, n, _fast_hook(_ORIGINAL[f"torch.{n}"]))
+        _ACTIVE_FAST = self
+        try:
+            model.load_weights(feed())
+        except Exception as e:  # _FastGaveUp, or the loader failed: the full tier finds out which and why
+            if not self.anomaly:
+                self.anomaly = f"the loader raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        finally:
+            _ACTIVE_FAST = None
+            for n in _HOOKED_TENSOR_METHODS:
+                setattr(torch.Tensor, n, _ORIGINAL[f"Tensor.{n}"])
+            for n in _HOOKED_TORCH_FUNCTIONS:
+                setattr(torch, n, _ORIGINAL[f"torch.{n}"])
+        if not self.anomaly:
+            for key, (pname, p) in self.param_of.items():
+                if p.untyped_storage()._cdata != key:
+                    self.anomaly = f"the loader replaced the storage of {pname}"
+                    break
+        return not self.anomaly
+
+    def sink(self, dst, src, rest, kwargs):
+        """`dst.copy_(src, *rest, **kwargs)` with the fast tier active: record it, pass it through, or give up."""
+        if isinstance(dst, _TensorBase):
+            entry = self.param_of.get(dst.untyped_storage()._cdata)
+            fed = self.source_of.get(src.untyped_storage()._cdata) if isinstance(src, _TensorBase) else None
+            # (non_blocking= only says when a real copy may return: nothing to record)
+            if entry is not None and fed is not None and not rest and (not kwargs or kwargs.keys() == {"non_blocking"}):
+                shape = dst.shape
+                if src._version != 0:
+                    self.give_up(f"{fed[0].name} was modified in place before it was copied into {entry[0]}")
+                if src.dtype != fed[1] or src.shape != shape:
+                    self.give_up(f"{fed[0].name} is copied into {entry[0]} through a dtype view or a broadcast")
+                pname, param = entry
+                self.rec.writes.append(ir.Write(
+                    pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
+                    ir.View(fed[0], ir.Region(src.storage_offset(), tuple(shape), src.stride()))))
+                return dst
+            if entry is not None and isinstance(src, _TensorBase):
+                self.give_up(f"a tensor that is not a view of a fed checkpoint tensor is copied into {entry[0]}")
+        self.check_untouched("Tensor.copy_", (dst, src) + tuple(rest), kwargs)
+        return _COPY(dst, src, *rest, **kwargs)
+
+    def fill(self, original, args, kwargs):
+        """`param_view.fill_(v)` / `.zero_()` with a Python scalar, e.g. vocab padding rows: a Full write, as the
+        full tier records it (_Recorder._param_write_without_source). Anything else goes to check_untouched."""
+        dst = args[0] if args else None
+        if isinstance(dst, _TensorBase) and not kwargs:
+            entry = self.param_of.get(dst.untyped_storage()._cdata)
+            value = 0 if original is _ZERO and len(args) == 1 else (
+                args[1] if original is _FILL and len(args) == 2 and type(args[1]) in (bool, int, float) else None)
+            if entry is not None and value is not None:
+                out = original(*args)
+                pname, param = entry
+                sizes = tuple(dst.shape)
+                self.rec.writes.append(ir.Write(pname, _region_in(dst, param),
+                                                ir.View(ir.Full(value, sizes, dtype_name(dst.dtype)),
+                                                        ir.full_region(sizes))))
+                return out
+        self.check_untouched(op_name(original), args, kwargs)
+        return original(*args, **kwargs)
+
+    def check_untouched(self, op: str, args, kwargs) -> None:
+        for a in _tensor_args(args, kwargs):
+            if a.device.type == "meta":
+                key = a.untyped_storage()._cdata
+                if key in self.source_of:
+                    self.give_up(f"{op} on {self.source_of[key][0].name}")
+                if key in self.param_of:
+                    self.give_up(f"{op} on the parameter {self.param_of[key][0]}")
+
+
+_ACTIVE_FAST: "_FastRecorder | None" = None
+
+
+def _fast_hook(original):
+    """The fast tier's wrapper of a hooked function (see _FastRecorder)."""
+    if original is _COPY:
+        def hooked_copy(dst, src=None, *rest, **kwargs):
+            fast = _ACTIVE_FAST
+            if fast is None:
+                return original(dst, src, *rest, **kwargs)
+            return fast.sink(dst, src, rest, kwargs)
+        return hooked_copy
+    if original is _FILL or original is _ZERO:
+        def hooked_fill(*args, **kwargs):
+            fast = _ACTIVE_FAST
+            if fast is None:
+                return original(*args, **kwargs)
+            return fast.fill(original, args, kwargs)
+        return hooked_fill
+    name = op_name(original)
+    is_factory = original in _FACTORIES
+
+    def hooked(*args, **kwargs):
+        fast = _ACTIVE_FAST
+        if fast is not None:
+            fast.check_untouched(name, args, kwargs)
+            if is_factory:
+                out = original(*args, **kwargs)
+                if isinstance(out, _TensorBase) and out.device.type == "meta":
+                    fast.give_up(f"the loader makes a scratch tensor ({name})")
+                return out
+            if original is _TO and args and isinstance(args[0], _TensorBase) and args[0].device.type != "meta":
+                out = original(*args, **kwargs)
+                if isinstance(out, _TensorBase) and out.device.type == "meta":
+                    fast.give_up("the loader moves a constant tensor to the meta device")  # (see _Recorder.handle)
+                return out
+        return original(*args, **kwargs)
+    return hooked
 
 
 def _region_in(dst: torch.Tensor, param: torch.Tensor) -> ir.Region:
@@ -637,16 +854,49 @@ def _loader_frame(tb) -> str:
 
 
 def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int, ...], str]], *, rank: int,
-                  strict: bool = False) -> RankRecording:
-    """Feed `model.load_weights` a RecTensor per checkpoint tensor and record every write into a parameter."""
+                  strict: bool = False, tier: str = "auto") -> RankRecording:
+    """Record every write `model.load_weights` makes into a parameter from each checkpoint tensor.
+
+    tier "auto": first the fast tier (`_FastRecorder`: plain meta tensors, only the sink hooked), which gives up at
+    the first thing it cannot vouch for; then, if it gave up, the full tier on RecTensors (`_Recorder`) from the start.
+    tier "full": the full tier only. Both give the same recording wherever the fast tier completes (tested)."""
     param_of: dict[int, tuple[str, torch.Tensor]] = {}
     params: dict[str, ir.TensorMeta] = {}
     for pname, p in list(model.named_parameters()) + list(model.named_buffers()):
         param_of.setdefault(_key(p), (pname, p))
         params.setdefault(pname, ir.TensorMeta(pname, tuple(p.shape), dtype_name(p.dtype)))
     rec = RankRecording(rank=rank, params=params)
+    aliases = {pname: p.data for key, (pname, p) in param_of.items()}
     remaining = list(tensors)
     t0 = time.perf_counter()
+    # The recording allocates a few small objects per tensor (RecTensor, IR records) on top of the loader's own, and
+    # every ~700 allocations CPython's cycle collector runs, its older generations walking the whole heap (the model
+    # with its thousands of modules and params): ~25% of a Kimi-K2 rank's recording time. Nothing recorded is cyclic
+    # garbage worth collecting mid-load, so the collector is paused for the recording and resumed (not forced) after.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if tier == "auto":
+            fast = _FastRecorder(param_of, rank, params)
+            if fast.run(model, remaining):
+                fast.rec.seconds = time.perf_counter() - t0
+                return fast.rec
+            rec.tier_note = fast.anomaly
+            for key, (pname, p) in param_of.items():  # undo `param.data = loaded` before the full tier runs
+                if p.untyped_storage()._cdata != key:
+                    p.data = aliases[pname]
+        elif tier != "full":
+            raise ValueError(f"tier must be 'auto' or 'full', not {tier!r}")
+        rec.tier = "full"
+        _record_all(model, remaining, rec, param_of, aliases, strict)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    rec.seconds = time.perf_counter() - t0
+    return rec
+
+
+def _record_all(model, remaining: list, rec: RankRecording, param_of: dict, aliases: dict, strict: bool) -> None:
     while remaining:
         mode = _Recorder(param_of, rec)
         fed: list[str] = []
@@ -662,6 +912,7 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
         try:
             with _recording(mode):
                 model.load_weights(feed())
+                _check_param_storages(mode, aliases)
             remaining = []
         except _ValueRead as e:
             culprits = e.sources or {fed[-1]} if fed else e.sources
@@ -675,8 +926,23 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
             _fallback(rec, {fed[-1]}, type(e).__name__, str(e).splitlines()[0][:300], _loader_frame(e.__traceback__),
                       strict)
             remaining = _unfinished(rec, remaining, len(fed), {fed[-1]}) + remaining[len(fed):]
-    rec.seconds = time.perf_counter() - t0
-    return rec
+
+
+def _check_param_storages(mode: "_Recorder", aliases: dict) -> None:
+    """`param.data = loaded` (no torch function sees the setter): the parameter now *is* the loaded tensor, its
+    storage and geometry, which a plan of copies cannot express. The consumer must run the real loader for it."""
+    for key, (pname, p) in mode.param_of.items():
+        new_key = p.untyped_storage()._cdata
+        if new_key != key:
+            p.data = aliases[pname]  # back to the parameter's own storage, for the loads still to come
+            leaf = mode.leaf_of.get(new_key)
+            if leaf is None:
+                raise RecordError(f"the loader replaced the storage of parameter {pname} with a tensor that is not "
+                                  f"a checkpoint tensor; shardplan cannot record that")
+            sources: set[str] = set()
+            ir._collect_sources(leaf, sources)
+            raise _ValueRead(sources, "Tensor.data.set", f"the loader replaces the storage of {pname} "
+                                                         f"(`param.data = ...`)")
 
 
 def _unfinished(rec: RankRecording, remaining: list, num_fed: int, culprits: set[str]) -> list:

@@ -18,17 +18,19 @@ class RankStats:
     nbytes: int
     seconds: float
     device: str
+    tier: str = "fast"    # which recorder tier recorded it (record.record_loader)
+    tier_note: str = ""   # why the fast tier gave up, when it did
 
 
 class RecordSession:
     def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False):
+                 strict: bool = False, tier: str = "auto"):
         from . import models  # vLLM side only
         from .build import make_vllm_config
 
         self._model, self._overrides = model, list(overrides)
         self.spec = models.resolve_model(model, list(overrides))
-        self.layout, self.dtype, self.strict = layout, dtype, strict
+        self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         self.vllm_config = make_vllm_config(self.spec.materialize(), layout, dtype, self.spec.name)
         from vllm.config import set_current_vllm_config
 
@@ -52,11 +54,12 @@ class RecordSession:
         t0 = time.perf_counter()
         model, device = build_for_recording(self.vllm_config, self.layout, rank)
         with loading_context(self.vllm_config, self.layout, rank):  # loaders ask for the TP/EP rank while loading
-            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict)
+            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
         plan = recording.to_plan()
         del model
         stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),
-                          plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, device)
+                          plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, device,
+                          recording.tier, recording.tier_note)
         return plan, stats
 
     def record(self, ranks: Iterable[int], progress: Callable[[RankStats], None] | None = None):
@@ -128,7 +131,7 @@ class RecordSession:
         num_read = num_sources_read(self.body, s.rank)
         fallbacks = len(self.body.fallbacks.get(s.rank, ()))
         return RankStats(s.rank, num_read, fallbacks, len(self.sources) - num_read - fallbacks, nbytes, s.seconds,
-                         s.device)
+                         s.device, s.tier, s.tier_note)
 
     def encode(self, plans: Sequence[ir.RankPlan] | None) -> bytes:
         from .compile import compile_plans

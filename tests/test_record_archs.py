@@ -181,6 +181,43 @@ def test_replay_equals_real_loader(arch, data, arch_root):
     check_rank(arch, session, layout, rank, plan, seed)
 
 
+# ---- the recorder's two tiers agree ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+@settings(max_examples=archs.examples(ci=2, thorough=10), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_fast_tier_equals_full_tier(arch, data, arch_root):
+    """record_loader tries the fast tier (plain meta tensors, sinks only) and hands over to the full tier (RecTensor)
+    when it meets anything it cannot vouch for. Where the fast tier completes, its plan must be the full tier's, write
+    for write; the built-ins (the models whose recording time matters) must all take the fast tier."""
+    experts = _num_experts(arch)
+    tp = data.draw(st.sampled_from([2, 4, 1]), label="tp")
+    ep = data.draw(st.sampled_from([True, False]), label="ep") if experts else False
+    layout = Layout(tp=tp, ep=ep)
+    model, overrides = _spec(arch, "bfloat16", arch_root)
+    session = get_session(model, overrides, layout, "bfloat16")
+    assume(session is not None)
+    rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
+    recorded = get_plan(session, (model, overrides, layout, "bfloat16"), rank)
+    assume(recorded is not None)
+    plan, stats = recorded
+    note(f"auto: {stats.tier} tier {stats.tier_note}")
+    if arch in BUILTINS:
+        assert stats.tier == "fast", f"the fast tier gave up: {stats.tier_note}"
+    full_session = replace_tier(session, "full")
+    full_plan, full_stats = full_session.record_rank(rank)
+    assert full_stats.tier == "full"
+    assert plan == full_plan, "the fast and the full tier recorded different plans"
+
+
+def replace_tier(session: RecordSession, tier: str) -> RecordSession:
+    """The same session (config, tensors) recording with another tier."""
+    other = object.__new__(RecordSession)
+    other.__dict__.update(session.__dict__)
+    other.tier = tier
+    return other
+
+
 # ---- expert parallelism: every expert tensor read by exactly one rank ---------------------------------------------
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
