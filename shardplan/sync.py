@@ -299,12 +299,19 @@ def held_whole(source: WeightSource, needed: set[str]) -> frozenset[str] | None:
 
 def checksum(view: torch.Tensor) -> int:
     """Sum of the bytes as int32 words (tail bytes added singly), in int64. Works on any device."""
+    return int(checksum_tensor(view))
+
+
+def checksum_tensor(view: torch.Tensor) -> torch.Tensor:
+    """checksum() as a 0-d int64 tensor on the view's device: enqueued, not waited for (the two-sided pipeline reads
+    it once the transfer it guards has finished)."""
     n = view.numel()
     words = n // 4 * 4 if view.data_ptr() % 4 == 0 else 0
-    total = view[:words].view(torch.int32).sum(dtype=torch.int64) if words else torch.zeros((), dtype=torch.int64)
+    total = view[:words].view(torch.int32).sum(dtype=torch.int64) if words else \
+        torch.zeros((), dtype=torch.int64, device=view.device)
     if words < n:
-        total = total + view[words:].sum(dtype=torch.int64).to(total.device)
-    return int(total)
+        total = total + view[words:].sum(dtype=torch.int64)
+    return total
 
 
 # ---- control channel keys --------------------------------------------------------------------------------------------------
@@ -509,7 +516,8 @@ class TrainerSync(_Rank):
         tensors = _GroupTensors(self.source, uses)
         failures: dict[Peer, BaseException] = {}
         sent = {c: 0 for c in lanes}
-        threads = [threading.Thread(target=self._lane, args=(version, c, schedule, tensors, failures, sent),
+        lane = self._lane if self.transport.one_sided else self._lane_two_sided
+        threads = [threading.Thread(target=lane, args=(version, c, schedule, tensors, failures, sent),
                                     name=f"{self.name}->consumer{c}", daemon=True) for c in lanes]
         for t in threads:
             t.start()
@@ -551,6 +559,62 @@ class TrainerSync(_Rank):
             if in_flight is not None:
                 self._mark_done(version, peer, in_flight, wait_s)
                 done.add(in_flight[0])
+        except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
+            failures[peer] = e
+            for gi in todo:   # let the consumer end now rather than time out on us
+                if gi not in done:
+                    self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {e}")
+
+    def _lane_two_sided(self, version: int, c: int, schedule: Schedule, tensors: _GroupTensors,
+                        failures: dict[Peer, BaseException], sent: dict[int, int]) -> None:
+        """A lane over a two-sided transport (NCCL, gloo): a send completes only into a receive the consumer posted,
+        and the consumer posts the receive into a slot only after it applied what the slot held. So no "slot free"
+        marks are needed, and the consumer learns arrival from its receive: the lane only waits for its own send of
+        group k-2 before packing group k into the same slot, and on the GPU the send waits for the pack through stream
+        order. Control-channel traffic per group: the "done" mark with checksums, only when verifying, and set after
+        the next send is posted (off the transfer's critical path). The consumer's abort mark (its "free" key) is
+        polled only while a send is waited for."""
+        peer = consumer_name(c)
+        wait_s = 1.5 * self.config.timeout_s
+        if self.slots[c][0].is_cuda:
+            torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
+        todo = [gi for gi in range(len(schedule.groups)) if schedule.of(c, gi, self.rank)]
+        done: set[int] = set()
+        in_flight: list[tuple[int, list, list]] = []   # (group index, pendings, checksum tensors), oldest first
+
+        def finish(entry) -> None:
+            gi, pendings, sums = entry
+            check = lambda: _abort_mark(self.control, _free_key(version, peer, gi))  # noqa: E731
+            for pending in pendings:
+                pending.wait(wait_s, check=check)
+
+        def mark(entry) -> None:
+            gi, _, sums = entry
+            if self.config.verify:
+                self.control.set(_done_key(version, self.name, peer, gi), json.dumps({"sums": [int(x) for x in sums]}))
+            done.add(gi)
+
+        try:
+            for k, gi in enumerate(todo):
+                finished = None
+                if len(in_flight) == 2:   # this group's slot is still being sent from (group k-2): wait for it
+                    finished = in_flight.pop(0)
+                    finish(finished)
+                group, pieces = schedule.groups[gi], schedule.of(c, gi, self.rank)
+                slot = self.slots[c][k % 2]
+                self.packer.pack(c, group, tensors.get(group), slot, sorted({i for p in pieces for i in p.segments}))
+                tensors.release(group)
+                sums = [checksum_tensor(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
+                pendings = [self.transport.send(peer, slot[p.lo:p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
+                            for p in pieces]
+                in_flight.append((gi, pendings, sums))
+                sent[c] += sum(p.hi - p.lo for p in pieces)
+                if finished is not None:
+                    mark(finished)
+            while in_flight:
+                finished = in_flight.pop(0)
+                finish(finished)
+                mark(finished)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
             for gi in todo:   # let the consumer end now rather than time out on us
@@ -608,6 +672,8 @@ class ConsumerSync(_Rank):
             self.control.set(_free_key(version, self.name, gi), f"ok {time.time():.6f}")
 
         failures: dict[Peer, BaseException] = {}
+        if not self.transport.one_sided:
+            return self._sync_two_sided(version, schedule, trainers, start)
         try:
             for gi in range(min(2, len(groups))):
                 post(gi)
@@ -644,6 +710,71 @@ class ConsumerSync(_Rank):
         self._finish(version, failures)
         return SyncReport(self.name, version, time.monotonic() - start, received,
                           tuple(trainer_name(t) for t in trainers))
+
+
+    def _sync_two_sided(self, version: int, schedule: Schedule, trainers: list[int], start: float) -> SyncReport:
+        """The consumer over a two-sided transport (see TrainerSync._lane_two_sided): post the receives of groups 0
+        and 1; per group, wait for its receives (polling the trainers' abort marks only while waiting), checksum on
+        the device (enqueued), apply, and post the receive of group k+2 into the freed slot (on the GPU it waits for
+        the apply through stream order). The trainers' checksums are read once, at the end, before the version is
+        committed: no control-channel round trip sits between two transfers."""
+        c, groups = self.rank, schedule.groups
+        posted: dict[int, list] = {}
+        sums: list[tuple[int, int, Piece, torch.Tensor]] = []   # (group index, index among its trainer's pieces, ...)
+        received = 0
+        failures: dict[Peer, BaseException] = {}
+
+        def post(gi: int) -> None:
+            buf = self.buffers[gi % 2]
+            posted[gi] = [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
+                                              Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(c, gi)]
+
+        try:
+            for gi in range(min(2, len(groups))):
+                post(gi)
+            for gi, group in enumerate(groups):
+                buf, pieces = self.buffers[gi % 2], schedule.of(c, gi)
+                deadline = deadline_after(self.config.timeout_s)
+                seen: dict[int, int] = {}
+                for piece, pending in zip(pieces, posted.pop(gi)):
+                    peer = trainer_name(piece.trainer)
+                    key = _done_key(version, peer, self.name, gi)
+                    pending.wait(max(left(deadline), 0.001), check=lambda: _abort_mark(self.control, key))
+                    j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
+                    if self.config.verify:
+                        sums.append((gi, j, piece, checksum_tensor(buf[piece.lo:piece.hi])))
+                    received += piece.hi - piece.lo
+                if self.sizes.get(group, 0):
+                    if self._state != SyncState(version, False):
+                        self._state = SyncState(version, False)   # params now hold a mix of two versions
+                    self.unpacker.apply(group, buf[:self.sizes[group]])
+                if gi + 2 < len(groups):
+                    post(gi + 2)
+            deadline = deadline_after(self.config.timeout_s)
+            for gi, j, piece, got in sums:
+                peer = trainer_name(piece.trainer)
+                mark = self.control.get(_done_key(version, peer, self.name, gi), left(deadline), peer,
+                                        f"checksums of {groups[gi]}")
+                if mark.startswith("abort"):
+                    raise PeerAborted(peer, mark)
+                expected, got = json.loads(mark)["sums"][j], int(got)
+                if expected != got:
+                    raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {groups[gi]}: checksum {got}, "
+                                                 f"trainer packed {expected}")
+            self._state = SyncState(version, True)
+        except BaseException as e:  # noqa: BLE001 - recorded and raised by _finish as SyncFailed
+            failures[getattr(e, "peer", self.name)] = e
+            for gi in range(len(groups)):   # trainers waiting on a send to this rank end now
+                self.control.set(_free_key(version, self.name, gi), f"abort: {self.name} gave up: {e}")
+        self._finish(version, failures)
+        return SyncReport(self.name, version, time.monotonic() - start, received,
+                          tuple(trainer_name(t) for t in trainers))
+
+
+def _abort_mark(control: Control, key: str) -> str | None:
+    """The abort message a peer left at `key`, if any (None while the key is unset or holds a normal mark)."""
+    value = control.try_get(key)
+    return value if value is not None and value.startswith("abort") else None
 
 
 # ---- adapters to the other stages: replay (trainer), apply (consumer), shards (sharded trainers) ---------------------------

@@ -89,7 +89,11 @@ class Tag:
 
 class Pending(Protocol):
     def wait(self, timeout_s: float) -> None:
-        """Return once the transfer finished; raise PeerTimeout / PeerDied (naming the peer) otherwise."""
+        """Return once the transfer finished; raise PeerTimeout / PeerDied (naming the peer) otherwise.
+
+        Two-sided adapters (`one_sided = False`) also take `check`: a callable the wait polls every ~50 ms; when it
+        returns a message (the peer wrote an abort mark), the wait raises PeerAborted with it. The engine's two-sided
+        pipeline uses it instead of control-channel round trips per group (see shardplan.sync)."""
 
 
 class Transport(Protocol):
@@ -112,7 +116,7 @@ class Transport(Protocol):
 class Done:
     """An already-finished Pending (one-sided receive, empty transfer)."""
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check=None) -> None:
         return None
 
 
@@ -122,7 +126,7 @@ class Failed:
     def __init__(self, error: Exception):
         self.error = error
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check=None) -> None:
         raise self.error
 
 

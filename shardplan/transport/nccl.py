@@ -6,21 +6,24 @@ rank 0). No default process group, no world: a dead consumer breaks only its own
 pairs (the prefix carries both epochs), and the trainer never joins a collective that could hang on it.
 Sends and receives are `pg.send/recv` of views of pre-allocated buffers, posted in the same order on both sides.
 
-On CUDA the backend is NCCL: communicators initialise lazily at the first transfer of a pair; waits poll
-`work.is_completed()` against a deadline and abort the pair's communicator when it passes (NCCL would otherwise block
-until its watchdog fires). On CPU the backend is gloo (same code, used by the CPU tests): gloo's `work.wait(timeout)`
-enforces the deadline itself; a dead peer surfaces as a closed connection.
+On CUDA the backend is NCCL: communicators initialise lazily at the first transfer of a pair. On CPU the backend is
+gloo (same code, used by the CPU tests). NCCL waits poll `work.is_completed()` against a deadline (and the engine's
+abort check) and abort the pair's communicator when they give up (NCCL would otherwise block until its watchdog
+fires); gloo's own `work.wait(timeout)` enforces the deadline, and a dead gloo peer surfaces as a closed connection. Two-sided: the engine needs no "slot free" / "bytes done"
+marks per group with this adapter (see shardplan.sync).
 """
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardplan.transport.base import (Control, Done, Failed, Peer, PeerDied, PeerTimeout, Tag, deadline_after, left)
+from shardplan.transport.base import (Control, Done, Failed, Peer, PeerAborted, PeerDied, PeerTimeout, Tag,
+                                      deadline_after, left)
 
 
 class _Pair:
@@ -34,8 +37,11 @@ class _Work:
     def __init__(self, work, peer: Peer, pair: _Pair, backend: str):
         self.work, self.peer, self.pair, self.backend = work, peer, pair, backend
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check=None) -> None:
         if self.backend == "gloo":
+            # gloo: a send/recv work reports completion only through wait(), and a wait that times out breaks the
+            # pair, so there is one wait with the whole deadline (no `check` slices; a dead gloo peer closes the
+            # connection, which ends the wait at once anyway)
             try:
                 self.work.wait(timedelta(seconds=max(timeout_s, 0.001)))
             except RuntimeError as e:
@@ -44,17 +50,36 @@ class _Work:
                     raise PeerTimeout(self.peer, f"transfer did not finish within {timeout_s:.1f} s") from None
                 raise PeerDied(self.peer, f"connection failed: {text.splitlines()[0]}") from None
             return
-        # NCCL: never block the CPU inside NCCL; poll the work's CUDA event against our own deadline.
         deadline = deadline_after(timeout_s)
+        # NCCL: never block the CPU inside NCCL; poll the work's CUDA event against our own deadline, calling `check`
+        # every CHECK_EVERY_S. The first polls are tight: in a pipelined sync the next transfer is posted right after.
+        pause, next_check = 2e-5, time.monotonic() + CHECK_EVERY_S
         while not self.work.is_completed():
             if left(deadline) == 0:
-                self.pair.pg.abort()   # unblocks the stream; the pair is re-created at the next epoch
+                self._abort()   # NCCL: unblocks the stream; the pair is re-created at the next epoch
                 raise PeerTimeout(self.peer, f"NCCL transfer did not finish within {timeout_s:.1f} s")
-            threading.Event().wait(0.0002)
+            if check is not None and time.monotonic() > next_check:
+                self._check(check)
+                next_check = time.monotonic() + CHECK_EVERY_S
+            time.sleep(pause)
+            pause = min(pause * 1.5, 2e-4)
         try:
-            self.work.wait()   # orders the current stream after the transfer
+            self.work.wait()   # raises the transfer's error, if any; on CUDA orders the current stream after it
         except Exception as e:
-            raise PeerDied(self.peer, f"NCCL transfer failed: {e}") from e
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise PeerDied(self.peer, f"NCCL transfer failed: {text}") from None
+
+    def _abort(self) -> None:
+        self.pair.pg.abort()
+
+    def _check(self, check) -> None:
+        message = check()
+        if message:
+            self._abort()   # the posted transfer would otherwise block the stream forever
+            raise PeerAborted(self.peer, message)
+
+
+CHECK_EVERY_S = 0.05
 
 
 class NcclTransport:
