@@ -7,8 +7,10 @@ One trainer process holds the FULL tensors of several decoder layers (each layer
 trainer's flat parameter buffers are); each consumer process holds one TP rank's params. Per case, in one run:
 
   raw p2p        one NCCL send of all of a consumer's bytes (already packed) over the same pair: the ceiling
-  sharded        the sync engine with pack/apply switched off: per-layer pipelined sends + control-channel marks
+  sharded        the sync engine with pack/apply switched off: per-layer pipelined sends
   end to end     the sync engine with replay (ReplayPacker) and apply (ApplyUnpacker): replay + send + apply
+                 (both after the version's announcement was read and connections opened: engine.prepare(), which a
+                 trainer runs while the optimizer steps; not timed)
   broadcast      broadcast every full layer (double-buffered buckets) and narrow each write out of it (per-write
                  copy_, what a loader does): the checkpoint-engine style baseline
 Timing: all ranks meet on the control channel, the trainer stamps t0, each consumer stamps its end after
@@ -42,9 +44,10 @@ sys.path.insert(0, HERE)
 from shardplan import ir  # noqa: E402
 from shardplan.apply import params_from_plan  # noqa: E402
 from shardplan.replay import apply_reference, to_dtype  # noqa: E402
-from shardplan.sync import (ApplyUnpacker, ConsumerSync, Coordinator, ReplayPacker, SyncConfig,  # noqa: E402
-                            TrainerSync, layouts_of)
+from shardplan.sync import (PART_BYTES, ApplyUnpacker, ConsumerSync, Coordinator, ReplayPacker,  # noqa: E402
+                            SyncConfig, TrainerSync, layouts_of)
 from shardplan.transport import Control, consumer_name, create  # noqa: E402
+import shardplan.sync as sync_mod  # noqa: E402
 
 
 # ---- plans ------------------------------------------------------------------------------------------------------------
@@ -187,18 +190,19 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
     if case == "kimi-ep":   # the trainer holds (and the broadcast baseline moves) every expert, not just the read ones
         sources = {**build_plans("kimi", layers, 1)[1], **sources}
     config = SyncConfig(timeout_s=120, verify=False, announce_timeout_s=600)
+    part_bytes = args.part_mib << 20 if args.part_mib else None
     transport = create("nccl", me=me, control=control, device=device, timeout_s=120)
     if index == 0:
         flats, tensors = flat_groups(sources, device)
         for t in tensors.values():
             t.normal_()
-        packer = Switch(ReplayPacker(plans, sources, device=device))
+        packer = Switch(ReplayPacker(plans, sources, device=device, max_group_bytes=part_bytes))
         engine = TrainerSync(0, packer, FlatSource(tensors), transport, control, config, device=device)
         coordinator = Coordinator(control, layouts_of(packer), packer.groups(), 1, config)
     else:
         plan = plans[index - 1]
         params = params_from_plan(plan, device)
-        unpacker = Switch(ApplyUnpacker(plan, params))
+        unpacker = Switch(ApplyUnpacker(plan, params, max_group_bytes=part_bytes))
         engine = ConsumerSync(index - 1, unpacker, transport, control, config, device=device)
         group_sizes = dict(unpacker.sizes())
     # the broadcast baseline's group: every process of this case
@@ -220,6 +224,8 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
             key = f"{case}/{label}/{it}"
             if prepare is not None:
                 prepare()
+            if sync_mod.TRACE is not None:
+                sync_mod.TRACE.clear()
             if index == 0:
                 for j in range(n):
                     control.get(f"{key}/ready/{j}", 600, consumer_name(j))
@@ -228,25 +234,32 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
                 control.set(f"{key}/go", repr(t0))
                 run()
                 sync()
+                t_end = time.time()
                 ends = [float(control.get(f"{key}/end/{j}", 600, consumer_name(j))) for j in range(n)]
                 if it:   # the first is the warm-up
                     times.append(max(ends) - t0)
             else:
                 sync()
                 control.set(f"{key}/ready/{index - 1}", "1")
-                control.get(f"{key}/go", 600, "trainer0")
+                t0 = float(control.get(f"{key}/go", 600, "trainer0"))
                 run()
                 sync()
-                control.set(f"{key}/end/{index - 1}", repr(time.time()))
+                t_end = time.time()
+                control.set(f"{key}/end/{index - 1}", repr(t_end))
+            if sync_mod.TRACE is not None and it == args.iters:   # the engine's timeline of the last run
+                events = ", ".join(f"{what} {1e3 * (t - t0):.2f}" for t, _, what in sync_mod.TRACE)
+                log(me, f"{case}: {label} trace (ms after go): {events}, end {1e3 * (t_end - t0):.2f}")
         return statistics.median(times) if times else 0.0
 
     # -- engine syncs: transfer only, then end to end --
     def engine_prepare():
-        # the driver announces a version when the optimizer step starts: control-plane work ahead of the sync
+        # the driver announces a version when the optimizer step starts, and every rank prepares it (reads the
+        # announcement, opens connections) meanwhile: control-plane work ahead of the sync, not timed
         nonlocal version
         version += 1
         if index == 0:
             coordinator.announce(version)
+        engine.prepare(version)
 
     def engine_run():
         engine.sync(version)
@@ -374,13 +387,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5, help="timed runs per measurement (median), after one warm-up")
     ap.add_argument("--plan", default=None, help="also sync layers of these recorded plan files (comma list)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--part-mib", type=int, default=PART_BYTES >> 20,
+                    help="pipeline unit: decoder layers larger than this move in parts (0: whole layers)")
     args = ap.parse_args()
     if args.plan:
         args.cases = ",".join([c for c in args.cases.split(",") if c] + [f"plan={p}" for p in args.plan.split(",")])
     if args.device == "cuda" and torch.cuda.device_count() < args.num_consumers + 1:
         raise SystemExit(f"need {args.num_consumers + 1} GPUs, found {torch.cuda.device_count()}")
     print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version() if args.device == 'cuda' else '-'}, "
-          f"device {args.device}, consumers {args.num_consumers}, iters {args.iters}", flush=True)
+          f"device {args.device}, consumers {args.num_consumers}, iters {args.iters}, parts of {args.part_mib} MiB",
+          flush=True)
     servers = {case: Control.serve("127.0.0.1") for case in args.cases.split(",")}
     controls = {case: (c.host, c.port) for case, c in servers.items()}
     ctx = mp.get_context("spawn")

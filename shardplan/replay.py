@@ -260,12 +260,20 @@ class GroupSpan:
 
 
 def group_order(group: str) -> tuple:
-    """Embeddings, then decoder layers by number, then the head (and any other group by name)."""
-    if group == "embed":
-        return (0, 0, "")
-    if group.startswith("layers.") and group[7:].isdigit():
-        return (1, int(group[7:]), "")
-    return (2 if group == "head" else 3, 0, group)
+    """Embeddings, then decoder layers by number, then the head (and any other group by name); the parts of a
+    split group ("layers.3/0", "layers.3/1": PackLayout's max_group_bytes) in part order, where the group would be."""
+    base, _, part = group.partition("/")
+    part_index = int(part) if part.isdigit() else -1
+    if base == "embed":
+        return (0, 0, "", part_index)
+    if base.startswith("layers.") and base[7:].isdigit():
+        return (1, int(base[7:]), "", part_index)
+    return (2 if base == "head" else 3, 0, base, part_index)
+
+
+def base_group(group: str) -> str:
+    """The weight group a part of a split group belongs to ("layers.3/1" -> "layers.3")."""
+    return group.partition("/")[0]
 
 
 def _write_sort_key(w: ir.Write, dtype: str, rank_pos: int, index: int) -> tuple:
@@ -282,6 +290,43 @@ def _write_sort_key(w: ir.Write, dtype: str, rank_pos: int, index: int) -> tuple
     return (group_order(group), rank_pos, kind, dtype, geometry, w.param, w.dst.sizes, w.dst.strides,
             w.dst.offset, tail, index)
 
+def _overlap(spans: list[tuple[int, int]]) -> bool:
+    """Whether any two [lo, hi) element extents intersect (extents over-approximate strided regions: a false
+    positive only keeps a group whole)."""
+    spans = sorted(spans)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
+                  keep_whole: set[str]) -> tuple[list[list], list[Segment]]:
+    """Cut each [name, start, stop, first, last] group larger than max_bytes into parts at segment boundaries, except
+    the groups in `keep_whole` (whose writes overlap: parts are applied one after the other, while overlapping writes
+    must land in plan order, which only a whole group's apply keeps)."""
+    out: list[list] = []
+    for name, start, stop, first, last in groups:
+        if stop - start <= max_bytes or name in keep_whole:
+            out.append([name, start, stop, first, last])
+            continue
+        parts: list[list] = []
+        for i in range(first, last):
+            seg = segments[i]
+            if not parts or (seg.offset + seg.nbytes - parts[-1][1] > max_bytes and i > parts[-1][3]):
+                parts.append([f"{name}/{len(parts)}", seg.offset, seg.offset, i, i])
+            parts[-1][2], parts[-1][4] = seg.offset + seg.nbytes, i + 1
+        if len(parts) == 1:   # only alignment padding was over the limit: nothing to split
+            out.append([name, start, stop, first, last])
+            continue
+        parts[-1][2] = stop   # the group's trailing alignment padding stays with its last part
+        for j in range(len(parts) - 1):
+            parts[j][2] = parts[j + 1][1]   # each part runs up to the next (padding included)
+        for part in parts:
+            for i in range(part[3], part[4]):
+                s = segments[i]
+                segments[i] = Segment(s.offset, s.nbytes, s.dtype, s.shape, part[0], s.refs)
+        out += parts
+    return out, segments
+
+
 
 @dataclass(frozen=True)
 class PackLayout:
@@ -295,7 +340,12 @@ class PackLayout:
     _by_group: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_plans(cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256) -> "PackLayout":
+    def from_plans(cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
+                   max_group_bytes: int | None = None) -> "PackLayout":
+        """`max_group_bytes`: split a weight group larger than this into parts "<group>/0", "<group>/1", ... at
+        segment boundaries (a segment larger than the limit is a part of its own). A pipelined sync moves and applies
+        part by part, so its fill (packing the first part) and drain (applying the last) shrink with the parts.
+        Offsets do not change; both sides of a sync must use the same value."""
         plans = _as_plans(plans)
         if alignment <= 0 or alignment % 16:
             raise ValueError(f"alignment must be a positive multiple of 16 bytes, got {alignment}")
@@ -330,6 +380,15 @@ class PackLayout:
             offset = align_up(offset + nbytes, alignment)
             groups[-1][2] = offset
             groups[-1][4] = len(segments)
+        if max_group_bytes is not None:
+            if max_group_bytes <= 0:
+                raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
+            extents: dict[tuple[str, str], list[tuple[int, int]]] = {}
+            for _, _, _, w, _ in keyed:
+                if w.dst.numel:
+                    extents.setdefault((ir.group_of(w.param), w.param), []).append(w.dst.extent())
+            keep_whole = {group for (group, _), spans in extents.items() if _overlap(spans)}
+            groups, segments = _split_groups(groups, segments, max_group_bytes, keep_whole)
         spans = tuple(GroupSpan(*g) for g in groups)
         return cls(alignment, offset, tuple(segments), spans, tuple(p.rank for p in plans))
 
@@ -446,11 +505,11 @@ class Replayer:
     """
 
     def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
-                 alignment: int = 256, device: torch.device | str | None = None):
+                 alignment: int = 256, device: torch.device | str | None = None, max_group_bytes: int | None = None):
         self.plans = _as_plans(plans)
         self.sources = dict(sources)
         self.device = torch.device(device) if device is not None else None
-        self.layout = PackLayout.from_plans(self.plans, alignment)
+        self.layout = PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
         self._check_plans()
         self._batches, self._computed = self._plan_batches()

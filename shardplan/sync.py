@@ -38,8 +38,10 @@ zeroed, truncated or stale pieces, not swapped words.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +53,15 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import TensorMeta
 from shardplan.transport.base import (Control, Peer, PeerAborted, PeerError, Tag, Transport, consumer_name,
                                       deadline_after, left, trainer_name)
+
+# ---- timeline tracing (benchmarks): SHARDPLAN_TRACE=1 records (wall time, thread, event) per engine step ---------------
+TRACE: list[tuple[float, str, str]] | None = [] if os.environ.get("SHARDPLAN_TRACE") else None
+
+
+def _trace(event: str) -> None:
+    if TRACE is not None:
+        TRACE.append((time.time(), threading.current_thread().name, event))
+
 
 # ---- what the engine needs from the other stages ---------------------------------------------------------------------
 Box = tuple[tuple[int, int], ...]   # [start, stop) per dimension
@@ -429,6 +440,7 @@ class _Rank:
         self.transport, self.control = transport, control
         self.config = config or SyncConfig()
         self._schedules: dict[str, Schedule] = {}
+        self._prepared: tuple | None = None   # what prepare(version) read, for sync(version)
 
     def _announcement(self, version: int) -> tuple[dict, Schedule]:
         ann = json.loads(self.control.get(_announce_key(version), self.config.announce_timeout_s, "coordinator",
@@ -459,24 +471,35 @@ class _Rank:
 
 
 class _GroupTensors:
-    """The source's tensors of a group, fetched once per sync for all lanes, dropped when the last lane packed it."""
+    """The source's tensors of a group, fetched once per sync for all lanes (and all parts of a split group: the
+    source knows decoder-layer groups, not parts), dropped when the last lane packed its last part."""
 
     def __init__(self, source: WeightSource, uses: Mapping[str, int]):
-        self.source, self.uses = source, dict(uses)
+        from shardplan.replay import base_group
+        self.base_group = base_group
+        self.source, self.uses = source, {}
+        for group, n in uses.items():
+            self.uses[base_group(group)] = self.uses.get(base_group(group), 0) + n
         self.cache: dict[str, Mapping[str, torch.Tensor]] = {}
         self.lock = threading.Lock()
 
     def get(self, group: str) -> Mapping[str, torch.Tensor]:
+        base = self.base_group(group)
         with self.lock:
-            if group not in self.cache:
-                self.cache[group] = self.source.group(group)
-            return self.cache[group]
+            if base not in self.cache:
+                self.cache[base] = self.source.group(base)
+            return self.cache[base]
 
     def release(self, group: str) -> None:
+        base = self.base_group(group)
         with self.lock:
-            self.uses[group] -= 1
-            if self.uses[group] == 0:
-                self.cache.pop(group, None)
+            self.uses[base] -= 1
+            if self.uses[base] == 0:
+                self.cache.pop(base, None)
+
+
+def _no_context():
+    return contextlib.nullcontext()
 
 
 def _aligned(n: int, to: int = 256) -> int:
@@ -505,25 +528,44 @@ class TrainerSync(_Rank):
         self.held = held_whole(source, needed)
         self.epoch = _join(control, self.name, self.held)
 
-    def sync(self, version: int) -> SyncReport:
-        start = time.monotonic()
+    def prepare(self, version: int) -> None:
+        """The control-plane part of syncing `version`, ahead of it (e.g. while the optimizer step runs): read the
+        announcement and schedule, open connections to this version's consumers. sync(version) then starts packing
+        and sending at once. Optional: sync() prepares itself when this was not called for its version."""
         ann, schedule = self._announcement(version)
         lanes = [c for c in schedule.consumers
                  if any(schedule.of(c, g, self.rank) for g in range(len(schedule.groups)))]
         self.transport.connect({self.name: self.epoch, **{consumer_name(c): ann["members"][consumer_name(c)]
                                                           for c in lanes}})
         uses = {g: sum(1 for c in lanes if schedule.of(c, gi, self.rank)) for gi, g in enumerate(schedule.groups)}
+        self._prepared = (version, schedule, lanes, uses)
+
+    def sync(self, version: int) -> SyncReport:
+        start = time.monotonic()
+        _trace("trainer sync")
+        if self._prepared is None or self._prepared[0] != version:
+            self.prepare(version)
+            _trace("prepared")
+        _, schedule, lanes, uses = self._prepared
+        self._prepared = None
         tensors = _GroupTensors(self.source, uses)
         failures: dict[Peer, BaseException] = {}
         sent = {c: 0 for c in lanes}
         lane = self._lane if self.transport.one_sided else self._lane_two_sided
+        # the first lane runs in this thread (no thread start before the first send), the others in threads
         threads = [threading.Thread(target=lane, args=(version, c, schedule, tensors, failures, sent),
-                                    name=f"{self.name}->consumer{c}", daemon=True) for c in lanes]
+                                    name=f"{self.name}->consumer{c}", daemon=True) for c in lanes[1:]]
         for t in threads:
             t.start()
+        if lanes:
+            device = self.slots[lanes[0]][0].device
+            with torch.cuda.device(device) if device.type == "cuda" else _no_context():
+                lane(version, lanes[0], schedule, tensors, failures, sent)
         for t in threads:
             t.join()   # every wait in a lane has a deadline; only this rank's own pack/source can stall it
+        _trace("lanes joined")
         self._finish(version, failures)
+        _trace("result set")
         return SyncReport(self.name, version, time.monotonic() - start, sum(sent.values()),
                           tuple(consumer_name(c) for c in lanes))
 
@@ -600,13 +642,16 @@ class TrainerSync(_Rank):
                 if len(in_flight) == 2:   # this group's slot is still being sent from (group k-2): wait for it
                     finished = in_flight.pop(0)
                     finish(finished)
+                    _trace(f"sent {finished[0]}")
                 group, pieces = schedule.groups[gi], schedule.of(c, gi, self.rank)
                 slot = self.slots[c][k % 2]
                 self.packer.pack(c, group, tensors.get(group), slot, sorted({i for p in pieces for i in p.segments}))
                 tensors.release(group)
+                _trace(f"pack {gi} enqueued")
                 sums = [checksum_tensor(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
                 pendings = [self.transport.send(peer, slot[p.lo:p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
                             for p in pieces]
+                _trace(f"send {gi} posted")
                 in_flight.append((gi, pendings, sums))
                 sent[c] += sum(p.hi - p.lo for p in pieces)
                 if finished is not None:
@@ -614,6 +659,7 @@ class TrainerSync(_Rank):
             while in_flight:
                 finished = in_flight.pop(0)
                 finish(finished)
+                _trace(f"sent {finished[0]}")
                 mark(finished)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
@@ -651,17 +697,30 @@ class ConsumerSync(_Rank):
         """(version of the weights held, whether every byte of that version arrived, verified, and was applied)."""
         return self._state
 
-    def sync(self, version: int) -> SyncReport:
-        start = time.monotonic()
+    def prepare(self, version: int) -> None:
+        """The control-plane part of syncing `version`, ahead of it: read the announcement and schedule, check them
+        against this rank's plan, open connections to this version's trainers (see TrainerSync.prepare)."""
         ann, schedule = self._announcement(version)
         c, groups = self.rank, schedule.groups
         for gi, group in enumerate(groups):
             if schedule.nbytes[c][gi] > self.sizes.get(group, 0):
                 raise ScheduleError(f"{self.name}: the trainers' layout of {group} has {schedule.nbytes[c][gi]} bytes, "
-                                    f"this rank's has {self.sizes.get(group, 0)}: the two sides use different plans")
+                                    f"this rank's has {self.sizes.get(group, 0)}: the two sides use different plans (or a "
+                                    f"different max_group_bytes)")
         trainers = sorted({p.trainer for gi in range(len(groups)) for p in schedule.of(c, gi)})
         self.transport.connect({self.name: self.epoch,
                                 **{trainer_name(t): ann["members"][trainer_name(t)] for t in trainers}})
+        self._prepared = (version, schedule, trainers)
+
+    def sync(self, version: int) -> SyncReport:
+        start = time.monotonic()
+        _trace("consumer sync")
+        if self._prepared is None or self._prepared[0] != version:
+            self.prepare(version)
+            _trace("prepared")
+        _, schedule, trainers = self._prepared
+        self._prepared = None
+        c, groups = self.rank, schedule.groups
         posted: dict[int, list] = {}
         received = 0
 
@@ -732,6 +791,7 @@ class ConsumerSync(_Rank):
         try:
             for gi in range(min(2, len(groups))):
                 post(gi)
+            _trace("first receives posted")
             for gi, group in enumerate(groups):
                 buf, pieces = self.buffers[gi % 2], schedule.of(c, gi)
                 deadline = deadline_after(self.config.timeout_s)
@@ -740,6 +800,7 @@ class ConsumerSync(_Rank):
                     peer = trainer_name(piece.trainer)
                     key = _done_key(version, peer, self.name, gi)
                     pending.wait(max(left(deadline), 0.001), check=lambda: _abort_mark(self.control, key))
+                    _trace(f"received {gi}")
                     j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
                     if self.config.verify:
                         sums.append((gi, j, piece, checksum_tensor(buf[piece.lo:piece.hi])))
@@ -748,8 +809,10 @@ class ConsumerSync(_Rank):
                     if self._state != SyncState(version, False):
                         self._state = SyncState(version, False)   # params now hold a mix of two versions
                     self.unpacker.apply(group, buf[:self.sizes[group]])
+                    _trace(f"apply {gi} enqueued")
                 if gi + 2 < len(groups):
                     post(gi + 2)
+                    _trace(f"receive {gi + 2} posted")
             deadline = deadline_after(self.config.timeout_s)
             for gi, j, piece, got in sums:
                 peer = trainer_name(piece.trainer)
@@ -766,7 +829,9 @@ class ConsumerSync(_Rank):
             failures[getattr(e, "peer", self.name)] = e
             for gi in range(len(groups)):   # trainers waiting on a send to this rank end now
                 self.control.set(_free_key(version, self.name, gi), f"abort: {self.name} gave up: {e}")
+        _trace("committed")
         self._finish(version, failures)
+        _trace("result set")
         return SyncReport(self.name, version, time.monotonic() - start, received,
                           tuple(trainer_name(t) for t in trainers))
 
@@ -778,6 +843,12 @@ def _abort_mark(control: Control, key: str) -> str | None:
 
 
 # ---- adapters to the other stages: replay (trainer), apply (consumer), shards (sharded trainers) ---------------------------
+# Pipeline unit of ReplayPacker / ApplyUnpacker: a decoder layer's group larger than this is moved in parts (see
+# PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each: on an
+# H200 pair a 256 MiB part is ~0.7 ms on the wire and ~0.1 ms to pack or apply. Trainer and consumer must agree.
+PART_BYTES = 256 << 20
+
+
 def layouts_of(packer: Packer) -> dict[int, dict[str, tuple[Segment, ...]]]:
     """What the Coordinator needs: every consumer's segments per group."""
     return {c: {g: tuple(packer.layout(c, g)) for g in packer.groups()} for c in packer.consumers()}
@@ -843,13 +914,14 @@ class ReplayPacker:
     bytes only (see docs/transports.md)."""
 
     def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, max_group_bytes: int | None = PART_BYTES):
         from shardplan.replay import Replayer
         for plan in plans:
             if plan.fallbacks:
                 raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
                                      f"({plan.fallbacks[0].source}, ...); the sync engine does not ship fallbacks yet")
-        self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device) for p in plans}
+        self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device,
+                                           max_group_bytes=max_group_bytes) for p in plans}
         self._groups = _ordered_groups(r.layout for r in self.replayers.values())
         self._packs = _Packs()
 
@@ -874,10 +946,11 @@ class ReplayPacker:
 class ApplyUnpacker:
     """Unpacker over shardplan.apply: the consumer's own plan, its layout, its live params."""
 
-    def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256):
+    def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256,
+                 max_group_bytes: int | None = PART_BYTES):
         from shardplan.apply import Applier
         from shardplan.replay import PackLayout
-        self.layout = PackLayout.from_plans(plan, alignment)
+        self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
         self.applier = Applier(plan, self.layout, params)
 
     def sizes(self):

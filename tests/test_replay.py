@@ -18,7 +18,7 @@ from shardplan.apply import (Applier, FallbackRequiredError, LayoutMismatchError
 from shardplan.errors import ShardplanError
 from shardplan.replay import (DisallowedOpError, ReplayError, MissingTensorError, PackBufferError, PackLayout,
                               PlanError, Replayer, StaleBindingError, TensorDTypeError, TensorLayoutError,
-                              TensorShapeError, apply_reference, collapse, resolve_op, widen)
+                              TensorShapeError, apply_reference, collapse, resolve_op, widen, base_group, group_order)
 
 DTYPES = ["bfloat16", "float32", "float16"]
 STRATEGIES = ["batched", "batched-nowiden", "foreach", "loop"]
@@ -271,13 +271,28 @@ def test_pack_apply_equals_reference(world, seed, flat, alignment):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(worlds(max_ranks=2), st.integers(0, 2**31 - 1))
-def test_groups_pack_and_apply_independently(world, seed):
+@given(worlds(max_ranks=2), st.integers(0, 2**31 - 1), st.sampled_from([None, 1, 300, 2048]))
+def test_groups_pack_and_apply_independently(world, seed, max_group_bytes):
     """Packing group by group into group-sized buffers gives the full buffer's bytes; applying them gives the same
-    params; a group needs only its own sources."""
+    params; a group needs only its own sources. Also with groups split into parts (max_group_bytes): the parts
+    tile their group, in group_order, each within the limit unless it is a single segment, offsets unchanged."""
     plans, sources = world
     tensors = random_tensors(sources, seed)
-    replayer = Replayer(plans, sources)
+    replayer = Replayer(plans, sources, max_group_bytes=max_group_bytes)
+    whole = PackLayout.from_plans(plans)
+    layout = replayer.layout
+    assert [(s.offset, s.nbytes, s.refs) for s in layout.segments] == \
+        [(s.offset, s.nbytes, s.refs) for s in whole.segments] and layout.nbytes == whole.nbytes
+    assert list(layout.group_names) == sorted(layout.group_names, key=group_order)
+    for g in whole.groups:
+        parts = [p for p in layout.groups if base_group(p.name) == g.name]
+        assert (parts[0].start, parts[0].first, parts[-1].stop, parts[-1].last) == (g.start, g.first, g.stop, g.last)
+        assert all(a.stop == b.start and a.last == b.first for a, b in zip(parts, parts[1:]))
+        if max_group_bytes is not None and len(parts) > 1:
+            assert all(p.last - p.first == 1 or layout.segments[p.last - 1].offset + layout.segments[p.last - 1].nbytes
+                       - p.start <= max_group_bytes for p in parts)
+        elif max_group_bytes is not None:
+            assert g.nbytes <= max_group_bytes or g.last - g.first == 1 or parts[0].name == g.name
     full = replayer.pack(tensors)
     for plan in plans:
         params = params_from_plan(plan, fill=NAN)

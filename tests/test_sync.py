@@ -29,6 +29,7 @@ from shardplan.sync import (ConsumerSync, Coordinator, NotAMember, Schedule, Sch
 from shardplan.transport import Control, PeerAborted, PeerDied, PeerTimeout, consumer_name, create, trainer_name
 
 TIMEOUT_S = 2.0
+PART_BYTES = 2048   # PlanWorld moves each decoder layer in parts of at most this many bytes
 
 
 # ---- stand-in world: pack = copy byte ranges of source tensors; apply = keep the bytes --------------------------------------
@@ -228,8 +229,10 @@ class PlanWorld:
         from shardplan.sync import ReplayPacker, layouts_of
         self.plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.tensors = full_tensors(self.sources)
-        self._packer = ReplayPacker(self.plans, self.sources)
+        # small parts: every decoder layer's group is moved in several parts (PackLayout's max_group_bytes)
+        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
         self.groups, self.layouts = list(self._packer.groups()), layouts_of(self._packer)
+        assert any("/" in g for g in self.groups), "the parts path is not exercised"
 
     def packer(self, rank):
         return self._packer
@@ -241,7 +244,7 @@ class PlanWorld:
         from shardplan.apply import params_from_plan
         from shardplan.sync import ApplyUnpacker
         params = params_from_plan(self.plans[rank], fill=float("nan"))
-        return _Received(ApplyUnpacker(self.plans[rank], params), params)
+        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES), params)
 
     def reference(self, rank):
         from shardplan.apply import params_from_plan
@@ -781,7 +784,7 @@ class RecordedWorld(PlanWorld):
         read = set().union(*(p.sources_read() for p in self.plans))
         self.sources = {m.name: m for m in metas if m.name in read}
         self.tensors = {n: t for n, t in self.tensors.items() if n in read}
-        self._packer = ReplayPacker(self.plans, self.sources)
+        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
         self.groups, self.layouts = list(self._packer.groups()), layouts_of(self._packer)
 
 
