@@ -526,6 +526,7 @@ class TrainerSync(_Rank):
         control.prewarm(len(self.consumers) + 2)   # one per lane (or pair rendezvous), opened now rather than mid-sync
         needed = {n for c in self.consumers for g in self.groups for s in packer.layout(c, g) for n in s.sources}
         self.held = held_whole(source, needed)
+        self._step_cache: dict[tuple[int, int], tuple[Schedule, list]] = {}
         self.epoch = _join(control, self.name, self.held)
 
     def prepare(self, version: int) -> None:
@@ -620,7 +621,8 @@ class TrainerSync(_Rank):
         wait_s = 1.5 * self.config.timeout_s
         if self.slots[c][0].is_cuda:
             torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
-        todo = [gi for gi in range(len(schedule.groups)) if schedule.of(c, gi, self.rank)]
+        steps = self._steps(schedule, c)
+        todo = [gi for gi, _, _, _ in steps]
         done: set[int] = set()
         in_flight: list[tuple[int, list, list]] = []   # (group index, pendings, checksum tensors), oldest first
 
@@ -637,15 +639,14 @@ class TrainerSync(_Rank):
             done.add(gi)
 
         try:
-            for k, gi in enumerate(todo):
+            for k, (gi, group, pieces, segments) in enumerate(steps):
                 finished = None
                 if len(in_flight) == 2:   # this group's slot is still being sent from (group k-2): wait for it
                     finished = in_flight.pop(0)
                     finish(finished)
                     _trace(f"sent {finished[0]}")
-                group, pieces = schedule.groups[gi], schedule.of(c, gi, self.rank)
                 slot = self.slots[c][k % 2]
-                self.packer.pack(c, group, tensors.get(group), slot, sorted({i for p in pieces for i in p.segments}))
+                self.packer.pack(c, group, tensors.get(group), slot, segments)
                 tensors.release(group)
                 _trace(f"pack {gi} enqueued")
                 sums = [checksum_tensor(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
@@ -666,6 +667,21 @@ class TrainerSync(_Rank):
             for gi in todo:   # let the consumer end now rather than time out on us
                 if gi not in done:
                     self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {e}")
+
+    def _steps(self, schedule: Schedule, c: int) -> list[tuple[int, str, tuple[Piece, ...], list[int]]]:
+        """(group index, group, this trainer's pieces, their segments) per group of consumer c it serves: a pure
+        function of the schedule, computed once per schedule (thousands of segments per group in a no-EP MoE)."""
+        key = (id(schedule), c)
+        if key not in self._step_cache:
+            if len(self._step_cache) > 64:
+                self._step_cache.clear()
+            steps = []
+            for gi, group in enumerate(schedule.groups):
+                pieces = schedule.of(c, gi, self.rank)
+                if pieces:
+                    steps.append((gi, group, pieces, sorted({i for p in pieces for i in p.segments})))
+            self._step_cache[key] = (schedule, steps)   # (the schedule kept alive: its id stays its own)
+        return self._step_cache[key][1]
 
     def _mark_done(self, version: int, peer: Peer, in_flight, wait_s: float) -> None:
         gi, pendings, sums = in_flight
@@ -875,7 +891,8 @@ class _Packs:
 
     def run(self, key, replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor], out: torch.Tensor):
         from shardplan.replay import GroupSpan, PackLayout, Replayer
-        sub_key = (key, tuple(segments))
+        # the common case (one trainer serves the whole group) keyed without hashing every segment index
+        sub_key = (key, "all") if len(segments) == len(replayer.layout.segments) else (key, tuple(segments))
         if sub_key not in self.bound or self.bound[sub_key][0] is not replayer:
             if len(segments) == len(replayer.layout.segments):
                 sub = replayer
