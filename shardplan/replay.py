@@ -307,12 +307,19 @@ def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
         if stop - start <= max_bytes or name in keep_whole:
             out.append([name, start, stop, first, last])
             continue
+        # ceil(bytes / max_bytes) parts of about equal size (each segment goes to the part its middle byte falls in):
+        # a small tail part would leave the pipeline nothing to overlap the next pack with (a slot is refilled only
+        # once the send two parts back has finished)
+        num_parts = -(-(stop - start) // max_bytes)
+        share = (stop - start) / num_parts
         parts: list[list] = []
         for i in range(first, last):
             seg = segments[i]
-            if not parts or (seg.offset + seg.nbytes - parts[-1][1] > max_bytes and i > parts[-1][3]):
-                parts.append([f"{name}/{len(parts)}", seg.offset, seg.offset, i, i])
+            index = min(num_parts - 1, int((seg.offset + seg.nbytes / 2 - start) // share))
+            if not parts or index > parts[-1][5]:
+                parts.append([f"{name}/{len(parts)}", seg.offset, seg.offset, i, i, index])
             parts[-1][2], parts[-1][4] = seg.offset + seg.nbytes, i + 1
+        parts = [p[:5] for p in parts]
         if len(parts) == 1:   # only alignment padding was over the limit: nothing to split
             out.append([name, start, stop, first, last])
             continue
@@ -342,10 +349,11 @@ class PackLayout:
     @classmethod
     def from_plans(cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
                    max_group_bytes: int | None = None) -> "PackLayout":
-        """`max_group_bytes`: split a weight group larger than this into parts "<group>/0", "<group>/1", ... at
-        segment boundaries (a segment larger than the limit is a part of its own). A pipelined sync moves and applies
-        part by part, so its fill (packing the first part) and drain (applying the last) shrink with the parts.
-        Offsets do not change; both sides of a sync must use the same value."""
+        """`max_group_bytes`: split a weight group larger than this into ceil(bytes / max_group_bytes) parts of about
+        equal size, "<group>/0", "<group>/1", ..., cut at segment boundaries (so a part may exceed the limit by less
+        than one segment). A pipelined sync moves and applies part by part, so its fill (packing the first part) and
+        drain (applying the last) shrink with the parts. Offsets do not change; both sides of a sync must use the
+        same value."""
         plans = _as_plans(plans)
         if alignment <= 0 or alignment % 16:
             raise ValueError(f"alignment must be a positive multiple of 16 bytes, got {alignment}")
