@@ -788,21 +788,43 @@ class RecordedWorld(PlanWorld):
         self.groups, self.layouts = list(self._packer.groups()), layouts_of(self._packer)
 
 
-@pytest.mark.parametrize("layout", [dict(tp=4), dict(tp=2, dp=2, ep=True)], ids=["tp4", "tp2xep2"])
-def test_sync_recorded_moe_equals_real_loader(tmp_path, layout):
-    """record (vLLM, meta) -> plan file -> 2 trainers pack -> nccl adapter (gloo) -> 4 consumers apply ==
-    vLLM's real load_weights on each consumer rank, bitwise, for a shrunk Qwen3-MoE at TP4 and TP2 x EP2."""
-    from shardplan.build import build_model, loading_context
+_RECORDED: dict[str, tuple] = {}
+
+
+def recorded_moe(layout_id: str, tmp_path_factory):
+    """(session, plans, plan file) of the shrunk Qwen3-MoE at TP4 or TP2 x EP2, recorded once per module."""
     from shardplan.layout import Layout
     from shardplan.planfile import write_plan
     from shardplan.session import RecordSession
+
+    if layout_id not in _RECORDED:
+        layout = {"tp4": dict(tp=4), "tp2xep2": dict(tp=2, dp=2, ep=True)}[layout_id]
+        session = RecordSession("qwen3-30b-a3b", Layout(**layout), overrides=QWEN3_MOE_SHRUNK)
+        plans = [session.record_rank(r)[0] for r in range(4)]
+        path = tmp_path_factory.mktemp("plans") / f"qwen3-moe-{layout_id}.plan"
+        write_plan(path, session.encode(plans))
+        _RECORDED[layout_id] = (session, plans, path)
+    return _RECORDED[layout_id]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "mooncake:tcp", "rdt:gloo", "rdt:nixl"])
+@pytest.mark.parametrize("layout_id", ["tp4", "tp2xep2"])
+def test_sync_recorded_moe_equals_real_loader(tmp_path_factory, request, layout_id, transport):
+    """record (vLLM, meta) -> plan file -> 2 trainers pack -> transport -> 4 consumers apply == vLLM's real
+    load_weights on each consumer rank, bitwise, for a shrunk Qwen3-MoE at TP4 and TP2 x EP2, over every transport
+    that runs on a CPU box (the nccl adapter over gloo, Mooncake over TCP, Ray RDT over gloo and NIXL), with layers
+    moved in parts (RecordedWorld's PART_BYTES)."""
+    from shardplan.build import build_model, loading_context
     from shardplan.verify import bits, random_checkpoint
 
-    session = RecordSession("qwen3-30b-a3b", Layout(**layout), overrides=QWEN3_MOE_SHRUNK)
-    plans = [session.record_rank(r)[0] for r in range(4)]
-    path = tmp_path / "qwen3-moe.plan"
-    write_plan(path, session.encode(plans))
-    got = run_sync(functools.partial(RecordedWorld, path=str(path), seed=7), "nccl")
+    if transport.startswith("rdt:"):
+        request.getfixturevalue("ray_session")
+    if transport == "rdt:nixl":
+        pytest.importorskip("nixl")
+    if transport.startswith("mooncake"):
+        pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    session, plans, path = recorded_moe(layout_id, tmp_path_factory)
+    got = run_sync(functools.partial(RecordedWorld, path=str(path), seed=7), transport)
     names = [m.name for m in sorted(session.sources, key=lambda m: m.name)]
     by_name = {t[0]: t for t in session.tensors}
     checkpoint = random_checkpoint([by_name[n] for n in names], 7)
