@@ -641,23 +641,33 @@ def _hook(original):
 def _recording(recorder: "_Recorder"):
     """Make `recorder` the active one and hook the plain-tensor calls it needs; undo both on exit."""
     global _ACTIVE
-    if _ACTIVE is not None:
+    if _ACTIVE is not None or _ACTIVE_FAST is not None:
         raise RecordError("a recording is already running in this thread; recordings do not nest")
+    with _hooks_installed(_hook):
+        _ACTIVE = recorder
+        try:
+            yield
+        finally:
+            _ACTIVE = None
+            recorder.close()
+            _UNHOOK.clear()
+
+
+@contextlib.contextmanager
+def _hooks_installed(wrap):
+    """Replace each hooked torch function by `wrap(original)` for the block; the originals are back after it,
+    whatever happens inside."""
     for n in _HOOKED_TENSOR_METHODS:
-        setattr(torch.Tensor, n, _hook(_ORIGINAL[f"Tensor.{n}"]))
+        setattr(torch.Tensor, n, wrap(_ORIGINAL[f"Tensor.{n}"]))
     for n in _HOOKED_TORCH_FUNCTIONS:
-        setattr(torch, n, _hook(_ORIGINAL[f"torch.{n}"]))
-    _ACTIVE = recorder
+        setattr(torch, n, wrap(_ORIGINAL[f"torch.{n}"]))
     try:
         yield
     finally:
-        _ACTIVE = None
-        recorder.close()
         for n in _HOOKED_TENSOR_METHODS:
             setattr(torch.Tensor, n, _ORIGINAL[f"Tensor.{n}"])
         for n in _HOOKED_TORCH_FUNCTIONS:
             setattr(torch, n, _ORIGINAL[f"torch.{n}"])
-        _UNHOOK.clear()
 
 
 class _FastGaveUp(Exception):
@@ -710,22 +720,16 @@ class _FastRecorder:
         global _ACTIVE_FAST
         if _ACTIVE is not None or _ACTIVE_FAST is not None:
             raise RecordError("a recording is already running in this thread; recordings do not nest")
-        for n in _HOOKED_TENSOR_METHODS:
-            setattr(torch.Tensor, n, _fast_hook(_ORIGINAL[f"Tensor.{n}"]))
-        for n in _HOOKED_TORCH_FUNCTIONS:
-            setattr(torch, n, _fast_hook(_ORIGINAL[f"torch.{n}"]))
-        _ACTIVE_FAST = self
-        try:
-            model.load_weights(feed())
-        except Exception as e:  # _FastGaveUp, or the loader failed: the full tier finds out which and why
-            if not self.anomaly:
-                self.anomaly = f"the loader raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        finally:
-            _ACTIVE_FAST = None
-            for n in _HOOKED_TENSOR_METHODS:
-                setattr(torch.Tensor, n, _ORIGINAL[f"Tensor.{n}"])
-            for n in _HOOKED_TORCH_FUNCTIONS:
-                setattr(torch, n, _ORIGINAL[f"torch.{n}"])
+        with _hooks_installed(_fast_hook):
+            _ACTIVE_FAST = self
+            try:
+                model.load_weights(feed())
+            except Exception as e:  # _FastGaveUp, or the loader failed: the full tier finds out which and why
+                if not self.anomaly:
+                    first_line = str(e).splitlines()[0][:200] if str(e) else ""
+                    self.anomaly = f"the loader raised {type(e).__name__}: {first_line}"
+            finally:
+                _ACTIVE_FAST = None
         if not self.anomaly:
             for key, (pname, p) in self.param_of.items():
                 if p.untyped_storage()._cdata != key:
