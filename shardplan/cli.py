@@ -107,6 +107,11 @@ def cmd_record(args) -> int:
     print(f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
           f"tensors; plan {path} ({_human(len(data))}); {time.perf_counter() - t0:.1f}s")
     print(f"recording: {session.sampling_note}")
+    full = [s for s in stats if s.tier == "full"]
+    if full:   # the full tier is exact too, only slower: say why the fast one could not be used
+        print(f"recorder: full tier on {len(full)} of {len(stats)} ranks ({full[0].tier_note})")
+    else:
+        print("recorder: fast tier on every rank")
     fallbacks = [(r, f) for r, fs in sorted(session.body.fallbacks.items()) for f in fs] if plans is None else \
         [(p.rank, f) for p in plans for f in p.fallbacks]
     for rank, f in fallbacks[:10]:
