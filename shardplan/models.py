@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 from .errors import ShardplanError
 
 __all__ = [
-    "ConfigError", "ModelSpec", "UnknownModelError", "checkpoint_tensors", "config_sha256", "group_of",
+    "ConfigError", "ModelSpec", "UnknownModelError", "checkpoint_tensors", "config_sha256",
     "list_models", "read_safetensors_header", "resolve_model",
 ]
 
@@ -361,18 +361,6 @@ def _validate_config(config: dict[str, Any], origin: str, overridden: bool) -> N
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
-
-def group_of(name: str) -> str:
-    """Weight group of a checkpoint tensor: "layers.<i>", "embed", "head" (lm_head, final norm) or "other"."""
-    match = _LAYER_NAME.match(name)
-    if match:
-        return f"layers.{int(match.group(1))}"
-    if name.startswith("model.embed_tokens."):
-        return "embed"
-    if name.startswith(("lm_head.", "model.norm.")):
-        return "head"
-    return "other"
-
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype name) from a .safetensors file's header, without reading tensor data.

@@ -12,7 +12,7 @@ import pytest
 from shardplan import models
 from shardplan.errors import ShardplanError
 from shardplan.models import (
-    ConfigError, ModelSpec, UnknownModelError, checkpoint_tensors, config_sha256, group_of, list_models,
+    ConfigError, ModelSpec, UnknownModelError, checkpoint_tensors, config_sha256, list_models,
     read_safetensors_header, resolve_model,
 )
 
@@ -436,15 +436,6 @@ def test_kimi_k2_full_size_count_and_speed():
     start = time.perf_counter()
     assert checkpoint_tensors(spec) == tensors
     assert time.perf_counter() - start < 0.5  # cached per config sha
-
-
-def test_group_of():
-    assert group_of("model.layers.3.mlp.experts.17.gate_proj.weight") == "layers.3"
-    assert group_of("model.layers.61.embed_tokens.weight") == "layers.61"
-    assert group_of("model.embed_tokens.weight") == "embed"
-    assert group_of("lm_head.weight") == "head"
-    assert group_of("model.norm.weight") == "head"
-    assert group_of("model.rotary_emb.inv_freq") == "other"
 
 
 # ------------------------------------------------------------------------------------------ safetensors
