@@ -598,6 +598,21 @@ class Replayer:
             self._group_replayers[group] = sub
         return self._group_replayers[group]
 
+    def subset(self, segments: Sequence[int]) -> "Replayer":
+        """A Replayer packing only the listed segments (indices into `self.layout.segments`), each at its own offset
+        in a buffer of the same size: what a trainer that serves part of a group packs (the sync engine's schedule
+        splits a group between trainers). The other bytes of the buffer are left as they are."""
+        lay = self.layout
+        segs = tuple(lay.segments[i] for i in segments)
+        sub = Replayer.__new__(Replayer)
+        sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank
+        name = lay.groups[0].name if len(lay.groups) == 1 else "subset"
+        sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),),
+                                lay.ranks, lay.base)
+        sub._batches, sub._computed = sub._plan_batches()
+        sub._group_replayers = {}
+        return sub
+
     def bind(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, *,
              cuda_graph: bool | None = None, strategy: str = "batched") -> "BoundReplay":
         """Validate the trainer's tensors, build every view and batch, and on CUDA capture them in a CUDA graph.

@@ -890,23 +890,11 @@ class _Packs:
         self.bound: dict[tuple, object] = {}
 
     def run(self, key, replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor], out: torch.Tensor):
-        from shardplan.replay import GroupSpan, PackLayout, Replayer
         # the common case (one trainer serves the whole group) keyed without hashing every segment index
-        sub_key = (key, "all") if len(segments) == len(replayer.layout.segments) else (key, tuple(segments))
+        whole = len(segments) == len(replayer.layout.segments)
+        sub_key = (key, "all") if whole else (key, tuple(segments))
         if sub_key not in self.bound or self.bound[sub_key][0] is not replayer:
-            if len(segments) == len(replayer.layout.segments):
-                sub = replayer
-            else:   # a trainer serving part of a group packs only its segments, at their offsets
-                lay = replayer.layout
-                segs = tuple(lay.segments[i] for i in segments)
-                sub = Replayer.__new__(Replayer)
-                sub.plans, sub.sources, sub.device, sub._by_rank = replayer.plans, replayer.sources, replayer.device, \
-                    replayer._by_rank
-                sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(lay.groups[0].name, 0, lay.nbytes,
-                                                                                     0, len(segs)),), lay.ranks, lay.base)
-                sub._batches, sub._computed = sub._plan_batches()
-                sub._group_replayers = {}
-            self.bound[sub_key] = (replayer, sub, {})
+            self.bound[sub_key] = (replayer, replayer if whole else replayer.subset(segments), {})
         _, sub, by_buffer = self.bound[sub_key]
         from shardplan.replay import StaleBindingError
         bound = by_buffer.get(out.data_ptr())

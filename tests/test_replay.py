@@ -307,6 +307,27 @@ def test_groups_pack_and_apply_independently(world, seed, max_group_bytes):
         assert_matches_reference(plan, applier, params, tensors)
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(worlds(max_ranks=2), st.integers(0, 2**31 - 1), st.data())
+def test_subset_packs_only_its_segments_at_their_offsets(world, seed, data):
+    """Replayer.subset (a trainer serving part of a group): its segments' bytes as in the full pack, at the same
+    offsets; every other byte of the buffer untouched."""
+    plans, sources = world
+    tensors = random_tensors(sources, seed)
+    replayer = Replayer(plans, sources)
+    full = replayer.pack(tensors)
+    n = len(replayer.layout.segments)
+    chosen = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="segments")) if n else []
+    out = torch.full((replayer.layout.nbytes,), 0xAB, dtype=torch.uint8)
+    replayer.subset(chosen).bind(tensors, out).pack()
+    mask = torch.zeros(replayer.layout.nbytes, dtype=torch.bool)
+    for i in chosen:
+        seg = replayer.layout.segments[i]
+        mask[seg.offset:seg.offset + seg.nbytes] = True
+    assert torch.equal(out[mask], full[mask])
+    assert (out[~mask] == 0xAB).all()
+
+
 @settings(max_examples=40, deadline=None)
 @given(worlds(computed=False), st.sampled_from([16, 256, 4096]))
 def test_layout_invariants(world, alignment):
