@@ -911,23 +911,54 @@ class _Packs:
         by_buffer[out.data_ptr()].pack(check=False)
 
 
+@dataclass(frozen=True, slots=True)
+class FallbackSlot:
+    """A fallback tensor (its loader could not be recorded) shipped whole: `nbytes` at byte `offset` of its group's
+    buffer, after the group's replayed bytes. The consumer hands it to the real loader."""
+    name: str
+    offset: int
+    nbytes: int
+
+
+def fallback_slots(plan, layout, sources: Mapping[str, TensorMeta]) -> dict[str, tuple[FallbackSlot, ...]]:
+    """Where each of the plan's fallback tensors travels: appended (aligned) to the last part of its decoder layer's
+    group in `layout` (so the trainer's source serves it with its layer), or a group of its own when no write of the
+    plan is in that layer. Trainer and consumer compute it from the same plan, layout and sources."""
+    from shardplan import ir
+    from shardplan.replay import _itemsize, base_group, to_dtype
+    last_part: dict[str, str] = {}
+    ends = {g.name: g.nbytes for g in layout.groups}
+    for g in layout.groups:
+        last_part[base_group(g.name)] = g.name   # groups are in order: the last part wins
+    out: dict[str, list[FallbackSlot]] = {}
+    for f in sorted(plan.fallbacks, key=lambda f: f.source):
+        meta = sources.get(f.source)
+        if meta is None:
+            raise ShardplanError(f"consumer rank {plan.rank}: fallback tensor {f.source!r} is not in the sources "
+                                 f"table, so it cannot be shipped; pass the plan file's sources")
+        group = last_part.get(ir.group_of(f.source), ir.group_of(f.source))
+        offset = _aligned(ends.get(group, 0), layout.alignment)
+        nbytes = meta.numel * _itemsize(to_dtype(meta.dtype))
+        out.setdefault(group, []).append(FallbackSlot(f.source, offset, nbytes))
+        ends[group] = offset + nbytes
+    return {g: tuple(slots) for g, slots in out.items()}
+
+
 class ReplayPacker:
     """Packer over shardplan.replay for trainers that hold checkpoint tensors whole (replicated, or gathered per
     group by the WeightSource): one Replayer per consumer plan; any trainer holding a segment's sources may serve it.
-
-    Plans with fallbacks (tensors whose loader could not be recorded) are refused: the sync engine ships packed
-    bytes only (see docs/transports.md)."""
+    Fallback tensors of a plan travel whole, after their layer's replayed bytes (`fallback_slots`)."""
 
     def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
                  device: torch.device | str | None = None, max_group_bytes: int | None = PART_BYTES):
-        from shardplan.replay import Replayer
-        for plan in plans:
-            if plan.fallbacks:
-                raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
-                                     f"({plan.fallbacks[0].source}, ...); the sync engine does not ship fallbacks yet")
+        from shardplan.replay import Replayer, group_order
+        self.sources = dict(sources)
         self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device,
                                            max_group_bytes=max_group_bytes) for p in plans}
-        self._groups = _ordered_groups(r.layout for r in self.replayers.values())
+        self.fallbacks = {p.rank: fallback_slots(p, self.replayers[p.rank].layout, self.sources) for p in plans}
+        groups = set(_ordered_groups(r.layout for r in self.replayers.values()))
+        groups.update(g for slots in self.fallbacks.values() for g in slots)
+        self._groups = tuple(sorted(groups, key=group_order))
         self._packs = _Packs()
 
     def consumers(self):
@@ -938,31 +969,65 @@ class ReplayPacker:
 
     def layout(self, consumer: int, group: str):
         rep = self.replayers[consumer]
-        if group not in rep.layout.group_names:
-            return ()
-        rep_g = rep.for_group(group)
-        return tuple(Segment(s.offset, s.nbytes, _segment_sources(rep_g, s)) for s in rep_g.layout.segments)
+        out = []
+        if group in rep.layout.group_names:
+            rep_g = rep.for_group(group)
+            out = [Segment(s.offset, s.nbytes, _segment_sources(rep_g, s)) for s in rep_g.layout.segments]
+        out += [Segment(f.offset, f.nbytes, (f.name,)) for f in self.fallbacks[consumer].get(group, ())]
+        return tuple(out)
 
     def pack(self, consumer, group, tensors, out, segments):
-        rep_g = self.replayers[consumer].for_group(group)
-        self._packs.run((consumer, group), rep_g, segments, tensors, out)
+        from shardplan.replay import check_tensor
+        rep = self.replayers[consumer]
+        num_replayed = len(rep.for_group(group).layout.segments) if group in rep.layout.group_names else 0
+        replayed = [i for i in segments if i < num_replayed]
+        if replayed:
+            self._packs.run((consumer, group), rep.for_group(group), replayed, tensors, out)
+        slots = self.fallbacks[consumer].get(group, ())
+        for i in segments:
+            if i >= num_replayed:   # a fallback tensor, whole, as bytes
+                f = slots[i - num_replayed]
+                t = tensors.get(f.name)
+                check_tensor("trainer tensor", f.name, t, self.sources[f.name], out.device)
+                out[f.offset:f.offset + f.nbytes].copy_(t.reshape(-1).view(torch.uint8))
 
 
 class ApplyUnpacker:
-    """Unpacker over shardplan.apply: the consumer's own plan, its layout, its live params."""
+    """Unpacker over shardplan.apply: the consumer's own plan, its layout, its live params. A plan with fallbacks
+    needs `sources` (the plan file's table) and `fallback_loader(name, tensor)`, typically the real vLLM loader:
+    `lambda name, t: model.load_weights([(name, t)])`; it gets each fallback tensor whole (a copy it may keep) once
+    its group arrived."""
 
     def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256,
-                 max_group_bytes: int | None = PART_BYTES):
+                 max_group_bytes: int | None = PART_BYTES, sources: Mapping[str, TensorMeta] | None = None,
+                 fallback_loader=None):
         from shardplan.apply import Applier
         from shardplan.replay import PackLayout
         self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
-        self.applier = Applier(plan, self.layout, params)
+        self.fallbacks: dict[str, tuple[FallbackSlot, ...]] = {}
+        if plan.fallbacks:
+            if sources is None or fallback_loader is None:
+                raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
+                                     f"({plan.fallbacks[0].source}, ...): pass sources= (the plan file's table) and "
+                                     f"fallback_loader= (the real loader, which gets each of them whole)")
+            self.fallbacks = fallback_slots(plan, self.layout, sources)
+        self.applier = Applier(plan, self.layout, params, fallback_loader=fallback_loader)
+        self.sources, self.fallback_loader = sources, fallback_loader
 
     def sizes(self):
-        return {g.name: g.nbytes for g in self.layout.groups}
+        sizes = {g.name: g.nbytes for g in self.layout.groups}
+        for group, slots in self.fallbacks.items():
+            sizes[group] = slots[-1].offset + slots[-1].nbytes
+        return sizes
 
     def apply(self, group, buffer):
-        self.applier.apply_group(group, buffer)
+        from shardplan.replay import to_dtype
+        if group in self.layout.group_names:
+            self.applier.apply_group(group, buffer[:self.layout.group(group).nbytes])
+        for f in self.fallbacks.get(group, ()):
+            meta = self.sources[f.name]
+            tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
+            self.fallback_loader(f.name, tensor)
 
 
 def _sharded_layouts(sharded, consumer: int, alignment: int):

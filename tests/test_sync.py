@@ -26,6 +26,7 @@ import torch
 from shardplan.ir import TensorMeta
 from shardplan.sync import (ConsumerSync, Coordinator, NotAMember, Schedule, ScheduleError, Segment, SyncConfig,
                             SyncFailed, SyncState, TrainerSync, build_schedule, checksum)
+from shardplan.errors import ShardplanError
 from shardplan.transport import Control, PeerAborted, PeerDied, PeerTimeout, consumer_name, create, trainer_name
 
 TIMEOUT_S = 2.0
@@ -251,6 +252,45 @@ class PlanWorld:
         from shardplan.replay import apply_reference
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         apply_reference(self.plans[rank], self.tensors, params)
+        return params
+
+
+@dataclass
+class FallbackWorld(PlanWorld):
+    """PlanWorld whose plans have fallback tensors (loaders that could not be recorded): layer 1's o_proj (its layer
+    has replayed bytes too, so it rides after them in the layer's last part) and a tensor of a layer no write reads
+    (a group of its own). Each consumer's fallback loader keeps what it gets, as `fallback:<name>` in `received`."""
+
+    def __post_init__(self):
+        from shardplan import ir
+        from shardplan.sync import ReplayPacker, layouts_of
+        plans, self.sources = tiny_llama_plans(self.num_consumers)
+        self.sources["model.layers.5.mixer.A_log"] = ir.TensorMeta("model.layers.5.mixer.A_log", (24,), "float32")
+        self.fallback_names = ("model.layers.1.self_attn.o_proj.weight", "model.layers.5.mixer.A_log")
+        self.plans = []
+        for plan in plans:
+            writes = tuple(w for w in plan.writes if w.src.leaf != ir.Source(self.fallback_names[0]))
+            fallbacks = tuple(ir.Fallback(n, "torch.exp", "stand-in for an unrecordable loader", "test")
+                              for n in self.fallback_names)
+            self.plans.append(ir.RankPlan(plan.rank, plan.params, writes, fallbacks, plan.not_needed))
+        self.tensors = full_tensors(self.sources)
+        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
+        self.groups, self.layouts = list(self._packer.groups()), layouts_of(self._packer)
+        assert "layers.5" in self.groups
+
+    def unpacker(self, rank):
+        from shardplan.apply import params_from_plan
+        from shardplan.sync import ApplyUnpacker
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+
+        def loader(name, tensor):
+            params[f"fallback:{name}"] = tensor
+        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES, sources=self.sources,
+                                       fallback_loader=loader), params)
+
+    def reference(self, rank):
+        params = super().reference(rank)
+        params.update({f"fallback:{n}": self.tensors[n] for n in self.fallback_names})
         return params
 
 
@@ -707,16 +747,34 @@ def test_sync_mooncake_tcp_with_faults():
         cluster.close()
 
 
-@pytest.mark.parametrize("world", [PlanWorld, functools.partial(PlanWorld, num_consumers=1), ShardedWorld],
-                         ids=["replicated-trainers", "groups-split-across-trainers", "sharded-trainers"])
+@pytest.mark.parametrize("world", [PlanWorld, functools.partial(PlanWorld, num_consumers=1), ShardedWorld,
+                                   FallbackWorld],
+                         ids=["replicated-trainers", "groups-split-across-trainers", "sharded-trainers", "fallbacks"])
 def test_sync_real_plans_equal_reference(world):
-    """Through the replay/apply adapters, consumer params equal the reference interpreter's, bitwise."""
+    """Through the replay/apply adapters, consumer params equal the reference interpreter's, bitwise; fallback
+    tensors reach each consumer's fallback loader whole."""
     got = run_sync(world, "nccl")
     w = world()
     for c in range(w.num_consumers):
         want = w.reference(c)
+        assert set(got[c]) == set(want), f"consumer{c}: {sorted(set(got[c]) ^ set(want))}"
         for name, t in want.items():
             assert torch.equal(got[c][name].view(torch.uint8), t.view(torch.uint8)), f"consumer{c} {name}"
+
+
+def test_fallback_plan_needs_sources_and_loader_on_the_consumer():
+    from shardplan.apply import params_from_plan
+    from shardplan.sync import ApplyUnpacker
+    w = FallbackWorld()
+    params = params_from_plan(w.plans[0], fill=float("nan"))
+    with pytest.raises(ShardplanError, match="model.layers.1.self_attn.o_proj.weight.*fallback_loader="):
+        ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES)
+    # both sides place fallback tensors identically: the consumer's group sizes match the trainers' layouts
+    unpacker = ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES, sources=w.sources,
+                             fallback_loader=lambda n, t: None)
+    for group, size in unpacker.sizes().items():
+        segs = w.layouts[0][group]
+        assert max(seg.offset + seg.nbytes for seg in segs) == size, group
 
 
 @pytest.fixture(scope="module")
