@@ -92,8 +92,9 @@ def overlap_levels(extents: list[tuple[int, str, int, int]]) -> dict[int, int]:
 class Applier:
     """Scatters packed buffers of `layout` into `params` for consumer rank `plan.rank`.
 
-    `params`: name -> tensor for every param the plan writes (contiguous, plan shape and dtype; vLLM's
-    `param.data` qualifies). Contract: params keep their storage while this Applier is used (in-place loads only).
+    `params`: name -> tensor for every param the plan writes (contiguous, plan shape and dtype): the live
+    Parameters, so that a param given new storage later (`param.data = ...`) is noticed at the next apply and the
+    views are bound again (a detached view, e.g. `param.data`, keeps pointing at the storage it was taken from).
     `fallback_loader(name, full_tensor)` loads plan.fallbacks (tensors the recorder could not capture), e.g.
     `lambda n, t: model.load_weights([(n, t)])`; without one, a plan with fallbacks is refused here.
     `cuda_graph`: None (default) captures the scatter of each CUDA buffer into a CUDA graph on its first apply
@@ -120,15 +121,16 @@ class Applier:
         self._items = self._place()
         self._steps = self._plan_steps()
         self._bound: dict[tuple, list[Callable]] = {}
+        self._param_ptrs: list[int] | None = None   # the params' storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()
 
     @classmethod
     def from_model(cls, plan: ir.RankPlan, layout: PackLayout, model: torch.nn.Module, *,
                    fallback_loader: Callable[[str, torch.Tensor], object] | None = None) -> "Applier":
-        """For a live vLLM model: its parameters and buffers (detached views sharing their storage)."""
-        tensors = {n: b.detach() for n, b in model.named_buffers()}
-        tensors.update({n: p.detach() for n, p in model.named_parameters()})
+        """For a live vLLM model: its parameters and buffers themselves (so new storage is noticed, see above)."""
+        tensors = dict(model.named_buffers())
+        tensors.update(model.named_parameters())
         return cls(plan, layout, tensors, fallback_loader=fallback_loader)
 
     # -- plan-only precomputation --
@@ -199,6 +201,16 @@ class Applier:
         if buffer.data_ptr() % 16:
             raise PackBufferError(f"rank {self.plan.rank}: the buffer must start 16-byte aligned, it starts at "
                                   f"{buffer.data_ptr():#x}")
+        ptrs = [t.data_ptr() for t in self.params.values()]
+        if ptrs != self._param_ptrs:
+            # A param got new storage since the views were bound (`param.data = ...`, an engine re-allocating its
+            # weights): views and graphs bound earlier would write into the old storage, silently. Rebind all.
+            if self._param_ptrs is not None:
+                metas = {p.name: p for p in self.plan.params}
+                for name, t in self.params.items():
+                    check_tensor("param", name, t, metas[name], None)
+            self._bound.clear()
+            self._param_ptrs = ptrs
         key = (buffer.data_ptr(), buffer.device)
         if key not in self._bound:
             if len(self._bound) >= 4:  # cached views keep their buffers alive: remember only the last few buffers

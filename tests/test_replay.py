@@ -545,3 +545,26 @@ def test_from_model_uses_parameters_and_buffers():
     tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
     Applier.from_model(renamed, layout, model).apply(Replayer(renamed, src).pack(tensors))
     assert torch.equal(model.p.detach(), tensors["layers.0.w"][1:3].float())
+
+
+def test_param_given_new_storage_is_noticed_at_the_next_apply():
+    """`param.data = new` between two applies (an engine re-allocating its weights): the second apply writes the new
+    storage, not the old one the first apply's bound views pointed at; a new storage of the wrong shape is named."""
+    plan, src = _small()
+    model = torch.nn.Module()
+    model.register_parameter("p", torch.nn.Parameter(torch.full((2, 6), NAN), requires_grad=False))
+    renamed = ir.RankPlan(0, (ir.TensorMeta("p", (2, 6), "float32"),),
+                          tuple(ir.Write("p", w.dst, w.src) for w in plan.writes))
+    layout = PackLayout.from_plans(renamed)
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    buffer = Replayer(renamed, src).pack(tensors)
+    applier = Applier.from_model(renamed, layout, model)
+    applier.apply(buffer)
+    old = model.p.data
+    model.p.data = torch.full((2, 6), NAN)
+    applier.apply(buffer)
+    assert torch.equal(model.p.detach(), tensors["layers.0.w"][1:3].float())
+    assert model.p.data_ptr() != old.data_ptr()
+    model.p.data = torch.full((3, 6), NAN)
+    with pytest.raises(TensorShapeError, match="'p'"):
+        applier.apply(buffer)
