@@ -121,7 +121,8 @@ class Applier:
         self._items = self._place()
         self._steps = self._plan_steps()
         self._bound: dict[tuple, list[Callable]] = {}
-        self._param_ptrs: list[int] | None = None   # the params' storage when the cached views were bound
+        self._touched = sorted({it.param for it in self._items})   # the params this Applier's layout writes
+        self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()
 
@@ -201,14 +202,14 @@ class Applier:
         if buffer.data_ptr() % 16:
             raise PackBufferError(f"rank {self.plan.rank}: the buffer must start 16-byte aligned, it starts at "
                                   f"{buffer.data_ptr():#x}")
-        ptrs = [t.data_ptr() for t in self.params.values()]
+        ptrs = [self.params[name].data_ptr() for name in self._touched]
         if ptrs != self._param_ptrs:
             # A param got new storage since the views were bound (`param.data = ...`, an engine re-allocating its
             # weights): views and graphs bound earlier would write into the old storage, silently. Rebind all.
             if self._param_ptrs is not None:
                 metas = {p.name: p for p in self.plan.params}
-                for name, t in self.params.items():
-                    check_tensor("param", name, t, metas[name], None)
+                for name in self._touched:
+                    check_tensor("param", name, self.params[name], metas[name], None)
             self._bound.clear()
             self._param_ptrs = ptrs
         key = (buffer.data_ptr(), buffer.device)
