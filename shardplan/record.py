@@ -641,8 +641,6 @@ def _hook(original):
 def _recording(recorder: "_Recorder"):
     """Make `recorder` the active one and hook the plain-tensor calls it needs; undo both on exit."""
     global _ACTIVE
-    if _ACTIVE is not None or _ACTIVE_FAST is not None:
-        raise RecordError("a recording is already running in this thread; recordings do not nest")
     with _hooks_installed(_hook):
         _ACTIVE = recorder
         try:
@@ -656,7 +654,9 @@ def _recording(recorder: "_Recorder"):
 @contextlib.contextmanager
 def _hooks_installed(wrap):
     """Replace each hooked torch function by `wrap(original)` for the block; the originals are back after it,
-    whatever happens inside."""
+    whatever happens inside. Both tiers record through this, so it is where nesting is refused."""
+    if _ACTIVE is not None or _ACTIVE_FAST is not None:
+        raise RecordError("a recording is already running in this thread; recordings do not nest")
     for n in _HOOKED_TENSOR_METHODS:
         setattr(torch.Tensor, n, wrap(_ORIGINAL[f"Tensor.{n}"]))
     for n in _HOOKED_TORCH_FUNCTIONS:
@@ -718,8 +718,6 @@ class _FastRecorder:
                 yield name, t
 
         global _ACTIVE_FAST
-        if _ACTIVE is not None or _ACTIVE_FAST is not None:
-            raise RecordError("a recording is already running in this thread; recordings do not nest")
         with _hooks_installed(_fast_hook):
             _ACTIVE_FAST = self
             try:

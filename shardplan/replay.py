@@ -334,7 +334,6 @@ def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
     return out, segments
 
 
-
 @dataclass(frozen=True)
 class PackLayout:
     """Where each write's bytes sit in the packed buffer; a pure function of (plans, alignment)."""
@@ -603,6 +602,10 @@ class Replayer:
         in a buffer of the same size: what a trainer that serves part of a group packs (the sync engine's schedule
         splits a group between trainers). The other bytes of the buffer are left as they are."""
         lay = self.layout
+        bad = [i for i in segments if not 0 <= i < len(lay.segments)]
+        if bad:
+            raise PlanError(f"segments {bad[:8]} are not in this layout (it has {len(lay.segments)}): subset takes "
+                            f"indices into layout.segments")
         segs = tuple(lay.segments[i] for i in segments)
         sub = Replayer.__new__(Replayer)
         sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank

@@ -456,6 +456,14 @@ class _Rank:
                 self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule"))
         return ann, self._schedules[sid]
 
+    def _take_prepared(self, version: int) -> tuple:
+        """What prepare(version) read (preparing now when it was not called for this version), used up by one sync."""
+        if self._prepared is None or self._prepared[0] != version:
+            self.prepare(version)
+            _trace("prepared")
+        prepared, self._prepared = self._prepared, None
+        return prepared[1:]
+
     def _rejoin(self) -> None:
         self.epoch = _join(self.control, self.name, getattr(self, "held", None))
 
@@ -544,11 +552,7 @@ class TrainerSync(_Rank):
     def sync(self, version: int) -> SyncReport:
         start = time.monotonic()
         _trace("trainer sync")
-        if self._prepared is None or self._prepared[0] != version:
-            self.prepare(version)
-            _trace("prepared")
-        _, schedule, lanes, uses = self._prepared
-        self._prepared = None
+        schedule, lanes, uses = self._take_prepared(version)
         tensors = _GroupTensors(self.source, uses)
         failures: dict[Peer, BaseException] = {}
         sent = {c: 0 for c in lanes}
@@ -577,13 +581,12 @@ class TrainerSync(_Rank):
         if self.slots[c][0].is_cuda:
             torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
         in_flight = None   # (group index, pendings, sums): the previous group, finished after the next one is sent
-        todo = [gi for gi in range(len(schedule.groups)) if schedule.of(c, gi, self.rank)]
+        steps = self._steps(schedule, c)
         done: set[int] = set()
         try:
-            for k, gi in enumerate(todo):
-                group, pieces = schedule.groups[gi], schedule.of(c, gi, self.rank)
+            for k, (gi, group, pieces, segments) in enumerate(steps):
                 slot = self.slots[c][k % 2]   # free: the group that used it (k-2) finished in the last iteration
-                self.packer.pack(c, group, tensors.get(group), slot, sorted({i for p in pieces for i in p.segments}))
+                self.packer.pack(c, group, tensors.get(group), slot, segments)
                 tensors.release(group)
                 sums = [checksum(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
                 free = self.control.get(_free_key(version, peer, gi), wait_s, peer, f"receive slot for {group}")
@@ -604,9 +607,14 @@ class TrainerSync(_Rank):
                 done.add(in_flight[0])
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
-            for gi in todo:   # let the consumer end now rather than time out on us
-                if gi not in done:
-                    self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {e}")
+            self._abort_lane(version, peer, steps, done, e)
+
+    def _abort_lane(self, version: int, peer: Peer, steps: list, done: set[int], error: BaseException) -> None:
+        """Mark every group of a failed lane not yet marked done as aborted: the consumer ends now rather than time
+        out on this trainer."""
+        for gi, _, _, _ in steps:
+            if gi not in done:
+                self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {error}")
 
     def _lane_two_sided(self, version: int, c: int, schedule: Schedule, tensors: _GroupTensors,
                         failures: dict[Peer, BaseException], sent: dict[int, int]) -> None:
@@ -622,12 +630,11 @@ class TrainerSync(_Rank):
         if self.slots[c][0].is_cuda:
             torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
         steps = self._steps(schedule, c)
-        todo = [gi for gi, _, _, _ in steps]
         done: set[int] = set()
         in_flight: list[tuple[int, list, list]] = []   # (group index, pendings, checksum tensors), oldest first
 
         def finish(entry) -> None:
-            gi, pendings, sums = entry
+            gi, pendings, _ = entry
             check = lambda: _abort_mark(self.control, _free_key(version, peer, gi))  # noqa: E731
             for pending in pendings:
                 pending.wait(wait_s, check=check)
@@ -664,9 +671,7 @@ class TrainerSync(_Rank):
                 mark(finished)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
-            for gi in todo:   # let the consumer end now rather than time out on us
-                if gi not in done:
-                    self.control.set(_done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {e}")
+            self._abort_lane(version, peer, steps, done, e)
 
     def _steps(self, schedule: Schedule, c: int) -> list[tuple[int, str, tuple[Piece, ...], list[int]]]:
         """(group index, group, this trainer's pieces, their segments) per group of consumer c it serves: a pure
@@ -731,24 +736,18 @@ class ConsumerSync(_Rank):
     def sync(self, version: int) -> SyncReport:
         start = time.monotonic()
         _trace("consumer sync")
-        if self._prepared is None or self._prepared[0] != version:
-            self.prepare(version)
-            _trace("prepared")
-        _, schedule, trainers = self._prepared
-        self._prepared = None
+        schedule, trainers = self._take_prepared(version)
+        if not self.transport.one_sided:
+            return self._sync_two_sided(version, schedule, trainers, start)
         c, groups = self.rank, schedule.groups
         posted: dict[int, list] = {}
         received = 0
+        failures: dict[Peer, BaseException] = {}
 
         def post(gi: int) -> None:
-            buf = self.buffers[gi % 2]
-            posted[gi] = [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
-                                              Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(c, gi)]
+            posted[gi] = self._post_receives(version, schedule, gi)
             self.control.set(_free_key(version, self.name, gi), f"ok {time.time():.6f}")
 
-        failures: dict[Peer, BaseException] = {}
-        if not self.transport.one_sided:
-            return self._sync_two_sided(version, schedule, trainers, start)
         try:
             for gi in range(min(2, len(groups))):
                 post(gi)
@@ -765,15 +764,9 @@ class ConsumerSync(_Rank):
                     pending.wait(max(left(deadline), 0.001))
                     j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
                     if self.config.verify:
-                        expected, got = json.loads(mark)["sums"][j], checksum(buf[piece.lo:piece.hi])
-                        if expected != got:
-                            raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, "
-                                                         f"trainer packed {expected}")
+                        _check_sum(peer, mark, j, checksum(buf[piece.lo:piece.hi]), piece, group)
                     received += piece.hi - piece.lo
-                if self.sizes.get(group, 0):
-                    if self._state != SyncState(version, False):
-                        self._state = SyncState(version, False)   # params now hold a mix of two versions
-                    self.unpacker.apply(group, buf[:self.sizes[group]])
+                self._apply(version, group, buf)
                 if gi + 2 < len(groups):
                     post(gi + 2)
             self._state = SyncState(version, True)
@@ -786,6 +779,17 @@ class ConsumerSync(_Rank):
         return SyncReport(self.name, version, time.monotonic() - start, received,
                           tuple(trainer_name(t) for t in trainers))
 
+    def _post_receives(self, version: int, schedule: Schedule, gi: int) -> list:
+        """Post the receives of group gi's pieces into its slot (gi % 2); one Pending per piece."""
+        buf = self.buffers[gi % 2]
+        return [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
+                                    Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(self.rank, gi)]
+
+    def _apply(self, version: int, group: str, buf: torch.Tensor) -> None:
+        if self.sizes.get(group, 0):
+            if self._state != SyncState(version, False):
+                self._state = SyncState(version, False)   # params now hold a mix of two versions
+            self.unpacker.apply(group, buf[:self.sizes[group]])
 
     def _sync_two_sided(self, version: int, schedule: Schedule, trainers: list[int], start: float) -> SyncReport:
         """The consumer over a two-sided transport (see TrainerSync._lane_two_sided): post the receives of groups 0
@@ -800,9 +804,7 @@ class ConsumerSync(_Rank):
         failures: dict[Peer, BaseException] = {}
 
         def post(gi: int) -> None:
-            buf = self.buffers[gi % 2]
-            posted[gi] = [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
-                                              Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(c, gi)]
+            posted[gi] = self._post_receives(version, schedule, gi)
 
         try:
             for gi in range(min(2, len(groups))):
@@ -821,11 +823,8 @@ class ConsumerSync(_Rank):
                     if self.config.verify:
                         sums.append((gi, j, piece, checksum_tensor(buf[piece.lo:piece.hi])))
                     received += piece.hi - piece.lo
-                if self.sizes.get(group, 0):
-                    if self._state != SyncState(version, False):
-                        self._state = SyncState(version, False)   # params now hold a mix of two versions
-                    self.unpacker.apply(group, buf[:self.sizes[group]])
-                    _trace(f"apply {gi} enqueued")
+                self._apply(version, group, buf)
+                _trace(f"apply {gi} enqueued")
                 if gi + 2 < len(groups):
                     post(gi + 2)
                     _trace(f"receive {gi + 2} posted")
@@ -836,10 +835,7 @@ class ConsumerSync(_Rank):
                                         f"checksums of {groups[gi]}")
                 if mark.startswith("abort"):
                     raise PeerAborted(peer, mark)
-                expected, got = json.loads(mark)["sums"][j], int(got)
-                if expected != got:
-                    raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {groups[gi]}: checksum {got}, "
-                                                 f"trainer packed {expected}")
+                _check_sum(peer, mark, j, int(got), piece, groups[gi])
             self._state = SyncState(version, True)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by _finish as SyncFailed
             failures[getattr(e, "peer", self.name)] = e
@@ -850,6 +846,15 @@ class ConsumerSync(_Rank):
         _trace("result set")
         return SyncReport(self.name, version, time.monotonic() - start, received,
                           tuple(trainer_name(t) for t in trainers))
+
+
+def _check_sum(peer: Peer, mark: str, j: int, got: int, piece: Piece, group: str) -> None:
+    """Compare the consumer's checksum of a piece with the one its trainer wrote in its "done" mark (j-th of its
+    pieces in the group)."""
+    expected = json.loads(mark)["sums"][j]
+    if expected != got:
+        raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, "
+                                     f"trainer packed {expected}")
 
 
 def _abort_mark(control: Control, key: str) -> str | None:

@@ -167,6 +167,17 @@ def test_fast_tier_gives_up_on_what_it_cannot_see(idiom):
         assert not plan.fallbacks and plan.sources_read() == {"x"}
 
 
+def test_recordings_do_not_nest():
+    # a loader that starts another recording (both tiers refuse it, the full one with a named error)
+    def fn(m, name, t):
+        record_loader(Toy({"v": (4,)}, lambda *a: None), [("y", (4,), "float32")], rank=0)
+        m.w.data.copy_(t)
+    with torch.device("meta"):
+        model = Toy({"w": (4,)}, fn)
+    with pytest.raises(RecordError, match="do not nest"):
+        record_loader(model, [("x", (4,), "float32")], rank=0)
+
+
 def test_param_data_assignment_is_a_fallback_and_the_rest_is_recorded():
     # no torch function sees `param.data = t`: both tiers check the parameters' storages after the load
     def fn(m, name, t):

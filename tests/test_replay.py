@@ -326,6 +326,8 @@ def test_subset_packs_only_its_segments_at_their_offsets(world, seed, data):
         mask[seg.offset:seg.offset + seg.nbytes] = True
     assert torch.equal(out[mask], full[mask])
     assert (out[~mask] == 0xAB).all()
+    with pytest.raises(PlanError, match=f"segments \\[{n}\\] are not in this layout"):
+        replayer.subset([n])
 
 
 @settings(max_examples=40, deadline=None)

@@ -379,19 +379,24 @@ def _context():
     return ctx
 
 
+def _cluster_setup(cluster, transport: str, world_factory, config: SyncConfig | None) -> None:
+    """What LocalCluster and RayCluster share: the world, the control store, the coordinator, the rank names."""
+    world = world_factory()
+    cluster.transport, cluster.world = transport, world
+    cluster.config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
+    cluster.control = Control.serve("127.0.0.1")
+    cluster.build = functools.partial(build_rank, world_factory, config=cluster.config)
+    cluster.coordinator = Coordinator(cluster.control, world.layouts, world.groups, world.num_trainers, cluster.config)
+    cluster.names = [trainer_name(t) for t in range(world.num_trainers)] + \
+                    [consumer_name(c) for c in range(world.num_consumers)]
+
+
 class LocalCluster:
     """Ranks as spawned processes on 127.0.0.1; this process hosts the control store and the coordinator.
     `sync(version)` -> {rank: ("ok", SyncReport) | ("error", exception) | ("died", None) | ("hung", None)}."""
 
     def __init__(self, transport: str, world_factory, config: SyncConfig | None = None):
-        world = world_factory()
-        self.transport, self.world = transport, world
-        self.config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
-        self.control = Control.serve("127.0.0.1")
-        self.build = functools.partial(build_rank, world_factory, config=self.config)
-        self.coordinator = Coordinator(self.control, world.layouts, world.groups, world.num_trainers, self.config)
-        self.names = [trainer_name(t) for t in range(world.num_trainers)] + \
-                     [consumer_name(c) for c in range(world.num_consumers)]
+        _cluster_setup(self, transport, world_factory, config)
         self.ctx = _context()
         self.procs: dict[str, tuple] = {}
         for name in self.names:
@@ -475,14 +480,7 @@ class RayCluster:
         import ray
         from shardplan.transport.rdt import router_actor, sync_actor
         self.ray = ray
-        world = world_factory()
-        self.transport, self.world = transport, world
-        self.config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
-        self.control = Control.serve("127.0.0.1")
-        self.build = functools.partial(build_rank, world_factory, config=self.config)
-        self.coordinator = Coordinator(self.control, world.layouts, world.groups, world.num_trainers, self.config)
-        self.names = [trainer_name(t) for t in range(world.num_trainers)] + \
-                     [consumer_name(c) for c in range(world.num_consumers)]
+        _cluster_setup(self, transport, world_factory, config)
         self.router = None if transport == "rdt:nixl" else router_actor().remote()
         self.actors = {n: self._new_actor(n) for n in self.names}
         ray.get([a.start.remote(self.actors, self.router) for a in self.actors.values()], timeout=120)
