@@ -45,7 +45,7 @@ class Block:
             raise ImportError(name)
 sys.meta_path.insert(0, Block())
 import torch  # a trainer has torch loaded already; not part of the plan's cost
-from shardplan.planfile import PlanFile
+from shardplan.plan.planfile import PlanFile
 times = []
 for rank in {ranks!r}:
     t0 = time.perf_counter()

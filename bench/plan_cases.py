@@ -10,8 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shardplan import ir  # noqa: E402
-from shardplan.planfile import PlanFile  # noqa: E402
+from shardplan.plan import ir  # noqa: E402
+from shardplan.plan.planfile import PlanFile  # noqa: E402
 
 
 @functools.cache
@@ -32,7 +32,7 @@ class PlanLayer:
         self.params = {p.name: p for p in full.params if p.name in names}
         read: set[str] = set()
         for w in self.writes:
-            ir._collect_sources(w.src.leaf, read)
+            ir.sources(w.src.leaf, read)
         self.sources = {n: plan_file.sources[n] for n in sorted(read)}
         self.label = f"{os.path.basename(path).removesuffix('.plan')} layer {layer} rank {rank} (recorded)"
 

@@ -35,10 +35,10 @@ def bare_load(model, tensors, *, collect: bool) -> float:
 
 
 def main() -> None:
-    from shardplan.build import build_for_recording
-    from shardplan.layout import Layout
-    from shardplan.record import record_loader
-    from shardplan.session import RecordSession
+    from shardplan.record.build import build_for_recording
+    from shardplan.plan.layout import Layout
+    from shardplan.record.loader import record_loader
+    from shardplan.record.session import RecordSession
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="kimi-k2")

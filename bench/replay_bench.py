@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shardplan import ir  # noqa: E402
-from shardplan.apply import Applier, params_from_plan  # noqa: E402
-from shardplan.replay import Replayer, apply_reference, region_view, to_dtype  # noqa: E402
+from shardplan.plan import ir  # noqa: E402
+from shardplan.runtime.apply import Applier, params_from_plan  # noqa: E402
+from shardplan.runtime.replay import Replayer
+from shardplan.plan.interp import apply_reference, region_view, to_dtype  # noqa: E402
 
 
 # ---- plan synthesis (mimics vLLM's recorded loaders) ---------------------------------------------------------------

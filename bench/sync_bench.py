@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # the shared GPU hosts require multicast off
@@ -41,13 +42,18 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-from shardplan import ir  # noqa: E402
-from shardplan.apply import params_from_plan  # noqa: E402
-from shardplan.replay import apply_reference, to_dtype  # noqa: E402
+from shardplan.plan import ir  # noqa: E402
+from shardplan.plan.names import group_of  # noqa: E402
+from shardplan.runtime.apply import params_from_plan  # noqa: E402
+from shardplan.plan.interp import apply_reference, to_dtype  # noqa: E402
 from shardplan.sync import (PART_BYTES, ApplyUnpacker, ConsumerSync, Coordinator, ReplayPacker,  # noqa: E402
-                            SyncConfig, TrainerSync, layouts_of)
+                            SyncConfig, TrainerSync, set_event_listener, spans_of)
 from shardplan.transport import Control, consumer_name, create  # noqa: E402
-import shardplan.sync as sync_mod  # noqa: E402
+
+# SHARDPLAN_TRACE=1: record the engine's timeline, (wall time, thread, event) per step, and log the last run's
+TRACE: list[tuple[float, str, str]] | None = [] if os.environ.get("SHARDPLAN_TRACE") else None
+if TRACE is not None:
+    set_event_listener(lambda event: TRACE.append((time.time(), threading.current_thread().name, event)))
 
 
 # ---- plans ------------------------------------------------------------------------------------------------------------
@@ -102,7 +108,7 @@ def flat_groups(sources, device):
     """Each weight group's tensors as views of one contiguous storage (a trainer's flat buffers)."""
     groups: dict[str, list] = {}
     for name in sorted(sources):
-        groups.setdefault(ir.group_of(name), []).append(name)
+        groups.setdefault(group_of(name), []).append(name)
     flats, tensors = {}, {}
     for group, names in groups.items():
         offsets, offset = {}, 0
@@ -124,7 +130,7 @@ class FlatSource:
         self.tensors = tensors
         self.groups: dict[str, dict] = {}
         for name, t in tensors.items():
-            self.groups.setdefault(ir.group_of(name), {})[name] = t
+            self.groups.setdefault(group_of(name), {})[name] = t
 
     def metadata(self):
         return {n: ir.TensorMeta(n, tuple(t.shape), str(t.dtype)[6:]) for n, t in self.tensors.items()}
@@ -198,7 +204,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
             t.normal_()
         packer = Switch(ReplayPacker(plans, sources, device=device, max_group_bytes=part_bytes))
         engine = TrainerSync(0, packer, FlatSource(tensors), transport, control, config, device=device)
-        coordinator = Coordinator(control, layouts_of(packer), packer.groups(), 1, config)
+        coordinator = Coordinator(control, spans_of(packer), packer.groups(), 1, config)
     else:
         plan = plans[index - 1]
         params = params_from_plan(plan, device)
@@ -212,7 +218,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
     else:
         from datetime import timedelta
         world = dist.ProcessGroupGloo(store, index, n + 1, timedelta(seconds=300))
-    groups = sorted({ir.group_of(s) for s in sources}, key=lambda g: (len(g), g))
+    groups = sorted({group_of(s) for s in sources}, key=lambda g: (len(g), g))
     bytes_per_consumer = None
     log(me, f"{case}: set up ({len(groups)} groups)")
     version = 0
@@ -224,8 +230,8 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
             key = f"{case}/{label}/{it}"
             if prepare is not None:
                 prepare()
-            if sync_mod.TRACE is not None:
-                sync_mod.TRACE.clear()
+            if TRACE is not None:
+                TRACE.clear()
             if index == 0:
                 for j in range(n):
                     control.get(f"{key}/ready/{j}", 600, consumer_name(j))
@@ -246,8 +252,8 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
                 sync()
                 t_end = time.time()
                 control.set(f"{key}/end/{index - 1}", repr(t_end))
-            if sync_mod.TRACE is not None and it == args.iters:   # the engine's timeline of the last run
-                events = ", ".join(f"{what} {1e3 * (t - t0):.2f}" for t, _, what in sync_mod.TRACE)
+            if TRACE is not None and it == args.iters:   # the engine's timeline of the last run
+                events = ", ".join(f"{what} {1e3 * (t - t0):.2f}" for t, _, what in TRACE)
                 log(me, f"{case}: {label} trace (ms after go): {events}, end {1e3 * (t_end - t0):.2f}")
         return statistics.median(times) if times else 0.0
 
@@ -320,7 +326,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
         views = [{name: buckets[k][off:off + nb].view(to_dtype(sources[name].dtype)).view(sources[name].shape)
                   for g in groups for name, (off, nb) in layout[g][0].items()} for k in range(2)]
         writes_by_group = {g: ir.RankPlan(plan.rank, plan.params, tuple(w for w in plan.writes
-                                                                       if ir.group_of(w.param) == g)) for g in groups}
+                                                                       if group_of(w.param) == g)) for g in groups}
 
         def bcast_run():
             pending = world.broadcast([buckets[0][:layout[groups[0]][1]]], _root0())
@@ -365,7 +371,7 @@ def flat_groups_meta(sources):
     """(name -> (offset, nbytes), group nbytes) per group, as flat_groups lays them out."""
     groups: dict[str, list] = {}
     for name in sorted(sources):
-        groups.setdefault(ir.group_of(name), []).append(name)
+        groups.setdefault(group_of(name), []).append(name)
     out = {}
     for group, names in groups.items():
         offsets, offset = {}, 0

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-from .errors import ShardplanError
+from shardplan.errors import ShardplanError
+from shardplan.models import list_models
+from shardplan.plan import store
+from shardplan.plan.inspect import human_bytes, inspect_plan
+from shardplan.plan.layout import Layout, parse_ranks
+from shardplan.plan.planfile import write_plan
+from shardplan.record.session import RecordSession
+from shardplan.record.verify import random_checkpoint, verify_rank
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -59,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _layout(args):
-    from .layout import Layout, parse_ranks
-
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep)
     return layout, parse_ranks(args.ranks, layout.world_size)
 
@@ -81,39 +85,28 @@ def _progress(total: int):
     return tick
 
 
-def _human(nbytes: float) -> str:
-    from .inspect import _human as human
-
-    return human(nbytes)
-
-
 def cmd_record(args) -> int:
-    from .session import RecordSession
-    from . import store
-
     layout, ranks = _layout(args)
     t0 = time.perf_counter()
     session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict)
-    plans, stats = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
-    data = session.encode(plans)
+    recorded = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
+    stats = recorded.stats
+    data = session.encode(recorded.body)
     path = store.plan_path(session.spec, layout, args.dtype, out_dir=args.out, ranks=ranks)
-    from .planfile import write_plan
-
     write_plan(path, data)
     print(f"{'rank':>5} {'recorded':>9} {'fallback':>9} {'not needed':>11} {'bytes':>12} {'seconds':>8}")
     for s in stats:
-        print(f"{s.rank:>5} {s.num_recorded:>9} {s.num_fallback:>9} {s.num_not_needed:>11} {_human(s.nbytes):>12} "
+        print(f"{s.rank:>5} {s.num_recorded:>9} {s.num_fallback:>9} {s.num_not_needed:>11} {human_bytes(s.nbytes):>12} "
               f"{s.seconds:>8.2f}")
     print(f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
-          f"tensors; plan {path} ({_human(len(data))}); {time.perf_counter() - t0:.1f}s")
-    print(f"recording: {session.sampling_note}")
+          f"tensors; plan {path} ({human_bytes(len(data))}); {time.perf_counter() - t0:.1f}s")
+    print(f"recording: {recorded.how}")
     full = [s for s in stats if s.tier == "full"]
     if full:   # the full tier is exact too, only slower: say why the fast one could not be used
         print(f"recorder: full tier on {len(full)} of {len(stats)} ranks ({full[0].tier_note})")
     else:
         print("recorder: fast tier on every rank")
-    fallbacks = [(r, f) for r, fs in sorted(session.body.fallbacks.items()) for f in fs] if plans is None else \
-        [(p.rank, f) for p in plans for f in p.fallbacks]
+    fallbacks = [(r, f) for r, fs in sorted(recorded.body.fallbacks.items()) for f in fs]
     for rank, f in fallbacks[:10]:
         print(f"  fallback on rank {rank}: {f.source}: {f.op} in {f.loader or '?'}: {f.reason}")
     if len(fallbacks) > 10:
@@ -122,9 +115,6 @@ def cmd_record(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .session import RecordSession
-    from .verify import random_checkpoint, verify_rank
-
     layout, ranks = _layout(args)
     session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override)
     checkpoint = random_checkpoint(session.tensors, args.seed)
@@ -145,15 +135,11 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect import inspect_plan
-
     print(inspect_plan(args.plan, rank=args.rank, max_lines=args.max_lines))
     return 0
 
 
 def cmd_models(args) -> int:
-    from .models import list_models
-
     for short, hf_id, arch in list_models():
         print(f"{short:<20} {hf_id:<40} {arch}")
     return 0

@@ -31,7 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .errors import ShardplanError
+import torch
+
+from shardplan.errors import ShardplanError
 
 __all__ = [
     "ConfigError", "ModelSpec", "UnknownModelError", "checkpoint_tensors", "config_sha256",
@@ -421,8 +423,6 @@ def checkpoint_tensors(spec: ModelSpec, dtype: Any = "bfloat16", include_mtp: bo
 
 
 def _dtype_name(dtype: Any) -> str:
-    import torch  # deferred: only callers that list tensors pay for torch
-
     name = str(dtype).removeprefix("torch.")
     if not isinstance(getattr(torch, name, None), torch.dtype):
         raise ShardplanError(f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or "
@@ -543,7 +543,6 @@ def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, 
 
 def _on_disk_shapes_from_transformers(config: dict[str, Any], origin: str) -> dict[str, tuple[int, ...]]:
     """Build the model on the meta device and return its checkpoint tensors under their on-disk names."""
-    import torch
     import transformers
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 

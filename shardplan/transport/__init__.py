@@ -1,4 +1,5 @@
-"""Transports, chosen by name. Optional dependencies (ray, nixl, mooncake) are imported only when chosen.
+"""Transports, chosen by name. Optional dependencies (ray, nixl, mooncake) are imported only when one is chosen
+(each adapter module imports its own package when the adapter is built).
 
     create("nccl", me=..., control=..., device=...)             torch.distributed pairs: NCCL on CUDA, gloo on CPU
     create("rdt:nccl" | "rdt:gloo" | "rdt:nixl", me=..., actor=..., handles=..., router=...)   Ray Direct Transport
@@ -11,6 +12,9 @@ from __future__ import annotations
 from shardplan.errors import ShardplanError
 from shardplan.transport.base import (Control, Done, MissingDependency, Peer, PeerAborted, PeerDied, PeerError,
                                       PeerTimeout, Pending, Tag, Transport, consumer_name, trainer_name)
+from shardplan.transport.mooncake import MooncakeTransport
+from shardplan.transport.nccl import NcclTransport
+from shardplan.transport.rdt import RdtTransport
 
 NAMES = ("nccl", "rdt:nccl", "rdt:gloo", "rdt:nixl", "mooncake:tcp", "mooncake:rdma")
 
@@ -18,13 +22,10 @@ NAMES = ("nccl", "rdt:nccl", "rdt:gloo", "rdt:nixl", "mooncake:tcp", "mooncake:r
 def create(name: str, **options) -> Transport:
     """Build the adapter called `name`; `options` go to its constructor (see each module)."""
     if name == "nccl":
-        from shardplan.transport.nccl import NcclTransport
         return NcclTransport(**options)
     if name.startswith("rdt:") and name[4:] in ("nccl", "gloo", "nixl"):
-        from shardplan.transport.rdt import RdtTransport
         return RdtTransport(backend=name[4:], **options)
     if name.startswith("mooncake:") and name[9:] in ("tcp", "rdma"):
-        from shardplan.transport.mooncake import MooncakeTransport
         return MooncakeTransport(protocol=name[9:], **options)
     raise ShardplanError(f"unknown transport {name!r}: choose one of {', '.join(NAMES)}")
 

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -88,12 +88,12 @@ class Tag:
 
 
 class Pending(Protocol):
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check: Callable[[], str | None] | None = None) -> None:
         """Return once the transfer finished; raise PeerTimeout / PeerDied (naming the peer) otherwise.
 
-        Two-sided adapters (`one_sided = False`) also take `check`: a callable the wait polls every ~50 ms; when it
-        returns a message (the peer wrote an abort mark), the wait raises PeerAborted with it. The engine's two-sided
-        pipeline uses it instead of control-channel round trips per group (see shardplan.sync)."""
+        `check`, when given, is polled while waiting (every ~50 ms); when it returns a message (the peer wrote an abort
+        mark), the wait raises PeerAborted with it. The engine's two-sided pipeline uses it instead of control-channel
+        round trips per group (see shardplan.sync); one-sided adapters' waits may ignore it."""
 
 
 class Transport(Protocol):

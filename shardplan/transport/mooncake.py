@@ -39,7 +39,7 @@ class _Write:
     def __init__(self, engine, batch: int, peer: Peer):
         self.engine, self.batch, self.peer = engine, batch, peer
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check=None) -> None:  # `check` unused: the lane polls marks itself
         deadline = deadline_after(timeout_s)
         pause = threading.Event()
         while True:

@@ -25,6 +25,7 @@ a NIXL agent (~1-6 s on CPU); a driver that `ray.get`s a NIXL object can segfaul
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -57,7 +58,7 @@ class _Ack:
     def __init__(self, ref, peer: Peer, routed: bool, keep: Any = None, cleanup: Callable[[], None] | None = None):
         self.ref, self.peer, self.routed, self.keep, self.cleanup = ref, peer, routed, keep, cleanup
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, check=None) -> None:  # `check` unused: the lane polls marks itself
         ray = _import_ray()
         deadline = deadline_after(timeout_s)
         try:
@@ -159,9 +160,9 @@ def sync_actor():
             self.transport = self.engine = None
 
         def start(self, handles: Mapping[str, Any], router: Any = None) -> bool:
-            from shardplan.transport import create
-            self.transport = create(self.transport_name, me=self.name, actor=self, handles=handles, router=router,
-                                    timeout_s=self.timeout_s)
+            backend = self.transport_name.removeprefix("rdt:")
+            self.transport = RdtTransport(backend=backend, me=self.name, actor=self, handles=handles, router=router,
+                                          timeout_s=self.timeout_s)
             self.engine = self.build(self.name, self.transport, self.control)
             return True
 
@@ -203,7 +204,6 @@ def router_actor():
 
         def regroup(self, actors: list, backend: str) -> float:
             """(Re)build the collective group over `actors` (call between versions when membership changed)."""
-            import time
             from ray.experimental.collective import create_collective_group, destroy_collective_group
             start = time.monotonic()
             if self.group is not None:

@@ -1,0 +1,344 @@
+"""Compile per-rank recordings into a canonical, templated plan body.
+
+Canonicalisation. The recorder already folds pure view chains into one `View(Source, Region)`; here we drop empty
+writes, merge exact duplicates, and sort writes into a canonical order. Writes into a parameter whose destinations
+overlap (last write wins in the real loader) keep their recording order instead: they go to the rank's `ordered` list.
+
+Templating. A Kimi-K2 rank has ~70k writes, but they are a few dozen *shapes* repeated over layers, experts and ranks.
+Every write is flattened into a skeleton (its structure, with each integer replaced by a hole, and each digit group of
+a dotted name replaced by `{}`) plus the vector of those integers. Writes with the same skeleton form a group; the
+group's variables are (consumer rank, layer of the destination param or -1, the integers of its checkpoint names). Each hole is
+fitted as an exact integer affine function of the variables. A hole that does not fit splits the group by that hole's
+value, so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
+stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank instantiates without touching the others.
+
+`instantiate(body, rank)` rebuilds the rank's `ir.RankPlan`, equal to the direct recording (tests/test_compile.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+import numpy as np
+
+from shardplan.plan import ir
+from shardplan.plan.names import layer_of
+from shardplan.plan.template import (Filler, build_trie, flatten_write, iter_trie, pure_view_form, pure_view_writes,
+                                     split_name, trie_child, unflatten_write)
+
+
+# ---- affine fitting ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Group:
+    skeleton: tuple
+    coeffs: np.ndarray   # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
+    index: tuple         # trie over var tuples (rank first)
+    num_vars: int
+
+    def instances(self, rank: int | None = None) -> np.ndarray:
+        if rank is None:
+            tuples = list(iter_trie(self.index))
+        else:
+            child = trie_child(self.index, rank)
+            if child is None:
+                return np.zeros((0, self.num_vars), dtype=np.int64)
+            tuples = [(rank,) + t for t in iter_trie(child if child != () else None)]
+        return np.asarray(tuples, dtype=np.int64).reshape(len(tuples), self.num_vars)
+
+    def holes(self, rank: int | None = None) -> np.ndarray:
+        var_rows = self.instances(rank)
+        return self.coeffs[:, :1].T + var_rows @ self.coeffs[:, 1:].T
+
+    def writes(self, rank: int | None = None) -> list[ir.Write]:
+        holes = self.holes(rank)
+        if len(holes) == 0:
+            return []
+        layout = pure_view_form(self.skeleton)
+        if layout is not None:
+            return pure_view_writes(layout, holes)
+        return [unflatten_write(self.skeleton, row) for row in holes.tolist()]
+
+
+def _fit(var_rows: np.ndarray, hole_rows: np.ndarray) -> tuple[np.ndarray | None, int]:
+    """Exact integer affine fit of every hole column; returns (coeffs, -1) or (None, index of a failing hole)."""
+    n, k = var_rows.shape
+    design = np.concatenate([np.ones((n, 1), dtype=np.int64), var_rows], axis=1)
+    # keep only columns that vary independently; the others get coefficient 0
+    keep = [0]
+    for j in range(1, k + 1):
+        trial = keep + [j]
+        if np.linalg.matrix_rank(design[:, trial].astype(np.float64)) == len(trial):
+            keep.append(j)
+    sub = design[:, keep].astype(np.float64)
+    solution, *_ = np.linalg.lstsq(sub, hole_rows.astype(np.float64), rcond=None)
+    coeffs_sub = np.rint(solution).astype(np.int64)
+    coeffs = np.zeros((hole_rows.shape[1], k + 1), dtype=np.int64)
+    coeffs[:, keep] = coeffs_sub.T
+    predicted = design @ coeffs.T
+    bad = np.nonzero((predicted != hole_rows).any(axis=0))[0]
+    if len(bad):
+        return None, int(bad[0])
+    return coeffs, -1
+
+
+def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: list[Group]) -> None:
+    """Exact duplicates were removed per rank (and rank is a variable), so rows sharing variables differ in holes."""
+    if len(np.unique(var_rows, axis=0)) < len(var_rows):
+        # same variables, different holes (one source copied to several places): split by a differing hole
+        column = next(c for c in range(hole_rows.shape[1]) if len(np.unique(hole_rows[:, c])) > 1)
+        for value in np.unique(hole_rows[:, column]):
+            mask = hole_rows[:, column] == value
+            _make_groups(skeleton, var_rows[mask], hole_rows[mask], out)
+        return
+    if hole_rows.shape[1] == 0:
+        coeffs = np.zeros((0, var_rows.shape[1] + 1), dtype=np.int64)
+    else:
+        coeffs, bad = _fit(var_rows, hole_rows)
+        if coeffs is None:
+            for value in np.unique(hole_rows[:, bad]):
+                mask = hole_rows[:, bad] == value
+                _make_groups(skeleton, var_rows[mask], hole_rows[mask], out)
+            return
+    tuples = sorted(map(tuple, var_rows.tolist()))
+    out.append(Group(skeleton, coeffs, build_trie(tuples), var_rows.shape[1]))
+
+
+# ---- the checkpoint tensor table, templated like writes -----------------------------------------------------
+class SourceTable(Mapping):
+    """name -> TensorMeta for ~70k checkpoint tensors, stored as (name template, shape, dtype, index trie) rows.
+    Lookups go through the template; iterating materialises names (sorted) once, on demand."""
+
+    def __init__(self, templates: Sequence[tuple]):
+        self.templates = sorted((str(t), tuple(s), str(d), i) for t, s, d, i in templates)
+        self._by_text: dict[str, list] = {}
+        for text, shape, dtype, index in self.templates:
+            self._by_text.setdefault(text, []).append((shape, dtype, index))
+        self._names: list[str] | None = None
+
+    @classmethod
+    def from_metas(cls, metas: Iterable[ir.TensorMeta]) -> "SourceTable":
+        rows: dict[tuple, list] = {}
+        for m in metas:
+            ints: list[int] = []
+            text = split_name(m.name, ints)
+            rows.setdefault((text, tuple(m.shape), m.dtype), []).append(tuple(ints))
+        return cls([(t, s, d, build_trie(sorted(set(v)))) for (t, s, d), v in rows.items()])
+
+    def __getitem__(self, name: str) -> ir.TensorMeta:
+        ints: list[int] = []
+        text = split_name(name, ints)
+        for shape, dtype, index in self._by_text.get(text, ()):
+            if (index is None and not ints) or (index is not None and _trie_has(index, ints)):
+                return ir.TensorMeta(name, shape, dtype)
+        raise KeyError(name)
+
+    def _materialise(self) -> list[str]:
+        if self._names is None:
+            names = []
+            for text, _, _, index in self.templates:
+                if index is None:
+                    names.append(Filler(()).name(text))
+                else:
+                    names.extend(Filler(t).name(text) for t in iter_trie(index))
+            self._names = sorted(names)
+        return self._names
+
+    def __iter__(self):
+        return iter(self._materialise())
+
+    def __len__(self) -> int:
+        return sum(1 if index is None else sum(1 for _ in iter_trie(index)) for _, _, _, index in self.templates)
+
+
+def _trie_has(node, values: Sequence[int]) -> bool:
+    for v in values:
+        node = trie_child(node, v)
+        if node is None:
+            return False
+        node = node if node != () else None
+    return node is None
+
+
+# ---- the plan body --------------------------------------------------------------------------------------
+@dataclass
+class PlanBody:
+    """Everything a plan file holds after its header: decoded but still templated."""
+    ranks: tuple[int, ...]
+    sources: "SourceTable"
+    params: dict[str, ir.TensorMeta]        # union over ranks (param metadata is rank independent in vLLM)
+    rank_params: dict[int, tuple[str, ...]]
+    groups: list[Group]
+    ordered: dict[int, list[ir.Write]]      # per rank, recording order (overlapping destinations)
+    fallbacks: dict[int, list[ir.Fallback]]
+    not_needed: dict[int, tuple[str, ...]]
+
+    def num_writes(self, rank: int | None = None) -> int:
+        total = sum(len(g.instances(rank)) for g in self.groups)
+        ranks = self.ranks if rank is None else (rank,)
+        return total + sum(len(self.ordered.get(r, ())) for r in ranks)
+
+
+def _overlapping_params(writes: Sequence[ir.Write]) -> set[str]:
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for w in writes:
+        spans.setdefault(w.param, []).append(w.dst.extent())
+    out = set()
+    for param, s in spans.items():
+        s.sort()
+        for (lo0, hi0), (lo1, hi1) in zip(s, s[1:]):
+            if lo1 < hi0:
+                out.add(param)
+                break
+    return out
+
+
+def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]) -> PlanBody:
+    by_skeleton: dict[tuple, tuple[list, list]] = {}
+    ordered: dict[int, list[ir.Write]] = {}
+    params: dict[str, ir.TensorMeta] = {}
+    for plan in plans:
+        for p in plan.params:
+            params.setdefault(p.name, p)
+        writes = [w for w in plan.writes if w.dst.numel > 0]
+        overlapping = _overlapping_params(writes)
+        seen: set[ir.Write] = set()
+        for w in writes:
+            if w.param in overlapping:
+                ordered.setdefault(plan.rank, []).append(w)
+                continue
+            if w in seen:
+                continue
+            seen.add(w)
+            skel, holes, var_values = flatten_write(w)
+            rows = by_skeleton.setdefault((skel, len(var_values)), ([], []))
+            rows[0].append([plan.rank, layer_of(w.param)] + var_values)
+            rows[1].append(holes)
+    # only the order among writes to one param matters: a stable sort by param makes it canonical
+    ordered = {r: sorted(ws, key=lambda w: w.param) for r, ws in ordered.items()}
+    groups: list[Group] = []
+    for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
+        _make_groups(skel, np.asarray(var_rows, dtype=np.int64),
+                     np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1), groups)
+    return PlanBody(
+        ranks=tuple(sorted(p.rank for p in plans)),
+        sources=SourceTable.from_metas(sources),
+        params=dict(sorted(params.items())),
+        rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
+        groups=groups,
+        ordered=ordered,
+        fallbacks={p.rank: list(p.fallbacks) for p in plans if p.fallbacks},
+        not_needed={p.rank: tuple(p.not_needed) for p in plans},
+    )
+
+
+def _write_sort_key(w: ir.Write):
+    # free writes never share a destination box (identical boxes overlap and go to `ordered`): this key is total
+    return (w.param, w.dst.offset, w.dst.sizes, w.dst.strides)
+
+
+def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
+    """The rank's plan: templated writes in canonical order, then its ordered (overlapping) writes.
+    `check(group, holes)` is called per group before its writes are built (planfile's vectorised bounds check)."""
+    if rank not in body.rank_params:
+        raise KeyError(rank)
+    writes: list[ir.Write] = []
+    for g in body.groups:
+        if check is not None:
+            check(g, g.holes(rank))
+        writes.extend(g.writes(rank))
+    writes.sort(key=_write_sort_key)
+    writes.extend(body.ordered.get(rank, ()))
+    return ir.RankPlan(rank=rank, params=tuple(body.params[n] for n in body.rank_params[rank]),
+                       writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
+                       not_needed=tuple(body.not_needed.get(rank, ())))
+
+
+def canonical(plan: ir.RankPlan) -> ir.RankPlan:
+    """What instantiate() returns for a directly recorded plan: the reference for equality tests."""
+    writes = [w for w in plan.writes if w.dst.numel > 0]
+    overlapping = _overlapping_params(writes)
+    free = sorted(set(w for w in writes if w.param not in overlapping), key=_write_sort_key)
+    kept = sorted((w for w in writes if w.param in overlapping), key=lambda w: w.param)
+    return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
+                       writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
+
+
+# ---- sampled recording: extend a few recorded layers to every layer of their class ---------------------------
+def rename_layer(w: ir.Write, old: int, new: int) -> ir.Write:
+    a, b = f"layers.{old}.", f"layers.{new}."
+
+    def name(n: str) -> str:
+        return n.replace(a, b) if n.startswith(a) or ("." + a) in n else n
+
+    def leaf(x):
+        if isinstance(x, ir.Source):
+            return ir.Source(name(x.name))
+        if isinstance(x, ir.Call):
+            return ir.Call(x.op, x.args, x.kwargs, tuple(ir.View(leaf(v.leaf), v.region) for v in x.inputs), x.out)
+        if isinstance(x, ir.Update):
+            return ir.Update(leaf(x.base), x.region, ir.View(leaf(x.value.leaf), x.value.region))
+        return x
+    return ir.Write(name(w.param), w.dst, ir.View(leaf(w.src.leaf), w.src.region))
+
+
+def check_layer_invariance(plans: Sequence[ir.RankPlan], classes: dict[int, list[int]]) -> str | None:
+    """None when, on every rank, the writes of each sampled layer equal the class representative's, renamed.
+    `classes` maps a representative (sampled) layer to the other sampled layers of its class."""
+    for plan in plans:
+        by_layer: dict[int, list[ir.Write]] = {}
+        for w in plan.writes:
+            if w.dst.numel:
+                by_layer.setdefault(layer_of(w.param), []).append(w)
+        for rep, others in classes.items():
+            expected = by_layer.get(rep, [])
+            for other in others:
+                got = [rename_layer(w, other, rep) for w in by_layer.get(other, [])]
+                if got != expected:
+                    return f"rank {plan.rank}: layer {other} is not a renamed copy of layer {rep}"
+        fallback_layers = {layer_of(f.source) for f in plan.fallbacks}
+        if fallback_layers - {-1}:
+            return f"rank {plan.rank}: fallbacks inside layers {sorted(fallback_layers - {-1})}"
+    return None
+
+
+def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[int],
+                  sources: Sequence[ir.TensorMeta]) -> PlanBody:
+    """`full_layers[rep]`: every layer of rep's class (rep included); layers in `drop` were sampled only to check
+    invariance. Rebuilds each group's index over all layers; the result equals compiling every layer directly."""
+    groups: list[Group] = []
+    for g in body.groups:
+        rows = []
+        for t in iter_trie(g.index):
+            layer = t[1]
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]):
+                rows.append((t[0], new) + t[2:])
+        if rows:
+            groups.append(Group(g.skeleton, g.coeffs, build_trie(sorted(rows)), g.num_vars))
+    params: dict[str, ir.TensorMeta] = {}
+    rank_params: dict[int, tuple[str, ...]] = {}
+    for rank, names in body.rank_params.items():
+        out = set()
+        for n in names:
+            layer = layer_of(n)
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
+                renamed = n.replace(f"layers.{layer}.", f"layers.{new}.", 1) if layer >= 0 else n
+                meta = body.params[n]
+                params[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
+                out.add(renamed)
+        rank_params[rank] = tuple(sorted(out))
+    ordered = {}
+    for rank, writes in body.ordered.items():
+        out_writes = []
+        for w in writes:
+            layer = layer_of(w.param)
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
+                out_writes.append(rename_layer(w, layer, new) if layer >= 0 else w)
+        ordered[rank] = sorted(out_writes, key=lambda w: w.param)
+    return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
+                    params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
+                    fallbacks=body.fallbacks, not_needed={})

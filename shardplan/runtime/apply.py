@@ -1,0 +1,328 @@
+"""Consumer-side apply: scatter a received packed buffer into the destination params, batched.
+
+`Applier(plan, layout, params)` precomputes, from the plan and the layout alone, the order constraints (writes whose
+destinations overlap keep plan order: last write wins) and the batches (runs of writes into one param at a constant
+stride become one strided `copy_`; leftovers of a step go through one `torch._foreach_copy_`). `apply(buffer)` builds
+the buffer views once per buffer (cached by address: receive into the same registered buffer every sync) and runs.
+
+The buffer holds destination-dtype bytes in destination shape (the trainer converted them), so applying is pure data
+movement. Imports torch and shardplan's plan/runtime packages only (never the trainer's replay module, never vLLM).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from shardplan.errors import ShardplanError
+from shardplan.plan import ir
+from shardplan.plan.interp import MissingTensorError, PlanError, region_view, to_dtype
+from shardplan.plan.names import base_group, group_of
+from shardplan.runtime.pack import PackLayout
+from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, capture_graph, check_tensor, collapse, storage_ptr,
+                                       storage_view, widen)
+
+
+class ApplyError(ShardplanError):
+    """Base class for consumer-side errors."""
+
+
+class LayoutMismatchError(ApplyError):
+    """The layout does not describe this plan (computed from other plans, or another rank's)."""
+
+
+class FallbackRequiredError(ApplyError):
+    """The plan has fallback tensors (loaders that could not be recorded) and no loader was given for them."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One write of this rank, placed: bytes at buffer `offset` go to `param` at element `dst_offset`."""
+    write: int
+    offset: int
+    param: str
+    dst_offset: int
+    sizes: tuple[int, ...]     # collapsed destination geometry (the buffer side is contiguous)
+    strides: tuple[int, ...]
+    dtype: str
+
+
+def params_from_plan(plan: ir.RankPlan, device: torch.device | str = "cpu", fill: float | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Plain tensors shaped like the plan's params (for consumers without vLLM, and for tests). `fill` poisons them
+    (e.g. NaN) so that unwritten elements stay visible."""
+    params = {}
+    for meta in plan.params:
+        t = torch.empty(meta.shape, dtype=to_dtype(meta.dtype), device=device)
+        if fill is not None:
+            t.fill_(fill)
+        params[meta.name] = t
+    return params
+
+
+def overlap_levels(extents: list[tuple[int, str, int, int]]) -> dict[int, int]:
+    """extents: (write index, param, lo, hi) element spans. Returns write index -> level such that a write comes after
+    every earlier-in-plan write whose span overlaps it (span overlap is conservative for interleaved strided writes:
+    they get ordered too, which is correct, just less batched)."""
+    levels: dict[int, int] = {}
+    by_param: dict[str, list[tuple[int, int, int]]] = {}
+    for index, param, lo, hi in extents:
+        if hi > lo:
+            by_param.setdefault(param, []).append((lo, hi, index))
+        else:
+            levels[index] = 0
+    earlier: dict[int, list[int]] = {}
+    for spans in by_param.values():
+        spans.sort()
+        active: list[tuple[int, int]] = []  # heap of (hi, index) still open at the current lo
+        for lo, hi, index in spans:
+            while active and active[0][0] <= lo:
+                heapq.heappop(active)
+            for _, other in active:
+                first, second = min(other, index), max(other, index)
+                earlier.setdefault(second, []).append(first)
+            heapq.heappush(active, (hi, index))
+    for index in sorted(e[0] for e in extents):
+        if index in levels:
+            continue
+        levels[index] = 1 + max((levels[e] for e in earlier.get(index, ())), default=-1)
+    return levels
+
+
+class Applier:
+    """Scatters packed buffers of `layout` into `params` for consumer rank `plan.rank`.
+
+    `params`: name -> tensor for every param the plan writes (contiguous, plan shape and dtype): the live
+    Parameters, so that a param given new storage later (`param.data = ...`) is noticed at the next apply and the
+    views are bound again (a detached view, e.g. `param.data`, keeps pointing at the storage it was taken from).
+    `fallback_loader(name, full_tensor)` loads plan.fallbacks (tensors the recorder could not capture), e.g.
+    `lambda n, t: model.load_weights([(n, t)])`; without one, a plan with fallbacks is refused here.
+    `cuda_graph`: None (default) captures the scatter of each CUDA buffer into a CUDA graph on its first apply
+    (falling back to eager launches if capture fails, reason in `graph_error`); True requires it; False never.
+    """
+
+    def __init__(self, plan: ir.RankPlan, layout: PackLayout, params: Mapping[str, torch.Tensor], *,
+                 fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
+                 cuda_graph: bool | None = None):
+        self.plan, self.layout = plan, layout
+        self.cuda_graph = cuda_graph
+        self.graph_error: str | None = None
+        if plan.fallbacks and fallback_loader is None:
+            names = ", ".join(sorted(f.source for f in plan.fallbacks))
+            raise FallbackRequiredError(f"rank {plan.rank}: these checkpoint tensors need the real vLLM loader "
+                                        f"(recording fell back for them): {names}; pass fallback_loader=, e.g. "
+                                        f"lambda n, t: model.load_weights([(n, t)])")
+        self.fallback_loader = fallback_loader
+        metas = {p.name: p for p in plan.params}
+        self.params = {}
+        for name in sorted({w.param for w in plan.writes}):
+            check_tensor("param", name, params.get(name), metas[name], None)
+            self.params[name] = params[name]
+        self._items = self._place()
+        self._steps = self._plan_steps()
+        self._bound: dict[tuple, list[Callable]] = {}
+        self._touched = sorted({it.param for it in self._items})   # the params this Applier's layout writes
+        self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
+        self._groups: dict[str, Applier] = {}
+        self.applied_groups: set[str] = set()
+
+    @classmethod
+    def from_model(cls, plan: ir.RankPlan, layout: PackLayout, model: torch.nn.Module, *,
+                   fallback_loader: Callable[[str, torch.Tensor], object] | None = None) -> "Applier":
+        """For a live vLLM model: its parameters and buffers themselves (so new storage is noticed, see above)."""
+        tensors = dict(model.named_buffers())
+        tensors.update(model.named_parameters())
+        return cls(plan, layout, tensors, fallback_loader=fallback_loader)
+
+    # -- plan-only precomputation --
+    def _place(self) -> list[_Item]:
+        writes = self.plan.writes
+        metas = {p.name: p for p in self.plan.params}
+        items, seen = [], set()
+        if self.plan.rank not in self.layout.ranks:
+            raise LayoutMismatchError(f"the layout was computed for consumer ranks {list(self.layout.ranks)}, "
+                                      f"not rank {self.plan.rank}")
+        for seg in self.layout.segments:
+            for ref in seg.refs:
+                if ref.rank != self.plan.rank:
+                    continue
+                w = writes[ref.index] if ref.index < len(writes) else None
+                if (w is None or w.param != ref.param or tuple(w.dst.sizes) != seg.shape
+                        or metas[w.param].dtype != seg.dtype):
+                    raise LayoutMismatchError(f"rank {self.plan.rank}: layout segment at byte {seg.offset} "
+                                              f"({seg.dtype}{list(seg.shape)} for {ref.param!r}, write {ref.index}) "
+                                              f"does not match the plan: compute the layout from the same plans")
+                lo, hi = w.dst.extent()
+                if w.dst.numel and (lo < 0 or hi > metas[w.param].numel):
+                    raise PlanError(f"rank {self.plan.rank}: write {ref.index} writes elements [{lo}, {hi}) of "
+                                    f"{w.param!r}, which has {metas[w.param].numel}")
+                seen.add(ref.index)
+                sizes, strides = collapse(w.dst.sizes, w.dst.strides)
+                if seg.nbytes:
+                    items.append(_Item(ref.index, seg.offset, w.param, w.dst.offset, sizes, strides, seg.dtype))
+        names = self.layout.group_names
+        # a layout of one part of a split group holds only some of the group's writes: nothing to check against
+        groups = set() if len(names) == 1 and "/" in names[0] else {base_group(g) for g in names}
+        missing = [i for i, w in enumerate(writes) if i not in seen and group_of(w.param) in groups]
+        if missing:
+            raise LayoutMismatchError(f"rank {self.plan.rank}: writes {missing[:8]} (of {len(missing)}) have no "
+                                      f"segment in the layout: compute the layout from the same plans")
+        return items
+
+    def _plan_steps(self) -> list[list[list[_Item]]]:
+        """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
+        extents = [(it.write, it.param, *self.plan.writes[it.write].dst.extent()) for it in self._items]
+        levels = overlap_levels(extents)
+        steps: list[list[list[_Item]]] = [[] for _ in range(1 + max(levels.values(), default=-1))]
+        for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
+            runs = steps[levels[item.write]]
+            if runs and self._extends(runs[-1], item):
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        return steps
+
+    @staticmethod
+    def _extends(run: list[_Item], item: _Item) -> bool:
+        first, last = run[0], run[-1]
+        if (item.param, item.sizes, item.strides, item.dtype) != (first.param, first.sizes, first.strides, first.dtype):
+            return False
+        if len(run) == 1:
+            return item.dst_offset > first.dst_offset  # as_strided takes no negative strides
+        return (item.offset - last.offset == run[1].offset - first.offset
+                and item.dst_offset - last.dst_offset == run[1].dst_offset - first.dst_offset)
+
+    # -- binding a buffer --
+    def _bind(self, buffer: torch.Tensor) -> list[Callable]:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.layout.nbytes \
+                or not buffer.is_contiguous():
+            raise PackBufferError(f"rank {self.plan.rank}: buffer must be a contiguous 1-D uint8 tensor of "
+                                  f"{self.layout.nbytes} bytes, got {str(buffer.dtype).removeprefix('torch.')}"
+                                  f"{list(buffer.shape)}")
+        if buffer.data_ptr() % 16:
+            raise PackBufferError(f"rank {self.plan.rank}: the buffer must start 16-byte aligned, it starts at "
+                                  f"{buffer.data_ptr():#x}")
+        ptrs = [self.params[name].data_ptr() for name in self._touched]
+        if ptrs != self._param_ptrs:
+            # A param got new storage since the views were bound (`param.data = ...`, an engine re-allocating its
+            # weights): views and graphs bound earlier would write into the old storage, silently. Rebind all.
+            if self._param_ptrs is not None:
+                metas = {p.name: p for p in self.plan.params}
+                for name in self._touched:
+                    check_tensor("param", name, self.params[name], metas[name], None)
+            self._bound.clear()
+            self._param_ptrs = ptrs
+        key = (buffer.data_ptr(), buffer.device)
+        if key not in self._bound:
+            if len(self._bound) >= 4:  # cached views keep their buffers alive: remember only the last few buffers
+                self._bound.pop(next(iter(self._bound)))
+            for name, t in self.params.items():
+                if t.device != buffer.device:
+                    raise PackBufferError(f"param {name!r} is on {t.device}, the buffer on {buffer.device}")
+            ops = [op for runs in self._steps for op in self._step_ops(runs, buffer)]
+            self._bound[key] = self._maybe_graph(ops, buffer.device)
+        return self._bound[key]
+
+    def _maybe_graph(self, ops: list[Callable], device: torch.device) -> list[Callable]:
+        """On CUDA (cuda_graph None or True), replace the ops by one captured graph per buffer."""
+        if not ops or self.cuda_graph is False or (self.cuda_graph is None and device.type != "cuda"):
+            return ops
+        try:
+            graph = capture_graph(ops, device)
+        except Exception as exc:  # auto mode: eager launches are correct, only slower
+            if self.cuda_graph:
+                raise
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            return ops
+        return [graph.replay]
+
+    def _step_ops(self, runs: list[list[_Item]], buffer: torch.Tensor) -> list[Callable]:
+        ops, dsts, srcs = [], [], []
+        for run in runs:
+            dst, src = self._run_views(run, buffer)
+            if len(run) > 1:
+                ops.append(lambda d=dst, s=src: d.copy_(s))
+            else:
+                dsts.append(dst)
+                srcs.append(src)
+        if len(dsts) == 1:
+            ops.append(lambda d=dsts[0], s=srcs[0]: d.copy_(s))
+        elif dsts:
+            ops.append(lambda d=dsts, s=srcs: torch._foreach_copy_(d, s))
+        return ops
+
+    def _run_views(self, run: list[_Item], buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = run[0]
+        param = self.params[first.param]
+        itemsize = to_dtype(first.dtype).itemsize
+        buf_base = storage_ptr(buffer) + buffer.storage_offset()
+        dst_base = storage_ptr(param) + param.storage_offset() * itemsize
+        offsets = [b for it in run for b in (buf_base + it.offset, dst_base + it.dst_offset * itemsize)]
+        width, sizes, strides = widen(itemsize, first.sizes, first.strides, offsets)
+        dtype = WIDE_DTYPES[width] if width > itemsize else to_dtype(first.dtype)
+        buf_sizes, buf_strides = sizes, ir.contiguous_strides(sizes)
+        dst_strides = strides
+        if len(run) > 1:
+            buf_sizes = (len(run),) + sizes
+            buf_strides = ((run[1].offset - first.offset) // width,) + buf_strides
+            dst_strides = ((run[1].dst_offset - first.dst_offset) * itemsize // width,) + strides
+        src = storage_view(buffer, dtype).as_strided(buf_sizes, buf_strides,
+                                                     (buffer.storage_offset() + first.offset) // width)
+        dst = storage_view(param, dtype).as_strided(buf_sizes, dst_strides,
+                                                    (param.storage_offset() * itemsize + first.dst_offset * itemsize)
+                                                    // width)
+        return dst, src
+
+    # -- public API --
+    def apply(self, buffer: torch.Tensor) -> None:
+        """Scatter a buffer of `self.layout` (enqueued on the current stream)."""
+        ops = self._bind(buffer)
+        with torch.no_grad():
+            for op in ops:
+                op()
+        self.applied_groups.update(self.layout.group_names)
+
+    def for_group(self, group: str) -> "Applier":
+        """The Applier of one weight group: takes the group-sized buffer `Replayer.pack_group` produced."""
+        if group not in self._groups:
+            self._groups[group] = Applier(self.plan, self.layout.group(group), self.params,
+                                          fallback_loader=self.fallback_loader or _refuse, cuda_graph=self.cuda_graph)
+        return self._groups[group]
+
+    def apply_group(self, group: str, buffer: torch.Tensor) -> None:
+        self.for_group(group).apply(buffer)
+        self.applied_groups.add(group)
+
+    def apply_fallbacks(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hand each fallback checkpoint tensor, whole, to the fallback loader."""
+        for f in self.plan.fallbacks:
+            if f.source not in tensors:
+                raise MissingTensorError(f"fallback tensor {f.source!r} is missing: rank {self.plan.rank} needs it "
+                                         f"whole for the real loader ({f.loader or '?'}: {f.reason})")
+            self.fallback_loader(f.source, tensors[f.source])
+
+    @property
+    def num_launches(self) -> int:
+        """Python-level ops per apply: one per multi-write run plus one foreach per step with single writes."""
+        return sum(sum(len(r) > 1 for r in runs) + any(len(r) == 1 for r in runs) for runs in self._steps)
+
+    def coverage(self) -> dict[str, tuple[ir.Region, ...]]:
+        """param -> destination regions this Applier writes (its layout's writes), for completeness proofs."""
+        regions: dict[str, list[ir.Region]] = {}
+        for it in self._items:
+            regions.setdefault(it.param, []).append(self.plan.writes[it.write].dst)
+        return {name: tuple(rs) for name, rs in regions.items()}
+
+    def coverage_mask(self, name: str) -> torch.Tensor:
+        """Bool tensor shaped like param `name`: True where this Applier writes."""
+        meta = next(p for p in self.plan.params if p.name == name)
+        mask = torch.zeros(meta.shape, dtype=torch.bool)
+        for region in self.coverage().get(name, ()):
+            region_view(mask, region).fill_(True)
+        return mask
+
+
+def _refuse(name: str, tensor: torch.Tensor) -> None:
+    raise FallbackRequiredError(f"fallback tensor {name!r} needs the real vLLM loader")

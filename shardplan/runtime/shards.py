@@ -1,0 +1,449 @@
+"""Sharded trainers: re-plan consumer writes against the boxes each trainer rank holds.
+
+A trainer rank holds, per checkpoint tensor, at most one box of the full HF tensor (Megatron/FSDP TP along a dim,
+EP = whole expert tensors on some ranks, PP = whole layers on some ranks, DP = replicas), stored as its own contiguous
+local tensor under the same name. `plan_shards` intersects every pure-view write's source region with those boxes,
+splits the write into pieces whose source is expressed against the holding rank's LOCAL tensor and whose destination is
+the matching sub-region of the param, and assigns each piece to one holder (least bytes so far, largest pieces first,
+so replicas share the work). The result is, per (trainer rank, consumer rank), an ordinary `ir.RankPlan` that
+`Replayer` and `Applier` take unchanged.
+
+Refused at planning time, with a named error naming the tensor and the box: a needed byte held by no trainer rank;
+a non-view write (Call/Full/Update) whose inputs no single rank holds whole; overlapping writes (last write wins)
+that no single rank can serve together (their order must stay within one buffer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from shardplan.plan import ir
+from shardplan.plan.names import group_layer, group_of
+from shardplan.errors import ShardplanError
+from shardplan.runtime.pack import PackLayout
+from shardplan.runtime.tensors import broadcast_region
+from shardplan.plan.interp import to_dtype
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of the full tensor
+
+
+class ShardError(ShardplanError):
+    """Base class for sharded-trainer planning errors."""
+
+
+class ShardLayoutError(ShardError):
+    """The trainer layout itself is invalid (box out of bounds, two boxes of one tensor on one rank)."""
+
+
+class UncoveredSourceError(ShardError):
+    """Some byte a consumer needs is held by no trainer rank."""
+
+
+class UnassignableWriteError(ShardError):
+    """A non-view write needs whole input tensors that no single trainer rank holds."""
+
+
+class ShardOverlapError(ShardError):
+    """Overlapping destination writes (last write wins) can't all be served by one trainer rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerShard:
+    """Trainer rank `rank` holds `full_tensor[box]` of checkpoint tensor `name`, as a contiguous local tensor."""
+    name: str
+    rank: int
+    box: Box
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.box)
+
+
+# ---- common layouts -----------------------------------------------------------------------------------------------
+def full_box(shape: Iterable[int]) -> Box:
+    return tuple((0, s) for s in shape)
+
+
+def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """torch.tensor_split bounds: the first size % parts parts get one extra element."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def tp_shards(sources: Mapping[str, ir.TensorMeta], tp: int, split_dim: Callable[[str], int | None],
+              ranks: Sequence[int] | None = None) -> list[TrainerShard]:
+    """Tensor parallel: tensor `name` split into `tp` boxes along `split_dim(name)` (None: replicated on all)."""
+    ranks = list(range(tp)) if ranks is None else list(ranks)
+    shards = []
+    for name, meta in sources.items():
+        dim = split_dim(name)
+        for i, rank in enumerate(ranks):
+            box = list(full_box(meta.shape))
+            if dim is not None:
+                box[dim] = split_range(meta.shape[dim], tp, i)
+            shards.append(TrainerShard(name, rank, tuple(box)))
+    return shards
+
+
+def ep_shards(sources: Mapping[str, ir.TensorMeta], ep: int, expert_of: Callable[[str], int | None],
+              num_experts: int) -> list[TrainerShard]:
+    """Expert parallel: expert e's tensors (whole) on rank e * ep // num_experts; non-expert tensors
+    (`expert_of` None) replicated on every rank."""
+    shards = []
+    for name, meta in sources.items():
+        expert = expert_of(name)
+        ranks = range(ep) if expert is None else [expert * ep // num_experts]
+        shards += [TrainerShard(name, r, full_box(meta.shape)) for r in ranks]
+    return shards
+
+
+def pp_shards(sources: Mapping[str, ir.TensorMeta], pp: int, stage_of: Callable[[str], int]) -> list[TrainerShard]:
+    """Pipeline parallel: every tensor whole on the rank of its stage."""
+    return [TrainerShard(name, stage_of(name), full_box(meta.shape)) for name, meta in sources.items()]
+
+
+def compose(outer: Sequence[TrainerShard], inner: Sequence[TrainerShard], inner_size: int) -> list[TrainerShard]:
+    """Two layouts on a 2-D mesh: rank = outer_rank * inner_size + inner_rank, box = intersection (e.g. PP x TP,
+    EP x TP, DP x TP with a replicated outer layout)."""
+    by_name: dict[str, list[TrainerShard]] = {}
+    for s in inner:
+        by_name.setdefault(s.name, []).append(s)
+    shards = []
+    for o in outer:
+        for i in by_name.get(o.name, ()):
+            box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(o.box, i.box))
+            if all(lo < hi for lo, hi in box):
+                shards.append(TrainerShard(o.name, o.rank * inner_size + i.rank, box))
+    return shards
+
+
+def replicate(shards: Sequence[TrainerShard], dp: int, world: int) -> list[TrainerShard]:
+    """`dp` data-parallel replicas of a layout over `world` ranks each: replica k's ranks are offset by k * world."""
+    return [TrainerShard(s.name, s.rank + k * world, s.box) for k in range(dp) for s in shards]
+
+
+def layer_stage(num_layers: int, pp: int) -> Callable[[str], int]:
+    """Contiguous blocks of layers per stage; embeddings on the first stage, everything else on the last."""
+    def stage_of(name: str) -> int:
+        layer = group_layer(group_of(name))
+        if layer >= 0:
+            return layer * pp // num_layers
+        return 0 if group_of(name) == "embed" else pp - 1
+    return stage_of
+
+
+# ---- the planner ------------------------------------------------------------------------------------------------
+@dataclass
+class ShardedPlan:
+    """Per (trainer rank, consumer rank): the writes that trainer rank packs for that consumer, against its local
+    tensors (`sources[trainer_rank]`). Consumers apply every trainer rank's buffer; the pieces are disjoint, except
+    overlapping writes, which always come from one trainer rank in plan order."""
+    plans: dict[tuple[int, int], ir.RankPlan]
+    sources: dict[int, dict[str, ir.TensorMeta]]
+    bytes_by_trainer: dict[int, int]
+    fallbacks: dict[int, tuple[ir.Fallback, ...]] = field(default_factory=dict)
+
+    @property
+    def trainer_ranks(self) -> list[int]:
+        return sorted({t for t, _ in self.plans})
+
+    def for_trainer(self, rank: int) -> list[ir.RankPlan]:
+        """The consumer plans trainer `rank` packs (one buffer for all: `Replayer(plans, sources[rank])`)."""
+        return [p for (t, _), p in sorted(self.plans.items()) if t == rank]
+
+    def for_consumer(self, rank: int) -> dict[int, ir.RankPlan]:
+        """trainer rank -> the sub-plan consumer `rank` receives from it."""
+        return {t: p for (t, c), p in sorted(self.plans.items()) if c == rank}
+
+    def layout(self, trainer_rank: int, alignment: int = 256) -> PackLayout:
+        """The buffer layout of one trainer rank (all its consumers), computable on either side from this plan."""
+        return PackLayout.from_plans(self.for_trainer(trainer_rank), alignment)
+
+
+def local_tensors(shards: Sequence[TrainerShard], rank: int, full: Mapping[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """What trainer `rank` holds, cut from full tensors (tests and benchmarks; a real trainer already has these)."""
+    out = {}
+    for s in shards:
+        if s.rank == rank and s.name in full:
+            out[s.name] = full[s.name][tuple(slice(a, b) for a, b in s.box)].contiguous()
+    return out
+
+
+@dataclass
+class _Piece:
+    """Part of one consumer write servable from one cell of the trainer boxes."""
+    consumer: int
+    write: int
+    sub: int                      # order within the write
+    holders: tuple[int, ...]
+    nbytes: int
+    make: Callable[[int], ir.Write]   # trainer rank -> the sub-write against that rank's local tensor
+    rank: int | None = None
+
+
+def plan_shards(plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta],
+                shards: Sequence[TrainerShard]) -> ShardedPlan:
+    """Split consumer plans (written against full HF tensors) into per-(trainer rank, consumer rank) plans against
+    trainer-local shards. Deterministic; balances bytes across replicas; refuses impossible layouts up front."""
+    plans = (plans,) if isinstance(plans, ir.RankPlan) else tuple(plans)
+    by_name = _index_shards(shards, sources)
+    pieces: list[_Piece] = []
+    pinned: list[list[_Piece]] = []
+    for plan in plans:
+        dtypes = {p.name: to_dtype(p.dtype).itemsize for p in plan.params}
+        plan_pieces = []
+        for index, w in enumerate(plan.writes):
+            plan_pieces.append(_write_pieces(plan.rank, index, w, dtypes[w.param], sources, by_name))
+        for cluster in _overlap_clusters(plan):
+            pinned.append([p for i in cluster for p in plan_pieces[i]])
+        pieces += [p for ps in plan_pieces for p in ps]
+    load = {r: 0 for r in sorted({s.rank for s in shards})}
+    for cluster in sorted(pinned, key=lambda c: -sum(p.nbytes for p in c)):
+        _assign_cluster(cluster, load, plans)
+    for piece in sorted((p for p in pieces if p.rank is None), key=lambda p: (-p.nbytes, p.consumer, p.write, p.sub)):
+        piece.rank = min(piece.holders, key=lambda r: (load[r], r))
+        load[piece.rank] += piece.nbytes
+    return _collect(plans, pieces, by_name, sources, load)
+
+
+def _index_shards(shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta]
+                  ) -> dict[str, dict[int, Box]]:
+    by_name: dict[str, dict[int, Box]] = {}
+    for s in shards:
+        meta = sources.get(s.name)
+        if meta is None:
+            continue  # the trainer holds tensors no consumer plan reads
+        if len(s.box) != len(meta.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(s.box, meta.shape)):
+            raise ShardLayoutError(f"trainer rank {s.rank}: box {list(s.box)} of {s.name!r} is outside its shape "
+                                   f"{list(meta.shape)}")
+        if any(a == b for a, b in s.box):
+            continue  # an uneven split left this rank nothing of the tensor
+        if s.rank in by_name.setdefault(s.name, {}):
+            raise ShardLayoutError(f"trainer rank {s.rank} holds two boxes of {s.name!r}: "
+                                   f"{list(by_name[s.name][s.rank])} and {list(s.box)} (one local tensor per name and "
+                                   f"rank)")
+        by_name[s.name][s.rank] = s.box
+    return by_name
+
+
+# ---- geometry: a strided region as a box of its tensor -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Dim:
+    size: int
+    dst_stride: int
+    src_dim: int | None   # full-tensor dim it walks, None for a broadcast (stride 0) dim
+    step: int
+
+
+def _box_form(region: ir.Region, dst: ir.Region, shape: tuple[int, ...]
+              ) -> tuple[list[int], list[_Dim]] | None:
+    """Express `region` (already broadcast to dst sizes) of a contiguous `shape` tensor as start coordinates plus
+    index dims each walking one tensor dim at a constant step; merged dims (a view(-1) of rows) are split back.
+    None when the region is not such a box."""
+    strides = ir.contiguous_strides(shape)
+    if region.offset >= max(math.prod(shape), 1):
+        return None
+    starts, rem = [], region.offset
+    for stride in strides:
+        starts.append(rem // stride)
+        rem %= stride
+    pending = [(n, s, t) for n, s, t in zip(region.sizes, region.strides, dst.strides) if n != 1]
+    dims: list[_Dim] = []
+    while len(dims) < len(pending):  # dims stay in region order, so row-major merges survive for the copy kernels
+        size, src_stride, dst_stride = pending[len(dims)]
+        if src_stride == 0:
+            dims.append(_Dim(size, dst_stride, None, 0))
+            continue
+        for d, stride in enumerate(strides):
+            if shape[d] == 1 or src_stride % stride:
+                continue
+            step = src_stride // stride
+            if starts[d] + step * (size - 1) < shape[d]:
+                dims.append(_Dim(size, dst_stride, d, step))
+                break
+            if step == 1 and starts[d] == 0 and size % shape[d] == 0 and d > 0:
+                # a merged dim (a view(-1) of whole rows): split into (size / shape[d]) x shape[d], map each half
+                pending[len(dims):len(dims) + 1] = [(size // shape[d], src_stride * shape[d], dst_stride * shape[d]),
+                                                    (shape[d], src_stride, dst_stride)]
+                break
+            return None
+        else:
+            return None
+    used = [d.src_dim for d in dims if d.src_dim is not None]
+    if len(used) != len(set(used)):
+        return None
+    return starts, dims
+
+
+def _write_pieces(consumer: int, index: int, w: ir.Write, itemsize: int, sources: Mapping[str, ir.TensorMeta],
+                  by_name: dict[str, dict[int, Box]]) -> list[_Piece]:
+    if not ir.is_pure_view(w):
+        return [_whole_piece(consumer, index, w, itemsize, sources, by_name)]
+    name = w.src.leaf.name
+    meta = sources[name]
+    region = broadcast_region(w.src.region, w.dst.sizes)
+    form = _box_form(region, w.dst, meta.shape) if region is not None and w.dst.numel else None
+    holders = by_name.get(name, {})
+    if form is None:
+        if w.dst.numel == 0:
+            return []
+        whole = [r for r, b in holders.items() if b == full_box(meta.shape)]
+        if not whole:
+            raise UncoveredSourceError(f"rank {consumer} write {index} ({w.param}) reads a non-box region of "
+                                       f"{name!r} ({ir.region_str(meta.shape, w.src.region)}): it needs a trainer "
+                                       f"rank holding all of {meta.dtype}{list(meta.shape)}, and none does")
+        return [_Piece(consumer, index, 0, tuple(sorted(whole)), w.dst.numel * itemsize, lambda r, w=w: w)]
+    starts, dims = form
+    pieces = []
+    for cell in _cells(starts, dims, meta.shape, holders.values()):
+        ranges = _index_ranges(cell, starts, dims)
+        if ranges is None:
+            continue
+        cell_holders = tuple(sorted(r for r, b in holders.items() if _contains(b, cell)))
+        if not cell_holders:
+            raise UncoveredSourceError(f"rank {consumer} write {index} ({w.param}) needs box {list(cell)} of "
+                                       f"{name!r} ({meta.dtype}{list(meta.shape)}), which no trainer rank holds")
+        nbytes = math.prod(b - a for a, b in ranges) * itemsize
+        pieces.append(_Piece(consumer, index, len(pieces), cell_holders, nbytes,
+                             lambda r, ranges=ranges: _sub_write(w, name, starts, dims, ranges, holders[r])))
+    return pieces
+
+
+def _cells(starts: list[int], dims: list[_Dim], shape: tuple[int, ...], boxes: Iterable[Box]) -> list[Box]:
+    """The grid cells (in full-tensor coordinates) that the region touches, cut at every box edge."""
+    touched = [(s, s + 1) for s in starts]
+    for d in dims:
+        if d.src_dim is not None:
+            touched[d.src_dim] = (starts[d.src_dim], starts[d.src_dim] + d.step * (d.size - 1) + 1)
+    axes = []
+    for dim, (lo, hi) in enumerate(touched):
+        cuts = sorted({lo, hi} | {edge for box in boxes for edge in box[dim] if lo < edge < hi})
+        axes.append(list(zip(cuts, cuts[1:])))
+    cells = [()]
+    for axis in axes:
+        cells = [c + (iv,) for c in cells for iv in axis]
+    return cells
+
+
+def _index_ranges(cell: Box, starts: list[int], dims: list[_Dim]) -> list[tuple[int, int]] | None:
+    """Index range of each dim whose elements fall in `cell`; None if none does."""
+    ranges = []
+    for d in dims:
+        if d.src_dim is None:
+            ranges.append((0, d.size))
+            continue
+        lo, hi = cell[d.src_dim]
+        start = starts[d.src_dim]
+        a = max(0, -(-(lo - start) // d.step))
+        b = min(d.size, -(-(hi - start) // d.step))
+        if a >= b:
+            return None
+        ranges.append((a, b))
+    return ranges
+
+
+def _contains(box: Box, cell: Box) -> bool:
+    return all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(box, cell))
+
+
+def _sub_write(w: ir.Write, name: str, starts: list[int], dims: list[_Dim], ranges: list[tuple[int, int]],
+               box: Box) -> ir.Write:
+    """The piece `ranges` of write w, its source re-expressed against the local tensor full[box]."""
+    local_shape = tuple(b - a for a, b in box)
+    local_strides = ir.contiguous_strides(local_shape)
+    coords = list(starts)
+    dst_offset = w.dst.offset
+    for d, (a, _) in zip(dims, ranges):
+        dst_offset += a * d.dst_stride
+        if d.src_dim is not None:
+            coords[d.src_dim] = starts[d.src_dim] + d.step * a
+    src_offset = sum((c - lo) * s for c, (lo, _), s in zip(coords, box, local_strides))
+    sizes = tuple(b - a for a, b in ranges)
+    src_strides = tuple(0 if d.src_dim is None else d.step * local_strides[d.src_dim] for d in dims)
+    dst = ir.Region(dst_offset, sizes, tuple(d.dst_stride for d in dims))
+    return ir.Write(w.param, dst, ir.View(ir.Source(name), ir.Region(src_offset, sizes, src_strides)))
+
+
+def _whole_piece(consumer: int, index: int, w: ir.Write, itemsize: int, sources: Mapping[str, ir.TensorMeta],
+                 by_name: dict[str, dict[int, Box]]) -> _Piece:
+    """A non-view write runs the interpreter on whole input tensors: only a rank holding all of them can serve it."""
+    names: set[str] = set()
+    ir.sources(w.src.leaf, names)
+    candidates = None
+    for name in sorted(names):
+        whole = {r for r, b in by_name.get(name, {}).items() if b == full_box(sources[name].shape)}
+        candidates = whole if candidates is None else candidates & whole
+    if candidates is None:  # reads no checkpoint tensor (Full): any rank
+        candidates = {r for boxes in by_name.values() for r in boxes}
+    if not candidates:
+        raise UnassignableWriteError(f"rank {consumer} write {index} ({w.param}) computes "
+                                     f"{ir.literal_ops(w.src.leaf) or ['a constant']} from {sorted(names)}: no "
+                                     f"trainer rank holds all of them whole")
+    return _Piece(consumer, index, 0, tuple(sorted(candidates)), w.dst.numel * itemsize, lambda r: w)
+
+
+def _overlap_clusters(plan: ir.RankPlan) -> list[list[int]]:
+    """Groups (size >= 2) of writes whose destination spans overlap, transitively."""
+    parent = list(range(len(plan.writes)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    by_param: dict[str, list[tuple[int, int, int]]] = {}
+    for i, w in enumerate(plan.writes):
+        lo, hi = w.dst.extent()
+        if hi > lo:
+            by_param.setdefault(w.param, []).append((lo, hi, i))
+    for spans in by_param.values():
+        spans.sort()
+        reach, owner = -1, -1
+        for lo, hi, i in spans:
+            if lo < reach:
+                parent[find(i)] = find(owner)
+            if hi > reach:
+                reach, owner = hi, i
+    clusters: dict[int, list[int]] = {}
+    for i in range(len(plan.writes)):
+        clusters.setdefault(find(i), []).append(i)
+    return [c for c in clusters.values() if len(c) > 1]
+
+
+def _assign_cluster(cluster: list[_Piece], load: dict[int, int], plans) -> None:
+    candidates = set.intersection(*(set(p.holders) for p in cluster)) if cluster else set()
+    if cluster and not candidates:
+        p = cluster[0]
+        params = sorted({next(pl for pl in plans if pl.rank == p.consumer).writes[q.write].param for q in cluster})
+        raise ShardOverlapError(f"rank {p.consumer}: writes {sorted({q.write for q in cluster})} to {params} overlap "
+                                f"(last write wins), so one trainer rank must serve them all, and none holds every "
+                                f"piece they read")
+    if not cluster:
+        return
+    rank = min(candidates, key=lambda r: (load[r], r))
+    for p in cluster:
+        p.rank = rank
+        load[rank] += p.nbytes
+
+
+def _collect(plans, pieces: list[_Piece], by_name, sources, load) -> ShardedPlan:
+    by_pair: dict[tuple[int, int], list[tuple[int, int, ir.Write]]] = {}
+    for p in pieces:
+        by_pair.setdefault((p.rank, p.consumer), []).append((p.write, p.sub, p.make(p.rank)))
+    out_plans = {}
+    for (trainer, consumer), items in sorted(by_pair.items()):
+        plan = next(pl for pl in plans if pl.rank == consumer)
+        writes = tuple(w for _, _, w in sorted(items, key=lambda x: (x[0], x[1])))  # plan order kept
+        written = {w.param for w in writes}
+        out_plans[(trainer, consumer)] = ir.RankPlan(consumer, tuple(m for m in plan.params if m.name in written),
+                                                     writes)
+    local: dict[int, dict[str, ir.TensorMeta]] = {}
+    for name, boxes in by_name.items():
+        for rank, box in boxes.items():
+            local.setdefault(rank, {})[name] = ir.TensorMeta(name, tuple(b - a for a, b in box), sources[name].dtype)
+    return ShardedPlan(out_plans, local, dict(load), {p.rank: p.fallbacks for p in plans if p.fallbacks})

@@ -1,0 +1,142 @@
+"""Tensor plumbing shared by the trainer (replay) and the consumer (apply): checks of given tensors, byte views of
+storages, and the geometry helpers that turn a region into few large copies. torch and the plan package only."""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from shardplan.plan import ir
+from shardplan.plan.interp import MissingTensorError, ReplayError, to_dtype
+
+
+class TensorShapeError(ReplayError):
+    """A given tensor's shape differs from the one the plan was recorded against."""
+
+
+class TensorDTypeError(ReplayError):
+    """A given tensor's dtype differs from the one the plan was recorded against."""
+
+
+class TensorLayoutError(ReplayError):
+    """A given tensor is not a contiguous tensor on the expected device (regions address a contiguous base)."""
+
+
+class StaleBindingError(ReplayError):
+    """A bound tensor or buffer no longer has the storage it had at bind time (re-bind after reallocating)."""
+
+
+class PackBufferError(ReplayError):
+    """The `out` buffer has the wrong size, dtype or device for the layout."""
+
+
+# ---- geometry helpers -----------------------------------------------------------------------------------------
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def broadcast_region(region: ir.Region, sizes: tuple[int, ...]) -> ir.Region | None:
+    """The region as `copy_` reads it into a destination of `sizes` (broadcast dims get stride 0); None if it can't."""
+    pad = len(sizes) - len(region.sizes)
+    if pad < 0:
+        return None
+    src_sizes = (1,) * pad + tuple(region.sizes)
+    src_strides = (0,) * pad + tuple(region.strides)
+    strides = []
+    for src_size, size, stride in zip(src_sizes, sizes, src_strides):
+        if src_size == size:
+            strides.append(stride)
+        elif src_size == 1:
+            strides.append(0)
+        else:
+            return None
+    return ir.Region(region.offset, tuple(sizes), tuple(strides))
+
+
+def collapse(sizes: Sequence[int], strides: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Fewest dims walking the same elements in the same (row-major) order: size-1 dims dropped, mergeable dims
+    merged. The packed side is contiguous, so only the strided side's strides decide what merges."""
+    out_sizes: list[int] = []
+    out_strides: list[int] = []
+    for size, stride in zip(sizes, strides):
+        if size == 1:
+            continue
+        if out_sizes and out_strides[-1] == stride * size:
+            out_sizes[-1] *= size
+            out_strides[-1] = stride
+        else:
+            out_sizes.append(size)
+            out_strides.append(stride)
+    if not out_sizes:
+        return (1,), (1,)
+    return tuple(out_sizes), tuple(out_strides)
+
+
+# Element types used to move same-dtype bytes in wider units: fewer index computations per byte in the copy kernels.
+WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def widen(itemsize: int, sizes: tuple[int, ...], strides: tuple[int, ...], byte_offsets: Iterable[int],
+          max_width: int = 8) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Largest width (bytes) at which a strided view can be re-read as wider elements: innermost dim contiguous and
+    every stride, size and offset divisible. Returns (width, sizes, strides) in units of that width."""
+    byte_offsets = list(byte_offsets)
+    width = max_width
+    while width > itemsize:
+        ratio = width // itemsize
+        if (strides[-1] == 1 and sizes[-1] % ratio == 0 and all(s % ratio == 0 for s in strides[:-1])
+                and all(o % width == 0 for o in byte_offsets)):
+            return width, sizes[:-1] + (sizes[-1] // ratio,), tuple(s // ratio for s in strides[:-1]) + (1,)
+        width //= 2
+    return itemsize, sizes, strides
+
+
+def storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D `dtype` tensor over t's whole storage (offset 0): lets one `as_strided` address any byte range of it in
+    any element width, without autograd or view-dtype restrictions."""
+    storage = t.untyped_storage()
+    itemsize = dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=t.device).set_(storage, 0, (storage.nbytes() // itemsize,), (1,))
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# ---- validation of given tensors ------------------------------------------------------------------------------
+def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.device | None) -> None:
+    """Named error naming the tensor and what the plan expected, for a missing, mis-shaped, mistyped, strided or
+    misplaced tensor. `role` is "trainer tensor" or "param"."""
+    want = f"{meta.dtype}{list(meta.shape)}"
+    if t is None:
+        raise MissingTensorError(f"{role} {name!r} is missing: the plan expects a {want} tensor")
+    if not isinstance(t, torch.Tensor):
+        raise MissingTensorError(f"{role} {name!r} is a {type(t).__name__}, not a tensor: the plan expects {want}")
+    if tuple(t.shape) != tuple(meta.shape):
+        raise TensorShapeError(f"{role} {name!r} has shape {list(t.shape)}, the plan expects {want}")
+    if t.dtype != to_dtype(meta.dtype):
+        raise TensorDTypeError(f"{role} {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, "
+                               f"the plan expects {want}")
+    if not t.is_contiguous():
+        raise TensorLayoutError(f"{role} {name!r} is not contiguous (strides {list(t.stride())}): plan regions "
+                                f"address a contiguous {want} tensor; pass t.contiguous()")
+    if device is not None and t.device != device:
+        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {device}")
+
+
+def capture_graph(ops: Sequence[Callable[[], object]], device: torch.device) -> "torch.cuda.CUDAGraph":
+    """Run `ops` once on a side stream (lazy init, workspaces), then capture them into a CUDA graph. The ops must
+    not allocate or synchronize (copies between prepared views don't)."""
+    if device.type != "cuda":
+        raise ReplayError(f"a CUDA graph needs CUDA tensors, these are on {device}")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.no_grad():
+        for op in ops:
+            op()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        for op in ops:
+            op()
+    return graph

@@ -1,0 +1,269 @@
+"""Adapters from the sync engine's stage Protocols to the runtime: replay (trainer), apply (consumer), and the
+sharded planner (trainers holding shards)."""
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Sequence
+
+import torch
+
+from shardplan.errors import ShardplanError
+from shardplan.plan import ir
+from shardplan.plan.interp import to_dtype
+from shardplan.plan.ir import TensorMeta
+from shardplan.plan.names import group_order
+from shardplan.runtime.apply import Applier
+from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, sharded_bases
+from shardplan.runtime.replay import Replayer
+from shardplan.runtime.tensors import StaleBindingError, check_tensor
+from shardplan.sync.stages import Packer, Span
+
+
+# Pipeline unit of ReplayPacker / ApplyUnpacker: a decoder layer's group larger than this is moved in parts (see
+# PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each: on an
+# H200 pair a 256 MiB part is ~0.7 ms on the wire and ~0.1 ms to pack or apply. Trainer and consumer must agree.
+PART_BYTES = 256 << 20
+
+
+def spans_of(packer: Packer) -> dict[int, dict[str, tuple[Span, ...]]]:
+    """What the Coordinator needs: every consumer's spans per group."""
+    return {c: {g: tuple(packer.spans(c, g)) for g in packer.groups()} for c in packer.consumers()}
+
+
+def _segment_sources(replayer: Replayer, seg) -> tuple[str, ...]:
+    plan = next(p for p in replayer.plans if p.rank == seg.refs[0].rank)
+    return tuple(sorted(ir.sources(plan.writes[seg.refs[0].index].src.leaf)))
+
+
+def _ordered_groups(pack_layouts) -> tuple[str, ...]:
+    return tuple(sorted({g for lay in pack_layouts for g in lay.group_names}, key=group_order))
+
+
+class _Packs:
+    """Bound replays per (key, segment subset, output buffer), reused while the source hands the same tensors.
+
+    A binding holds views of the tensors it was bound to (and, on CUDA, a graph of copies between them). So every
+    pack first checks that the tensors the source handed for *this* sync are the bound ones (the same object, or the
+    same storage address, shape and dtype: the bound tensors are alive, so an equal address is the same storage). A
+    source that hands new tensors (gathered per layer, DTensor.full_tensor(), a fresh state dict) gets them packed:
+    the subset is bound again, and after the first such change the key is never cached again (one-shot binds), so
+    the packer does not keep a source's per-sync tensors alive. `cache=False` never caches; `True` always does."""
+
+    def __init__(self, cache: bool | None = None):
+        self.cache = cache
+        self.bound: dict[tuple, list] = {}   # sub key -> [replayer, subset, names read, {out address: bound}, volatile]
+
+    def run(self, key, replayer: Replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor],
+            out: torch.Tensor) -> None:
+        # the common case (one trainer serves the whole group) keyed without hashing every segment index
+        whole = len(segments) == len(replayer.layout.segments)
+        sub_key = (key, "all") if whole else (key, tuple(segments))
+        entry = self.bound.get(sub_key)
+        if entry is None or entry[0] is not replayer:
+            sub = replayer if whole else replayer.subset(segments)
+            entry = self.bound[sub_key] = [replayer, sub, sorted(sub.sources_read()), {}, False]
+        _, sub, names, by_buffer, volatile = entry
+        bound = by_buffer.get(out.data_ptr())
+        if bound is not None:
+            if _same_tensors(bound.tensors, names, tensors):
+                try:
+                    bound.pack(check=True)   # check(): the bound tensors and buffer still have their storage
+                    return
+                except StaleBindingError:
+                    pass
+            by_buffer.pop(out.data_ptr())
+            entry[4] = volatile = True      # this source hands new tensors: bind per sync from now on
+        fresh = sub.bind({n: tensors.get(n) for n in names}, out[:sub.layout.nbytes])
+        fresh.pack(check=False)
+        if self.cache or (self.cache is None and not volatile):
+            if len(by_buffer) >= 4:
+                by_buffer.pop(next(iter(by_buffer)))
+            by_buffer[out.data_ptr()] = fresh
+
+
+def _same_tensors(bound: Mapping[str, torch.Tensor], names: Sequence[str], given: Mapping[str, torch.Tensor]) -> bool:
+    for n in names:
+        t, b = given.get(n), bound[n]
+        if t is b:
+            continue
+        if t is None or t.data_ptr() != b.data_ptr() or t.shape != b.shape or t.dtype != b.dtype \
+                or t.stride() != b.stride() or t.device != b.device:
+            return False
+    return True
+
+
+def _stamp(plan_ranks: Sequence[int], *parts) -> str:
+    """What both sides compare before the first byte moves: the plan ranks a buffer is for and a digest of its pack
+    layout (segments, order, dtypes, destinations) and of the fallback tensors' slots."""
+    h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return f"rank{'+'.join(map(str, plan_ranks))}:{h}"
+
+
+class ReplayPacker:
+    """Packer over shardplan.runtime.replay for trainers that hold checkpoint tensors whole (replicated, or gathered per
+    group by the WeightSource): one Replayer per consumer plan; any trainer holding a segment's sources may serve it.
+    Fallback tensors of a plan travel whole, after their layer's replayed bytes (`fallback_slots`).
+    `cache_bindings`: see _Packs (None: cache while the source hands the same tensors every sync)."""
+
+    def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
+                 device: torch.device | str | None = None, max_group_bytes: int | None = PART_BYTES,
+                 cache_bindings: bool | None = None):
+        self.sources = dict(sources)
+        self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device,
+                                           max_group_bytes=max_group_bytes) for p in plans}
+        self.fallbacks = {p.rank: fallback_slots(p, self.replayers[p.rank].layout, self.sources) for p in plans}
+        groups = set(_ordered_groups(r.layout for r in self.replayers.values()))
+        groups.update(g for slots in self.fallbacks.values() for g in slots)
+        self._groups = tuple(sorted(groups, key=group_order))
+        self._packs = _Packs(cache_bindings)
+
+    def consumers(self):
+        return sorted(self.replayers)
+
+    def stamp(self, consumer: int) -> str:
+        return _stamp((consumer,), self.replayers[consumer].layout.digest, self.fallbacks[consumer])
+
+    def groups(self):
+        return self._groups
+
+    def spans(self, consumer: int, group: str):
+        rep = self.replayers[consumer]
+        out = []
+        if group in rep.layout.group_names:
+            rep_g = rep.for_group(group)
+            out = [Span(s.offset, s.nbytes, _segment_sources(rep_g, s)) for s in rep_g.layout.segments]
+        out += [Span(f.offset, f.nbytes, (f.name,)) for f in self.fallbacks[consumer].get(group, ())]
+        return tuple(out)
+
+    def pack(self, consumer, group, tensors, out, segments):
+        rep = self.replayers[consumer]
+        num_replayed = len(rep.for_group(group).layout.segments) if group in rep.layout.group_names else 0
+        replayed = [i for i in segments if i < num_replayed]
+        if replayed:
+            self._packs.run((consumer, group), rep.for_group(group), replayed, tensors, out)
+        slots = self.fallbacks[consumer].get(group, ())
+        for i in segments:
+            if i >= num_replayed:   # a fallback tensor, whole, as bytes
+                f = slots[i - num_replayed]
+                t = tensors.get(f.name)
+                check_tensor("trainer tensor", f.name, t, self.sources[f.name], out.device)
+                out[f.offset:f.offset + f.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+
+
+class ApplyUnpacker:
+    """Unpacker over shardplan.runtime.apply: the consumer's own plan, its layout, its live params. A plan with fallbacks
+    needs `sources` (the plan file's table) and `fallback_loader(name, tensor)`, typically the real vLLM loader:
+    `lambda name, t: model.load_weights([(name, t)])`; it gets each fallback tensor whole (a copy it may keep) once
+    its group arrived."""
+
+    def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256,
+                 max_group_bytes: int | None = PART_BYTES, sources: Mapping[str, TensorMeta] | None = None,
+                 fallback_loader=None):
+        self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
+        self.fallbacks: dict[str, tuple[FallbackSlot, ...]] = {}
+        if plan.fallbacks:
+            if sources is None or fallback_loader is None:
+                raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
+                                     f"({plan.fallbacks[0].source}, ...): pass sources= (the plan file's table) and "
+                                     f"fallback_loader= (the real loader, which gets each of them whole)")
+            self.fallbacks = fallback_slots(plan, self.layout, sources)
+        self.applier = Applier(plan, self.layout, params, fallback_loader=fallback_loader)
+        self.sources, self.fallback_loader = sources, fallback_loader
+        self._stamp = _stamp((plan.rank,), self.layout.digest, self.fallbacks)
+
+    def stamp(self) -> str:
+        return self._stamp
+
+    def sizes(self):
+        sizes = {g.name: g.nbytes for g in self.layout.groups}
+        for group, slots in self.fallbacks.items():
+            sizes[group] = slots[-1].offset + slots[-1].nbytes
+        return sizes
+
+    def apply(self, group, buffer):
+        if group in self.layout.group_names:
+            self.applier.apply_group(group, buffer[:self.layout.group(group).nbytes])
+        for f in self.fallbacks.get(group, ()):
+            meta = self.sources[f.name]
+            tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
+            self.fallback_loader(f.name, tensor)
+
+
+
+def _sharded_parts(sharded, consumer: int, alignment: int):
+    """Per trainer rank: the (trainer, consumer) sub-plan's layout; the consumer's group buffer is their
+    concatenation in trainer order, each part aligned (so every part is a buffer of its own for Applier/Replayer)."""
+    return {t: PackLayout.from_plans(p, alignment) for t, p in sharded.for_consumer(consumer).items()}
+
+
+def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout]) -> str:
+    return _stamp((consumer,), [(t, lay.digest) for t, lay in sorted(parts.items())])
+
+
+
+class ShardedPacker:
+    """Packer for sharded trainers (shardplan.runtime.shards.ShardedPlan): trainer `rank` packs, for each consumer, the
+    pieces plan_shards gave it, from its local shards; each piece can come from that trainer only."""
+
+    def __init__(self, sharded, rank: int, *, alignment: int = 256, device: torch.device | str | None = None,
+                 cache_bindings: bool | None = None):
+        self.sharded, self.rank, self.alignment = sharded, rank, alignment
+        self.consumer_ranks = sorted({c for _, c in sharded.plans})
+        self.parts = {c: _sharded_parts(sharded, c, alignment) for c in self.consumer_ranks}
+        self._groups = _ordered_groups(lay for parts in self.parts.values() for lay in parts.values())
+        mine = {c: p for (t, c), p in sharded.plans.items() if t == rank}
+        self.replayers = {c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device)
+                          for c, p in mine.items()}
+        self._packs = _Packs(cache_bindings)
+
+    def consumers(self):
+        return self.consumer_ranks
+
+    def stamp(self, consumer: int) -> str:
+        return _sharded_stamp(consumer, self.parts[consumer])
+
+    def groups(self):
+        return self._groups
+
+    def spans(self, consumer: int, group: str):
+        parts, out = self.parts[consumer], []
+        for t, base in sharded_bases(parts, group, self.alignment).items():
+            out += [Span(base + s.offset, s.nbytes, (), (t,)) for s in parts[t].group(group).segments]
+        return tuple(out)
+
+    def pack(self, consumer, group, tensors, out, segments):
+        base = sharded_bases(self.parts[consumer], group, self.alignment)[self.rank]
+        rep_g = self.replayers[consumer].for_group(group)
+        first = sum(len(self.parts[consumer][t].group(group).segments)
+                    for t in sorted(self.parts[consumer]) if t < self.rank and group in self.parts[consumer][t].group_names)
+        mine = [i - first for i in segments]
+        self._packs.run((consumer, group), rep_g, mine, tensors, out[base:base + rep_g.layout.nbytes])
+
+
+class ShardedUnpacker:
+    """Unpacker for a consumer fed by sharded trainers: one Applier per trainer part of each group."""
+
+    def __init__(self, sharded, consumer: int, params: Mapping[str, torch.Tensor], *, alignment: int = 256):
+        self.alignment = alignment
+        self.parts = _sharded_parts(sharded, consumer, alignment)
+        plans = sharded.for_consumer(consumer)
+        self.appliers = {t: Applier(plans[t], lay, params) for t, lay in self.parts.items()}
+        groups = {g for lay in self.parts.values() for g in lay.group_names}
+        self._sizes = {}
+        for g in groups:
+            bases = sharded_bases(self.parts, g, alignment)
+            last = max(bases, key=bases.get)
+            self._sizes[g] = bases[last] + self.parts[last].group(g).nbytes
+        self._stamp = _sharded_stamp(consumer, self.parts)
+
+    def sizes(self):
+        return dict(self._sizes)
+
+    def stamp(self) -> str:
+        return self._stamp
+
+    def apply(self, group, buffer):
+        for t, base in sharded_bases(self.parts, group, self.alignment).items():
+            n = self.parts[t].group(group).nbytes
+            self.appliers[t].apply_group(group, buffer[base:base + n])
+

@@ -1,0 +1,101 @@
+"""The coordinator: decides, per version, who takes part, and publishes the schedule (runs in the driver)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from shardplan.sync.control import announce_key, result_key
+from shardplan.sync.schedule import build_schedule
+from shardplan.sync.stages import Span, SyncConfig
+from shardplan.transport.base import Control, PeerError, consumer_name, deadline_after, left, trainer_name
+
+
+@dataclass
+class Announcement:
+    version: int
+    schedule_id: str
+    members: dict[str, int]            # rank name -> epoch
+    excluded: tuple[str, ...] = ()
+
+
+class Coordinator:
+    """Decides, per version, who takes part, and publishes the schedule. Runs in the driver (or the launcher).
+
+    `spans[c][group]`: consumer c's spans per group (what the trainers' Packer reports; `spans_of(packer)`)."""
+
+    def __init__(self, control: Control, spans: Mapping[int, Mapping[str, Sequence[Span]]],
+                 groups: Sequence[str], num_trainers: int, config: SyncConfig | None = None):
+        self.control, self.spans, self.groups = control, spans, tuple(groups)
+        self.trainers, self.consumers = tuple(range(num_trainers)), tuple(sorted(spans))
+        self.config = config or SyncConfig()
+        self.members: dict[str, int] = {}
+        self.last_version: int | None = None
+        self._schedules: dict[tuple, str] = {}
+        self._held: dict[int, frozenset[str] | None] = {}
+        self._known: dict[str, int] = {}     # highest epoch seen per rank
+        self._stamps: dict[str, dict[str, str]] = {}   # rank -> its stamps of consumers' bytes (see control.join)
+
+    def names(self) -> list[str]:
+        return [trainer_name(t) for t in self.trainers] + [consumer_name(c) for c in self.consumers]
+
+    def results(self, version: int, timeout_s: float) -> dict[str, dict]:
+        """Results of `version` from its members, waiting at most `timeout_s` in all; missing ranks are left out."""
+        out, deadline = {}, deadline_after(timeout_s)
+        for name in self.members:
+            try:
+                out[name] = json.loads(self.control.get(result_key(version, name), left(deadline), name, "result"))
+            except PeerError:
+                pass
+        return out
+
+    def announce(self, version: int, wait_for_joins_s: float | None = None) -> Announcement:
+        """Announce `version`: members are the ranks that reported a result for the last version (with the epoch they
+        reported), plus ranks that (re-)joined since; ranks silent since the last version are excluded."""
+        # a trainer's in-flight transfers may run up to 1.5x timeout after a consumer gave up: wait them out so no
+        # write of the last version can land in a buffer of this one
+        results = self.results(self.last_version, 2 * self.config.timeout_s) if self.last_version is not None else {}
+        deadline = deadline_after(self.config.timeout_s if wait_for_joins_s is None else wait_for_joins_s)
+        members: dict[str, int] = {}
+        while True:
+            for name in self.names():
+                # alive at the last version: it wrote a result (with its epoch, bumped if it failed)
+                epoch = results[name]["epoch"] if name in results else None
+                joined = self.control.try_get(f"join/{name}")
+                if joined is not None:
+                    record = json.loads(joined)
+                    self._stamps[name] = record.get("stamps", {})
+                    if name.startswith("trainer"):
+                        held = record["held"]
+                        self._held[int(name[7:])] = None if held is None else frozenset(held)
+                    # a join counts only if newer than anything seen from that rank: a dead rank's old join doesn't
+                    if record["epoch"] > max(self._known.get(name, -1), epoch if epoch is not None else -1):
+                        epoch = record["epoch"]
+                if epoch is not None:
+                    members[name] = epoch
+            # the first version waits (bounded) for every rank to join; later versions take who is there
+            if self.last_version is not None or len(members) == len(self.names()) or left(deadline) == 0:
+                break
+            time.sleep(0.05)
+        for name, epoch in members.items():
+            self._known[name] = max(self._known.get(name, -1), epoch)
+        trainers = tuple(t for t in self.trainers if trainer_name(t) in members)
+        consumers = tuple(c for c in self.consumers if consumer_name(c) in members)
+        held = {t: self._held.get(t) for t in trainers}
+        key = (trainers, consumers, tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())))
+        schedule_id = self._schedules.get(key)
+        if schedule_id is None:
+            schedule = build_schedule({c: self.spans[c] for c in consumers}, self.groups, held, trainers, consumers)
+            schedule_id = f"s{version}"
+            self.control.set(f"schedule/{schedule_id}", schedule.to_json())
+            self._schedules[key] = schedule_id
+        excluded = tuple(n for n in self.names() if n not in members)
+        # every member's stamps travel with the announcement: each rank compares its own with its peers' before
+        # any byte moves (Rank._mismatches)
+        stamps = {name: self._stamps.get(name, {}) for name in members}
+        self.control.set(announce_key(version), json.dumps({"schedule": schedule_id, "members": members,
+                                                            "stamps": stamps}))
+        self.members, self.last_version = members, version
+        return Announcement(version, schedule_id, members, excluded)
+

@@ -1,0 +1,103 @@
+"""What trainer and consumer ranks share: announcement and schedule reading, prepare/sync hand-over, rejoining,
+and writing the result of a version."""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Mapping
+
+import torch
+
+from shardplan.plan.names import base_group
+from shardplan.sync.control import announce_key, join, result_key
+from shardplan.sync.schedule import Schedule
+from shardplan.sync.stages import LayoutMismatch, NotAMember, SyncConfig, SyncFailed, WeightSource, event
+from shardplan.transport.base import Control, Peer, Transport
+
+
+class Rank:
+    """Base of TrainerSync and ConsumerSync."""
+    name: str
+    epoch: int
+    held: frozenset[str] | None = None   # a trainer's whole tensors, published when it (re-)joins; None: all it needs
+    stamps: dict[int, str]               # consumer rank -> stamp of its bytes as this rank arranges them
+
+    def __init__(self, transport: Transport, control: Control, config: SyncConfig | None):
+        self.transport, self.control = transport, control
+        self.config = config or SyncConfig()
+        self._schedules: dict[str, Schedule] = {}
+        self._prepared: tuple | None = None   # what prepare(version) read, for sync(version)
+
+    def _announcement(self, version: int) -> tuple[dict, Schedule]:
+        ann = json.loads(self.control.get(announce_key(version), self.config.announce_timeout_s, "coordinator",
+                                          f"announcement of version {version}"))
+        if ann["members"].get(self.name) != self.epoch:
+            why = "failed or stalled in the last version" if self.name not in ann["members"] else "restarted"
+            self._rejoin()
+            raise NotAMember(f"{self.name} (epoch {self.epoch}) is not part of version {version} ({why}); "
+                             f"it re-joined and takes part from the next announced version")
+        sid = ann["schedule"]
+        if sid not in self._schedules:
+            self._schedules[sid] = Schedule.from_json(
+                self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule"))
+        return ann, self._schedules[sid]
+
+    def _mismatches(self, ann: dict, pairs: list[tuple[str, int]]) -> dict[Peer, LayoutMismatch]:
+        """For each (peer, consumer rank) pair: the peer's stamp of that consumer's bytes against this rank's; a
+        difference means the two sides would write bytes where the other does not read them."""
+        out = {}
+        for peer, c in pairs:
+            mine, theirs = self.stamps.get(c), ann.get("stamps", {}).get(peer, {}).get(str(c))
+            if mine != theirs:
+                out[peer] = LayoutMismatch(peer, f"consumer {c}'s bytes are arranged as {theirs} by {peer} and as "
+                                                 f"{mine} by {self.name} (plan rank:pack-layout digest): the two sides "
+                                                 f"use different plans, a wrong rank mapping or another "
+                                                 f"max_group_bytes; nothing was sent")
+        return out
+
+    def _take_prepared(self, version: int) -> tuple:
+        """What prepare(version) read (preparing now when it was not called for this version), used up by one sync."""
+        if self._prepared is None or self._prepared[0] != version:
+            self.prepare(version)
+            event("prepared")
+        prepared, self._prepared = self._prepared, None
+        return prepared[1:]
+
+    def _rejoin(self) -> None:
+        self.epoch = join(self.control, self.name, self.held, self.stamps)
+
+    def _finish(self, version: int, failures: dict[Peer, BaseException]) -> None:
+        if failures:
+            # a new epoch makes every adapter re-open its connections to this rank: nothing half-done is reused
+            self.epoch = self.control.add(f"epoch/{self.name}", 1)
+        self.control.set(result_key(version, self.name), json.dumps(
+            {"ok": not failures, "epoch": self.epoch,
+             "errors": {p: f"{type(e).__name__}: {e}" for p, e in failures.items()}}))
+        if failures:
+            raise SyncFailed(self.name, version, failures)
+
+
+class GroupTensors:
+    """The source's tensors of a group, fetched once per sync for all lanes (and all parts of a split group: the
+    source knows decoder-layer groups, not parts), dropped when the last lane packed its last part."""
+
+    def __init__(self, source: WeightSource, uses: Mapping[str, int]):
+        self.source, self.uses = source, {}
+        for group, n in uses.items():
+            self.uses[base_group(group)] = self.uses.get(base_group(group), 0) + n
+        self.cache: dict[str, Mapping[str, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, group: str) -> Mapping[str, torch.Tensor]:
+        base = base_group(group)
+        with self.lock:
+            if base not in self.cache:
+                self.cache[base] = self.source.group(base)
+            return self.cache[base]
+
+    def release(self, group: str) -> None:
+        base = base_group(group)
+        with self.lock:
+            self.uses[base] -= 1
+            if self.uses[base] == 0:
+                self.cache.pop(base, None)

@@ -1,0 +1,169 @@
+"""The static schedule: which trainer serves which bytes of which consumer, per group; a pure function of the
+consumers' segments and what each live trainer holds. Also the checksum both sides compute per piece."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from shardplan.sync.stages import ScheduleError, Span, WeightSource
+from shardplan.transport.base import consumer_name
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [lo, hi) of a consumer's group buffer, packed and sent by one trainer (segments: layout indices)."""
+    trainer: int
+    lo: int
+    hi: int
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    groups: tuple[str, ...]
+    trainers: tuple[int, ...]
+    consumers: tuple[int, ...]
+    nbytes: Mapping[int, tuple[int, ...]]                # consumer -> end of its last segment, per group
+    pieces: Mapping[tuple[int, int], tuple[Piece, ...]]  # (consumer, group index) -> pieces in byte order
+
+    def of(self, consumer: int, group_index: int, trainer: int | None = None) -> tuple[Piece, ...]:
+        pieces = self.pieces.get((consumer, group_index), ())
+        return pieces if trainer is None else tuple(p for p in pieces if p.trainer == trainer)
+
+    def bytes_by_trainer(self) -> dict[int, int]:
+        out = {t: 0 for t in self.trainers}
+        for pieces in self.pieces.values():
+            for p in pieces:
+                out[p.trainer] += p.hi - p.lo
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"groups": list(self.groups), "trainers": list(self.trainers),
+                           "consumers": list(self.consumers), "nbytes": {str(c): list(n) for c, n in self.nbytes.items()},
+                           "pieces": [[c, g, p.trainer, p.lo, p.hi, list(p.segments)]
+                                      for (c, g), ps in sorted(self.pieces.items()) for p in ps]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        d = json.loads(text)
+        pieces: dict[tuple[int, int], list[Piece]] = {}
+        for c, g, t, lo, hi, segs in d["pieces"]:
+            pieces.setdefault((c, g), []).append(Piece(t, lo, hi, tuple(segs)))
+        return cls(tuple(d["groups"]), tuple(d["trainers"]), tuple(d["consumers"]),
+                   {int(c): tuple(n) for c, n in d["nbytes"].items()}, {k: tuple(v) for k, v in pieces.items()})
+
+
+def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Sequence[str],
+                   held: Mapping[int, frozenset[str] | None], trainers: Sequence[int],
+                   consumers: Sequence[int]) -> Schedule:
+    """Which trainer serves which bytes of which consumer, per group; computed once per membership.
+
+    `held[t]`: the tensors trainer t holds whole (None: all of them). Per group: each consumer's segments are cut into
+    runs with the same set of eligible trainers, each run into ceil(#trainers / #consumers) chunks of about equal
+    bytes (so more trainers than consumers still all work), and the chunks go largest-first to the eligible trainer
+    with the least bytes in this group (then overall): balanced per pipeline step and contiguous per consumer.
+    """
+    if not trainers:
+        raise ScheduleError("no live trainer rank: nothing can serve the sync")
+    trainers, consumers = tuple(sorted(trainers)), tuple(sorted(consumers))
+    chunks_per_run = max(1, math.ceil(len(trainers) / max(len(consumers), 1)))
+    total = {t: 0 for t in trainers}
+    nbytes: dict[int, list[int]] = {c: [] for c in consumers}
+    pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
+    for gi, group in enumerate(groups):
+        chunks: list[tuple[int, list[int], int, tuple[int, ...]]] = []   # (consumer, segment indices, bytes, eligible)
+        for c in consumers:
+            segs = list(spans[c].get(group, ()))
+            nbytes[c].append(max((s.offset + s.nbytes for s in segs), default=0))
+            run: list[int] = []
+            run_eligible: tuple[int, ...] = ()
+            for i, seg in enumerate(segs):
+                if seg.nbytes == 0:
+                    continue
+                if seg.only:
+                    eligible = tuple(t for t in trainers if t in seg.only)
+                else:
+                    eligible = tuple(t for t in trainers if held[t] is None or all(n in held[t] for n in seg.sources))
+                if not eligible:
+                    if seg.only:
+                        raise ScheduleError(f"{consumer_name(c)}, group {group}: bytes at {seg.offset} come only from "
+                                            f"trainer {list(seg.only)}, which is not live; re-plan the shards "
+                                            f"(shardplan.runtime.shards.plan_shards) without it")
+                    missing = sorted(n for n in seg.sources if not any(held[t] is None or n in held[t] for t in trainers))
+                    raise ScheduleError(f"{consumer_name(c)}, group {group}: no live trainer holds {missing} whole "
+                                        f"(live trainers: {list(trainers)}); restore the trainer that holds them, or "
+                                        f"have the WeightSource gather them")
+                if run and eligible != run_eligible:
+                    chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
+                    run = []
+                run.append(i)
+                run_eligible = eligible
+            if run:
+                chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
+        load = {t: 0 for t in trainers}
+        owner: dict[tuple[int, int], int] = {}   # (consumer, first segment of chunk) -> trainer
+        for c, idx, size, eligible in sorted(chunks, key=lambda ch: (-ch[2], ch[0], ch[1][0])):
+            t = min(eligible, key=lambda t: (load[t], total[t], t))
+            load[t] += size
+            total[t] += size
+            owner[(c, idx[0])] = t
+        for c in consumers:
+            segs = list(spans[c].get(group, ()))
+            mine = sorted((ch for ch in chunks if ch[0] == c), key=lambda ch: ch[1][0])
+            merged: list[Piece] = []
+            for _, idx, _, _ in mine:
+                t = owner[(c, idx[0])]
+                lo, hi = segs[idx[0]].offset, segs[idx[-1]].offset + segs[idx[-1]].nbytes
+                if merged and merged[-1].trainer == t and merged[-1].segments[-1] + 1 == idx[0] \
+                        and all(segs[j].nbytes == 0 for j in range(merged[-1].segments[-1] + 1, idx[0])):
+                    prev = merged.pop()
+                    merged.append(Piece(t, prev.lo, hi, prev.segments + tuple(idx)))
+                else:
+                    merged.append(Piece(t, lo, hi, tuple(idx)))
+            if merged:
+                pieces[(c, gi)] = tuple(merged)
+    return Schedule(tuple(groups), trainers, consumers, {c: tuple(n) for c, n in nbytes.items()}, pieces)
+
+
+def _split_run(c: int, run: list[int], segs: list[Span], eligible: tuple[int, ...], parts: int):
+    parts = min(parts, len(eligible), len(run))
+    size = sum(segs[i].nbytes for i in run)
+    out, cur, acc, cut = [], [], 0, 1
+    for i in run:
+        cur.append(i)
+        acc += segs[i].nbytes
+        if cut < parts and acc >= size * cut / parts:
+            out.append((c, cur, sum(segs[j].nbytes for j in cur), eligible))
+            cur, cut = [], cut + 1
+    if cur:
+        out.append((c, cur, sum(segs[j].nbytes for j in cur), eligible))
+    return out
+
+
+def held_whole(source: WeightSource, needed: set[str]) -> frozenset[str] | None:
+    """Names of needed tensors the source holds whole; None when it holds all of them (saves publishing the list)."""
+    meta, boxes = source.metadata(), source.boxes()
+    whole = {n for n, box in boxes.items() if n in meta and tuple(box) == tuple((0, s) for s in meta[n].shape)}
+    return None if needed <= whole else frozenset(whole & needed)
+
+
+def checksum(view: torch.Tensor) -> int:
+    """Sum of the bytes as int32 words (tail bytes added singly), in int64. Works on any device."""
+    return int(checksum_tensor(view))
+
+
+def checksum_tensor(view: torch.Tensor) -> torch.Tensor:
+    """checksum() as a 0-d int64 tensor on the view's device: enqueued, not waited for (the two-sided pipeline reads
+    it once the transfer it guards has finished)."""
+    n = view.numel()
+    words = n // 4 * 4 if view.data_ptr() % 4 == 0 else 0
+    total = view[:words].view(torch.int32).sum(dtype=torch.int64) if words else \
+        torch.zeros((), dtype=torch.int64, device=view.device)
+    if words < n:
+        total = total + view[words:].sum(dtype=torch.int64)
+    return total
+

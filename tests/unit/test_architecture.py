@@ -1,0 +1,103 @@
+"""The package layout is the pipeline (docs/architecture.md): import floors, no cycles, small modules, and
+top-level imports (a function-level import only for optional dependencies)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "shardplan"
+
+# a module may import shardplan modules of its own floor or a lower one (docs/architecture.md)
+FLOORS = {"errors": 0, "models": 0, "plan": 1, "runtime": 2, "transport": 3, "sync": 4, "record": 5, "engine": 6,
+          "cli": 7, "__init__": 0}
+# imports allowed inside functions: packages that are optional for the module's users
+OPTIONAL = ("vllm", "transformers", "safetensors", "ray", "nixl", "mooncake", "torch.cuda", "matplotlib")
+MAX_LINES = 480
+# Over the limit until the config work (issue 13) lands and moves config reading and checkpoint names out of it.
+OVERSIZED = {"shardplan.models"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        yield name, path, ast.parse(path.read_text())
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or (parts[1] not in FLOORS and not (PACKAGE / parts[1]).exists()
+                           and not (PACKAGE / f"{parts[1]}.py").exists()):
+        return 0   # the package itself, or a name it defines (shardplan.__version__)
+    return FLOORS[parts[1]]
+
+
+def _imports(tree: ast.Module, module: str, *, top_level_only: bool):
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:
+                raise AssertionError(f"{module}: relative import (use absolute shardplan.* imports)")
+            if node.module == "shardplan":
+                yield from (f"shardplan.{a.name}" for a in node.names)
+            else:
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_no_import_runs_up_the_pipeline():
+    bad = []
+    for module, _, tree in _modules():
+        for target in _imports(tree, module, top_level_only=False):
+            if target.startswith("shardplan.") and _floor(target) > _floor(module):
+                bad.append(f"{module} imports {target}")
+    assert not bad, "imports that run up the pipeline:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = {}
+    names = {m for m, _, _ in _modules()}
+    for module, _, tree in _modules():
+        deps = set()
+        for target in _imports(tree, module, top_level_only=False):
+            while target and target not in names:
+                target = target.rpartition(".")[0]
+            if target and target != module and not module.startswith(target + "."):
+                deps.add(target)
+        graph[module] = deps
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in graph.get(m, ()):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+
+
+def test_function_level_imports_only_for_optional_dependencies():
+    bad = []
+    for module, _, tree in _modules():
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                if not all(n and n.startswith(OPTIONAL) for n in names):
+                    bad.append(f"{module}:{node.lineno} imports {names} inside a function")
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_are_small():
+    big = [f"{m}: {len(p.read_text().splitlines())} lines" for m, p, _ in _modules()
+           if len(p.read_text().splitlines()) > MAX_LINES and m not in OVERSIZED]
+    assert not big, "modules over ~400 lines:\n" + "\n".join(big)

@@ -1,0 +1,261 @@
+"""Plan files: canonical writer, one named error per cause, plan lookup by fingerprint, trainer imports no vLLM."""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import pytest
+
+from shardplan.plan import ir
+from shardplan.plan.compile import compile_plans, instantiate
+from shardplan.plan.layout import Layout
+from shardplan.plan import planfile
+from shardplan.plan.planfile import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFile, PlanFormatVersionError, PlanOpNotAllowed, PlanTruncated, decode, encode)
+
+SOURCES = [ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
+           ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
+           ir.TensorMeta("model.embed.weight", (16, 4), "bfloat16")]
+PARAMS = (ir.TensorMeta("model.layers.0.w.weight", (4, 4), "bfloat16"),
+          ir.TensorMeta("model.layers.1.w.weight", (4, 4), "bfloat16"))
+
+
+def _plan(rank: int, writes=None) -> ir.RankPlan:
+    if writes is None:
+        writes = tuple(ir.Write(f"model.layers.{i}.w.weight", ir.full_region((4, 4)),
+                                ir.View(ir.Source(f"model.layers.{i}.w.weight"), ir.Region(16 * rank, (4, 4), (4, 1))))
+                       for i in (1, 0))
+    return ir.RankPlan(rank, PARAMS, tuple(writes))
+
+
+def _encode(plans, sources=SOURCES) -> bytes:
+    return encode(compile_plans(plans, sources), model="test/model", architecture="TestForCausalLM",
+                  config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+
+
+def _good() -> bytes:
+    return _encode([_plan(0), _plan(1)])
+
+
+def test_roundtrip_and_instantiation():
+    header, body = decode(_good())
+    assert header.layout == Layout(tp=2) and header.ranks == (0, 1) and header.dtype == "bfloat16"
+    plan = PlanFile(header, body).rank(1)
+    assert {w.src.region.offset for w in plan.writes} == {16}
+    assert set(plan.writes) == set(_plan(1).writes)
+
+
+def test_writer_is_canonical_whatever_the_recording_order():
+    a = _encode([_plan(0), _plan(1)])
+    rev = [ir.RankPlan(p.rank, p.params[::-1], p.writes[::-1]) for p in (_plan(1), _plan(0))]
+    b = _encode(rev, SOURCES[::-1])
+    assert a == b
+
+
+def test_truncated_file():
+    data = _good()
+    for cut in (5, 30, len(data) - 1):
+        with pytest.raises(PlanTruncated, match="truncated"):
+            decode(data[:cut], "x.plan")
+
+
+def test_bad_checksum():
+    data = bytearray(_good())
+    data[-3] ^= 0xFF
+    with pytest.raises(PlanChecksumError, match="x.plan"):
+        decode(bytes(data), "x.plan")
+
+
+def test_unknown_format_version():
+    data = bytearray(_good())
+    data[8:12] = struct.pack("<I", 99)
+    with pytest.raises(PlanFormatVersionError, match="version 99"):
+        decode(bytes(data), "x.plan")
+
+
+def test_bad_magic_and_trailing_bytes_and_corrupt_header():
+    with pytest.raises(PlanCorrupt, match="magic"):
+        decode(b"NOTAPLAN" + _good()[8:], "x.plan")
+    with pytest.raises(PlanCorrupt, match="unexpected bytes"):
+        decode(_good() + b"\0", "x.plan")
+    data = _good()
+    (header_len,) = struct.unpack_from("<Q", data, 12)
+    broken = data[:20] + b"\xc1" * header_len + data[20 + header_len:]  # 0xc1 is never valid msgpack
+    with pytest.raises(PlanCorrupt, match="header"):
+        decode(broken, "x.plan")
+
+
+def _rewrite_body(data: bytes, mutate) -> bytes:
+    """Re-seal a body after mutating it, with a valid checksum: what a hostile or buggy writer could produce."""
+    header, pos = planfile.read_header(data, "x")
+    (body_len,) = struct.unpack_from("<Q", data, pos)
+    raw = msgpack.unpackb(data[pos + 8:pos + 8 + body_len], raw=False, use_list=True)
+    mutate(raw)
+    body = msgpack.packb(raw, use_bin_type=True)
+    hd = header.to_dict()
+    hd["body_nbytes"], hd["body_sha256"] = len(body), hashlib.sha256(body).hexdigest()
+    hb = msgpack.packb(hd, use_bin_type=True)
+    return data[:12] + struct.pack("<Q", len(hb)) + hb + struct.pack("<Q", len(body)) + body
+
+
+def test_op_outside_allowlist_is_refused():
+    call = ir.Call("Tensor.reshape", (ir.Arg(0), 16), (), (ir.View(ir.Source("model.layers.0.w.weight"),
+                                                                     ir.Region(0, (4, 4), (4, 1))),))
+    w = ir.Write("model.layers.0.w.weight", ir.Region(0, (16,), (1,)), ir.View(call, ir.full_region((16,))))
+    data = _encode([_plan(0, [w])])
+    assert decode(data)  # allowlisted: fine
+
+    def evil(raw):
+        text = repr(raw)
+        assert "Tensor.reshape" in text
+        def walk(node):
+            if isinstance(node, list):
+                for i, x in enumerate(node):
+                    if x == "Tensor.reshape":
+                        node[i] = "os.system"
+                    walk(x)
+        walk(raw)
+    with pytest.raises(PlanOpNotAllowed, match="os.system"):
+        decode(_rewrite_body(data, evil), "x.plan")
+
+
+def test_box_outside_source_bounds():
+    w = ir.Write("model.layers.0.w.weight", ir.full_region((4, 4)),
+                 ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(24, (4, 4), (4, 1))))  # rows 6..9 of 8
+    header, body = decode(_encode([_plan(0, [w])]))
+    with pytest.raises(PlanBoundsError, match="source model.layers.0.w.weight"):
+        PlanFile(header, body, "x.plan").rank(0)
+
+
+def test_box_outside_destination_bounds():
+    w = ir.Write("model.layers.0.w.weight", ir.Region(4, (4, 4), (4, 1)),
+                 ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(0, (4, 4), (4, 1))))
+    header, body = decode(_encode([_plan(0, [w])]))
+    with pytest.raises(PlanBoundsError, match="destination model.layers.0.w.weight"):
+        PlanFile(header, body, "x.plan").rank(0)
+
+
+def test_unknown_rank_names_the_covered_ranks():
+    header, body = decode(_good())
+    with pytest.raises(planfile.PlanFileError, match=r"covers ranks \[0, 1\]"):
+        PlanFile(header, body, "x.plan").rank(5)
+
+
+def test_never_pickles(tmp_path):
+    path = tmp_path / "a.plan"
+    planfile.write_plan(path, _good())
+    assert b"pickle" not in path.read_bytes() and b"\x80\x04" not in path.read_bytes()[:2]
+
+
+@pytest.fixture
+def isolated_store(tmp_path, monkeypatch):
+    """Only tmp_path is searched: neither the shipped plans/ nor the user's cache."""
+    from shardplan.plan import store
+
+    monkeypatch.setattr(store, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDPLAN_PLAN_PATH", str(tmp_path))
+    return tmp_path
+
+
+def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
+    from shardplan.plan import store
+    tmp_path = isolated_store
+    from shardplan.models import resolve_model
+
+    spec = resolve_model("llama-3.1-8b")
+    data = encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id, architecture=spec.architecture,
+                  config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16",
+                  vllm_version=store.installed_vllm_version() or "0.32.0")
+    planfile.write_plan(tmp_path / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16"), data)
+    plan = store.load_plan("Llama-3.1-8B", tp=2, rank=1)
+    assert isinstance(plan, ir.RankPlan) and plan.rank == 1
+    # another layout: refused with the list of existing plans and the command that records the missing one
+    with pytest.raises(store.PlanNotFound) as err:
+        store.load_plan("llama-3.1-8b", tp=4)
+    assert "tp2" in str(err.value) and "shardplan record --model llama-3.1-8b --tp 4" in str(err.value)
+    # another config (overridden) does not match the fingerprint
+    with pytest.raises(store.PlanNotFound):
+        store.load_plan("llama-3.1-8b", tp=2, overrides=["num_hidden_layers=2"])
+
+
+def test_stale_vllm_is_refused(isolated_store, monkeypatch):
+    from shardplan.plan import store
+    tmp_path = isolated_store
+    from shardplan.models import resolve_model
+
+    spec = resolve_model("llama-3.1-8b")
+    data = encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id, architecture=spec.architecture,
+                  config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.1.0")
+    planfile.write_plan(tmp_path / "x.plan", data)
+    monkeypatch.setattr(store, "installed_vllm_version", lambda: "0.32.0")
+    with pytest.raises(store.StalePlan, match="vLLM 0.1.0"):
+        store.load_plan("llama-3.1-8b", tp=2)
+    assert store.load_plan("llama-3.1-8b", tp=2, check_vllm=False).header.vllm_version == "0.1.0"
+
+
+def test_corrupt_file_in_store_gives_named_error(tmp_path):
+    path = tmp_path / "bad.plan"
+    path.write_bytes(_good()[:40])
+    with pytest.raises(PlanTruncated, match=str(path)):
+        PlanFile.read(path)
+
+
+def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
+    """Plan loading, instantiation, replay and apply with vLLM, transformers and safetensors made unimportable."""
+    path = tmp_path / "a.plan"
+    planfile.write_plan(path, _good())
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('vllm', 'transformers', 'safetensors'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        import pkgutil, importlib, shardplan
+        # every module of the trainer-side packages: plan files, runtime, sync engine, transports
+        for pkg in ("shardplan.plan", "shardplan.runtime", "shardplan.sync", "shardplan.transport"):
+            for info in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + "."):
+                importlib.import_module(info.name)
+        from shardplan.plan.planfile import PlanFile
+        plan = PlanFile.read({str(path)!r}).rank(1)
+        assert not any(m.split('.')[0] in ('vllm', 'transformers', 'safetensors') for m in sys.modules)
+        print('ok', len(plan.writes))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok 2"
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "shardplan.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_inspect_shipped_kimi_plan():
+    """The full-size Kimi-K2 TP32+EP plan: 32 ranks, ~31x less than a full broadcast, no fallbacks; fast."""
+    out = _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "5", timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "layout tp32-ep, ranks 32" in text and "fallbacks: 0" in text
+    assert "31.0x" in text  # 1912 GiB checkpoint / 61.7 GiB per rank
+    assert "IR of rank 3 (3015 writes, 66960 checkpoint tensors not needed)" in text
+    assert "model.layers.1.mlp.experts" in _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3",
+                                               "--max-lines", "0", timeout=60).stdout
+
+
+def test_cli_errors_are_clean():
+    out = _cli("record", "--model", "no-such-model", "--tp", "2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "Unknown model 'no-such-model'" in out.stderr and "kimi-k2" in out.stderr
+    out = _cli("inspect", "README.md")
+    assert out.returncode == 2 and "not a shardplan plan file" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("record", "--model", "llama-3.1-8b", "--tp", "3", "--override", "num_hidden_layers=2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "tp3" in out.stderr, out.stderr
+    out = _cli("record", "--model", "llama-3.1-8b", "--tp", "2", "--ep", "--override", "num_hidden_layers=2")
+    assert out.returncode == 2 and "expert" in out.stderr.lower(), out.stderr

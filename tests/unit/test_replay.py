@@ -1,0 +1,573 @@
+"""Replay + pack (trainer) and apply (consumer) against the reference interpreter, bit for bit.
+
+Plans are synthesized by hypothesis: random source shapes, random view chains on meta tensors (narrow, transpose,
+unsqueeze, expand, select, stepped slices) whose storage_offset/sizes/strides become regions, fused destinations
+(several sources stacked or concatenated into one param, permuted destination views, broadcast copies), overlapping
+writes (last write wins), dtype conversions, and Call/Full/Update leaves. Destinations start as NaN: every element the
+plan covers must equal the reference's bits, every other element must still be NaN.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from shardplan.plan import ir
+from shardplan.runtime.apply import (Applier, FallbackRequiredError, LayoutMismatchError, overlap_levels, params_from_plan)
+from shardplan.errors import ShardplanError
+from shardplan.plan.interp import (DisallowedOpError, ReplayError, MissingTensorError, PlanError, apply_reference, resolve_op)
+from shardplan.runtime.tensors import (PackBufferError, StaleBindingError, TensorDTypeError, TensorLayoutError, TensorShapeError, collapse, widen)
+from shardplan.runtime.pack import PackLayout
+from shardplan.runtime.replay import Replayer
+from shardplan.plan.names import base_group, group_order
+
+DTYPES = ["bfloat16", "float32", "float16"]
+STRATEGIES = ["batched", "batched-nowiden", "foreach", "loop"]
+NAN = float("nan")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes, so that NaN == NaN and -0.0 != 0.0: comparisons are bitwise."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# ---- plan generators --------------------------------------------------------------------------------------------
+@st.composite
+def view_chain(draw, shape: tuple[int, ...]) -> ir.Region:
+    """A random chain of view ops on a meta tensor; its geometry is the region (what the recorder folds it into)."""
+    t = torch.empty(shape, device="meta")
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["narrow", "transpose", "unsqueeze", "expand", "select", "step", "flatten"]))
+        dims = t.dim()
+        if op == "narrow" and dims:
+            dim = draw(st.integers(0, dims - 1))
+            start = draw(st.integers(0, t.shape[dim] - 1))
+            t = t.narrow(dim, start, draw(st.integers(1, t.shape[dim] - start)))
+        elif op == "transpose" and dims >= 2:
+            t = t.transpose(*draw(st.permutations(range(dims)))[:2])
+        elif op == "unsqueeze" and dims < 4:
+            t = t.unsqueeze(draw(st.integers(0, dims)))
+        elif op == "expand":
+            ones = [d for d in range(dims) if t.shape[d] == 1]
+            if ones:
+                sizes = list(t.shape)
+                sizes[draw(st.sampled_from(ones))] = draw(st.integers(2, 3))
+                t = t.expand(sizes)
+        elif op == "select" and dims >= 2:
+            dim = draw(st.integers(0, dims - 1))
+            t = t.select(dim, draw(st.integers(0, t.shape[dim] - 1)))
+        elif op == "flatten" and dims >= 2 and t.is_contiguous():  # merged dims (view(-1) of whole rows)
+            t = t.flatten()
+        elif op == "step" and dims:
+            dim = draw(st.integers(0, dims - 1))
+            if t.shape[dim] >= 2:
+                index = [slice(None)] * dim + [slice(draw(st.integers(0, 1)), None, draw(st.integers(2, 3)))]
+                t = t[tuple(index)]
+    return ir.Region(t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
+
+
+class World:
+    """Sources and per-rank writes being generated."""
+
+    def __init__(self):
+        self.sources: dict[str, ir.TensorMeta] = {}
+        self.params: dict[str, ir.TensorMeta] = {}
+        self.writes: list[ir.Write] = []
+
+    def source(self, shape, dtype) -> str:
+        name = f"model.layers.{len(self.sources) % 3}.src{len(self.sources)}.weight"
+        self.sources[name] = ir.TensorMeta(name, tuple(shape), dtype)
+        return name
+
+    def param(self, shape, dtype, group) -> str:
+        name = f"{group}.p{len(self.params)}.weight"
+        self.params[name] = ir.TensorMeta(name, tuple(shape), dtype)
+        return name
+
+    def meta_tensors(self):
+        return {n: torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta") for n, m in self.sources.items()}
+
+
+GROUPS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.11", "lm_head"]
+
+
+@st.composite
+def fused_writes(draw, world: World) -> None:
+    """k sources of one shape, one view chain, written into one param: stacked (k, *P) or concatenated (k*P0, ...),
+    the destination optionally permuted and broadcast along size-1 source dims."""
+    shape, src_dtype = draw(shapes), draw(st.sampled_from(DTYPES))
+    region = draw(view_chain(shape))
+    names = [world.source(shape, src_dtype) for _ in range(draw(st.integers(1, 3)))]
+    sizes = tuple(draw(st.integers(1, 3)) if s == 1 and draw(st.booleans()) else s for s in region.sizes)
+    perm = draw(st.permutations(range(len(sizes))))
+    inverse = [perm.index(d) for d in range(len(sizes))]
+    permuted = tuple(sizes[p] for p in perm)
+    concat = bool(permuted) and draw(st.booleans())
+    # slots: where each source lands along the fused dim; irregular slots (some left unwritten) when drawn so
+    slots = draw(st.permutations(range(len(names) + draw(st.integers(0, 3)))))[:len(names)]
+    num_slots = max(slots) + 1
+    shape_p = ((num_slots * permuted[0],) + permuted[1:]) if concat else (num_slots,) + permuted
+    param = world.param(shape_p, draw(st.sampled_from(DTYPES)), draw(st.sampled_from(GROUPS)))
+    p = torch.empty(shape_p, device="meta")
+    for i, name in zip(slots, names):
+        dst = (p[i * permuted[0]:(i + 1) * permuted[0]] if concat else p[i]).permute(inverse)
+        # a recorded source region may keep fewer dims than the destination: copy_ broadcasts leading dims
+        src = region
+        if len(src.sizes) and src.sizes[0] == 1 and draw(st.booleans()):
+            src = ir.Region(src.offset, src.sizes[1:], src.strides[1:])
+        world.writes.append(ir.Write(param, _region(dst), ir.View(ir.Source(name), src)))
+
+
+def _region(t: torch.Tensor) -> ir.Region:
+    return ir.Region(t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+@st.composite
+def computed_write(draw, world: World) -> None:
+    """A write whose source is a Call, Full or Update leaf (goes through the reference interpreter)."""
+    kind = draw(st.sampled_from(["reshape", "cat", "index_select", "to", "update", "full", "chunk"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    a, b = draw(st.integers(2, 5)), draw(st.integers(2, 5))
+    if kind == "full":
+        leaf = ir.Full(draw(st.sampled_from([0.0, 1.5, -2.0])), (a, b), dtype)
+    else:
+        x = world.source((a, b), dtype)
+        whole = ir.View(ir.Source(x), ir.full_region((a, b)))
+        transposed = ir.View(ir.Source(x), ir.Region(0, (b, a), (1, b)))
+        if kind == "reshape":  # reshape of a transposed view needs a copy: not a pure view
+            leaf = ir.Call("Tensor.reshape", (ir.Arg(0), (-1,)), (), (transposed,))
+        elif kind == "cat":
+            y = world.source((draw(st.integers(1, 3)), b), dtype)
+            leaf = ir.Call("torch.cat", ((ir.Arg(0), ir.Arg(1)),), (("dim", 0),),
+                           (whole, ir.View(ir.Source(y), ir.full_region(world.sources[y].shape))))
+        elif kind == "index_select":
+            index = tuple(draw(st.lists(st.integers(0, a - 1), min_size=1, max_size=4)))
+            leaf = ir.Call("Tensor.index_select", (ir.Arg(0), 0, ir.Const("int64", (len(index),), index)), (),
+                           (whole,))
+        elif kind == "to":
+            leaf = ir.Call("Tensor.to", (ir.Arg(0), ir.DType(draw(st.sampled_from(DTYPES)))), (), (transposed,))
+        elif kind == "chunk":
+            leaf = ir.Call("Tensor.chunk", (ir.Arg(0), 2), (("dim", 1),), (whole,), 1)
+        else:
+            value = ir.View(ir.Full(3.0, (1, b), dtype), ir.full_region((1, b)))
+            leaf = ir.Update(ir.Source(x), ir.Region(b * draw(st.integers(0, a - 1)), (1, b), (b, 1)), value)
+    shape = _leaf_shape(leaf, world)
+    region = draw(view_chain(shape))
+    param = world.param(region.sizes or (1,), draw(st.sampled_from(DTYPES)), draw(st.sampled_from(GROUPS)))
+    dst = ir.full_region(region.sizes) if region.sizes else ir.Region(0, (), ())
+    world.writes.append(ir.Write(param, dst, ir.View(leaf, region)))
+
+
+def _leaf_shape(leaf, world: World) -> tuple[int, ...]:
+    from shardplan.plan.interp import eval_leaf
+    return tuple(eval_leaf(leaf, world.meta_tensors(), "meta").shape)
+
+
+@st.composite
+def overwrite(draw, world: World) -> None:
+    """Overwrite part of an earlier write's destination (last write wins): a narrowed sub-box of its index space."""
+    w = world.writes[draw(st.integers(0, len(world.writes) - 1))]
+    if not w.dst.sizes:
+        return
+    start = draw(st.integers(0, w.dst.sizes[0] - 1))
+    length = draw(st.integers(1, w.dst.sizes[0] - start))
+    dst = ir.Region(w.dst.offset + start * w.dst.strides[0], (length,) + w.dst.sizes[1:], w.dst.strides)
+    dtype = world.params[w.param].dtype
+    if draw(st.booleans()):
+        src = ir.View(ir.Full(draw(st.sampled_from([7.0, -0.0])), dst.sizes, dtype), ir.full_region(dst.sizes))
+    else:  # a second source of the same shape, same sub-box
+        name = world.source(world.sources[w.src.leaf.name].shape, world.sources[w.src.leaf.name].dtype) \
+            if ir.is_pure_view(w) else None
+        if name is None:
+            return
+        src_region = ir.Region(w.src.region.offset, w.src.region.sizes, w.src.region.strides)
+        full = ir.Write(w.param, w.dst, ir.View(ir.Source(name), src_region))
+        world.writes.append(full)
+        return
+    world.writes.append(ir.Write(w.param, dst, src))
+
+
+@st.composite
+def worlds(draw, max_ranks: int = 3, computed: bool = True, overwrites: bool = True
+           ) -> tuple[list[ir.RankPlan], dict[str, ir.TensorMeta]]:
+    """Plans for 1..max_ranks consumer ranks over one sources table. Ranks share some writes (replicated params:
+    identical bytes, packed once) and differ in others."""
+    world = World()
+    for _ in range(draw(st.integers(1, 5))):
+        draw(fused_writes(world))
+    if computed:
+        for _ in range(draw(st.integers(0, 2))):
+            draw(computed_write(world))
+    for _ in range(draw(st.integers(0, 2)) if overwrites else 0):
+        draw(overwrite(world))
+    num_ranks = draw(st.integers(1, max_ranks))
+    plans = []
+    for rank in range(num_ranks):
+        keep = [w for w in world.writes if rank == 0 or draw(st.booleans())]
+        names = {w.param for w in keep}
+        params = tuple(m for n, m in world.params.items() if n in names)
+        plans.append(ir.RankPlan(rank * 2 + 1, params, tuple(keep)))
+    return plans, world.sources
+
+
+def random_tensors(sources: dict[str, ir.TensorMeta], seed: int, flat: bool = False) -> dict[str, torch.Tensor]:
+    """Random trainer tensors; flat: all of them views of one byte buffer at mixed alignments (as in trainers that
+    keep parameters in one flat buffer), which exercises the same-storage and width fallbacks."""
+    gen = torch.Generator().manual_seed(seed)
+    values = {n: torch.randn(m.shape, generator=gen).to(getattr(torch, m.dtype)) for n, m in sources.items()}
+    if not flat:
+        return values
+    total = sum(v.numel() * v.element_size() + 16 for v in values.values()) + 16
+    storage = torch.empty(total, dtype=torch.uint8)
+    out, offset = {}, 2
+    for name, v in values.items():
+        itemsize = v.element_size()
+        offset = (offset + itemsize - 1) // itemsize * itemsize
+        view = torch.empty(0, dtype=v.dtype).set_(storage.untyped_storage(), offset // itemsize, v.shape,
+                                                  ir.contiguous_strides(v.shape))
+        view.copy_(v)
+        out[name] = view
+        offset += v.numel() * itemsize + itemsize * int(torch.randint(0, 3, (1,), generator=gen))
+    return out
+
+
+def reference_params(plan: ir.RankPlan, tensors) -> dict[str, torch.Tensor]:
+    params = params_from_plan(plan, fill=NAN)
+    apply_reference(plan, tensors, params)
+    return params
+
+
+def assert_matches_reference(plan: ir.RankPlan, applier: Applier, params, tensors) -> None:
+    want = reference_params(plan, tensors)
+    for name, t in params.items():
+        assert bits_equal(t, want[name]), f"rank {plan.rank} param {name} differs from the reference"
+        mask = applier.coverage_mask(name)
+        assert torch.isnan(t[~mask].float()).all(), f"{name}: an element outside the plan's regions was written"
+    for name in applier.coverage():
+        assert name in params
+
+
+# ---- properties -------------------------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(worlds(), st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([16, 64, 256]))
+def test_pack_apply_equals_reference(world, seed, flat, alignment):
+    plans, sources = world
+    tensors = random_tensors(sources, seed, flat)
+    replayer = Replayer(plans, sources, alignment=alignment)
+    buffers = {s: replayer.bind(tensors, strategy=s).pack() for s in STRATEGIES}
+    for s in STRATEGIES[1:]:
+        assert torch.equal(buffers[s], buffers["batched"]), f"strategy {s} packed different bytes"
+    for plan in plans:
+        params = params_from_plan(plan, fill=NAN)
+        applier = Applier(plan, replayer.layout, params)
+        applier.apply(buffers["batched"])
+        assert_matches_reference(plan, applier, params, tensors)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(worlds(max_ranks=2), st.integers(0, 2**31 - 1), st.sampled_from([None, 1, 300, 2048]))
+def test_groups_pack_and_apply_independently(world, seed, max_group_bytes):
+    """Packing group by group into group-sized buffers gives the full buffer's bytes; applying them gives the same
+    params; a group needs only its own sources. Also with groups split into parts (max_group_bytes): the parts
+    tile their group, in group_order, each over the limit by less than one segment, offsets unchanged."""
+    plans, sources = world
+    tensors = random_tensors(sources, seed)
+    replayer = Replayer(plans, sources, max_group_bytes=max_group_bytes)
+    whole = PackLayout.from_plans(plans)
+    layout = replayer.layout
+    assert [(s.offset, s.nbytes, s.refs) for s in layout.segments] == \
+        [(s.offset, s.nbytes, s.refs) for s in whole.segments] and layout.nbytes == whole.nbytes
+    assert list(layout.group_names) == sorted(layout.group_names, key=group_order)
+    for g in whole.groups:
+        parts = [p for p in layout.groups if base_group(p.name) == g.name]
+        assert (parts[0].start, parts[0].first, parts[-1].stop, parts[-1].last) == (g.start, g.first, g.stop, g.last)
+        assert all(a.stop == b.start and a.last == b.first for a, b in zip(parts, parts[1:]))
+        if max_group_bytes is not None and len(parts) > 1:
+            for p in parts:   # about equal parts: over the limit by less than one of its segments
+                segs = layout.segments[p.first:p.last]
+                assert segs[-1].offset + segs[-1].nbytes - p.start <= max_group_bytes + max(x.nbytes for x in segs)
+        elif max_group_bytes is not None:
+            assert g.nbytes <= max_group_bytes or g.last - g.first == 1 or parts[0].name == g.name
+    full = replayer.pack(tensors)
+    for plan in plans:
+        params = params_from_plan(plan, fill=NAN)
+        applier = Applier(plan, replayer.layout, params)
+        for span in replayer.layout.groups:
+            needed = replayer.sources_read(span.name)
+            buf = replayer.pack_group(span.name, {n: tensors[n] for n in needed})
+            assert torch.equal(buf, full[span.start:span.stop])
+            applier.apply_group(span.name, buf)
+        assert applier.applied_groups == set(replayer.layout.group_names)
+        assert_matches_reference(plan, applier, params, tensors)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(worlds(max_ranks=2), st.integers(0, 2**31 - 1), st.data())
+def test_subset_packs_only_its_segments_at_their_offsets(world, seed, data):
+    """Replayer.subset (a trainer serving part of a group): its segments' bytes as in the full pack, at the same
+    offsets; every other byte of the buffer untouched."""
+    plans, sources = world
+    tensors = random_tensors(sources, seed)
+    replayer = Replayer(plans, sources)
+    full = replayer.pack(tensors)
+    n = len(replayer.layout.segments)
+    chosen = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="segments")) if n else []
+    out = torch.full((replayer.layout.nbytes,), 0xAB, dtype=torch.uint8)
+    replayer.subset(chosen).bind(tensors, out).pack()
+    mask = torch.zeros(replayer.layout.nbytes, dtype=torch.bool)
+    for i in chosen:
+        seg = replayer.layout.segments[i]
+        mask[seg.offset:seg.offset + seg.nbytes] = True
+    assert torch.equal(out[mask], full[mask])
+    assert (out[~mask] == 0xAB).all()
+    with pytest.raises(PlanError, match=f"segments \\[{n}\\] are not in this layout"):
+        replayer.subset([n])
+
+
+@settings(max_examples=40, deadline=None)
+@given(worlds(computed=False), st.sampled_from([16, 256, 4096]))
+def test_layout_invariants(world, alignment):
+    plans, _ = world
+    layout = PackLayout.from_plans(plans, alignment)
+    assert layout == PackLayout.from_plans(plans, alignment)  # deterministic
+    assert layout.digest == PackLayout.from_plans(plans, alignment).digest
+    refs = [(r.rank, r.index) for s in layout.segments for r in s.refs]
+    assert sorted(refs) == sorted((p.rank, i) for p in plans for i in range(len(p.writes)))  # each write once
+    end = 0
+    for s in layout.segments:
+        assert s.offset % alignment == 0 and s.offset >= end  # aligned, no overlap, in order
+        end = s.offset + s.nbytes
+        writes = [next(p for p in plans if p.rank == r.rank).writes[r.index] for r in s.refs]
+        assert len({(w.src, w.dst.sizes) for w in writes}) == 1  # shared only when the bytes are identical
+    assert layout.nbytes >= end
+    for g in layout.groups:
+        assert all(s.group == g.name for s in layout.segments[g.first:g.last])
+        assert g.start % alignment == 0
+    # identical bytes are never packed twice (within a group)
+    keys = [(s.group, w.src, s.dtype, s.shape) for s in layout.segments
+            for w in [next(p for p in plans if p.rank == s.refs[0].rank).writes[s.refs[0].index]]]
+    assert len(keys) == len(set(keys))
+
+
+def test_replicated_writes_share_one_segment():
+    src = {"model.norm.weight": ir.TensorMeta("model.norm.weight", (8,), "bfloat16")}
+    params = (ir.TensorMeta("model.norm.weight", (8,), "bfloat16"),)
+    write = ir.Write("model.norm.weight", ir.full_region((8,)), ir.View(ir.Source("model.norm.weight"),
+                                                                         ir.full_region((8,))))
+    plans = [ir.RankPlan(r, params, (write,)) for r in range(4)]
+    layout = PackLayout.from_plans(plans)
+    assert len(layout.segments) == 1 and len(layout.segments[0].refs) == 4
+    assert all(layout.rank_ranges(r) == [(0, 16)] for r in range(4))
+    # a different destination dtype is different bytes
+    fp32 = ir.RankPlan(9, (ir.TensorMeta("model.norm.weight", (8,), "float32"),), (write,))
+    assert len(PackLayout.from_plans(plans + [fp32]).segments) == 2
+
+
+def test_stacked_experts_pack_in_one_copy_per_storage():
+    """Trainer experts stored as [E, I, H] stacks (HF names are views): each stack is packed by one strided copy."""
+    num_experts, inter, hidden, tp_rows = 6, 8, 16, 2
+    sources, writes = {}, []
+    params = (ir.TensorMeta("model.layers.0.mlp.experts.w13_weight", (num_experts, 2 * tp_rows, hidden), "bfloat16"),)
+    for e in range(num_experts):
+        for k, proj in enumerate(["gate_proj", "up_proj"]):
+            name = f"model.layers.0.mlp.experts.{e}.{proj}.weight"
+            sources[name] = ir.TensorMeta(name, (inter, hidden), "bfloat16")
+            dst = ir.Region((e * 2 + k) * tp_rows * hidden, (tp_rows, hidden), (hidden, 1))
+            src = ir.Region(2 * hidden, (tp_rows, hidden), (hidden, 1))
+            writes.append(ir.Write(params[0].name, dst, ir.View(ir.Source(name), src)))
+    plan = ir.RankPlan(0, params, tuple(writes))
+    stacks = {proj: torch.randn(num_experts, inter, hidden).to(torch.bfloat16) for proj in ["gate_proj", "up_proj"]}
+    tensors = {n: stacks[n.split(".")[-2]][int(n.split(".")[5])] for n in sources}
+    replayer = Replayer(plan, sources)
+    bound = replayer.bind(tensors)
+    assert bound.num_launches == 2  # one per stack, not one per expert
+    params_t = params_from_plan(plan, fill=NAN)
+    applier = Applier(plan, replayer.layout, params_t)
+    assert applier.num_launches == 1  # w13 rows land at one constant stride
+    applier.apply(bound.pack())
+    assert_matches_reference(plan, applier, params_t, tensors)
+    separate = {n: t.clone() for n, t in tensors.items()}  # separate storages: one stack per batch instead
+    assert replayer.bind(separate).num_launches == 1
+
+
+def test_overlapping_writes_keep_plan_order():
+    """Two writes to the same rows: the later one must win even though layout order and batching differ."""
+    src = {n: ir.TensorMeta(n, (4, 4), "float32") for n in ("layers.0.a", "layers.0.b")}
+    params = (ir.TensorMeta("layers.0.p", (4, 4), "float32"),)
+    writes = (ir.Write("layers.0.p", ir.full_region((4, 4)), ir.View(ir.Source("layers.0.b"), ir.full_region((4, 4)))),
+              ir.Write("layers.0.p", ir.Region(4, (2, 4), (4, 1)), ir.View(ir.Source("layers.0.a"),
+                                                                          ir.Region(0, (2, 4), (4, 1)))),
+              ir.Write("layers.0.p", ir.Region(8, (1, 4), (4, 1)), ir.View(ir.Full(5.0, (1, 4), "float32"),
+                                                                          ir.full_region((1, 4)))))
+    plan = ir.RankPlan(0, params, writes)
+    tensors = random_tensors(src, 0)
+    replayer = Replayer(plan, src)
+    params_t = params_from_plan(plan, fill=NAN)
+    applier = Applier(plan, replayer.layout, params_t)
+    applier.apply(replayer.pack(tensors))
+    assert_matches_reference(plan, applier, params_t, tensors)
+    assert (params_t["layers.0.p"][2] == 5).all()
+
+
+def test_overlap_levels():
+    levels = overlap_levels([(0, "p", 0, 10), (1, "p", 10, 20), (2, "p", 5, 15), (3, "q", 0, 10), (4, "p", 0, 1),
+                             (5, "p", 6, 7)])
+    assert levels == {0: 0, 1: 0, 2: 1, 3: 0, 4: 1, 5: 2}
+
+
+def test_geometry_helpers():
+    assert collapse((2, 1, 3, 4), (12, 99, 4, 1)) == ((24,), (1,))
+    assert collapse((4, 8), (16, 1)) == ((4, 8), (16, 1))
+    assert collapse((), ()) == ((1,), (1,))
+    assert widen(2, (4, 8), (16, 1), [0, 64]) == (8, (4, 2), (4, 1))
+    assert widen(2, (4, 6), (16, 1), [0]) == (4, (4, 3), (8, 1))
+    assert widen(2, (4, 8), (16, 1), [2]) == (2, (4, 8), (16, 1))  # misaligned address: no widening
+    assert widen(2, (4, 8), (16, 2), [0]) == (2, (4, 8), (16, 2))
+
+
+# ---- bad input: named errors naming the tensor and what the plan expected -------------------------------------------
+def _small():
+    src = {"layers.0.w": ir.TensorMeta("layers.0.w", (4, 6), "bfloat16")}
+    params = (ir.TensorMeta("layers.0.p", (2, 6), "float32"),)
+    rows = ir.View(ir.Source("layers.0.w"), ir.Region(6, (2, 6), (6, 1)))
+    write = ir.Write("layers.0.p", ir.full_region((2, 6)), rows)
+    return ir.RankPlan(0, params, (write,)), src
+
+
+@pytest.mark.parametrize("tensor, error, words", [
+    (None, MissingTensorError, ["layers.0.w", "missing", "bfloat16[4, 6]"]),
+    (torch.zeros(4, 5, dtype=torch.bfloat16), TensorShapeError, ["layers.0.w", "[4, 5]", "bfloat16[4, 6]"]),
+    (torch.zeros(4, 6, dtype=torch.float16), TensorDTypeError, ["layers.0.w", "float16", "bfloat16[4, 6]"]),
+    (torch.zeros(6, 4, dtype=torch.bfloat16).t(), TensorLayoutError, ["layers.0.w", "contiguous"]),
+])
+def test_bad_trainer_tensor(tensor, error, words):
+    plan, src = _small()
+    tensors = {} if tensor is None else {"layers.0.w": tensor}
+    with pytest.raises(error) as info:
+        Replayer(plan, src).pack(tensors)
+    assert issubclass(error, ShardplanError)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("param, error", [
+    (None, MissingTensorError), (torch.zeros(3, 6), TensorShapeError), (torch.zeros(2, 6, dtype=torch.float64),
+                                                                        TensorDTypeError)])
+def test_bad_param(param, error):
+    plan, src = _small()
+    layout = PackLayout.from_plans(plan)
+    with pytest.raises(error, match="layers.0.p"):
+        Applier(plan, layout, {} if param is None else {"layers.0.p": param})
+
+
+def test_disallowed_op_and_resolution():
+    assert resolve_op("Tensor.reshape") is torch.Tensor.reshape
+    assert resolve_op("torch.cat") is torch.cat
+    for name in ["Tensor.item", "os.system", "torch.load", "Tensor.__reduce_ex__"]:
+        with pytest.raises(DisallowedOpError, match="ALLOWED_OPS"):
+            resolve_op(name)
+    plan, src = _small()
+    bad = ir.Write("layers.0.p", ir.full_region((2, 6)), ir.View(ir.Call("torch.load", (ir.Arg(0),), (), (
+        ir.View(ir.Source("layers.0.w"), ir.full_region((4, 6))),)), ir.Region(0, (2, 6), (6, 1))))
+    with pytest.raises(DisallowedOpError):
+        Replayer(ir.RankPlan(0, plan.params, (bad,)), src)
+
+
+def test_plan_errors():
+    plan, src = _small()
+    out_of_bounds = ir.Write("layers.0.p", ir.full_region((2, 6)), ir.View(ir.Source("layers.0.w"),
+                                                                          ir.Region(20, (2, 6), (6, 1))))
+    with pytest.raises(PlanError, match="layers.0.w"):
+        Replayer(ir.RankPlan(0, plan.params, (out_of_bounds,)), src)
+    with pytest.raises(PlanError, match="sources table"):
+        Replayer(plan, {})
+    with pytest.raises(PlanError, match="distinct"):
+        Replayer([plan, plan], src)
+    dst_out_of_bounds = ir.RankPlan(0, plan.params, (ir.Write("layers.0.p", ir.Region(6, (2, 6), (6, 1)),
+                                                              plan.writes[0].src),))
+    with pytest.raises(PlanError, match="layers.0.p"):
+        Applier(dst_out_of_bounds, PackLayout.from_plans(dst_out_of_bounds), params_from_plan(dst_out_of_bounds))
+
+
+def test_buffer_binding_and_layout_errors():
+    plan, src = _small()
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    replayer = Replayer(plan, src)
+    with pytest.raises(PackBufferError, match="bytes"):
+        replayer.pack(tensors, out=torch.empty(3, dtype=torch.uint8))
+    bound = replayer.bind(tensors)
+    tensors["layers.0.w"].data = torch.randn(4, 6).to(torch.bfloat16)  # reallocated behind the binding's back
+    with pytest.raises(StaleBindingError, match="layers.0.w"):
+        bound.pack()
+    other = ir.RankPlan(5, plan.params, plan.writes)
+    with pytest.raises(LayoutMismatchError, match="rank 5"):
+        Applier(other, replayer.layout, params_from_plan(other))
+    params = params_from_plan(plan)
+    with pytest.raises(PackBufferError):
+        Applier(plan, replayer.layout, params).apply(torch.empty(7, dtype=torch.uint8))
+
+
+def test_cuda_graph_needs_cuda():
+    plan, src = _small()
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    bound = Replayer(plan, src).bind(tensors)  # default: graphs only on CUDA, eager here
+    assert bound.graph_error is None and bound.num_launches == 1
+    with pytest.raises(ReplayError, match="CUDA"):
+        Replayer(plan, src).bind(tensors, cuda_graph=True)
+
+
+def test_fallbacks_need_a_loader():
+    plan, src = _small()
+    fb = ir.Fallback("layers.0.scale", "Tensor.item", "reads values", "vllm.x.loader")
+    plan = ir.RankPlan(0, plan.params, plan.writes, fallbacks=(fb,))
+    layout = PackLayout.from_plans(plan)
+    with pytest.raises(FallbackRequiredError, match="layers.0.scale"):
+        Applier(plan, layout, params_from_plan(plan))
+    loaded = []
+    applier = Applier(plan, layout, params_from_plan(plan), fallback_loader=lambda n, t: loaded.append((n, t)))
+    with pytest.raises(MissingTensorError, match="layers.0.scale"):
+        applier.apply_fallbacks({})
+    applier.apply_fallbacks({"layers.0.scale": torch.ones(1)})
+    assert [n for n, _ in loaded] == ["layers.0.scale"]
+
+
+def test_from_model_uses_parameters_and_buffers():
+    plan, src = _small()
+    model = torch.nn.Module()
+    model.register_parameter("p", torch.nn.Parameter(torch.full((2, 6), NAN)))
+    renamed = ir.RankPlan(0, (ir.TensorMeta("p", (2, 6), "float32"),),
+                          tuple(ir.Write("p", w.dst, w.src) for w in plan.writes))
+    layout = PackLayout.from_plans(renamed)
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    Applier.from_model(renamed, layout, model).apply(Replayer(renamed, src).pack(tensors))
+    assert torch.equal(model.p.detach(), tensors["layers.0.w"][1:3].float())
+
+
+def test_param_given_new_storage_is_noticed_at_the_next_apply():
+    """`param.data = new` between two applies (an engine re-allocating its weights): the second apply writes the new
+    storage, not the old one the first apply's bound views pointed at; a new storage of the wrong shape is named."""
+    plan, src = _small()
+    model = torch.nn.Module()
+    model.register_parameter("p", torch.nn.Parameter(torch.full((2, 6), NAN), requires_grad=False))
+    renamed = ir.RankPlan(0, (ir.TensorMeta("p", (2, 6), "float32"),),
+                          tuple(ir.Write("p", w.dst, w.src) for w in plan.writes))
+    layout = PackLayout.from_plans(renamed)
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    buffer = Replayer(renamed, src).pack(tensors)
+    applier = Applier.from_model(renamed, layout, model)
+    applier.apply(buffer)
+    old = model.p.data
+    model.p.data = torch.full((2, 6), NAN)
+    applier.apply(buffer)
+    assert torch.equal(model.p.detach(), tensors["layers.0.w"][1:3].float())
+    assert model.p.data_ptr() != old.data_ptr()
+    model.p.data = torch.full((3, 6), NAN)
+    with pytest.raises(TensorShapeError, match="'p'"):
+        applier.apply(buffer)
