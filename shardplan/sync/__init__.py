@@ -45,11 +45,11 @@ from shardplan.sync.consumer import ConsumerSync
 from shardplan.sync.coordinator import Announcement, Coordinator
 from shardplan.sync.schedule import Piece, Schedule, build_schedule, checksum, checksum_tensor, held_whole
 from shardplan.sync.stages import (ChecksumMismatch, LayoutMismatch, NotAMember, Packer, ScheduleError, Span, SyncConfig,
-                                   SyncFailed, SyncReport, SyncState, Unpacker, WeightSource, set_event_listener)
+                                   SyncConfigError, SyncFailed, SyncReport, SyncState, Unpacker, WeightSource, set_event_listener)
 from shardplan.sync.trainer import TrainerSync
 
 __all__ = ["PART_BYTES", "Announcement", "ApplyUnpacker", "ChecksumMismatch", "ConsumerSync", "Coordinator", "LayoutMismatch",
            "NotAMember", "Packer", "Piece", "ReplayPacker", "Schedule", "ScheduleError", "ShardedPacker",
-           "ShardedUnpacker", "Span", "SyncConfig", "SyncFailed", "SyncReport", "SyncState", "TrainerSync", "Unpacker",
+           "ShardedUnpacker", "Span", "SyncConfig", "SyncConfigError", "SyncFailed", "SyncReport", "SyncState", "TrainerSync", "Unpacker",
            "WeightSource", "build_schedule", "checksum", "checksum_tensor", "held_whole", "set_event_listener",
            "spans_of"]

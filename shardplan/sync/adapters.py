@@ -7,12 +7,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from shardplan.errors import ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.interp import to_dtype
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_order
-from shardplan.runtime.apply import Applier
+from shardplan.runtime.apply import Applier, FallbackRequiredError
 from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, sharded_bases
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
@@ -163,7 +162,7 @@ class ApplyUnpacker:
         self.fallbacks: dict[str, tuple[FallbackSlot, ...]] = {}
         if plan.fallbacks:
             if sources is None or fallback_loader is None:
-                raise ShardplanError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
+                raise FallbackRequiredError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
                                      f"({plan.fallbacks[0].source}, ...): pass sources= (the plan file's table) and "
                                      f"fallback_loader= (the real loader, which gets each of them whole)")
             self.fallbacks = fallback_slots(plan, self.layout, sources)

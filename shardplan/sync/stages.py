@@ -81,7 +81,12 @@ class SyncConfig:
 
     def __post_init__(self):
         if self.timeout_s <= 0 or self.announce_timeout_s <= 0:
-            raise ValueError("SyncConfig: timeouts must be positive")
+            raise SyncConfigError(f"SyncConfig: timeouts must be positive, got timeout_s={self.timeout_s}, "
+                                  f"announce_timeout_s={self.announce_timeout_s}")
+
+
+class SyncConfigError(ShardplanError, ValueError):
+    """A SyncConfig value out of range."""
 
 
 # ---- errors and results ----------------------------------------------------------------------------------------------------

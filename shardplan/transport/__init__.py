@@ -9,9 +9,9 @@ See base.py for the Protocol and docs/transports.md for each adapter's recipe an
 """
 from __future__ import annotations
 
-from shardplan.errors import ShardplanError
 from shardplan.transport.base import (Control, Done, MissingDependency, Peer, PeerAborted, PeerDied, PeerError,
-                                      PeerTimeout, Pending, Tag, Transport, consumer_name, trainer_name)
+                                      PeerTimeout, Pending, Tag, Transport, UnknownTransport, consumer_name,
+                                      trainer_name)
 from shardplan.transport.mooncake import MooncakeTransport
 from shardplan.transport.nccl import NcclTransport
 from shardplan.transport.rdt import RdtTransport
@@ -27,8 +27,8 @@ def create(name: str, **options) -> Transport:
         return RdtTransport(backend=name[4:], **options)
     if name.startswith("mooncake:") and name[9:] in ("tcp", "rdma"):
         return MooncakeTransport(protocol=name[9:], **options)
-    raise ShardplanError(f"unknown transport {name!r}: choose one of {', '.join(NAMES)}")
+    raise UnknownTransport(f"unknown transport {name!r}: choose one of {', '.join(NAMES)}")
 
 
 __all__ = ["NAMES", "create", "Control", "Done", "MissingDependency", "Peer", "PeerAborted", "PeerDied", "PeerError",
-           "PeerTimeout", "Pending", "Tag", "Transport", "consumer_name", "trainer_name"]
+           "PeerTimeout", "Pending", "Tag", "Transport", "UnknownTransport", "consumer_name", "trainer_name"]

@@ -72,6 +72,10 @@ class PeerAborted(PeerError):
     """A peer gave up on this sync because of a third rank; the message says which and why."""
 
 
+class UnknownTransport(ShardplanError):
+    """A transport name that no adapter has; the message lists the names there are."""
+
+
 class MissingDependency(ShardplanError):
     """An optional transport was chosen whose package is not installed; the message has the install command."""
 

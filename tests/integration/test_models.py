@@ -1,10 +1,11 @@
 """Tests for shardplan.models: built-in configs, resolution, overrides, errors, and on-disk tensor listings."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -341,7 +342,7 @@ def test_materialize_writes_only_config(tmp_path):
 def test_spec_is_hashable_and_frozen():
     spec = resolve_model("llama-3.1-8b")
     assert spec in {spec}
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
     assert ModelSpec("x", None, {"a": 1}).config_sha256 == config_sha256({"a": 1})
 

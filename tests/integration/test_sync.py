@@ -26,8 +26,9 @@ import torch
 from shardplan.plan.compile import compile_plans
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_of
-from shardplan.sync import (ConsumerSync, Coordinator, NotAMember, Schedule, ScheduleError, Span, SyncConfig, SyncFailed, SyncState, TrainerSync, build_schedule, checksum)
-from shardplan.errors import ShardplanError
+from shardplan.sync import (ConsumerSync, Coordinator, LayoutMismatch, NotAMember, Schedule, ScheduleError, Span,
+                            SyncConfig, SyncConfigError, SyncFailed, SyncState, TrainerSync, build_schedule, checksum)
+from shardplan.runtime.apply import FallbackRequiredError
 from shardplan.transport import Control, PeerAborted, PeerDied, PeerTimeout, consumer_name, create, trainer_name
 
 TIMEOUT_S = 2.0
@@ -226,7 +227,6 @@ class _FullSource:
         return {n: tuple((0, s) for s in t.shape) for n, t in self.tensors.items()}
 
     def group(self, group):
-        from shardplan.plan import ir
         return {n: t for n, t in self.tensors.items() if group_of(n) == group}
 
 
@@ -488,7 +488,7 @@ class RayCluster:
 
     def __init__(self, transport: str, world_factory, config: SyncConfig | None = None):
         import ray
-        from shardplan.transport.rdt import router_actor, sync_actor
+        from shardplan.transport.rdt import router_actor
         self.ray = ray
         _cluster_setup(self, transport, world_factory, config)
         self.router = None if transport == "rdt:nixl" else router_actor().remote()
@@ -710,7 +710,7 @@ def test_checksum_sees_a_changed_byte_and_works_unaligned():
 
 
 def test_config_rejects_nonpositive_timeouts():
-    with pytest.raises(ValueError):
+    with pytest.raises(SyncConfigError):
         SyncConfig(timeout_s=0)
 
 
@@ -775,7 +775,7 @@ def test_fallback_plan_needs_sources_and_loader_on_the_consumer():
     from shardplan.sync import ApplyUnpacker
     w = FallbackWorld()
     params = params_from_plan(w.plans[0], fill=float("nan"))
-    with pytest.raises(ShardplanError, match="model.layers.1.self_attn.o_proj.weight.*fallback_loader="):
+    with pytest.raises(FallbackRequiredError, match="model.layers.1.self_attn.o_proj.weight.*fallback_loader="):
         ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES)
     # both sides place fallback tensors identically: the consumer's group sizes match the trainers' layouts
     unpacker = ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES, sources=w.sources,
@@ -902,3 +902,112 @@ def test_sync_recorded_moe_equals_real_loader(tmp_path_factory, request, layout_
         real_params = dict(real.named_parameters())
         for meta in plans[rank].params:
             assert torch.equal(bits(got[rank][meta.name]), bits(real_params[meta.name])), f"rank {rank} {meta.name}"
+
+
+# ---- never deliver wrong weights silently: fresh source tensors, layout agreement, rank mapping --------------------
+class _NewTensorsEachSync(_FullSource):
+    """A source that gathers: every group() call hands new tensor objects (new storage), holding the values of the
+    version it was told to serve (as an FSDP/DTensor trainer's full_tensor() per layer does)."""
+
+    def __init__(self, sources):
+        self.sources, self.version = sources, 1
+        super().__init__(full_tensors(sources, seed=1))
+
+    def group(self, group):
+        return {n: t.clone() for n, t in full_tensors(self.sources, seed=self.version).items() if group_of(n) == group}
+
+
+@dataclass
+class FreshTensorWorld(PlanWorld):
+    def source(self, rank):
+        return _NewTensorsEachSync(self.sources)
+
+    def reference_at(self, rank, version):
+        from shardplan.plan.interp import apply_reference
+        from shardplan.runtime.apply import params_from_plan
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        apply_reference(self.plans[rank], full_tensors(self.sources, seed=version), params)
+        return params
+
+
+def _serve_version(engine, version):
+    engine.source.version = version
+
+
+def test_sync_packs_the_tensors_the_source_hands_at_this_sync():
+    """The stale-weights bug: a source handing new tensor objects at every sync must get *those* packed, not the ones
+    bound at the first sync (each consumer then reported its version complete with version-1 weights)."""
+    cluster = LocalCluster("nccl", FreshTensorWorld)
+    try:
+        w = cluster.world
+        for version in (1, 2, 3):
+            for t in range(w.num_trainers):
+                cluster.call(trainer_name(t), _serve_version, version)
+            results = cluster.sync(version)
+            assert all(r[0] == "ok" for r in results.values()), results
+            for c in range(w.num_consumers):
+                got, want = cluster.call(consumer_name(c), received), w.reference_at(c, version)
+                assert cluster.call(consumer_name(c), state) == (version, True)
+                for name, t in want.items():
+                    assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), f"v{version} c{c} {name}"
+    finally:
+        cluster.close()
+
+
+def _swap_q_and_k(plan):
+    """The same plan with the destinations of q_proj and k_proj swapped: equal sizes, different bytes per param row."""
+    from shardplan.plan import ir
+    writes = list(plan.writes)
+    q = [i for i, w in enumerate(writes) if ".q_proj." in getattr(w.src.leaf, "name", "")]
+    k = [i for i, w in enumerate(writes) if ".k_proj." in getattr(w.src.leaf, "name", "")]
+    for i, j in zip(q, k):
+        writes[i], writes[j] = (ir.Write(writes[i].param, writes[j].dst, writes[i].src),
+                                ir.Write(writes[j].param, writes[i].dst, writes[j].src))
+    return ir.RankPlan(plan.rank, plan.params, tuple(writes), plan.fallbacks, plan.not_needed)
+
+
+@dataclass
+class SwappedTrainerWorld(PlanWorld):
+    """The trainers pack consumer 1's bytes from a plan whose q/k destinations differ from the consumer's plan."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from shardplan.sync import ReplayPacker
+        trainer_plans = [self.plans[0], _swap_q_and_k(self.plans[1])]
+        self._packer = ReplayPacker(trainer_plans, self.sources, max_group_bytes=PART_BYTES)
+
+
+@dataclass
+class WrongRankWorld(PlanWorld):
+    """Consumer 1 applies rank 0's plan (a wrong rank mapping in the launcher); its byte counts equal rank 1's."""
+
+    def unpacker(self, rank):
+        return super().unpacker(0)
+
+
+@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld], ids=["different-destinations", "wrong-rank"])
+def test_layout_disagreement_is_refused_on_both_sides_before_any_byte_moves(world):
+    cluster = LocalCluster("nccl", world)
+    try:
+        results = cluster.sync(1)
+        assert results["consumer0"][0] == "ok", results
+        tag, error = results["consumer1"]
+        assert tag == "error" and isinstance(error, SyncFailed), results
+        assert any(isinstance(e, LayoutMismatch) for e in error.failures.values()), error
+        assert "rank1:" in str(error)
+        # every trainer that serves consumer 1 refused too, naming it; the others completed without it
+        serving = 0
+        for t in ("trainer0", "trainer1"):
+            tag, out = results[t]
+            if tag == "error":
+                serving += 1
+                assert isinstance(out.failures["consumer1"], LayoutMismatch), out
+            else:
+                assert "consumer1" not in out.peers, out
+        assert serving, results
+        # nothing was applied: consumer 1 still holds its old weights, complete (NaN-poisoned params untouched)
+        assert cluster.call("consumer1", state) == (0, True)
+        got = cluster.call("consumer1", received)
+        assert all(torch.isnan(t.float()).all() for t in got.values())
+    finally:
+        cluster.close()

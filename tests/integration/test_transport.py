@@ -16,15 +16,15 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import pytest
 import torch
 
-from shardplan.errors import ShardplanError
-from shardplan.transport import (NAMES, Control, MissingDependency, PeerDied, PeerError, PeerTimeout, Tag, create)
+from shardplan.transport import (NAMES, Control, MissingDependency, PeerDied, PeerError, PeerTimeout, Tag,
+                                 UnknownTransport, create)
 
 TIMEOUT_S = 2.0
 NBYTES = 8 << 20   # larger than socket buffers: a send to a peer that never receives cannot complete
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(ShardplanError, match="unknown transport 'tcp'.*nccl, rdt:nccl, rdt:gloo, rdt:nixl, mooncake:tcp"):
+    with pytest.raises(UnknownTransport, match="unknown transport 'tcp'.*nccl, rdt:nccl, rdt:gloo, rdt:nixl, mooncake:tcp"):
         create("tcp")
     assert NAMES == ("nccl", "rdt:nccl", "rdt:gloo", "rdt:nixl", "mooncake:tcp", "mooncake:rdma")
 
