@@ -22,6 +22,7 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
+from shardplan.plan.overlap import overlapping_params
 from shardplan.plan.template import (Filler, build_trie, flatten_write, iter_trie, pure_view_form, pure_view_writes,
                                      split_name, trie_child, unflatten_write)
 
@@ -177,20 +178,6 @@ class PlanBody:
         return total + sum(len(self.ordered.get(r, ())) for r in ranks)
 
 
-def _overlapping_params(writes: Sequence[ir.Write]) -> set[str]:
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for w in writes:
-        spans.setdefault(w.param, []).append(w.dst.extent())
-    out = set()
-    for param, s in spans.items():
-        s.sort()
-        for (lo0, hi0), (lo1, hi1) in zip(s, s[1:]):
-            if lo1 < hi0:
-                out.add(param)
-                break
-    return out
-
-
 def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]) -> PlanBody:
     by_skeleton: dict[tuple, tuple[list, list]] = {}
     ordered: dict[int, list[ir.Write]] = {}
@@ -199,7 +186,7 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
         for p in plan.params:
             params.setdefault(p.name, p)
         writes = [w for w in plan.writes if w.dst.numel > 0]
-        overlapping = _overlapping_params(writes)
+        overlapping = overlapping_params(writes)
         seen: set[ir.Write] = set()
         for w in writes:
             if w.param in overlapping:
@@ -255,7 +242,7 @@ def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
 def canonical(plan: ir.RankPlan) -> ir.RankPlan:
     """What instantiate() returns for a directly recorded plan: the reference for equality tests."""
     writes = [w for w in plan.writes if w.dst.numel > 0]
-    overlapping = _overlapping_params(writes)
+    overlapping = overlapping_params(writes)
     free = sorted(set(w for w in writes if w.param not in overlapping), key=_write_sort_key)
     kept = sorted((w for w in writes if w.param in overlapping), key=lambda w: w.param)
     return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),

@@ -10,7 +10,6 @@ movement. Imports torch and shardplan's plan/runtime packages only (never the tr
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -20,6 +19,7 @@ from shardplan.errors import ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.interp import MissingTensorError, PlanError, region_view, to_dtype
 from shardplan.plan.names import base_group, group_of
+from shardplan.plan.overlap import overlap_levels
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, capture_graph, check_tensor, collapse, storage_ptr,
                                        storage_view, widen)
@@ -60,35 +60,6 @@ def params_from_plan(plan: ir.RankPlan, device: torch.device | str = "cpu", fill
             t.fill_(fill)
         params[meta.name] = t
     return params
-
-
-def overlap_levels(extents: list[tuple[int, str, int, int]]) -> dict[int, int]:
-    """extents: (write index, param, lo, hi) element spans. Returns write index -> level such that a write comes after
-    every earlier-in-plan write whose span overlaps it (span overlap is conservative for interleaved strided writes:
-    they get ordered too, which is correct, just less batched)."""
-    levels: dict[int, int] = {}
-    by_param: dict[str, list[tuple[int, int, int]]] = {}
-    for index, param, lo, hi in extents:
-        if hi > lo:
-            by_param.setdefault(param, []).append((lo, hi, index))
-        else:
-            levels[index] = 0
-    earlier: dict[int, list[int]] = {}
-    for spans in by_param.values():
-        spans.sort()
-        active: list[tuple[int, int]] = []  # heap of (hi, index) still open at the current lo
-        for lo, hi, index in spans:
-            while active and active[0][0] <= lo:
-                heapq.heappop(active)
-            for _, other in active:
-                first, second = min(other, index), max(other, index)
-                earlier.setdefault(second, []).append(first)
-            heapq.heappush(active, (hi, index))
-    for index in sorted(e[0] for e in extents):
-        if index in levels:
-            continue
-        levels[index] = 1 + max((levels[e] for e in earlier.get(index, ())), default=-1)
-    return levels
 
 
 class Applier:
@@ -173,8 +144,7 @@ class Applier:
 
     def _plan_steps(self) -> list[list[list[_Item]]]:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
-        extents = [(it.write, it.param, *self.plan.writes[it.write].dst.extent()) for it in self._items]
-        levels = overlap_levels(extents)
+        levels = overlap_levels((it.param, *self.plan.writes[it.write].dst.extent(), it.write) for it in self._items)
         steps: list[list[list[_Item]]] = [[] for _ in range(1 + max(levels.values(), default=-1))]
         for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
             runs = steps[levels[item.write]]

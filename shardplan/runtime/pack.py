@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 from shardplan.plan import ir
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import base_group, group_of, group_order
+from shardplan.plan.overlap import overlapping_pairs
 from shardplan.runtime.tensors import align_up, broadcast_region, collapse
 
 
@@ -70,13 +71,6 @@ def _write_sort_key(w: ir.Write, dtype: str, rank_pos: int, index: int) -> tuple
         geometry, tail, kind = ((), ()), ("", 0), 1
     return (group_order(group), rank_pos, kind, dtype, geometry, w.param, w.dst.sizes, w.dst.strides,
             w.dst.offset, tail, index)
-
-def _overlap(spans: list[tuple[int, int]]) -> bool:
-    """Whether any two [lo, hi) element extents intersect (extents over-approximate strided regions: a false
-    positive only keeps a group whole)."""
-    spans = sorted(spans)
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-
 
 def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
                   keep_whole: set[str]) -> tuple[list[list], list[Segment]]:
@@ -171,11 +165,11 @@ class PackLayout:
         if max_group_bytes is not None:
             if max_group_bytes <= 0:
                 raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-            extents: dict[tuple[str, str], list[tuple[int, int]]] = {}
-            for _, _, _, w, _ in keyed:
-                if w.dst.numel:
-                    extents.setdefault((group_of(w.param), w.param), []).append(w.dst.extent())
-            keep_whole = {group for (group, _), spans in extents.items() if _overlap(spans)}
+            # groups with overlapping writes (of any of the plans' ranks) stay whole: parts are applied one after
+            # the other, while overlapping writes must land in plan order, which only a whole group's apply keeps
+            spans = ((w.param, *(w.dst.extent() if w.dst.numel else (0, 0)), group_of(w.param))
+                     for _, _, _, w, _ in keyed)
+            keep_whole = {group for group, _ in overlapping_pairs(spans)}
             groups, segments = _split_groups(groups, segments, max_group_bytes, keep_whole)
         spans = tuple(GroupSpan(*g) for g in groups)
         return cls(alignment, offset, tuple(segments), spans, tuple(p.rank for p in plans))

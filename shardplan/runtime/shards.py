@@ -22,6 +22,7 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.names import group_layer, group_of
+from shardplan.plan.overlap import overlap_clusters
 from shardplan.errors import ShardplanError
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.tensors import broadcast_region
@@ -199,7 +200,7 @@ def plan_shards(plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str
         plan_pieces = []
         for index, w in enumerate(plan.writes):
             plan_pieces.append(_write_pieces(plan.rank, index, w, dtypes[w.param], sources, by_name))
-        for cluster in _overlap_clusters(plan):
+        for cluster in overlap_clusters(plan.writes):
             pinned.append([p for i in cluster for p in plan_pieces[i]])
         pieces += [p for ps in plan_pieces for p in ps]
     load = {r: 0 for r in sorted({s.rank for s in shards})}
@@ -385,34 +386,6 @@ def _whole_piece(consumer: int, index: int, w: ir.Write, itemsize: int, sources:
                                      f"{ir.literal_ops(w.src.leaf) or ['a constant']} from {sorted(names)}: no "
                                      f"trainer rank holds all of them whole")
     return _Piece(consumer, index, 0, tuple(sorted(candidates)), w.dst.numel * itemsize, lambda r: w)
-
-
-def _overlap_clusters(plan: ir.RankPlan) -> list[list[int]]:
-    """Groups (size >= 2) of writes whose destination spans overlap, transitively."""
-    parent = list(range(len(plan.writes)))
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-    by_param: dict[str, list[tuple[int, int, int]]] = {}
-    for i, w in enumerate(plan.writes):
-        lo, hi = w.dst.extent()
-        if hi > lo:
-            by_param.setdefault(w.param, []).append((lo, hi, i))
-    for spans in by_param.values():
-        spans.sort()
-        reach, owner = -1, -1
-        for lo, hi, i in spans:
-            if lo < reach:
-                parent[find(i)] = find(owner)
-            if hi > reach:
-                reach, owner = hi, i
-    clusters: dict[int, list[int]] = {}
-    for i in range(len(plan.writes)):
-        clusters.setdefault(find(i), []).append(i)
-    return [c for c in clusters.values() if len(c) > 1]
 
 
 def _assign_cluster(cluster: list[_Piece], load: dict[int, int], plans) -> None:

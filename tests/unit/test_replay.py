@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.runtime.apply import (Applier, FallbackRequiredError, LayoutMismatchError, overlap_levels, params_from_plan)
+from shardplan.plan.overlap import overlap_levels
+from shardplan.runtime.apply import Applier, FallbackRequiredError, LayoutMismatchError, params_from_plan
 from shardplan.errors import ShardplanError
 from shardplan.plan.interp import (DisallowedOpError, ReplayError, MissingTensorError, PlanError, apply_reference, resolve_op)
 from shardplan.runtime.tensors import (PackBufferError, StaleBindingError, TensorDTypeError, TensorLayoutError, TensorShapeError, collapse, widen)
@@ -417,8 +418,8 @@ def test_overlapping_writes_keep_plan_order():
 
 
 def test_overlap_levels():
-    levels = overlap_levels([(0, "p", 0, 10), (1, "p", 10, 20), (2, "p", 5, 15), (3, "q", 0, 10), (4, "p", 0, 1),
-                             (5, "p", 6, 7)])
+    levels = overlap_levels([("p", 0, 10, 0), ("p", 10, 20, 1), ("p", 5, 15, 2), ("q", 0, 10, 3), ("p", 0, 1, 4),
+                             ("p", 6, 7, 5)])
     assert levels == {0: 0, 1: 0, 2: 1, 3: 0, 4: 1, 5: 2}
 
 
