@@ -5,7 +5,7 @@ export GLOO_SOCKET_IFNAME := lo
 export UCX_NET_DEVICES := lo
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: setup demo test plans bench-record bench-compile
+.PHONY: setup demo test test-unit plans bench-record bench-compile
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +18,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
+
+# The CPU unit tests alone (no vLLM, no processes): tests/unit.
+test-unit: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 # Regenerate every plan shipped in plans/.
 plans: setup
