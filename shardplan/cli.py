@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import errno
+import os
 import sys
+import tempfile
 import time
 
 from shardplan.errors import ShardplanError
-from shardplan.models import list_models
+from shardplan.models import list_models, resolve_model
 from shardplan.plan import store
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
@@ -85,14 +89,61 @@ def _progress(total: int):
     return tick
 
 
+class UnknownOverrideKey(ShardplanError):
+    pass
+
+
+class OutputNotWritable(ShardplanError):
+    pass
+
+
+def _check_override_keys(model: str, overrides: list[str]) -> None:
+    """A misspelt --override key would record the unshrunk model without a word: refuse a key that neither the
+    config nor its transformers config class knows, naming the closest known key. Dotted keys: the first part."""
+    keyed = [(text, text.split("=", 1)[0].split(".")[0].strip()) for text in overrides if "=" in text]
+    if not keyed:
+        return
+    config = resolve_model(model).config
+    known = set(config)
+    try:
+        from transformers import AutoConfig
+
+        known |= set(AutoConfig.for_model(config["model_type"]).to_dict())
+    except (ImportError, ValueError, KeyError, TypeError):
+        pass   # a model type transformers does not know: the config's own keys are all there is
+    for text, key in keyed:
+        if key and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else "see the model's config.json for its fields."
+            raise UnknownOverrideKey(f"--override {text!r}: {model} has no config field {key!r}; {hint} "
+                                     f"(`shardplan models` lists the built-ins; docs/recording.md)")
+
+
+def _check_out(args, layout, ranks) -> os.PathLike:
+    """The plan's path, after proving its directory is writable: before minutes of recording, not after."""
+    path = store.plan_path(resolve_model(args.model, args.override), layout, args.dtype, out_dir=args.out,
+                           ranks=ranks)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".shardplan-write-test-"):
+            pass
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "the plan's file name is taken by a directory")
+    except OSError as e:
+        raise OutputNotWritable(f"--out {args.out or path.parent}: cannot write {path} ({e.strerror or e}). Choose "
+                                f"a writable directory with --out; nothing was recorded.") from None
+    return path
+
+
 def cmd_record(args) -> int:
     layout, ranks = _layout(args)
+    _check_override_keys(args.model, args.override)
+    path = _check_out(args, layout, ranks)
     t0 = time.perf_counter()
     session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict)
     recorded = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
     stats = recorded.stats
     data = session.encode(recorded.body)
-    path = store.plan_path(session.spec, layout, args.dtype, out_dir=args.out, ranks=ranks)
     write_plan(path, data)
     print(f"{'rank':>5} {'recorded':>9} {'fallback':>9} {'not needed':>11} {'bytes':>12} {'seconds':>8}")
     for s in stats:
@@ -116,6 +167,7 @@ def cmd_record(args) -> int:
 
 def cmd_verify(args) -> int:
     layout, ranks = _layout(args)
+    _check_override_keys(args.model, args.override)
     session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override)
     checkpoint = random_checkpoint(session.tensors, args.seed)
     failures = 0

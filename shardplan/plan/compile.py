@@ -24,7 +24,7 @@ from shardplan.plan import ir
 from shardplan.plan.names import layer_of
 from shardplan.plan.overlap import overlapping_params
 from shardplan.plan.template import (Filler, build_trie, flatten_write, iter_trie, pure_view_form, pure_view_writes,
-                                     split_name, trie_child, unflatten_write)
+                                     split_name, trie_child, trie_count, unflatten_write)
 
 
 # ---- affine fitting ---------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class SourceTable(Mapping):
         return iter(self._materialise())
 
     def __len__(self) -> int:
-        return sum(1 if index is None else sum(1 for _ in iter_trie(index)) for _, _, _, index in self.templates)
+        return sum(trie_count(index) for _, _, _, index in self.templates)
 
 
 def _trie_has(node, values: Sequence[int]) -> bool:
@@ -173,7 +173,10 @@ class PlanBody:
     not_needed: dict[int, tuple[str, ...]]
 
     def num_writes(self, rank: int | None = None) -> int:
-        total = sum(len(g.instances(rank)) for g in self.groups)
+        if rank is None:
+            total = sum(trie_count(g.index) for g in self.groups)
+        else:
+            total = sum(trie_count(child) for g in self.groups if (child := trie_child(g.index, rank)) is not None)
         ranks = self.ranks if rank is None else (rank,)
         return total + sum(len(self.ordered.get(r, ())) for r in ranks)
 

@@ -14,6 +14,7 @@ from shardplan.plan.compile import PlanBody
 from shardplan.plan.planfile import PlanFile, skeleton_ops
 from shardplan.plan.ir import itemsize
 from shardplan.plan.names import group_of
+from shardplan.plan.template import trie_count
 
 
 def _hole_layout(skeleton) -> dict:
@@ -60,7 +61,7 @@ def _fill(text: str, values) -> str:
 def op_histogram(body: PlanBody) -> Counter:
     hist: Counter = Counter()
     for g in body.groups:
-        n = len(g.instances())
+        n = trie_count(g.index)
         kind = g.skeleton[3][1][0]
         if kind == "S":
             hist["view (folded box)"] += n
@@ -89,6 +90,8 @@ def human_bytes(n: float) -> str:
 
 def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> str:
     plan = PlanFile.read(path)
+    if rank is not None:
+        plan.check_rank(rank)
     h, body = plan.header, plan.body
     lines = [f"plan {path}",
              f"  model {h.model} ({h.architecture}), config sha256 {h.config_sha256[:16]}..., dtype {h.dtype}",

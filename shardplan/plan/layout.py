@@ -28,8 +28,10 @@ class Layout:
     def __post_init__(self):
         for field_name in ("tp", "pp", "dp"):
             value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"--{field_name} must be a positive integer, got {value!r}")
+        if not isinstance(self.ep, bool):
+            raise LayoutError(f"ep (--ep) must be True or False, got {self.ep!r}")
 
     @property
     def world_size(self) -> int:
@@ -66,15 +68,20 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]), ep=bool(d["ep"]))
+        """Exact types only: `"ep": "false"` or `"tp": 2.0` is refused, never coerced."""
+        if not isinstance(d, dict) or set(d) != {"tp", "pp", "dp", "ep"} or type(d["ep"]) is not bool or \
+                any(type(d[k]) is not int for k in ("tp", "pp", "dp")):
+            raise LayoutError(f"a layout is {{tp: int, pp: int, dp: int, ep: bool}}, got {d!r}")
+        return cls(tp=d["tp"], pp=d["pp"], dp=d["dp"], ep=d["ep"])
 
     def __str__(self) -> str:
         return self.tag()
 
 
 def parse_ranks(text: str | None, world_size: int) -> list[int]:
-    """'0,3-5' -> [0, 3, 4, 5]; None -> all ranks."""
-    if text is None or text.strip() in ("", "all"):
+    """'0,3-5' -> [0, 3, 4, 5]; None or 'all' -> all ranks. Empty items, reversed ranges and ranks outside the world
+    are refused: a typo must not record an empty or partial plan."""
+    if text is None or text.strip() == "all":
         return list(range(world_size))
     ranks: set[int] = set()
     for part in text.split(","):
@@ -82,11 +89,15 @@ def parse_ranks(text: str | None, world_size: int) -> list[int]:
         try:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise LayoutError(f"--ranks {text!r}: {part!r} is a reversed range (it holds no rank); "
+                                      f"write {hi}-{lo}")
                 ranks.update(range(lo, hi + 1))
             else:
                 ranks.add(int(part))
         except ValueError:
-            raise LayoutError(f"--ranks: cannot parse {part!r}; use a list like 0,3-5") from None
+            raise LayoutError(f"--ranks {text!r}: cannot parse {part!r}; use a list like 0,3-5 "
+                              f"(ranks 0..{world_size - 1}, or 'all')") from None
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
         raise LayoutError(f"--ranks: {bad} outside 0..{world_size - 1} for world size {world_size}")

@@ -1,20 +1,26 @@
-"""Plan files: msgpack, canonical, validated once on load. The byte layout is specified in docs/plan-format.md.
+"""Plan files: msgpack, canonical, sealed by one checksum, validated once on load (docs/plan-format.md).
 
-    offset  size  field
-    0       8     magic b"SHRDPLAN"
-    8       4     format version, uint32 little-endian
-    12      8     header length H, uint64 little-endian
-    20      H     header: msgpack map (see HEADER_FIELDS)
-    20+H    8     body length B, uint64 little-endian
-    28+H    B     body: msgpack array (see _encode_body)
-    28+H+B        end of file: nothing may follow
+    offset   size  field
+    0        8     magic b"SHRDPLAN"
+    8        4     format version, uint32 little-endian
+    12       8     header length H, uint64 little-endian
+    20       8     body length B, uint64 little-endian
+    28       H     header: msgpack map (see plancheck.HEADER_FIELDS)
+    28+H     B     body: msgpack array (see _encode_body)
+    28+H+B   32    sha256 of every byte before it: the whole file, preamble and header included
+    60+H+B         end of file: nothing may follow
 
-Nothing in a plan is executable: op names are checked against `ir.ALLOWED_OPS`, and there is no pickle anywhere.
+The reader opens only regular files, reads exactly the declared bytes (never more: a FIFO or /dev/zero is refused
+before a byte is read, a file larger than declared is refused before its body is read), checks the seal, then every
+field (plancheck), and accepts only the canonical encoding of what it decoded: what is loaded is exactly what the
+bytes say. Nothing in a plan is executable: op names are checked against `ir.ALLOWED_OPS`; there is no pickle.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,42 +31,19 @@ import numpy as np
 from shardplan import __version__
 from shardplan.plan import ir
 from shardplan.plan.compile import Group, PlanBody, SourceTable, instantiate
-from shardplan.plan.template import flatten_write, pure_view_form, unflatten_write
-from shardplan.errors import ShardplanError
 from shardplan.plan.layout import Layout
+from shardplan.plan.planbounds import check_bounds, check_group_bounds
+from shardplan.plan.plancheck import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, Checker, check_body,  # noqa: F401
+                        check_header)
+from shardplan.plan.planerrors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
+                         PlanFormatVersionError, PlanLimitError, PlanNotCanonical, PlanOpNotAllowed, PlanOversize,
+                         PlanRankNotCovered, PlanTruncated, PlanUnreadable, PlanWriteError, advice)
+from shardplan.plan.template import flatten_write, unflatten_write
 
 MAGIC = b"SHRDPLAN"
-FORMAT_VERSION = 1
-HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model", "architecture", "config_sha256",
-                 "layout", "dtype", "ranks", "body_nbytes", "body_sha256")
-
-
-class PlanFileError(ShardplanError):
-    """Base of every plan-file error; the message names the file and says how to re-record."""
-
-
-class PlanTruncated(PlanFileError):
-    pass
-
-
-class PlanChecksumError(PlanFileError):
-    pass
-
-
-class PlanFormatVersionError(PlanFileError):
-    pass
-
-
-class PlanCorrupt(PlanFileError):
-    pass
-
-
-class PlanOpNotAllowed(PlanFileError):
-    pass
-
-
-class PlanBoundsError(PlanFileError):
-    pass
+FORMAT_VERSION = 2
+PREAMBLE_BYTES = 28
+CHECKSUM_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -74,14 +57,18 @@ class PlanHeader:
     layout: Layout
     dtype: str
     ranks: tuple[int, ...]
-    body_nbytes: int
-    body_sha256: str
+    num_writes: tuple[int, ...]   # per rank, aligned with `ranks`
+    num_sources: int
 
     def to_dict(self) -> dict:
         return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
                 "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
                 "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
-                "ranks": list(self.ranks), "body_nbytes": self.body_nbytes, "body_sha256": self.body_sha256}
+                "ranks": list(self.ranks), "num_writes": list(self.num_writes), "num_sources": self.num_sources}
+
+
+def _checker(path: str) -> Checker:
+    return Checker(path, PlanFieldError, PlanLimitError, PlanOpNotAllowed)
 
 
 # ---- body encoding ---------------------------------------------------------------------------------------
@@ -101,104 +88,181 @@ def _encode_body(body: PlanBody) -> list:
 
 
 def _decode_body(raw, path: str) -> PlanBody:
-    try:
-        sources_raw, params_raw, rank_params_raw, groups_raw, ordered_raw, fallbacks_raw, _ = raw
-        sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
-        params = {n: ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw}
-        param_names = list(params)
-        rank_params = {int(r): tuple(param_names[i] for i in idx) for r, idx in rank_params_raw}
-        groups = []
-        for skeleton, shape, flat, index, num_vars in groups_raw:
-            coeffs = np.asarray(flat, dtype=np.int64).reshape(tuple(shape))
-            groups.append(Group(skeleton, coeffs, index, int(num_vars)))
-        ordered = {int(r): [unflatten_write(skel, holes) for skel, holes in ws] for r, ws in ordered_raw}
-        fallbacks = {int(r): [ir.Fallback(*f) for f in fs] for r, fs in fallbacks_raw}
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        raise PlanCorrupt(f"{path}: the plan body does not have the documented structure ({type(e).__name__}: {e}). "
-                          f"Re-record it with `shardplan record`.") from None
-    return PlanBody(ranks=tuple(sorted(rank_params)), sources=sources, params=params, rank_params=rank_params,
+    """Builds the body from raw values plancheck.check_body accepted (so nothing here can fail on types)."""
+    sources_raw, params_raw, rank_params_raw, groups_raw, ordered_raw, fallbacks_raw, _ = raw
+    sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
+    params = {n: ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw}
+    param_names = list(params)
+    rank_params = {r: tuple(param_names[i] for i in idx) for r, idx in rank_params_raw}
+    groups = [Group(skeleton, np.asarray(flat, dtype=np.int64).reshape(tuple(shape)), index, num_vars)
+              for skeleton, shape, flat, index, num_vars in groups_raw]
+    ordered = {r: [unflatten_write(skel, holes) for skel, holes in ws] for r, ws in ordered_raw}
+    fallbacks = {r: [ir.Fallback(*f) for f in fs] for r, fs in fallbacks_raw}
+    for r, writes in ordered.items():
+        for w in writes:
+            if w.param not in rank_params[r] or w.dst.numel <= 0:
+                raise PlanBoundsError(f"{path}: rank {r} has an ordered write to {w.param} {w.dst}, which is not one "
+                                      f"of its params or is empty. " + advice(path))
+    for r, fs in fallbacks.items():
+        for f in fs:
+            if f.source not in sources:
+                raise PlanBoundsError(f"{path}: rank {r} has a fallback for {f.source}, which is not a checkpoint "
+                                      f"tensor of this plan. " + advice(path))
+    return PlanBody(ranks=tuple(rank_params), sources=sources, params=params, rank_params=rank_params,
                     groups=groups, ordered=ordered, fallbacks=fallbacks, not_needed={})
 
 
 # ---- write ------------------------------------------------------------------------------------------------
 def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
            vllm_version: str) -> bytes:
+    """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
+    file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
+    ranks = tuple(sorted(body.rank_params))
     header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        tuple(body.ranks), len(body_bytes), hashlib.sha256(body_bytes).hexdigest())
+                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources))
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
-    return b"".join([MAGIC, struct.pack("<I", FORMAT_VERSION), struct.pack("<Q", len(header_bytes)), header_bytes,
-                     struct.pack("<Q", len(body_bytes)), body_bytes])
+    sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
+                       header_bytes, body_bytes])
+    data = sealed + hashlib.sha256(sealed).digest()
+    decode(data, "<plan being written>")
+    return data
 
 
 def write_plan(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # a reader never sees a half-written plan
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # a reader never sees a half-written plan
+    except OSError as e:
+        raise PlanWriteError(f"cannot write the plan to {path}: {e.strerror or e}. Choose another --out "
+                             f"directory (docs/recording.md).") from None
 
 
 # ---- read -------------------------------------------------------------------------------------------------
-def _advice(path) -> str:
-    return f"Re-record it: `shardplan record ...` (the command is in docs/plans.md), or delete {path}."
-
-
-def read_header(data: bytes, path: str) -> tuple[PlanHeader, int]:
-    if len(data) < 20:
-        raise PlanTruncated(f"{path}: truncated plan file ({len(data)} bytes, shorter than the 20-byte preamble). "
-                            + _advice(path))
-    if data[:8] != MAGIC:
-        raise PlanCorrupt(f"{path}: not a shardplan plan file (magic {data[:8]!r}, expected {MAGIC!r}). "
-                          + _advice(path))
-    (version,) = struct.unpack_from("<I", data, 8)
+def _declared_size(head: bytes, path: str, actual: int) -> tuple[int, int]:
+    """From the preamble: (header length, body length), after checking magic, version, limits and the file size."""
+    if len(head) >= 8 and head[:8] != MAGIC:
+        raise PlanCorrupt(f"{path}: not a shardplan plan file (magic {head[:8]!r}, expected {MAGIC!r}). "
+                          + advice(path))
+    if len(head) < PREAMBLE_BYTES:
+        raise PlanTruncated(f"{path}: truncated plan file ({actual} bytes, shorter than the {PREAMBLE_BYTES}-byte "
+                            f"preamble). " + advice(path))
+    version, header_len, body_len = struct.unpack_from("<IQQ", head, 8)
     if version != FORMAT_VERSION:
         raise PlanFormatVersionError(f"{path}: plan format version {version}; this shardplan {__version__} reads "
-                                     f"version {FORMAT_VERSION}. " + _advice(path))
-    (header_len,) = struct.unpack_from("<Q", data, 12)
-    if 20 + header_len + 8 > len(data):
-        raise PlanTruncated(f"{path}: truncated plan file: header says {header_len} bytes, file has "
-                            f"{len(data) - 20} after the preamble. " + _advice(path))
+                                     f"version {FORMAT_VERSION}. " + advice(path))
+    if not 0 < header_len <= MAX_HEADER_BYTES or not 0 < body_len <= MAX_BODY_BYTES:
+        raise PlanLimitError(f"{path}: the preamble declares a {header_len}-byte header and a {body_len}-byte body; "
+                             f"the limits are 1..{MAX_HEADER_BYTES} and 1..{MAX_BODY_BYTES}. " + advice(path))
+    total = PREAMBLE_BYTES + header_len + body_len + CHECKSUM_BYTES
+    if actual < total:
+        raise PlanTruncated(f"{path}: truncated plan file: {actual} bytes, the preamble declares {total} "
+                            f"({header_len}-byte header, {body_len}-byte body, checksum). " + advice(path))
+    if actual > total:
+        raise PlanOversize(f"{path}: {actual - total} unexpected bytes after the {total} the preamble declares. "
+                           + advice(path))
+    return header_len, body_len
+
+
+def _open_problem(path: str, e: OSError) -> str:
+    if e.errno == errno.ENOENT and os.path.islink(path):
+        return f"it is a dangling symlink (to {os.readlink(path)})"
+    if e.errno == errno.ELOOP:
+        return "it is a symlink loop"
+    return e.strerror or str(e)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_plan_bytes(path: str | os.PathLike) -> bytes:
+    """Exactly the bytes of a plan file, read with a cap: the preamble first, then only what it declares."""
+    path = os.fspath(path)
+    try:   # O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise PlanUnreadable(f"cannot read plan file {path}: {_open_problem(path, e)}. " + advice(path)) from None
     try:
-        raw = msgpack.unpackb(data[20:20 + header_len], raw=False, strict_map_key=True)
-        header = PlanHeader(**{k: raw[k] for k in HEADER_FIELDS if k != "layout"},
-                            layout=Layout.from_dict(raw["layout"]))
-        header = PlanHeader(**{**header.__dict__, "ranks": tuple(header.ranks)})
-    except Exception as e:
-        raise PlanCorrupt(f"{path}: the plan header is not a valid msgpack map with fields {HEADER_FIELDS} "
-                          f"({type(e).__name__}: {e}). " + _advice(path)) from None
-    if header.format_version != version:
-        raise PlanCorrupt(f"{path}: header format_version {header.format_version} disagrees with the preamble's "
-                          f"{version}. " + _advice(path))
-    return header, 20 + header_len
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+            raise PlanUnreadable(f"cannot read plan file {path}: it is {kind}; a plan is a regular file. "
+                                 + advice(path))
+        head = _read_upto(fd, PREAMBLE_BYTES, path)
+        header_len, body_len = _declared_size(head, path, st.st_size)
+        data = head + _read_upto(fd, header_len + body_len + CHECKSUM_BYTES, path)
+        if len(data) != st.st_size or _read_upto(fd, 1, path):
+            raise PlanTruncated(f"{path}: the file changed size while it was read. " + advice(path))
+        return data
+    finally:
+        os.close(fd)
+
+
+def _read_upto(fd: int, n: int, path: str) -> bytes:
+    chunks, left = [], n
+    try:
+        while left:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise PlanUnreadable(f"cannot read plan file {path}: {e.strerror or e}. " + advice(path)) from None
+    return b"".join(chunks)
+
+
+def _unpack(data: bytes, what: str, path: str):
+    try:
+        return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+    except Exception as e:   # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError on bad keys
+        raise PlanCorrupt(f"{path}: the plan {what} is not valid msgpack ({type(e).__name__}: {e}). "
+                          + advice(path)) from None
+
+
+def _sealed_header(data: bytes, path: str) -> tuple[PlanHeader, dict, int, int]:
+    header_len, body_len = _declared_size(data[:PREAMBLE_BYTES], path, len(data))
+    if hashlib.sha256(memoryview(data)[:-CHECKSUM_BYTES]).digest() != data[-CHECKSUM_BYTES:]:
+        raise PlanChecksumError(f"{path}: checksum mismatch (the sha256 at the end of the file does not match the "
+                                f"bytes before it): the file is corrupt. " + advice(path))
+    raw = check_header(_unpack(data[PREAMBLE_BYTES:PREAMBLE_BYTES + header_len], "header", path), path,
+                       FORMAT_VERSION, _checker(path))
+    header = PlanHeader(**{**raw, "layout": Layout.from_dict(raw["layout"]), "ranks": tuple(raw["ranks"]),
+                           "num_writes": tuple(raw["num_writes"])})
+    return header, raw, header_len, body_len
+
+
+def read_header(data: bytes, path: str = "<bytes>") -> PlanHeader:
+    """The header of a whole plan file's bytes, after checking its size, seal and every header field."""
+    return _sealed_header(data, path)[0]
 
 
 def decode(data: bytes, path: str = "<bytes>") -> tuple[PlanHeader, PlanBody]:
-    header, pos = read_header(data, path)
-    (body_len,) = struct.unpack_from("<Q", data, pos)
-    pos += 8
-    if pos + body_len > len(data):
-        raise PlanTruncated(f"{path}: truncated plan file: body should be {body_len} bytes, only "
-                            f"{len(data) - pos} present. " + _advice(path))
-    if pos + body_len != len(data):
-        raise PlanCorrupt(f"{path}: {len(data) - pos - body_len} unexpected bytes after the body. " + _advice(path))
-    body_bytes = data[pos:pos + body_len]
-    if body_len != header.body_nbytes or hashlib.sha256(body_bytes).hexdigest() != header.body_sha256:
-        raise PlanChecksumError(f"{path}: body checksum mismatch (sha256 in the header does not match the body): "
-                                f"the file is corrupt. " + _advice(path))
+    header, raw_header, header_len, body_len = _sealed_header(data, path)
+    start = PREAMBLE_BYTES + header_len
+    body_bytes = data[start:start + body_len]
+    raw = _unpack(body_bytes, "body", path)
+    check_body(raw, raw_header, _checker(path))
     try:
-        raw = msgpack.unpackb(body_bytes, raw=False, use_list=False, strict_map_key=True)
-    except Exception as e:
-        raise PlanCorrupt(f"{path}: the plan body is not valid msgpack ({e}). " + _advice(path)) from None
-    body = _decode_body(raw, path)
-    _check_ops(body, path)
-    if tuple(body.ranks) != tuple(header.ranks):
-        raise PlanCorrupt(f"{path}: header covers ranks {list(header.ranks)} but the body holds "
-                          f"{list(body.ranks)}. " + _advice(path))
+        body = _decode_body(raw, path)
+        canonical = msgpack.packb(_encode_body(body), use_bin_type=True) == body_bytes
+        canonical &= msgpack.packb(header.to_dict(), use_bin_type=True) == data[PREAMBLE_BYTES:start]
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        # plancheck should make this unreachable: the fuzz tests assert that it is
+        raise PlanCorrupt(f"{path}: the plan body does not have the documented structure ({type(e).__name__}: {e}). "
+                          + advice(path)) from None
+    if not canonical:
+        raise PlanNotCanonical(f"{path}: the header and body are valid but not in canonical form (docs/plan-format.md, "
+                               f"Canonical writing): it was not written by shardplan. " + advice(path))
     return header, body
 
 
 def skeleton_ops(node, out: set[str]) -> None:
+    """Op names in a (validated, so shallow) skeleton: inspect's histogram."""
     if isinstance(node, tuple):
         if len(node) >= 6 and node[0] == "C" and isinstance(node[1], str):
             out.add(node[1])
@@ -206,70 +270,19 @@ def skeleton_ops(node, out: set[str]) -> None:
             skeleton_ops(child, out)
 
 
-def _check_ops(body: PlanBody, path: str) -> None:
-    ops: set[str] = set()
-    for g in body.groups:
-        skeleton_ops(g.skeleton, ops)
-    for writes in body.ordered.values():
-        for w in writes:
-            ops.update(ir.literal_ops(w.src.leaf))
-    bad = sorted(ops - ir.ALLOWED_OPS)
-    if bad:
-        raise PlanOpNotAllowed(f"{path}: the plan names ops outside shardplan's allowlist: {bad}. A plan can only "
-                               f"name allowlisted ops; this one is corrupt or hostile. " + _advice(path))
-
-
-def check_bounds(plan: ir.RankPlan, sources, path: str, only_generic: bool = False) -> None:
-    """Every destination box inside its parameter and every source view inside its checkpoint tensor."""
-    params = {p.name: p for p in plan.params}
-    for w in plan.writes:
-        if only_generic and ir.is_pure_view(w):
-            continue  # already checked, vectorised, per template
-        param = params.get(w.param)
-        if param is None:
-            raise PlanBoundsError(f"{path}: rank {plan.rank} writes to {w.param}, which the plan does not declare. "
-                                  + _advice(path))
-        _inside(w.dst, param, f"destination {w.param}", plan.rank, path)
-        _check_view_bounds(w.src, sources, plan.rank, path)
-
-
-def _check_view_bounds(view: ir.View, sources, rank, path) -> None:
-    leaf = view.leaf
-    if isinstance(leaf, ir.Source):
-        meta = _lookup(sources, leaf.name)
-        if meta is None:
-            raise PlanBoundsError(f"{path}: rank {rank} reads {leaf.name}, which is not a checkpoint tensor of this "
-                                  f"plan. " + _advice(path))
-        _inside(view.region, meta, f"source {leaf.name}", rank, path)
-    elif isinstance(leaf, ir.Call):
-        for v in leaf.inputs:
-            _check_view_bounds(v, sources, rank, path)
-    elif isinstance(leaf, ir.Update):
-        _check_view_bounds(leaf.value, sources, rank, path)
-
-
-def _inside(region: ir.Region, meta: ir.TensorMeta, what: str, rank: int, path: str) -> None:
-    lo, hi = region.extent()
-    if lo < 0 or hi > meta.numel or len(region.sizes) != len(region.strides):
-        raise PlanBoundsError(f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
-                              f"({meta.numel} elements). " + _advice(path))
-
-
 class PlanFile:
     """A decoded plan file: header + templated body; `rank(r)` instantiates and bounds-checks one rank (cached)."""
 
-    def __init__(self, header: PlanHeader, body: PlanBody, path: str = "<bytes>"):
+    def __init__(self, header: PlanHeader, body: PlanBody, path: str = "<bytes>", digest: str = ""):
         self.header, self.body, self.path = header, body, path
+        self.digest = digest   # sha256 (hex) of the file: one value that identifies every byte of the plan
         self._cache: dict[int, ir.RankPlan] = {}
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "PlanFile":
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise PlanFileError(f"cannot read plan file {path}: {e.strerror}") from None
+        data = read_plan_bytes(path)
         header, body = decode(data, str(path))
-        return cls(header, body, str(path))
+        return cls(header, body, str(path), data[-CHECKSUM_BYTES:].hex())
 
     @property
     def sources(self) -> dict[str, ir.TensorMeta]:
@@ -279,21 +292,26 @@ class PlanFile:
     def ranks(self) -> tuple[int, ...]:
         return self.body.ranks
 
+    def check_rank(self, rank) -> None:
+        if type(rank) is not int or rank not in self.body.rank_params:
+            raise PlanRankNotCovered(f"{self.path}: no plan for rank {rank!r}; this file covers ranks "
+                                     f"{list(self.body.ranks)} of layout {self.header.layout.tag()}. Record the "
+                                     f"missing ranks with `shardplan record --ranks` (docs/recording.md).")
+
     def rank(self, rank: int) -> ir.RankPlan:
         """The rank's writes, bounds-checked (vectorised per template). `not_needed` is left empty here: ask
         `not_needed(rank)`, which materialises every checkpoint name."""
         if rank not in self._cache:
-            if rank not in self.body.rank_params:
-                raise PlanFileError(f"{self.path}: no plan for rank {rank}; this file covers ranks "
-                                    f"{list(self.body.ranks)} of layout {self.header.layout.tag()}.")
-            checked: list[bool] = []
+            self.check_rank(rank)
+            rank_params = set(self.body.rank_params[rank])
 
             def check(group, holes):
-                checked.append(_check_group_bounds(group, holes, self.body, rank, self.path))
+                check_group_bounds(group, holes, self.body, rank_params, rank, self.path)
             plan = instantiate(self.body, rank, check)
             # writes of non-view templates and ordered writes were not covered by the vectorised check
-            if not all(checked) or plan.writes and self.body.ordered.get(rank):
-                check_bounds(plan, self.body.sources, self.path, only_generic=all(checked))
+            num_free = len(plan.writes) - len(self.body.ordered.get(rank, ()))
+            generic = [w for w in plan.writes[:num_free] if not ir.is_pure_view(w)] + list(plan.writes[num_free:])
+            check_bounds(plan, self.body.sources, self.path, generic)
             self._cache[rank] = plan
         return self._cache[rank]
 
@@ -302,56 +320,3 @@ class PlanFile:
         read = plan.sources_read()
         fallback_names = {f.source for f in plan.fallbacks}
         return tuple(n for n in self.body.sources if n not in read and n not in fallback_names)
-
-
-def _check_group_bounds(group, holes, body: PlanBody, rank: int, path: str) -> bool:
-    """Vectorised bounds check of a pure-view template's writes; False when the template is not a pure view."""
-
-    layout = pure_view_form(group.skeleton)
-    if layout is None:
-        return False
-    if len(holes) == 0:
-        return True
-    ptext, kp, nd, stext, ks, ns = layout
-
-    def check(first: int, ndim: int, name_cols: slice, text: str, table, what: str):
-        names_ix, inverse = np.unique(holes[:, name_cols], axis=0, return_inverse=True)
-        numels = []
-        by_text = getattr(table, "_by_text", {}).get(text, ())
-        for row in names_ix.tolist():
-            name = text.format(*row)
-            if len(by_text) == 1:  # one shape for every tensor of this template: no per-name lookup needed
-                shape, dtype, _ = by_text[0]
-                meta = ir.TensorMeta(name, shape, dtype)
-            else:
-                meta = table.get(name) if isinstance(table, dict) else _lookup(table, name)
-            if meta is None:
-                raise PlanBoundsError(f"{path}: rank {rank}: {what} {name} is not declared in the plan. "
-                                      + _advice(path))
-            numels.append(meta.numel)
-        numel = np.asarray(numels, dtype=np.int64)[inverse.reshape(-1)]
-        offset = holes[:, first]
-        sizes = holes[:, first + 1:first + 1 + ndim]
-        strides = holes[:, first + 1 + ndim:first + 1 + 2 * ndim]
-        span = (sizes - 1) * strides
-        lo = offset + np.where(span < 0, span, 0).sum(axis=1)
-        hi = offset + np.where(span > 0, span, 0).sum(axis=1) + 1
-        empty = (sizes == 0).any(axis=1)
-        bad = ~empty & ((lo < 0) | (hi > numel))
-        if bad.any():
-            i = int(np.nonzero(bad)[0][0])
-            name = text.format(*holes[i, name_cols].tolist())
-            raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(offset[i])}, sizes "
-                                  f"{sizes[i].tolist()}, strides {strides[i].tolist()}) lies outside {what} {name} "
-                                  f"({int(numel[i])} elements). " + _advice(path))
-    check(kp, nd, slice(0, kp), ptext, body.params, "destination")
-    first_src = kp + 1 + 2 * nd
-    check(first_src + ks, ns, slice(first_src, first_src + ks), stext, body.sources, "source")
-    return True
-
-
-def _lookup(table, name):
-    try:
-        return table[name]
-    except KeyError:
-        return None

@@ -17,7 +17,7 @@ from shardplan.models import resolve_model
 from shardplan.plan import ir
 from shardplan.errors import ShardplanError
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header
+from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
 
 SUFFIX = ".plan"
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "plans"
@@ -72,17 +72,17 @@ def installed_vllm_version() -> str | None:
 
 
 def scan(dirs: Iterable[Path] | None = None) -> list[tuple[Path, PlanHeader | None, str]]:
-    """Every plan file found, with its header (None and the reason when unreadable)."""
+    """Every `*.plan` entry found, with its header (sealed and checked) or None and the reason it is unusable. An
+    unusable entry (corrupt, truncated, a dangling symlink, a directory, a FIFO...) never stops the scan."""
     found = []
     for d in (search_dirs() if dirs is None else dirs):
-        if not d.is_dir():
+        try:
+            entries = sorted(d.glob(f"*{SUFFIX}")) if d.is_dir() else []
+        except OSError:
             continue
-        for path in sorted(d.glob(f"*{SUFFIX}")):
+        for path in entries:
             try:
-                with open(path, "rb") as f:
-                    head = f.read(1 << 16)
-                header, _ = read_header(head, str(path))
-                found.append((path, header, ""))
+                found.append((path, read_header(read_plan_bytes(path), str(path)), ""))
             except PlanFileError as e:
                 found.append((path, None, str(e)))
     return found
@@ -95,42 +95,65 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
 
     `model` is what `shardplan record --model` took (built-in name, HF id, local dir or config.json). The plan must
     match the config's sha256, the layout and the dtype; with check_vllm it must also come from the vLLM installed
-    here, when one is installed (a trainer without vLLM cannot tell and trusts the header).
+    here, when one is installed (a trainer without vLLM cannot tell and trusts the header). With `path`, only that
+    file is read, and its own error (naming it) is raised when it is unusable; otherwise unusable files in the
+    search directories are skipped, and listed when no usable plan matches.
     """
-
     spec = resolve_model(model, list(overrides))
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
     record_cmd = (f"shardplan record --model {model} --tp {tp}" + (f" --pp {pp}" if pp > 1 else "")
                   + (f" --dp {dp}" if dp > 1 else "") + (" --ep" if ep else "")
                   + "".join(f" --override {o}" for o in overrides) + (f" --dtype {dtype}" if dtype != "bfloat16" else ""))
-    candidates = scan([Path(path).parent] if path else None)
+    want = f"{spec.name} at {layout.tag()} {dtype}"
     if path:
-        candidates = [c for c in candidates if c[0].resolve() == Path(path).resolve()]
-        if not candidates:
+        if not os.path.lexists(path):
             raise PlanNotFound(f"no plan file at {path}. Record it with: {record_cmd} --out {Path(path).parent}")
-    matches, near = [], []
-    for file, header, error in candidates:
-        if header is None:
+        plan = PlanFile.read(path)   # raises the file's own named error
+        h = plan.header
+        if (h.config_sha256, h.layout, h.dtype) != (spec.config_sha256, layout, dtype):
+            same = "this model" if h.config_sha256 == spec.config_sha256 else f"another config ({h.model})"
+            raise PlanNotFound(f"{path} holds a plan for {same} at {h.layout.tag()} {h.dtype}, not {want}. "
+                               f"Record it with: {record_cmd}")
+        candidates = [(Path(path), plan)]
+    else:
+        candidates = _find(spec, layout, dtype, want, record_cmd)
+    vllm_here = installed_vllm_version() if check_vllm else None
+    usable = [(f, h) for f, h in candidates if vllm_here is None or _header(h).vllm_version.split("+")[0] == vllm_here]
+    if not usable:
+        f, h = candidates[0]
+        raise StalePlan(f"{f} was recorded with vLLM {_header(h).vllm_version}, but vLLM {vllm_here} is installed: "
+                        f"its loaders may differ. Re-record with: {record_cmd}")
+    if rank is not None:
+        usable = [(f, h) for f, h in usable if rank in _header(h).ranks] or usable
+    errors = []
+    for file, found in usable:
+        try:
+            plan = found if isinstance(found, PlanFile) else PlanFile.read(file)
+        except PlanFileError as e:   # changed since the scan: try the next one
+            errors.append(str(e))
             continue
-        same_model = header.config_sha256 == spec.config_sha256
-        if same_model and header.layout == layout and header.dtype == dtype:
-            matches.append((file, header))
-        elif same_model or path:
-            near.append((file, header))
+        return plan if rank is None else plan.rank(rank)
+    raise PlanNotFound(f"every plan for {want} is unusable:\n  " + "\n  ".join(errors) + f"\nRecord it with: {record_cmd}")
+
+
+def _header(found) -> PlanHeader:
+    return found.header if isinstance(found, PlanFile) else found
+
+
+def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str) -> list[tuple[Path, PlanHeader]]:
+    matches, near, skipped = [], [], []
+    for file, header, error in scan():
+        if header is None:
+            skipped.append(error)
+        elif header.config_sha256 == spec.config_sha256:
+            (matches if header.layout == layout and header.dtype == dtype else near).append((file, header))
     if not matches:
         have = "\n".join(f"  {f}: {h.layout.tag()} {h.dtype} ranks {_ranks_text(h.ranks)}" for f, h in near) or "  (none)"
-        raise PlanNotFound(f"no cached plan for {spec.name} at {layout.tag()} {dtype}. Plans for this model:\n{have}\n"
-                           f"Searched: {', '.join(str(d) for d in search_dirs())}.\nRecord it with: {record_cmd}")
-    vllm_here = installed_vllm_version() if check_vllm else None
-    usable = [(f, h) for f, h in matches if vllm_here is None or h.vllm_version.split("+")[0] == vllm_here]
-    if not usable:
-        f, h = matches[0]
-        raise StalePlan(f"{f} was recorded with vLLM {h.vllm_version}, but vLLM {vllm_here} is installed: its loaders "
-                        f"may differ. Re-record with: {record_cmd}")
-    if rank is not None:
-        usable = [(f, h) for f, h in usable if rank in h.ranks] or usable
-    plan = PlanFile.read(usable[0][0])
-    return plan if rank is None else plan.rank(rank)
+        bad = ("\nSkipped unusable plan files:\n" + "\n".join(f"  {e.splitlines()[0][:300]}" for e in skipped)
+               if skipped else "")
+        raise PlanNotFound(f"no cached plan for {want}. Plans for this model:\n{have}\n"
+                           f"Searched: {', '.join(str(d) for d in search_dirs())}.{bad}\nRecord it with: {record_cmd}")
+    return matches
 
 
 def _ranks_text(ranks) -> str:

@@ -8,6 +8,7 @@ the layer and the name indices; the index sets of a template are compressed trie
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -254,8 +255,25 @@ def iter_trie(node, prefix=()) -> Iterable[tuple[int, ...]]:
 
 
 def trie_child(node, value: int):
-    """The sub-trie under first variable == value (None if absent; () when value is the last variable)."""
-    for start, stop, step, child in node or ():
-        if start <= value < stop and (value - start) % step == 0:
-            return child if child is not None else ()
+    """The sub-trie under first variable == value (None if absent; () when value is the last variable).
+    Runs are sorted by start and disjoint (the plan reader checks it): a binary search finds the only candidate."""
+    if not node:
+        return None
+    i = bisect_right(node, value, key=_run_start) - 1
+    if i < 0:
+        return None
+    start, stop, step, child = node[i]
+    if value < stop and (value - start) % step == 0:
+        return child if child is not None else ()
     return None
+
+
+def _run_start(run) -> int:
+    return run[0]
+
+
+def trie_count(node) -> int:
+    """Number of tuples in a trie, counted without expanding it (None, a leaf, holds one empty tuple)."""
+    if node is None or node == ():
+        return 1
+    return sum((stop - start) // step * trie_count(child) for start, stop, step, child in node)

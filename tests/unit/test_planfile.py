@@ -12,6 +12,7 @@ import textwrap
 import msgpack
 import pytest
 
+from planfile_helpers import raw_parts, reseal, seal
 from shardplan.plan import ir
 from shardplan.plan.compile import compile_plans, instantiate
 from shardplan.plan.layout import Layout
@@ -66,7 +67,7 @@ def test_truncated_file():
 
 def test_bad_checksum():
     data = bytearray(_good())
-    data[-3] ^= 0xFF
+    data[-40] ^= 0xFF
     with pytest.raises(PlanChecksumError, match="x.plan"):
         decode(bytes(data), "x.plan")
 
@@ -81,26 +82,22 @@ def test_unknown_format_version():
 def test_bad_magic_and_trailing_bytes_and_corrupt_header():
     with pytest.raises(PlanCorrupt, match="magic"):
         decode(b"NOTAPLAN" + _good()[8:], "x.plan")
-    with pytest.raises(PlanCorrupt, match="unexpected bytes"):
+    with pytest.raises(planfile.PlanOversize, match="1 unexpected bytes"):
         decode(_good() + b"\0", "x.plan")
     data = _good()
     (header_len,) = struct.unpack_from("<Q", data, 12)
-    broken = data[:20] + b"\xc1" * header_len + data[20 + header_len:]  # 0xc1 is never valid msgpack
-    with pytest.raises(PlanCorrupt, match="header"):
+    broken = data[:28] + b"\xc1" * header_len + data[28 + header_len:]  # 0xc1 is never valid msgpack
+    with pytest.raises(PlanChecksumError):   # the header is sealed too
         decode(broken, "x.plan")
+    with pytest.raises(PlanCorrupt, match="header is not valid msgpack"):
+        decode(reseal(broken), "x.plan")
 
 
 def _rewrite_body(data: bytes, mutate) -> bytes:
     """Re-seal a body after mutating it, with a valid checksum: what a hostile or buggy writer could produce."""
-    header, pos = planfile.read_header(data, "x")
-    (body_len,) = struct.unpack_from("<Q", data, pos)
-    raw = msgpack.unpackb(data[pos + 8:pos + 8 + body_len], raw=False, use_list=True)
+    header, raw = raw_parts(data)
     mutate(raw)
-    body = msgpack.packb(raw, use_bin_type=True)
-    hd = header.to_dict()
-    hd["body_nbytes"], hd["body_sha256"] = len(body), hashlib.sha256(body).hexdigest()
-    hb = msgpack.packb(hd, use_bin_type=True)
-    return data[:12] + struct.pack("<Q", len(hb)) + hb + struct.pack("<Q", len(body)) + body
+    return seal(header, raw)
 
 
 def test_op_outside_allowlist_is_refused():
