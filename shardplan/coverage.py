@@ -80,6 +80,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             try:
                 real = build_model(session.vllm_config, layout, rank, "cpu")
                 poison(real)
+                pristine = _copy_or_build(real, session, layout, rank)
                 with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
                     real.load_weights(iter(list(checkpoint.items())))
             except Exception as exc:
@@ -87,8 +88,11 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 break
             try:
                 plan, _ = session.record_rank(rank)
-                replayed = build_model(session.vllm_config, layout, rank, "cpu")
-                poison(replayed)
+                # the copy for plain replays; a fresh build where fallbacks run the real loader, which needs the
+                # loader attributes vLLM sets on parameters (a deep copy of a Parameter drops them)
+                replayed = pristine if not plan.fallbacks else build_model(session.vllm_config, layout, rank, "cpu")
+                if plan.fallbacks:
+                    poison(replayed)
                 params = dict(replayed.named_parameters())
                 params.update(dict(replayed.named_buffers()))
                 interp.run_plan(plan, params, checkpoint)
@@ -106,7 +110,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
                     result["fallbacks"].append(entry)
-            del real, replayed
+            del real, replayed, pristine
         row["layouts"][layout.tag()] = result
     done = [r for r in row["layouts"].values() if "ranks" in r]
     refused = "; ".join(f"{t}: {r['error']}: {r['detail']}" for t, r in row["layouts"].items() if "error" in r)
@@ -117,6 +121,22 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
+
+
+def _copy_or_build(model, session, layout, rank):
+    """A second poisoned model for the replay: a deep copy of the freshly built one (a tenth of a build's time for
+    tiny models), or a new build where the model cannot be copied."""
+    import copy
+
+    from .build import build_model
+    from .verify import poison
+
+    try:
+        return copy.deepcopy(model)
+    except Exception:
+        other = build_model(session.vllm_config, layout, rank, "cpu")
+        poison(other)
+        return other
 
 
 # ------------------------------------------------------------------------------------------------ sweep

@@ -26,7 +26,8 @@ from typing import Any
 
 from .models import ConfigError, ModelSpec
 
-__all__ = ["HFView", "UnknownConfigKey", "config_class", "hf_view", "TEXT_CONFIG_KEYS"]
+__all__ = ["HFView", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
+           "config_class", "hf_view"]
 
 # Sizes vLLM and our tensor listing read from the text config; after aliases and defaults each must be a positive int.
 _REQUIRED_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -198,7 +199,10 @@ def _instantiate(cls, config: dict[str, Any], spec: ModelSpec):
 
 def _check_sizes(text_config, config: dict[str, Any], spec: ModelSpec) -> None:
     aliases = {v: k for k, v in (getattr(type(text_config), "attribute_map", {}) or {}).items()}
+    declared = set(getattr(type(text_config), "__dataclass_fields__", {})) | set(aliases.values())
     for field in _REQUIRED_POSITIVE_INTS:
+        if field == "num_attention_heads" and field not in declared and not hasattr(text_config, field):
+            continue  # attention-free models (Mamba) have no heads
         value = getattr(text_config, field, None)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             spelled = field if field in config or aliases.get(field) not in config else aliases[field]
@@ -206,3 +210,26 @@ def _check_sizes(text_config, config: dict[str, Any], spec: ModelSpec) -> None:
             got = "is missing" if value is None else f"must be a positive integer, got {json.dumps(value, default=str)}"
             raise ConfigError(f"{where}: field '{spelled}' {got} in the {type(text_config).__name__} vLLM reads. "
                               f"Fix config.json or pass an override such as {field}=<int>.")
+
+
+class UnsupportedArchitecture(ConfigError):
+    """The config names an architecture vLLM does not implement (natively or through its Transformers backend)."""
+
+
+def check_architecture(spec: ModelSpec) -> None:
+    """Raise UnsupportedArchitecture unless vLLM can build `spec`'s architecture."""
+    import transformers
+    import vllm
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    arch = spec.architecture
+    supported = set(ModelRegistry.get_supported_archs())
+    if arch in supported or isinstance(getattr(transformers, arch, None), type):
+        return  # vLLM's own class, or a transformers class its Transformers backend serves
+    close = difflib.get_close_matches(arch, sorted(supported), n=3, cutoff=0.6)
+    hint = f" Closest names vLLM knows: {', '.join(close)}." if close else ""
+    raise UnsupportedArchitecture(
+        f"{spec.origin}: field 'architectures' names {arch!r}, which vLLM {vllm.__version__} does not implement and "
+        f"transformers {transformers.__version__} has no class of that name for vLLM's Transformers backend to "
+        f"serve.{hint} Fix 'architectures' in config.json (or --override 'architectures=[\"...\"]'); "
+        f"`python -m shardplan.coverage` lists every text decoder vLLM implements and how each fares.")

@@ -429,8 +429,9 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _with_dtype(meta: tuple[tuple[str, tuple[int, ...], bool], ...], dtype_name: str) -> list[TensorInfo]:
-    return [(name, shape, "float32" if keep_fp32 else dtype_name) for name, shape, keep_fp32 in meta]
+def _with_dtype(meta: tuple[tuple[str, tuple[int, ...], str | None], ...], dtype_name: str) -> list[TensorInfo]:
+    # fixed: the dtype a tensor is stored in whatever the model dtype (float32 routers, integer tables), or None
+    return [(name, shape, fixed or dtype_name) for name, shape, fixed in meta]
 
 
 def _layer_filter(spec: ModelSpec, include_mtp: bool):
@@ -468,8 +469,7 @@ def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
     missing = [name for name in names if name not in on_disk]
     if missing:
         # Shard files absent: the index still gives the names, the config-built model gives the shapes.
-        by_name = {name: (shape, keep_fp32)
-                   for name, shape, keep_fp32 in _meta_tensors(spec, include_mtp=True)}
+        by_name = {name: (shape, fixed) for name, shape, fixed in _meta_tensors(spec, include_mtp=True)}
         unknown = [name for name in missing if name not in by_name]
         if unknown:
             shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
@@ -478,8 +478,8 @@ def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
                 f"exist in a {spec.architecture} built from {spec.origin}: {shown}. Put the shard files next to the "
                 f"index so their headers can be read (quantized checkpoints need them for the extra tensors).")
         for name in missing:
-            shape, keep_fp32 = by_name[name]
-            on_disk[name] = (shape, "float32" if keep_fp32 else dtype_name)
+            shape, fixed = by_name[name]
+            on_disk[name] = (shape, fixed or dtype_name)
     return [(name, on_disk[name][0], on_disk[name][1]) for name in sorted(names, key=_natural_key)]
 
 
@@ -489,13 +489,13 @@ def _natural_key(name: str) -> tuple:
 
 
 # Built models are the slow part (Kimi-K2: ~70k tensors), so results are kept per (config sha, include_mtp).
-_META_CACHE: OrderedDict[tuple[str, str, bool], tuple[tuple[str, tuple[int, ...], bool], ...]] = OrderedDict()
+_META_CACHE: OrderedDict[tuple[str, str, bool], tuple[tuple[str, tuple[int, ...], str | None], ...]] = OrderedDict()
 _META_CACHE_SIZE = 16
 _META_LOCK = threading.Lock()
 
 
-def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
-    """(on-disk name, shape, stored-as-float32) for the model the config describes, cached per config sha."""
+def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
+    """(on-disk name, shape, fixed dtype or None) for the model the config describes, cached per config sha."""
     sha = config_sha256(spec.config)  # recomputed: spec.config is a dict and may have been edited in place
     key = (sha, repr(spec.overrides), include_mtp)  # overrides: an alias override reads differently from the key
     with _META_LOCK:
@@ -510,7 +510,7 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
     return result
 
 
-def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
     from .hfconfig import hf_view  # the config as vLLM's config class reads it (aliases, text config, defaults)
     from .names import on_disk_tensors
 

@@ -26,7 +26,9 @@ FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
     "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
-MetaTensor = tuple[str, tuple[int, ...], bool]  # (on-disk name, shape, stored as float32)
+# (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
+# transformers or the released checkpoints, integer tables), None for tensors stored in the model dtype
+MetaTensor = tuple[str, tuple[int, ...], "str | None"]
 
 
 class NamesError(ShardplanError):
@@ -34,7 +36,7 @@ class NamesError(ShardplanError):
 
 
 def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
-    """(on-disk name, shape, stored-as-float32) for the model `view` (an hfconfig.HFView) describes, naturally sorted.
+    """(on-disk name, shape, fixed dtype or None) for the model `view` (an hfconfig.HFView) describes, naturally sorted.
 
     include_mtp: also DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers, stored as
     model.layers.<num_hidden_layers + k>), which transformers does not build."""
@@ -54,16 +56,16 @@ def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
         # DeepSeek-V3's on-disk MTP extras (as its inference code and vLLM's deepseek_mtp loader name them).
         prefix = f"model.layers.{layer}."
         saved.update({
-            prefix + "embed_tokens.weight": ((vocab, hidden), False),
-            prefix + "enorm.weight": ((hidden,), False),
-            prefix + "hnorm.weight": ((hidden,), False),
-            prefix + "eh_proj.weight": ((hidden, 2 * hidden), False),
-            prefix + "shared_head.norm.weight": ((hidden,), False),
-            prefix + "shared_head.head.weight": ((vocab, hidden), False),
+            prefix + "embed_tokens.weight": ((vocab, hidden), None),
+            prefix + "enorm.weight": ((hidden,), None),
+            prefix + "hnorm.weight": ((hidden,), None),
+            prefix + "eh_proj.weight": ((hidden, 2 * hidden), None),
+            prefix + "shared_head.norm.weight": ((hidden,), None),
+            prefix + "shared_head.head.weight": ((vocab, hidden), None),
         })
     fp32_suffixes = FLOAT32_ON_DISK.get(view.spec.architecture, ())
-    return tuple((name, shape, keep_fp32 or name.endswith(fp32_suffixes))
-                 for name, (shape, keep_fp32) in sorted(saved.items(), key=lambda kv: natural_key(kv[0])))
+    return tuple((name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
+                 for name, (shape, fixed) in sorted(saved.items(), key=lambda kv: natural_key(kv[0])))
 
 
 def natural_key(name: str) -> tuple:
@@ -84,8 +86,9 @@ def model_class(architecture: str, hf_config):
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
 
-def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """save_pretrained's state_dict steps on a meta-device model: name -> (shape, kept in float32)."""
+def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """save_pretrained's state_dict steps on a meta-device model (built in bfloat16): name -> (shape, fixed dtype),
+    the fixed dtype being the tensor's own where it is not bfloat16 (float32 kept by transformers, integer tables)."""
     import torch
     import transformers
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -112,7 +115,8 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
             f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
             f"trusted. Point at a checkpoint directory with safetensors files or an index so the real names are read.")
-    return {name: (tuple(t.shape), t.dtype == torch.float32) for name, t in reverted.items()}
+    return {name: (tuple(t.shape), None if t.dtype == torch.bfloat16 else str(t.dtype).removeprefix("torch."))
+            for name, t in reverted.items()}
 
 
 def _revert(model, state: dict) -> dict:

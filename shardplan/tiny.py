@@ -30,7 +30,7 @@ _MODEL_TYPE_OF = {
 _SIZES: dict[str, int] = {
     "hidden_size": 128, "n_embd": 128, "d_model": 128,
     "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
-    "num_key_value_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2, "n_head_kv": 2,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2, "n_head_kv": 2, "kv_n_heads": 2,
     "head_dim": 32, "kv_channels": 32, "attention_head_dim": 32,
     "intermediate_size": 256, "n_inner": 256, "ffn_hidden_size": 256, "ffn_dim": 256,
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 64,
@@ -41,11 +41,22 @@ _SIZES: dict[str, int] = {
     "first_k_dense_replace": 1, "first_k_dense": 1,
     "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
     "index_head_dim": 32, "index_n_heads": 4,
-    "vocab_size": 300,
+    "vocab_size": 300, "vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 16,
+    "n_heads": 4,
     "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
     "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_d_state": 16, "ssm_state_size": 16,
     "state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_ssm": 256, "time_step_rank": 8,
 }
+# Sizes that must agree with others in ways a generic shrink cannot know.
+_FIXES: dict[str, dict[str, Any]] = {
+    "Mamba2ForCausalLM": {"num_heads": 8, "head_dim": 32, "n_groups": 1},  # hidden * expand == num_heads * head_dim
+    "DbrxForCausalLM": {"attn_config": {"rope_theta": 500000.0}},  # the modeling code reads it, the default lacks it
+    "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},  # the default shares the kv of 15 layers of 30
+    "AfmoeForCausalLM": {"score_func": "sigmoid"},  # vLLM reads it; the hub configs have it, the class does not
+    "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+}
+# Fields whose None default the modeling code does not derive: set like the sizes above.
+_NONE_SIZES = ("head_dim", "num_key_value_heads")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 _NUM_LAYERS = 2
@@ -70,9 +81,13 @@ def model_type_of(arch: str) -> str:
 
     from .hfconfig import config_class
 
-    for model_type, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        if cls_name == arch and config_class(model_type) is not None:
-            return model_type
+    # Several model_types can map to one class (llama4 and llama4_text -> Llama4ForCausalLM): the text-only config
+    # (no sub-configs) is the one the causal-LM class is built from.
+    candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+                  if name == arch and config_class(t) is not None]
+    candidates.sort(key=lambda t: bool(getattr(config_class(t), "sub_configs", None)))
+    if candidates:
+        return candidates[0]
     if arch in _MODEL_TYPE_OF:
         return _MODEL_TYPE_OF[arch]
     raise NoConfigClass(f"{arch}: its config class exists only as hub remote code (trust_remote_code), which "
@@ -91,9 +106,12 @@ def tiny_config(arch: str) -> dict[str, Any]:
         raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
     config = _shrink(defaults)
-    for key in TEXT_CONFIG_KEYS:
-        if isinstance(config.get(key), dict):
-            config[key] = _shrink(config[key])
+    for key, value in list(config.items()):  # nested configs (text_config, DBRX's attn_config/ffn_config)
+        if isinstance(value, dict) and (key in TEXT_CONFIG_KEYS or key.endswith("_config")):
+            config[key] = _shrink(value)
+            for generic in ("_name_or_path", "output_attentions", "transformers_version"):
+                config[key].pop(generic, None)
+    _merge(config, _FIXES.get(arch, {}))
     config["architectures"] = [arch]
     config["model_type"] = model_type
     for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "auto_map"):
@@ -101,8 +119,19 @@ def tiny_config(arch: str) -> dict[str, Any]:
     return config
 
 
+def _merge(config: dict[str, Any], fixes: dict[str, Any]) -> None:
+    for key, value in fixes.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = copy.deepcopy(value)
+
+
 def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
     config = copy.deepcopy(defaults)
+    for key in _NONE_SIZES:
+        if key in config and config[key] is None:
+            config[key] = _SIZES[key]
     old_layers = next((int(config[k]) for k in _LAYER_COUNTS if isinstance(config.get(k), int)), None)
     for key, size in _SIZES.items():
         if isinstance(config.get(key), int) and not isinstance(config.get(key), bool) and config[key] > 0:
@@ -129,6 +158,11 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
         for key in ("mlp_only_layers",):
             if isinstance(config.get(key), list):
                 config[key] = [i for i in config[key] if i < len(picks)]
+        for key, value in list(config.items()):  # per-layer dicts keyed by layer index (Gemma 4's per_layer_config)
+            if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                renumber = {old: new for new, old in enumerate(picks)}
+                config[key] = {type(k)(renumber[int(k)]) if isinstance(k, int) else str(renumber[int(k)]): v
+                               for k, v in value.items() if int(k) in renumber}
     return config
 
 

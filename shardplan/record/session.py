@@ -44,6 +44,10 @@ class RecordSession:
         self._model, self._overrides = model, list(overrides)
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
+        from .hfconfig import check_architecture, hf_view
+
+        hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
+        check_architecture(self.spec)
         self.vllm_config = make_vllm_config(self.spec.materialize(), layout, dtype, self.spec.name)
         from vllm.config import set_current_vllm_config
 
