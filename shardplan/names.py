@@ -65,12 +65,16 @@ def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
         })
     fp32_suffixes = FLOAT32_ON_DISK.get(view.spec.architecture, ())
     return tuple((name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
-                 for name, (shape, fixed) in sorted(saved.items(), key=lambda kv: natural_key(kv[0])))
+                 for name, (shape, fixed) in ((n, saved[n]) for n in natural_sorted(saved)))
 
 
-def natural_key(name: str) -> tuple:
-    # layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects.
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+def natural_sorted(names) -> list[str]:
+    """layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects."""
+    try:
+        return sorted(names, key=lambda name: tuple(int(p) if p.isdigit() else p for p in name.split(".")))
+    except TypeError:  # a number and a word at the same place (h.0 vs h.ln): numbers first
+        return sorted(names, key=lambda name: tuple((0, int(p), "") if p.isdigit() else (1, 0, p)
+                                                    for p in name.split(".")))
 
 
 def model_class(architecture: str, hf_config):
