@@ -206,7 +206,16 @@ def _append(results: Path, row: dict) -> None:
 
 
 def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> None:
+    # the heavy imports before the first architecture starts its clock
+    from . import session, tiny  # noqa: F401
+    from .hfconfig import config_class
+    from .models import resolve_model  # noqa: F401
+
+    config_class("llama")
+    parent = os.getppid()
     for arch in archs:
+        if os.getppid() != parent:  # the sweep that started us is gone
+            return
         marker.write_text(arch)
         t0 = time.perf_counter()
         try:
@@ -216,6 +225,7 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
                    "fallbacks": []}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         _append(results, row)
+        marker.write_text("")  # between architectures: no clock runs (exiting can take a while)
 
 
 def render(rows: list[dict], versions: str) -> str:
@@ -267,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="coverage-results.jsonl", help="JSON-lines results file")
     parser.add_argument("--resume", action="store_true", help="skip architectures already in --results")
     parser.add_argument("--out", default=str(REPO / "docs" / "coverage.md"), help="markdown report ('' for none)")
+    parser.add_argument("--render-only", nargs="+", metavar="RESULTS", help="only render these results files (a "
+                        "later row of an architecture replaces an earlier one) to --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--marker", help=argparse.SUPPRESS)
@@ -278,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     from .tiny import text_decoder_architectures
 
     archs = args.arch or text_decoder_architectures()
+    if args.render_only:
+        rows: dict[str, dict] = {}
+        for path in args.render_only:
+            rows.update(_read_rows(Path(path)))
+        Path(args.out).write_text(render([rows[a] for a in archs if a in rows], _versions()))
+        print(f"wrote {args.out} ({len(rows)} architectures)")
+        return 0
     rows = sweep(archs, Path(args.results), args.timeout, args.resume)
     if args.out:
         Path(args.out).write_text(render(rows, _versions()))
