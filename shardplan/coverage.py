@@ -32,7 +32,7 @@ TPS = (1, 2, 4)
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _short(exc: BaseException, limit: int = 300) -> str:
+def _short(exc: BaseException, limit: int = 600) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text if len(text) <= limit else text[:limit] + " ..."
 

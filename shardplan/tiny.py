@@ -52,7 +52,13 @@ _FIXES: dict[str, dict[str, Any]] = {
     "Mamba2ForCausalLM": {"num_heads": 8, "head_dim": 32, "n_groups": 1},  # hidden * expand == num_heads * head_dim
     "DbrxForCausalLM": {"attn_config": {"rope_theta": 500000.0}},  # the modeling code reads it, the default lacks it
     "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},  # the default shares the kv of 15 layers of 30
-    "AfmoeForCausalLM": {"score_func": "sigmoid"},  # vLLM reads it; the hub configs have it, the class does not
+    # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
+    "AfmoeForCausalLM": {"score_func": "sigmoid"},
+    "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
+    "Glm4MoeForCausalLM": {"head_dim": 32},
+    "Glm4MoeLiteForCausalLM": {"head_dim": 32},
+    "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
+    "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
 }
 # Fields whose None default the modeling code does not derive: set like the sizes above.

@@ -109,3 +109,19 @@ def test_tied_weights_are_dropped(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_config("GPT2LMHeadModel")))
     names = {n for n, _, _ in models.checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))}
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+
+
+NEW_BUILTINS = ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-4.5"]
+
+
+@pytest.mark.parametrize("short", NEW_BUILTINS)
+def test_shrunk_builtins_names_equal_save_pretrained(short, tmp_path):
+    from test_record_archs import shrink_overrides
+
+    from shardplan.hfconfig import hf_view
+
+    spec = models.resolve_model(short, shrink_overrides(short))
+    view = hf_view(spec)
+    expected = saved_headers(view.hf_config, spec.architecture, tmp_path)
+    derived = {name: (shape, dtype) for name, shape, dtype in models.checkpoint_tensors(spec, "bfloat16")}
+    assert derived == expected

