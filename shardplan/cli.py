@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--max-lines", type=int, default=200, help="IR lines to print (0: all)")
 
     sub.add_parser("models", help="list the built-in models")
+    cov = sub.add_parser("coverage", help="record + verify every text decoder vLLM implements (tiny configs, TP 1/2/4, "
+                                          "every rank) and write docs/coverage.md; options as python -m "
+                                          "shardplan.coverage --help", add_help=False)
+    cov.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -145,7 +149,14 @@ def cmd_models(args) -> int:
     return 0
 
 
-_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models}
+def cmd_coverage(args) -> int:
+    from .coverage import main as coverage_main
+
+    return coverage_main(args.args)
+
+
+_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
+             "coverage": cmd_coverage}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -233,3 +233,18 @@ def check_architecture(spec: ModelSpec) -> None:
         f"transformers {transformers.__version__} has no class of that name for vLLM's Transformers backend to "
         f"serve.{hint} Fix 'architectures' in config.json (or --override 'architectures=[\"...\"]'); "
         f"`python -m shardplan.coverage` lists every text decoder vLLM implements and how each fares.")
+
+
+def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
+    """Overrides that cut `spec` to its first `num_layers` layers: num_hidden_layers plus every per-layer list of the
+    text config (GPT-OSS's layer_types, ...) cut to match, which the config classes check."""
+    view = hf_view(spec)
+    text_key = _text_key(type(view.hf_config))
+    node = view.config.get(text_key) if text_key and isinstance(view.config.get(text_key), dict) else view.config
+    prefix = f"{text_key}." if node is not view.config else ""
+    old = view.num_hidden_layers
+    out = [f"num_hidden_layers={num_layers}"]
+    for key, value in sorted(node.items()):
+        if isinstance(value, list) and len(value) == old and old > 1 and key != "architectures":
+            out.append(f"{prefix}{key}={json.dumps(value[:num_layers])}")
+    return out

@@ -56,7 +56,7 @@ _FIXES: dict[str, dict[str, Any]] = {
     "AfmoeForCausalLM": {"score_func": "sigmoid"},
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
-    "Glm4MoeLiteForCausalLM": {"head_dim": 32},
+    "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
     "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None

@@ -113,8 +113,10 @@ class RecordSession:
         num_sampled = sampled[-1] + 1
         if num_sampled >= num_layers:
             return self._record_all_layers(ranks, progress, "exhaustive (layers do not repeat enough to sample)")
+        from .hfconfig import shrink_layers_overrides
+
         shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
-                               overrides=[*self._overrides, f"num_hidden_layers={num_sampled}"])
+                               overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)])
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(
