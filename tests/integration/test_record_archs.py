@@ -217,12 +217,17 @@ def test_fast_tier_equals_full_tier(arch, data, arch_root):
     assume(recorded is not None)
     plan, stats = recorded
     note(f"auto: {stats.tier} tier {stats.tier_note}")
-    if arch in BUILTINS:
+    if arch in BUILTINS and arch not in FULL_TIER_BUILTINS:
         assert stats.tier == "fast", f"the fast tier gave up: {stats.tier_note}"
     full_session = replace_tier(session, "full")
     full_plan, full_stats = full_session.record_rank(rank)
     assert full_stats.tier == "full"
     assert plan == full_plan, "the fast and the full tier recorded different plans"
+
+
+# Built-ins whose loaders the fast tier cannot vouch for (recorded exactly by the full tier, only slower).
+FULL_TIER_BUILTINS = {"gpt-oss-120b": "its expert loader makes a scratch tensor (torch.empty)",
+                      "qwen3-next-80b-a3b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight"}
 
 
 def replace_tier(session: RecordSession, tier: str) -> RecordSession:
