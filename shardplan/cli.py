@@ -11,6 +11,7 @@ from shardplan.plan import store
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.plan.planfile import write_plan
+from shardplan.record import coverage
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the built-in models")
     cov = sub.add_parser("coverage", help="record + verify every text decoder vLLM implements (tiny configs, TP 1/2/4, "
                                           "every rank) and write docs/coverage.md; options as python -m "
-                                          "shardplan.coverage --help", add_help=False)
+                                          "shardplan.record.coverage --help", add_help=False)
     cov.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
@@ -150,9 +151,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_coverage(args) -> int:
-    from .coverage import main as coverage_main
-
-    return coverage_main(args.args)
+    return coverage.main(args.args)
 
 
 _COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,

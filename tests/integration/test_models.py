@@ -13,9 +13,10 @@ import pytest
 from shardplan import models
 from shardplan.errors import ShardplanError
 from shardplan.models import (
-    ConfigError, ModelSpec, UnknownModelError, checkpoint_tensors, config_sha256, list_models,
-    read_safetensors_header, resolve_model,
+    ConfigError, ModelSpec, UnknownModelError, config_sha256, list_models, resolve_model,
 )
+from shardplan.record import checkpoint
+from shardplan.record.checkpoint import checkpoint_tensors, read_safetensors_header
 
 BUILTINS = {
     "kimi-k2": "moonshotai/Kimi-K2-Instruct",
@@ -439,7 +440,7 @@ def test_kimi_k2_full_size_count_and_cache():
     import transformers.core_model_loading  # noqa: F401
 
     spec = resolve_model("kimi-k2")
-    models._META_CACHE.clear()
+    checkpoint._META_CACHE.clear()
     tensors = checkpoint_tensors(spec)
     cfg = spec.config
     dense_layers = cfg["first_k_dense_replace"]
@@ -450,7 +451,7 @@ def test_kimi_k2_full_size_count_and_cache():
     assert len(tensors) == 3 + dense_layers * per_dense + moe_layers * per_moe == 69975
     # cached per config sha (speed: bench/compile_bench.py; a timed test would fail on a loaded box)
     assert checkpoint_tensors(spec) is tensors or checkpoint_tensors(spec) == tensors
-    assert len(models._META_CACHE) == 1
+    assert len(checkpoint._META_CACHE) == 1
 
 
 # ------------------------------------------------------------------------------------------ safetensors

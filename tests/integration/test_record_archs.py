@@ -330,13 +330,13 @@ def test_listing_checkpoints_after_the_transformers_backend_built_that_class():
     """vLLM's Transformers backend decorates the transformers model class in place (@support_torch_compile), after
     which building that class needs a current vLLM config: a later session listing the checkpoint of another config
     of the same class (a transformers meta build) must still work."""
-    from shardplan import models as shardplan_models
+    from shardplan.record import checkpoint as shardplan_checkpoint
 
     layout = Layout(tp=2)
     backend = get_session(str(archs.HERE / "llama_transformers"), (), layout, "bfloat16")
     get_plan(backend, (str(archs.HERE / "llama_transformers"), (), layout, "bfloat16"), 0)
     overrides = [*shrink_overrides("llama-3.1-8b"), "intermediate_size=192"]  # a config not listed before
-    shardplan_models._META_CACHE.clear()
+    shardplan_checkpoint._META_CACHE.clear()
     session = RecordSession("llama-3.1-8b", layout, overrides=overrides)
     assert any(n.endswith("mlp.down_proj.weight") and s == (128, 192) for n, s, _ in session.tensors)
 

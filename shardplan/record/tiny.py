@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .errors import ShardplanError
+from shardplan.errors import ShardplanError
+from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class
 
 __all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny_config"]
 
@@ -85,8 +86,6 @@ def text_decoder_architectures() -> list[str]:
 def model_type_of(arch: str) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from .hfconfig import config_class
-
     # Several model_types can map to one class (llama4 and llama4_text -> Llama4ForCausalLM): the text-only config
     # (no sub-configs) is the one the causal-LM class is built from.
     candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
@@ -102,8 +101,6 @@ def model_type_of(arch: str) -> str:
 
 def tiny_config(arch: str) -> dict[str, Any]:
     """A small config.json dict for `arch` (architectures=[arch]), from its config class's defaults."""
-    from .hfconfig import TEXT_CONFIG_KEYS, config_class
-
     model_type = model_type_of(arch)
     cls = config_class(model_type)
     try:

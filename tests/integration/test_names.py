@@ -1,4 +1,4 @@
-"""Checkpoint names without weights (shardplan.names via models.checkpoint_tensors) == what transformers writes.
+"""Checkpoint names without weights (shardplan.record.checkpoint) == what transformers writes.
 
 For every architecture of the coverage sweep that has a config class, a tiny random model of its tiny config is saved
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from shardplan import models, tiny
-from shardplan.names import FLOAT32_ON_DISK, NamesError, model_class
+from shardplan import models
+from shardplan.record import tiny
+from shardplan.record.checkpoint import (
+    FLOAT32_ON_DISK, NamesError, checkpoint_tensors, model_class, read_safetensors_header,
+)
 
 ARCHS = tiny.text_decoder_architectures()
 WITH_CONFIG = []
@@ -40,7 +43,7 @@ def saved_headers(hf_config, arch: str, out: Path) -> dict:
     assert files
     headers = {}
     for f in files:
-        headers.update(models.read_safetensors_header(f))
+        headers.update(read_safetensors_header(f))
     return headers
 
 
@@ -48,7 +51,7 @@ def builds_from_defaults(arch: str) -> bool:
     import torch
     import transformers
 
-    from shardplan.hfconfig import config_class
+    from shardplan.record.configs import config_class
 
     if not isinstance(getattr(transformers, arch, None), type):
         return False
@@ -63,7 +66,7 @@ def builds_from_defaults(arch: str) -> bool:
 
 @pytest.mark.parametrize("arch", WITH_CONFIG)
 def test_names_equal_save_pretrained(arch, tmp_path):
-    from shardplan.hfconfig import hf_view
+    from shardplan.record.configs import hf_view
 
     config = tiny.tiny_config(arch)
     (tmp_path / "cfg").mkdir()
@@ -80,9 +83,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
         # does not build in transformers, may fail to build; the listing must then say so by name
         assert not builds_from_defaults(arch), f"transformers builds {arch} from its defaults but not the tiny config"
         with pytest.raises(NamesError, match=re.escape(arch)):
-            models.checkpoint_tensors(spec)
+            checkpoint_tensors(spec)
         return
-    derived = {name: (shape, dtype) for name, shape, dtype in models.checkpoint_tensors(spec, "bfloat16")}
+    derived = {name: (shape, dtype) for name, shape, dtype in checkpoint_tensors(spec, "bfloat16")}
     # The released DeepSeek-V3-style checkpoints keep these in float32 although transformers builds them in bf16.
     fp32 = FLOAT32_ON_DISK.get(arch, ())
     expected = {n: (s, "float32" if n.endswith(fp32) else d) for n, (s, d) in expected.items()}
@@ -98,7 +101,7 @@ def test_names_equal_save_pretrained(arch, tmp_path):
 def test_experts_fused_or_per_expert_as_the_hub_stores_them(arch, fused, tmp_path):
     """GPT-OSS and Llama 4 hub checkpoints store experts fused; Mixtral and Qwen3-MoE one tensor per expert."""
     (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_config(arch)))
-    names = [n for n, _, _ in models.checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))]
+    names = [n for n, _, _ in checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))]
     if fused:
         assert any(n.endswith(fused) for n in names) and not any(re.search(r"experts\.\d+\.", n) for n in names)
     else:
@@ -107,7 +110,7 @@ def test_experts_fused_or_per_expert_as_the_hub_stores_them(arch, fused, tmp_pat
 
 def test_tied_weights_are_dropped(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_config("GPT2LMHeadModel")))
-    names = {n for n, _, _ in models.checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))}
+    names = {n for n, _, _ in checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))}
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
 
 
@@ -118,10 +121,10 @@ NEW_BUILTINS = ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-4.5"]
 def test_shrunk_builtins_names_equal_save_pretrained(short, tmp_path):
     from test_record_archs import shrink_overrides
 
-    from shardplan.hfconfig import hf_view
+    from shardplan.record.configs import hf_view
 
     spec = models.resolve_model(short, shrink_overrides(short))
     view = hf_view(spec)
     expected = saved_headers(view.hf_config, spec.architecture, tmp_path)
-    derived = {name: (shape, dtype) for name, shape, dtype in models.checkpoint_tensors(spec, "bfloat16")}
+    derived = {name: (shape, dtype) for name, shape, dtype in checkpoint_tensors(spec, "bfloat16")}
     assert derived == expected

@@ -1,4 +1,4 @@
-"""Configs read the way vLLM reads them: through transformers' config classes (vLLM side only).
+"""Configs read the way vLLM reads them: through transformers' config classes (record side).
 
 A `ModelSpec` holds the config as the user's JSON plus overrides applied key by key (`models.resolve_model`): that
 JSON is the model's identity (its sha256 fingerprints plans) and needs neither transformers nor vLLM, so a trainer can
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from .models import ConfigError, ModelSpec
+from shardplan.models import ConfigError, ModelSpec
 
 __all__ = ["HFView", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
            "config_class", "hf_view"]
@@ -111,8 +112,6 @@ def hf_view(spec: ModelSpec) -> HFView:
 def _known_keys(cls, node: dict[str, Any]) -> set[str]:
     """Keys valid in a config of class `cls` whose JSON is `node`: what the file has, the class's fields and
     constructor arguments, its aliases, and the keys every config may carry."""
-    import inspect
-
     keys = set(node) | _GENERIC_KEYS | set(getattr(cls, "attribute_map", {}) or {})
     keys |= set(getattr(cls, "__dataclass_fields__", {}))
     try:

@@ -1,7 +1,7 @@
-"""The coverage sweep (shardplan.coverage) on a sample: verdicts, the report, and the per-architecture timeout.
+"""The coverage sweep (shardplan.record.coverage) on a sample: verdicts, the report, and the per-architecture timeout.
 
 The full sweep (every text decoder vLLM implements, TP 1/2/4, every rank) runs on demand with
-`python -m shardplan.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE and an alias-only
+`python -m shardplan.record.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE and an alias-only
 config run at TP 2 with EP, every rank, bitwise."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from shardplan import coverage, tiny
+from shardplan.record import coverage, tiny
 
 
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel"])
