@@ -54,7 +54,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     "DbrxForCausalLM": {"attn_config": {"rope_theta": 500000.0}},  # the modeling code reads it, the default lacks it
     "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},  # the default shares the kv of 15 layers of 30
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
-    "AfmoeForCausalLM": {"score_func": "sigmoid"},
+    "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    "InklingForCausalLM": {"padded_vocab_size": 320},
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
