@@ -222,7 +222,7 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
 
 def render(rows: list[dict], versions: str) -> str:
     """docs/coverage.md from result rows."""
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fallback", "FAIL", "cannot")}
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fallback", "FAIL", "cannot", "not run")}
     runnable = counts["pass"] + counts["fallback"] + counts["FAIL"]
     share = f"{100 * counts['pass'] / runnable:.0f}%" if runnable else "n/a"
     lines = [
@@ -234,14 +234,16 @@ def render(rows: list[dict], versions: str) -> str:
         "(destination parameters poisoned with NaN).",
         "",
         f"**{counts['pass']} pass, {counts['fallback']} pass with fallbacks, {counts['FAIL']} fail, "
-        f"{counts['cannot']} cannot run here**, of {len(rows)} architectures. Of the {runnable} that vLLM itself "
-        f"can load here, {share} pass with no fallback.",
+        f"{counts['cannot']} cannot run here**, of {len(rows)} architectures"
+        + (f" ({counts['not run']} not run yet)" if counts["not run"] else "") +
+        f". Of the {runnable} that vLLM itself can load here, {share} pass with no fallback.",
         "",
         "| architecture | model_type | verdict | layouts (ranks bitwise equal) | detail |",
         "|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["arch"].lower()):
-        layouts = ", ".join(f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else f"{tag} rejected"
+        layouts = ", ".join(f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else
+                            f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM fails'}"
                             for tag, v in r.get("layouts", {}).items())
         detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
         detail = detail.replace("|", "\\|")
@@ -282,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, dict] = {}
         for path in args.render_only:
             rows.update(_read_rows(Path(path)))
-        Path(args.out).write_text(render([rows[a] for a in archs if a in rows], _versions()))
+        missing = {"status": "not run", "reason": "not reached by the last sweep (time on the shared machine); "
+                   "`python -m shardplan.record.coverage --resume` runs it", "layouts": {}, "fallbacks": []}
+        Path(args.out).write_text(render([rows.get(a) or dict(missing, arch=a) for a in archs], _versions()))
         print(f"wrote {args.out} ({len(rows)} architectures)")
         return 0
     rows = sweep(archs, Path(args.results), args.timeout, args.resume)
