@@ -96,7 +96,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                     poison(replayed)
                 params = dict(replayed.named_parameters())
                 params.update(dict(replayed.named_buffers()))
-                interp.run_plan(plan, params, checkpoint)
+                interp.apply_reference(plan, checkpoint, params)  # the reference interpreter, as verify_rank
                 if plan.fallbacks:
                     with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
                         replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
