@@ -13,7 +13,7 @@ from shardplan import models
 from shardplan.record.configs import UnknownConfigKey, UnsupportedArchitecture, hf_view
 from shardplan.models import ConfigError, resolve_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # A GPT-2 config.json as the hub has them: sizes only under GPT-2's own names (n_layer, n_embd, ...).
 GPT2_ALIASES_ONLY = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2, "n_embd": 128,
@@ -110,7 +110,7 @@ def test_model_type_without_config_class_is_named(tmp_path):
 
 def test_builtin_fingerprints_are_unchanged():
     """Plans in plans/ are found by config sha256: those of the built-ins must not move."""
-    from shardplan.store import SHIPPED_DIR, scan
+    from shardplan.plan.store import SHIPPED_DIR, scan
 
     found = 0
     for path, header, error in scan([SHIPPED_DIR]):
@@ -122,7 +122,7 @@ def test_builtin_fingerprints_are_unchanged():
 
 
 def test_trainer_side_loads_a_shipped_plan_without_transformers_or_vllm():
-    code = ("import sys; from shardplan import store; "
+    code = ("import sys; from shardplan.plan import store; "
             "p = store.load_plan('llama-3.1-8b', tp=2, rank=1, check_vllm=False); "
             "bad = [m for m in ('transformers', 'vllm', 'safetensors') if m in sys.modules]; "
             "assert not bad, bad; print(len(p.writes))")
@@ -135,9 +135,9 @@ def test_trainer_side_loads_a_shipped_plan_without_transformers_or_vllm():
 # ---- vLLM side ------------------------------------------------------------------------------------------------------
 def test_alias_only_config_records_and_verifies_bitwise(tmp_path):
     """The issue's case: a GPT-2 config with only n_layer/n_embd/..., shrunk through an alias override, through vLLM."""
-    from shardplan import verify
-    from shardplan.layout import Layout
-    from shardplan.session import RecordSession
+    from shardplan.record import verify
+    from shardplan.plan.layout import Layout
+    from shardplan.record.session import RecordSession
 
     path = write(tmp_path, dict(GPT2_ALIASES_ONLY, n_layer=3, n_positions=256))
     session = RecordSession(str(path.parent), Layout(tp=2), overrides=["num_hidden_layers=2"])
@@ -152,8 +152,8 @@ def test_alias_only_config_records_and_verifies_bitwise(tmp_path):
 
 
 def test_architecture_vllm_does_not_implement_is_named(tmp_path):
-    from shardplan.layout import Layout
-    from shardplan.session import RecordSession
+    from shardplan.plan.layout import Layout
+    from shardplan.record.session import RecordSession
 
     path = write(tmp_path, dict(GPT2_ALIASES_ONLY, architectures=["GPT2LMHeadModle"]))
     with pytest.raises(UnsupportedArchitecture) as info:
@@ -163,8 +163,8 @@ def test_architecture_vllm_does_not_implement_is_named(tmp_path):
 
 
 def test_unknown_override_key_stops_a_record_session():
-    from shardplan.layout import Layout
-    from shardplan.session import RecordSession
+    from shardplan.plan.layout import Layout
+    from shardplan.record.session import RecordSession
 
     with pytest.raises(UnknownConfigKey, match="num_hidden_layers"):
         RecordSession("llama-3.1-8b", Layout(tp=1), overrides=["num_hiden_layers=2"])
