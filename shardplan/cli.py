@@ -15,6 +15,7 @@ from shardplan.plan import store
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.plan.planfile import write_plan
+from shardplan.record import coverage
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
 
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--max-lines", type=int, default=200, help="IR lines to print (0: all)")
 
     sub.add_parser("models", help="list the built-in models")
+    cov = sub.add_parser("coverage", help="record + verify every text decoder vLLM implements (tiny configs, TP 1/2/4, "
+                                          "every rank) and write docs/coverage.md; options as python -m "
+                                          "shardplan.record.coverage --help", add_help=False)
+    cov.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -197,7 +202,12 @@ def cmd_models(args) -> int:
     return 0
 
 
-_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models}
+def cmd_coverage(args) -> int:
+    return coverage.main(args.args)
+
+
+_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
+             "coverage": cmd_coverage}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,12 +8,9 @@ Built-in configs are the public hub config.json files, stored in `shardplan/conf
 tool must work without hub access. Each file carries our own bookkeeping under keys starting with "_shardplan"
 (HF id, aliases, a note on what was changed); those keys are stripped before the config is used or written.
 
-`checkpoint_tensors` lists the tensors as the hub's safetensors files name them (one tensor per expert), because
-that is what a trainer holds and what vLLM's weight loaders consume. Real headers are read when a local checkpoint
-is available; otherwise the list comes from the transformers model built on the meta device, with transformers 5's
-fused-expert parameters mapped back to per-expert names through transformers' own (reversed) conversion mapping.
-
-torch and transformers are imported lazily: resolving a model and writing its config must stay cheap.
+This module is the fingerprint side: plain JSON, no torch, transformers or vLLM, so a trainer can find its plan.
+Reading a config the way vLLM does (config classes, aliases, nested text configs) is `shardplan.record.configs`;
+listing a checkpoint's tensors is `shardplan.record.checkpoint`.
 """
 from __future__ import annotations
 
@@ -21,54 +18,22 @@ import copy
 import hashlib
 import json
 import os
-import re
-import struct
 import tempfile
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import torch
-
 from shardplan.errors import ShardplanError
 
-__all__ = [
-    "ConfigError", "ModelSpec", "UnknownModelError", "checkpoint_tensors", "config_sha256",
-    "list_models", "read_safetensors_header", "resolve_model",
-]
+__all__ = ["ConfigError", "ModelSpec", "UnknownModelError", "config_sha256", "list_models", "resolve_model"]
 
 CONFIGS_DIR = Path(__file__).with_name("configs")
 # Our keys in built-in JSON files ("_shardplan": {hf_id, aliases}, "_shardplan_note": "..."), never model config.
 _OWN_KEY_PREFIX = "_shardplan"
-INDEX_FILE = "model.safetensors.index.json"
-
-# Fields every consumer (transformers, vLLM, our tensor listing) needs; checked after overrides so that an override
-# may supply a field a hand-written config.json lacks.
+# Sizes every consumer (transformers, vLLM, our tensor listing) needs; checked after overrides when the file spells
+# them out (record.configs checks them through the config class, with aliases and defaults).
 _REQUIRED_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
-# Tensors the real checkpoints store in float32 whatever the model dtype, keyed by architecture. DeepSeek-V3 and
-# Kimi-K2 keep the router's score-correction bias in float32 even in their BF16/FP8 releases.
-_FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
-    "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
-}
-
-# model_types found in hub configs that transformers does not register, mapped to the class they are built on (the
-# same mapping vLLM applies). Used only to build the meta model; the config itself is left as the user wrote it.
-_TRANSFORMERS_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
-
-# safetensors header dtype codes -> torch dtype names (the spelling used everywhere else in shardplan).
-_SAFETENSORS_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
-    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
-}
-# A header larger than this is not a safetensors header (the format itself caps it at 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
-
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class UnknownModelError(ShardplanError):
@@ -79,7 +44,6 @@ class ConfigError(ShardplanError):
     """A config.json, checkpoint index/header or override is unusable; the message names the file and field."""
 
 
-TensorInfo = tuple[str, tuple[int, ...], str]  # (on-disk name, shape, dtype name)
 
 
 # --------------------------------------------------------------------------------------------------- the spec
@@ -105,6 +69,10 @@ class ModelSpec:
     config: dict[str, Any]
     config_sha256: str = ""  # computed from config when left empty
     source_dir: str | None = None
+    # The file's config before overrides, and the overrides as (key path, value): record.configs.hf_view applies them again
+    # through the config class (aliases, nested text configs), which plain JSON keys cannot express.
+    base_config: dict[str, Any] | None = None
+    overrides: tuple[tuple[tuple[str, ...], Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.config_sha256:
@@ -127,19 +95,22 @@ class ModelSpec:
             return str(Path(self.source_dir) / "config.json")
         return self.name
 
-    def materialize(self, dir: str | os.PathLike | None = None) -> str:
-        """Write config.json (the config after overrides) into `dir` and return the directory.
+    def materialize(self, dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None) -> str:
+        """Write config.json (the config after overrides, or `config`: record.configs passes the config as its
+        config class reads it) into `dir` and return the directory.
 
         The default is a per-config directory in the user cache, so repeated runs reuse it and vLLM's
         `ModelConfig(model=<dir>)` sees exactly this config. Only config.json is written: vLLM never loads real
-        weights here, and the original checkpoint stays readable through `checkpoint_tensors`.
+        weights here, and the original checkpoint stays readable (record.checkpoint).
         """
-        target = Path(dir).expanduser() if dir is not None else _cache_root() / "configs" / self.config_sha256[:16]
+        config = self.config if config is None else config
+        target = (Path(dir).expanduser() if dir is not None
+                  else _cache_root() / "configs" / config_sha256(config)[:16])
         if self.source_dir is not None and target.resolve() == Path(self.source_dir).resolve():
             raise ConfigError(
                 f"Refusing to materialize {self.origin} into its own checkpoint directory {target}: that would "
                 f"overwrite the original config.json. Pass another directory, or dir=None for the cache.")
-        text = json.dumps(self.config, indent=2, sort_keys=True) + "\n"
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         config_path = target / "config.json"
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -266,7 +237,8 @@ def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[st
         raise ConfigError(f"{origin}: an override value is not JSON-serialisable ({exc}). Use numbers, strings, "
                           f"booleans, null, lists and dicts.") from exc
     return ModelSpec(name=name, hf_id=hf_id, config=config, config_sha256=sha,
-                     source_dir=str(source_dir) if source_dir is not None else None)
+                     source_dir=str(source_dir) if source_dir is not None else None, base_config=base,
+                     overrides=tuple((key_path, copy.deepcopy(value)) for _, key_path, value in parsed))
 
 
 def _read_json_object(path: Path, origin: str) -> dict[str, Any]:
@@ -354,266 +326,11 @@ def _validate_config(config: dict[str, Any], origin: str, overridden: bool) -> N
     if not (isinstance(model_type, str) and model_type):
         fail("model_type", "is missing" if model_type is None else f"must be a string, got {json.dumps(model_type)}",
              "model_type=llama")
+    # Absent sizes are not an error here: the config class supplies aliases (GPT-2's n_layer) and defaults, and
+    # record.configs.hf_view checks the sizes as vLLM reads them. A size spelled out in the file must still be sane.
     for field in _REQUIRED_POSITIVE_INTS:
-        value = config.get(field)
-        if value is None:
-            fail(field, "is missing", f"{field}=<int>")
+        if field not in config:
+            continue
+        value = config[field]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             fail(field, f"must be a positive integer, got {json.dumps(value)}", f"{field}=<int>")
-
-
-# --------------------------------------------------------------------------------------------------- checkpoints
-
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype name) from a .safetensors file's header, without reading tensor data.
-
-    Format: 8-byte little-endian header length, then that many bytes of JSON {name: {dtype, shape, data_offsets}}
-    plus an optional "__metadata__" entry.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise ConfigError(f"{path} is not a safetensors file: it is shorter than the 8-byte header length. "
-                                  f"Re-download it or remove it from the checkpoint directory.")
-            (header_len,) = struct.unpack("<Q", prefix)
-            file_size = os.fstat(f.fileno()).st_size
-            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-                raise ConfigError(f"{path} is not a safetensors file (or is truncated): its header claims "
-                                  f"{header_len} bytes but the file has {file_size}. Re-download it.")
-            header_bytes = f.read(header_len)
-    except OSError as exc:
-        raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
-    try:
-        header = json.loads(header_bytes)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_code, shape = info["dtype"], tuple(int(d) for d in info["shape"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: header entry for tensor {name!r} lacks a valid 'dtype'/'shape' "
-                              f"({exc!r}). Re-download the file.") from exc
-        tensors[name] = (shape, _SAFETENSORS_DTYPES.get(dtype_code, str(dtype_code).lower()))
-    return tensors
-
-
-def checkpoint_tensors(spec: ModelSpec, dtype: Any = "bfloat16", include_mtp: bool = False) -> list[TensorInfo]:
-    """The checkpoint's tensors as (name, shape, dtype name), in the hub's on-disk naming, sorted by name.
-
-    With a local checkpoint (spec.source_dir holding *.safetensors and/or model.safetensors.index.json) names,
-    shapes and dtypes come from the safetensors headers; names listed by the index whose shard files are absent
-    take their shape from the config-built model. Otherwise everything comes from the config-built model and
-    `dtype` is reported for every tensor except those the real checkpoints keep in float32.
-
-    include_mtp: also list multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, stored as
-    model.layers.<num_hidden_layers + k>). Layers beyond num_hidden_layers (+ MTP) are dropped, so a local
-    checkpoint resolved with num_hidden_layers=2 lists only what that shrunk config uses.
-    """
-    dtype_name = _dtype_name(dtype)
-    if spec.source_dir is not None:
-        source = Path(spec.source_dir)
-        if (source / INDEX_FILE).is_file() or any(source.glob("*.safetensors")):
-            return _tensors_from_checkpoint_dir(spec, source, dtype_name, include_mtp)
-    return _with_dtype(_meta_tensors(spec, include_mtp), dtype_name)
-
-
-def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ShardplanError(f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or "
-                             f"'float32'.")
-    return name
-
-
-def _with_dtype(meta: tuple[tuple[str, tuple[int, ...], bool], ...], dtype_name: str) -> list[TensorInfo]:
-    return [(name, shape, "float32" if keep_fp32 else dtype_name) for name, shape, keep_fp32 in meta]
-
-
-def _layer_filter(config: dict[str, Any], include_mtp: bool):
-    """Predicate on tensor names: drop layers the (possibly shrunk) config does not have."""
-    n_layers = config["num_hidden_layers"]
-    limit = n_layers + (int(config.get("num_nextn_predict_layers") or 0) if include_mtp else 0)
-
-    def keep(name: str) -> bool:
-        match = _LAYER_NAME.match(name)
-        return match is None or int(match.group(1)) < limit
-    return keep
-
-
-def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
-                                 include_mtp: bool) -> list[TensorInfo]:
-    index_path = source / INDEX_FILE
-    weight_map: dict[str, str] | None = None
-    if index_path.is_file():
-        index = _read_json_object(index_path, str(index_path))
-        weight_map = index.get("weight_map")
-        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-            raise ConfigError(f"{index_path}: field 'weight_map' is missing or not a mapping of tensor name -> "
-                              f"shard file. Re-download the index, or delete it to use the shard headers alone.")
-        shard_files = sorted({source / shard for shard in weight_map.values()})
-    else:
-        # Without an index, HF-format files are model*.safetensors; some repos (Mistral) also ship a
-        # consolidated.safetensors in another naming, which must not be mixed in.
-        shard_files = sorted(source.glob("model*.safetensors")) or sorted(source.glob("*.safetensors"))
-
-    on_disk: dict[str, tuple[tuple[int, ...], str]] = {}
-    for shard in shard_files:
-        if shard.is_file():  # an index without (some of) its shards is allowed: see below
-            on_disk.update(read_safetensors_header(shard))
-
-    keep = _layer_filter(spec.config, include_mtp)
-    names = [name for name in (weight_map if weight_map is not None else on_disk) if keep(name)]
-    missing = [name for name in names if name not in on_disk]
-    if missing:
-        # Shard files absent: the index still gives the names, the config-built model gives the shapes.
-        by_name = {name: (shape, keep_fp32)
-                   for name, shape, keep_fp32 in _meta_tensors(spec, include_mtp=True)}
-        unknown = [name for name in missing if name not in by_name]
-        if unknown:
-            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise ConfigError(
-                f"{index_path}: {len(unknown)} tensor(s) listed in 'weight_map' have no shard file here and do not "
-                f"exist in a {spec.architecture} built from {spec.origin}: {shown}. Put the shard files next to the "
-                f"index so their headers can be read (quantized checkpoints need them for the extra tensors).")
-        for name in missing:
-            shape, keep_fp32 = by_name[name]
-            on_disk[name] = (shape, "float32" if keep_fp32 else dtype_name)
-    return [(name, on_disk[name][0], on_disk[name][1]) for name in sorted(names, key=_natural_key)]
-
-
-def _natural_key(name: str) -> tuple:
-    # layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects.
-    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
-
-
-# Built models are the slow part (Kimi-K2: ~70k tensors), so results are kept per (config sha, include_mtp).
-_META_CACHE: OrderedDict[tuple[str, bool], tuple[tuple[str, tuple[int, ...], bool], ...]] = OrderedDict()
-_META_CACHE_SIZE = 16
-_META_LOCK = threading.Lock()
-
-
-def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
-    """(on-disk name, shape, stored-as-float32) for the model the config describes, cached per config sha."""
-    sha = config_sha256(spec.config)  # recomputed: spec.config is a dict and may have been edited in place
-    key = (sha, include_mtp)
-    with _META_LOCK:
-        if key in _META_CACHE:
-            _META_CACHE.move_to_end(key)
-            return _META_CACHE[key]
-    result = _build_meta_tensors(spec, include_mtp)
-    with _META_LOCK:
-        _META_CACHE[key] = result
-        while len(_META_CACHE) > _META_CACHE_SIZE:
-            _META_CACHE.popitem(last=False)
-    return result
-
-
-def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
-    # A deep copy: transformers' config classes edit nested dicts in place (rope_scaling gains rope_theta and
-    # rope_type), which would silently change spec.config and its sha.
-    config = copy.deepcopy(spec.config)
-    n_layers = config["num_hidden_layers"]
-    n_mtp = int(config.get("num_nextn_predict_layers") or 0) if include_mtp else 0
-    if n_mtp:
-        # transformers does not build DeepSeek's MTP modules. Each MTP layer is an ordinary decoder layer (dense or
-        # MoE by the same rule as the main stack) plus a few extras, so building n_mtp more layers yields its body.
-        config["num_hidden_layers"] = n_layers + n_mtp
-    shapes = _on_disk_shapes_from_transformers(config, spec.origin)
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    for layer in range(n_layers, n_layers + n_mtp):
-        # DeepSeek-V3's on-disk MTP extras (as its inference code and vLLM's deepseek_mtp loader name them).
-        prefix = f"model.layers.{layer}."
-        shapes.update({
-            prefix + "embed_tokens.weight": (vocab, hidden),
-            prefix + "enorm.weight": (hidden,),
-            prefix + "hnorm.weight": (hidden,),
-            prefix + "eh_proj.weight": (hidden, 2 * hidden),
-            prefix + "shared_head.norm.weight": (hidden,),
-            prefix + "shared_head.head.weight": (vocab, hidden),
-        })
-    fp32_suffixes = _FLOAT32_ON_DISK.get(spec.architecture, ())
-    return tuple((name, shapes[name], name.endswith(fp32_suffixes))
-                 for name in sorted(shapes, key=_natural_key))
-
-
-def _on_disk_shapes_from_transformers(config: dict[str, Any], origin: str) -> dict[str, tuple[int, ...]]:
-    """Build the model on the meta device and return its checkpoint tensors under their on-disk names."""
-    import transformers
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-
-    model_type = _TRANSFORMERS_MODEL_TYPE.get(config["model_type"], config["model_type"])
-    if model_type not in CONFIG_MAPPING:
-        raise ConfigError(
-            f"{origin}: field 'model_type' is {model_type!r}, which transformers {transformers.__version__} does not "
-            f"know, so its tensors cannot be listed. Use the model_type of the architecture it is built on (Kimi-K2's "
-            f"\"kimi_k2\" is \"deepseek_v3\"), or point at a local checkpoint with safetensors files.")
-    try:
-        hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-    except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
-        raise ConfigError(
-            f"{origin}: transformers {transformers.__version__} cannot build model_type {model_type!r} "
-            f"({config['architectures'][0]}) from this config: {type(exc).__name__}: {_shorten(str(exc))}. Check "
-            f"the config fields (and overrides) named in that message.") from exc
-
-    # Tied parameters (tie_word_embeddings: lm_head.weight is embed_tokens.weight) are stored once on disk, under
-    # the first name. state_dict() lists both and, on meta, returns distinct tensor objects, so compare Parameters.
-    first_name_of: dict[int, str] = {}
-    tied_duplicates = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first_name_of:
-            tied_duplicates.add(name)
-        else:
-            first_name_of[id(param)] = name
-    # state_dict() already leaves out non-persistent buffers (rotary inv_freq) and keeps persistent ones
-    # (DeepSeek's e_score_correction_bias), which is exactly what the checkpoint stores.
-    state = {name: t for name, t in model.state_dict().items() if name not in tied_duplicates}
-    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in state:
-        state.pop("lm_head.weight", None)
-
-    on_disk = _revert_fused_experts(model, state, origin)
-    return {name: tuple(t.shape) for name, t in on_disk.items()}
-
-
-def _shorten(text: str, limit: int = 400) -> str:
-    # Some transformers errors embed every known model type; the gist is at the start.
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def _revert_fused_experts(model, state: dict, origin: str) -> dict:
-    """Map transformers-5 module names back to the hub's on-disk names.
-
-    transformers 5 fuses per-expert weights at load time (e.g. experts.{e}.gate_proj/up_proj ->
-    experts.gate_up_proj [E, 2I, H], Mixtral's block_sparse_moe.experts.{e}.w1/w3 -> mlp.experts.gate_up_proj).
-    Its conversion mapping is what save_pretrained reverses to write hub-format files, so reversing it here gives
-    the on-disk names by construction. Splitting meta tensors is free; the result is checked below because this is
-    transformers-internal API.
-    """
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # older/newer transformers without the mapping: names are used as built, then checked
-        reverted = state
-    else:
-        reverted = revert_weight_conversion(model, state)
-
-    fused = [name for name in reverted if re.search(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj|w[123])"
-                                                   r"(\.weight)?$", name)]
-    before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
-    # The reverse split squeezes each per-expert slice, which would also drop a genuine size-1 dimension.
-    bad_rank = [name for name, t in reverted.items() if re.search(r"\.experts\.\d+\.", name) and t.dim() != 2]
-    if fused or before != after or bad_rank:
-        import transformers
-        problem = (f"fused expert tensors left: {fused[:3]}" if fused else
-                   f"expert tensors that are not 2-D: {bad_rank[:3]}" if bad_rank else
-                   f"element count changed from {before} to {after}")
-        raise ShardplanError(
-            f"{origin}: could not map transformers {transformers.__version__} parameter names back to on-disk "
-            f"checkpoint names ({problem}). Point resolve_model at a local checkpoint directory with safetensors "
-            f"or an index so the real names are read, or report this with the transformers version.")
-    return reverted

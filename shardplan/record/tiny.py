@@ -1,0 +1,183 @@
+"""Tiny configs for every text-decoder architecture vLLM implements: the inputs of the coverage sweep (vLLM side).
+
+For an architecture name from vLLM's model registry, `tiny_config` finds the config class vLLM reads it with
+(transformers' causal-LM mapping, vLLM's own config registry, or the class vLLM's implementation is built on), takes
+that class's defaults and shrinks every size it knows to a few units: hidden 128, 4 heads over 2 kv heads, 2 layers
+(one dense and one MoE where the model has both), 8 experts, small MLA ranks, and a vocabulary of 300 (not a multiple
+of 64, so vLLM pads it and the last TP rank gets padding rows). Per-layer lists keep one layer of each kind.
+An architecture whose config exists only as hub remote code raises `NoConfigClass` with that reason.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from shardplan.errors import ShardplanError
+from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class
+
+__all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny_config"]
+
+# vLLM architecture names that are neither a transformers causal-LM class nor in vLLM's config registry, but whose
+# vLLM implementation reads the config of another model_type (the vLLM module named in the comment).
+_MODEL_TYPE_OF = {
+    "LLaMAForCausalLM": "llama", "InternLM3ForCausalLM": "llama", "IQuestCoderForCausalLM": "llama",  # llama.py
+    "TeleChat3ForCausalLM": "llama",                                                                # llama.py
+    "PhiMoEForCausalLM": "phimoe", "ExaoneMoEForCausalLM": "exaone_moe",                            # phimoe, exaone_moe
+    "NemotronHPuzzleForCausalLM": "nemotron_h",                                                     # nemotron_h.py
+    "LongcatFlashNgramForCausalLM": "longcat_flash",         # vLLM's _ARCHITECTURE_TO_MODEL_TYPE
+    "Step3TextForCausalLM": "step3_text", "Step3p5ForCausalLM": "step3p5",                          # vLLM configs
+}
+
+_SIZES: dict[str, int] = {
+    "hidden_size": 128, "n_embd": 128, "d_model": 128,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2, "n_head_kv": 2, "kv_n_heads": 2,
+    "head_dim": 32, "kv_channels": 32, "attention_head_dim": 32,
+    "intermediate_size": 256, "n_inner": 256, "ffn_hidden_size": 256, "ffn_dim": 256,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 64,
+    "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
+    "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8, "moe_num_experts": 8,
+    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "num_selected_experts": 2,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "first_k_dense_replace": 1, "first_k_dense": 1,
+    "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "index_head_dim": 32, "index_n_heads": 4,
+    "vocab_size": 300, "vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 16,
+    "n_heads": 4,
+    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+    "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_d_state": 16, "ssm_state_size": 16,
+    "state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_ssm": 256, "time_step_rank": 8,
+}
+# Sizes that must agree with others in ways a generic shrink cannot know.
+_FIXES: dict[str, dict[str, Any]] = {
+    "Mamba2ForCausalLM": {"num_heads": 8, "head_dim": 32, "n_groups": 1},  # hidden * expand == num_heads * head_dim
+    "DbrxForCausalLM": {"attn_config": {"rope_theta": 500000.0}},  # the modeling code reads it, the default lacks it
+    "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},  # the default shares the kv of 15 layers of 30
+    # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
+    "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    "InklingForCausalLM": {"padded_vocab_size": 320},
+    "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
+    "Glm4MoeForCausalLM": {"head_dim": 32},
+    "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
+    "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
+    "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
+    "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+}
+# Fields whose None default the modeling code does not derive: set like the sizes above.
+_NONE_SIZES = ("head_dim", "num_key_value_heads")
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+_NUM_LAYERS = 2
+
+
+class NoConfigClass(ShardplanError):
+    """No config class for this architecture outside hub remote code (which shardplan never runs)."""
+
+
+def text_decoder_architectures() -> list[str]:
+    """vLLM's text-generation architectures plus those it serves through its Transformers backend, sorted."""
+    from vllm.model_executor.models import registry
+
+    backend = {"TransformersForCausalLM", "TransformersMoEForCausalLM"}
+    archs = set(registry._TEXT_GENERATION_MODELS)
+    archs |= {a for a, (_, cls) in registry._TRANSFORMERS_SUPPORTED_MODELS.items() if cls in backend}
+    return sorted(archs)
+
+
+def model_type_of(arch: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # Several model_types can map to one class (llama4 and llama4_text -> Llama4ForCausalLM): the text-only config
+    # (no sub-configs) is the one the causal-LM class is built from.
+    candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+                  if name == arch and config_class(t) is not None]
+    candidates.sort(key=lambda t: bool(getattr(config_class(t), "sub_configs", None)))
+    if candidates:
+        return candidates[0]
+    if arch in _MODEL_TYPE_OF:
+        return _MODEL_TYPE_OF[arch]
+    raise NoConfigClass(f"{arch}: its config class exists only as hub remote code (trust_remote_code), which "
+                        f"shardplan never runs; neither transformers nor vLLM ships one.")
+
+
+def tiny_config(arch: str) -> dict[str, Any]:
+    """A small config.json dict for `arch` (architectures=[arch]), from its config class's defaults."""
+    model_type = model_type_of(arch)
+    cls = config_class(model_type)
+    try:
+        defaults = cls().to_dict()
+    except Exception as exc:
+        raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
+    config = _shrink(defaults)
+    for key, value in list(config.items()):  # nested configs (text_config, DBRX's attn_config/ffn_config)
+        if isinstance(value, dict) and (key in TEXT_CONFIG_KEYS or key.endswith("_config")):
+            config[key] = _shrink(value)
+            for generic in ("_name_or_path", "output_attentions", "transformers_version"):
+                config[key].pop(generic, None)
+    _merge(config, _FIXES.get(arch, {}))
+    config["architectures"] = [arch]
+    config["model_type"] = model_type
+    for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "auto_map"):
+        config.pop(key, None)
+    return config
+
+
+def _merge(config: dict[str, Any], fixes: dict[str, Any]) -> None:
+    for key, value in fixes.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = copy.deepcopy(value)
+
+
+def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
+    config = copy.deepcopy(defaults)
+    for key in _NONE_SIZES:
+        if key in config and config[key] is None:
+            config[key] = _SIZES[key]
+    old_layers = next((int(config[k]) for k in _LAYER_COUNTS if isinstance(config.get(k), int)), None)
+    for key, size in _SIZES.items():
+        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool) and config[key] > 0:
+            config[key] = min(config[key], size) if key in ("n_group", "topk_group", "num_expert_group") else size
+    if isinstance(config.get("rope_parameters"), dict) or isinstance(config.get("rope_scaling"), dict):
+        for key in ("rope_parameters", "rope_scaling"):
+            params = config.get(key)
+            if isinstance(params, dict) and params.get("rope_type") in ("yarn", "deepseek_yarn"):
+                params.setdefault("original_max_position_embeddings", 4096)
+    for key in _TOKEN_IDS:
+        value = config.get(key)
+        if isinstance(value, int) and value >= config.get("vocab_size", 1 << 30):
+            config[key] = min(2, config["vocab_size"] - 1)
+        elif isinstance(value, list):
+            config[key] = [v if v < config.get("vocab_size", 1 << 30) else 2 for v in value]
+    if old_layers:
+        picks = _layer_picks(config, old_layers)
+        for key in _LAYER_COUNTS:
+            if isinstance(config.get(key), int):
+                config[key] = len(picks)
+        for key, value in list(config.items()):
+            if isinstance(value, list) and len(value) == old_layers and old_layers > 1:
+                config[key] = [value[i] for i in picks]
+        for key in ("mlp_only_layers",):
+            if isinstance(config.get(key), list):
+                config[key] = [i for i in config[key] if i < len(picks)]
+        for key, value in list(config.items()):  # per-layer dicts keyed by layer index (Gemma 4's per_layer_config)
+            if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                renumber = {old: new for new, old in enumerate(picks)}
+                config[key] = {type(k)(renumber[int(k)]) if isinstance(k, int) else str(renumber[int(k)]): v
+                               for k, v in value.items() if int(k) in renumber}
+    return config
+
+
+def _layer_picks(config: dict[str, Any], num_layers: int) -> list[int]:
+    """Layers to keep: the first of every kind in each per-layer list, at least _NUM_LAYERS."""
+    picks = set(range(min(_NUM_LAYERS, num_layers)))
+    for value in config.values():
+        if isinstance(value, list) and len(value) == num_layers and num_layers > 1:
+            seen: dict[str, int] = {}
+            for i, item in enumerate(value):
+                seen.setdefault(repr(item), i)
+            picks |= set(seen.values())
+    return sorted(picks)[:8]

@@ -1,0 +1,56 @@
+"""The coverage sweep (shardplan.record.coverage) on a sample: verdicts, the report, and the per-architecture timeout.
+
+The full sweep (every text decoder vLLM implements, TP 1/2/4, every rank) runs on demand with
+`python -m shardplan.record.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE and an alias-only
+config run at TP 2 with EP, every rank, bitwise."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardplan.record import coverage, tiny
+
+
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel"])
+def test_sample_architectures_pass_bitwise(arch, tmp_path):
+    row = coverage.run_architecture(arch, tmp_path, tps=(2,))
+    assert row["status"] == "pass", row
+    (layout, result), = row["layouts"].items()
+    assert result["ranks"] == result["equal"] == 2 and not result["mismatched"] and not result["fallbacks"]
+    assert layout == ("tp2-ep" if arch == "Qwen3NextForCausalLM" else "tp2")
+
+
+def test_an_architecture_without_a_config_class_says_why(tmp_path):
+    row = coverage.run_architecture("BailingMoeForCausalLM", tmp_path)
+    assert row["status"] == "cannot" and "remote code" in row["reason"]
+
+
+def test_every_registry_architecture_is_enumerated():
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    archs = tiny.text_decoder_architectures()
+    assert set(_TEXT_GENERATION_MODELS) <= set(archs) and "GPTNeoXForCausalLM" in archs  # + Transformers backend
+
+
+def test_render_counts_and_rows():
+    rows = [
+        {"arch": "A", "status": "pass", "reason": "", "layouts": {"tp1": {"ranks": 1, "equal": 1}}, "fallbacks": []},
+        {"arch": "B", "status": "fallback", "reason": "", "layouts": {"tp2": {"ranks": 2, "equal": 2}},
+         "fallbacks": ["x.A_log (Tensor.exp)"]},
+        {"arch": "C", "status": "cannot", "reason": "a | b", "layouts": {}, "fallbacks": []},
+    ]
+    text = coverage.render(rows, "vLLM x")
+    assert "1 pass, 1 pass with fallbacks, 0 fail, 1 cannot run here" in text
+    assert "Of the 2 that vLLM itself can load here, 50% pass" in text
+    assert "| B |  | fallback | tp2 2/2 | fallback: x.A_log (Tensor.exp) |" in text and "a \\| b" in text
+
+
+def test_a_hanging_architecture_costs_one_row(tmp_path):
+    results = tmp_path / "results.jsonl"
+    rows = coverage.sweep(["LlamaForCausalLM", "BailingMoeForCausalLM"], results, timeout=8, resume=False,
+                          progress=lambda line: None)
+    assert [r["arch"] for r in rows] == ["LlamaForCausalLM", "BailingMoeForCausalLM"]
+    assert rows[0]["status"] == "cannot" and "timed out after 8 s" in rows[0]["reason"]
+    assert rows[1]["status"] == "cannot" and "remote code" in rows[1]["reason"]  # the sweep went on
+    assert len([json.loads(line) for line in results.read_text().splitlines()]) == 2
