@@ -13,6 +13,7 @@ from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.plan.planfile import write_plan
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
+from shardplan.simulate import cli as simulate_cli
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--max-lines", type=int, default=200, help="IR lines to print (0: all)")
 
     sub.add_parser("models", help="list the built-in models")
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -145,7 +147,8 @@ def cmd_models(args) -> int:
     return 0
 
 
-_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models}
+_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
+             "simulate": simulate_cli.run}
 
 if __name__ == "__main__":
     sys.exit(main())

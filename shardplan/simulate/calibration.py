@@ -19,7 +19,8 @@ from pathlib import Path
 
 from shardplan.planfile import PlanFile
 
-from . import simulate, workload
+from . import workload
+from .run import simulate
 from .fleet import Fleet, Links
 
 H200_NVLINK_OVERLAP_SLOWDOWN = 0.11

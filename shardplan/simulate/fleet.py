@@ -144,5 +144,5 @@ class Fleet:
     def describe(self) -> str:
         trainer_nodes = len({n for n, _ in self.trainer_gpus})
         consumer_nodes = len({n for n, _ in self.consumer_gpus})
-        return (f"{len(self.trainer_gpus)} trainer GPUs on {trainer_nodes} nodes -> {len(self.consumer_gpus)} "
-                f"inference GPUs on {consumer_nodes} nodes ({self.gpus_per_node} GPUs per node)")
+        return (f"{len(self.trainer_gpus)} trainer GPUs on {trainer_nodes} node(s) -> {len(self.consumer_gpus)} "
+                f"inference GPUs on {consumer_nodes} node(s) ({self.gpus_per_node} GPUs per node)")
