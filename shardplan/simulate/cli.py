@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     s = p.add_argument_group("what to simulate")
     s.add_argument("--layers", default=None, help="decoder layers to simulate, e.g. 0-7 (default: all; a fleet's "
                                                   "plan_shards costs ~1 s per layer per 32 consumers here)")
+    s.add_argument("--extrapolate", action="store_true",
+                   help="with --layers 0-K: also simulate the first half of those layers and extrapolate both to the "
+                        "whole model (a straight line per layer)")
     s.add_argument("--bytes-scale", type=float, default=1.0, help="multiply every byte (0.5: FP8 from a BF16 plan)")
     s.add_argument("--rate-quantum-us", type=float, default=50.0,
                    help="recompute shared link rates at most this often (0: exact)")
@@ -50,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from shardplan.planfile import PlanFile
 
     from . import trainers, workload
-    from .fleet import Fleet, Links
-    from .run import simulate
+    from .fleet import Fleet, Links, SimulationError
+    from .run import extrapolate, simulate
 
     link_args = {f.replace("-", "_"): getattr(args, f.replace("-", "_")) for f in
                  ("nvlink-GBps", "nic-GBps", "nic-latency-us", "pcie-GBps", "pack-GBps", "apply-GBps", "post-us",
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     layers = _layers(args.layers)
     num_trainers = args.trainer_nodes * args.gpus_per_node
     if args.trainer == "whole":
-        work = workload.whole_tensors(plan_file, num_trainers=num_trainers, replicas=args.replicas, layers=layers)
+        def build(keep):
+            return workload.whole_tensors(plan_file, num_trainers=num_trainers, replicas=args.replicas, layers=keep)
     else:
         sources = dict(plan_file.sources)
         if args.trainer == "fsdp":
@@ -70,8 +74,25 @@ def run(args: argparse.Namespace) -> int:
             shards = trainers.megatron(sources, num_layers=workload.num_decoder_layers(plan_file), pp=args.pp,
                                        tp=args.tp, ep=args.ep, stage_size=args.stage_size, dp=args.dp)
             what = f"Megatron-style trainers PP{args.pp} TP{args.tp} EP{args.ep} DP{args.dp}"
-        work = workload.sharded(plan_file, shards, replicas=args.replicas, layers=layers, description=what)
+
+        def build(keep):
+            return workload.sharded(plan_file, shards, replicas=args.replicas, layers=keep, description=what)
     fleet = Fleet.disaggregated(args.trainer_nodes, args.inference_nodes, args.gpus_per_node)
-    result = simulate(work, fleet, links, bytes_scale=args.bytes_scale, rate_quantum_s=args.rate_quantum_us * 1e-6)
+
+    def run_on(keep):
+        return simulate(build(keep), fleet, links, bytes_scale=args.bytes_scale,
+                        rate_quantum_s=args.rate_quantum_us * 1e-6)
+    result = run_on(layers)
     print(result.format())
+    if args.extrapolate:
+        if not layers or len(layers) < 2:
+            raise SimulationError("--extrapolate needs --layers with at least two decoder layers, e.g. --layers 0-7")
+        half = run_on(layers[:len(layers) // 2])
+        total, per_layer, fixed = extrapolate([half, result], result.workload.num_layers)
+        from shardplan.inspect import group_bytes
+        per_gpu = max(sum(group_bytes(plan_file.body, r).values()) for r in plan_file.ranks)
+        light = per_gpu * args.bytes_scale / (links.network_GBps * 1e9)
+        print(f"extrapolated to all {result.workload.num_layers} decoder layers from {len(layers) // 2} and "
+              f"{len(layers)}: {total:.3f} s ({per_layer * 1e3:.2f} ms per layer, {fixed * 1e3:+.2f} ms fixed); "
+              f"the whole model's busiest consumer NIC: {light:.3f} s")
     return 0

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import NET_OUT, PORT_NAMES, Activity, Simulation
+from .engine import NET_OUT, NVLINK_OUT, PORT_NAMES, Activity, Simulation
 from .fleet import Fleet, Links
 from .workload import Workload
 
@@ -20,8 +20,8 @@ class SpeedOfLight:
     consumer_s: float
     """The busiest consumer port's bytes over its rate: fixed by the plans, whatever the trainers do."""
     balanced_s: float
-    """max(consumer_s, all bytes leaving trainers over all trainer ports): the bound of a perfectly balanced
-    trainer side."""
+    """max(consumer_s, the bytes leaving trainers over each port class spread evenly over all trainer GPUs): the
+    bound of a perfectly balanced trainer side."""
     read_s: float
     """The trainer side reading each byte the consumers need once (one copy per distinct consumer plan), spread
     evenly over every trainer GPU at the pack rate."""
@@ -133,17 +133,21 @@ def summarise(sim: Simulation, workload: Workload, wall_s: dict[str, float]) -> 
     for g in sim.consumer_gpu.values():
         is_consumer[4 * g:4 * g + 4] = True
     consumer_s = float(port_s[is_consumer].max(initial=0.0))
-    trainer_out = np.zeros(len(caps), dtype=bool)
-    for g in sim.trainer_gpu.values():
-        trainer_out[4 * g + NET_OUT] = trainer_out[4 * g] = True   # NIC out and NVLink out
-    total_out = float(sim.port_bytes[trainer_out].sum())
-    out_caps = sum(max(caps[4 * g + NET_OUT], caps[4 * g]) for g in sim.trainer_gpu.values())
+    # the trainer side perfectly balanced: each class of out-port (NIC, NVLink) carries what it carried in this run,
+    # spread evenly over every trainer GPU's port of that class
+    trainer_gpus = list(sim.trainer_gpu.values())
+    trainer_bound = 0.0
+    for port in (NET_OUT, NVLINK_OUT):
+        idx = [4 * g + port for g in trainer_gpus]
+        total, cap = float(sim.port_bytes[idx].sum()), float(caps[idx].sum())
+        if total:
+            trainer_bound = max(trainer_bound, total / cap)
     distinct = {}
     for c, r in workload.plan_rank.items():
         distinct.setdefault(r, sum(s.nbytes for segs in workload.layouts[c].values() for s in segs))
     read_s = sum(distinct.values()) * sim.scale / (max(1, len(workload.trainers)) * sim.links.pack_GBps * 1e9)
     sol = SpeedOfLight(float(port_s[busiest]), labels[busiest], consumer_s,
-                       max(consumer_s, total_out / out_caps if out_caps else 0.0), read_s)
+                       max(consumer_s, trainer_bound), read_s)
     path = critical_path(sim.activities, sim, seconds)
     return SimResult(seconds, workload, sim.fleet, sim.links, sim.scale, sol, ports, sim.activities, path,
                      dict(sim.consumer_end), dict(sim.trainer_end), sim.rate_series, wall_s, labels)

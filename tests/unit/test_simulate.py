@@ -111,8 +111,10 @@ def test_fleet_run_on_a_real_plan_is_at_or_above_its_speed_of_light(llama):
     shards = trainers.megatron(dict(llama.sources), num_layers=32, tp=2)
     work = workload.sharded(llama, shards, replicas=2, layers=range(4))
     result = simulate(work, Fleet.disaggregated(1, 1, 4), Links())
-    assert result.seconds >= result.speed_of_light.seconds
-    assert result.seconds < 2 * result.speed_of_light.seconds
+    sol = result.speed_of_light
+    assert result.seconds >= sol.seconds
+    assert result.seconds < 2 * sol.seconds
+    assert sol.consumer_s <= sol.balanced_s <= sol.network_s + 1e-12
     assert "speed of light" in result.format()
     bigger = simulate(workload.sharded(llama, shards, replicas=2, layers=range(8)), Fleet.disaggregated(1, 1, 4))
     total, per_layer, _ = extrapolate([result, bigger], 32)
@@ -186,5 +188,7 @@ def test_cli_simulate(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "sync time" in out and "speed of light" in out and "critical path" in out
+    assert cli.main(args + ["--extrapolate"]) == 0
+    assert "extrapolated to all 32 decoder layers from 2 and 4" in capsys.readouterr().out
     assert cli.main(args + ["--nic-GBps", "0"]) == 2
     assert "nic_GBps must be > 0" in capsys.readouterr().err
