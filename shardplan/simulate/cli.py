@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     s.add_argument("--extrapolate", action="store_true",
                    help="with --layers 0-K: also simulate the first half of those layers and extrapolate both to the "
                         "whole model (a straight line per layer)")
+    s.add_argument("--group-order", choices=["engine", "rotated"], default="engine",
+                   help="rotated: a what-if the engine does not do (each consumer starts at a different layer)")
     s.add_argument("--bytes-scale", type=float, default=1.0, help="multiply every byte (0.5: FP8 from a BF16 plan)")
     s.add_argument("--rate-quantum-us", type=float, default=50.0,
                    help="recompute shared link rates at most this often (0: exact)")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     def run_on(keep):
         return simulate(build(keep), fleet, links, bytes_scale=args.bytes_scale,
-                        rate_quantum_s=args.rate_quantum_us * 1e-6)
+                        rate_quantum_s=args.rate_quantum_us * 1e-6, group_order=args.group_order)
     result = run_on(layers)
     print(result.format())
     if args.extrapolate:

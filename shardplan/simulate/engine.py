@@ -94,11 +94,15 @@ class Simulation:
     """One sync: call run() once. `bytes_scale` scales every byte count (0.5: an FP8 estimate from a BF16 plan).
     `rate_quantum_s` > 0 recomputes the shared rates at most once per that much simulated time (a transfer that
     starts in between waits for the next recomputation, capacity freed in between idles): exact at 0, faster on
-    fleets with thousands of transfers in flight."""
+    fleets with thousands of transfers in flight. `group_order="rotated"` is a what-if the engine does not do: each
+    consumer starts at a different group and wraps around."""
 
     def __init__(self, schedule: Schedule, fleet: Fleet, links: Links, *, bytes_scale: float = 1.0,
-                 rate_quantum_s: float = 0.0):
+                 rate_quantum_s: float = 0.0, group_order: str = "engine"):
+        if group_order not in ("engine", "rotated"):
+            raise ValueError(f"group_order must be 'engine' or 'rotated', got {group_order!r}")
         self.schedule, self.fleet, self.links, self.scale = schedule, fleet, links, bytes_scale
+        self.group_order = group_order
         self.rate_quantum = rate_quantum_s
         g = fleet.gpus_per_node
         self.trainer_gpu = {t: n * g + i for t, (n, i) in enumerate(fleet.trainer_gpus)}
@@ -286,26 +290,27 @@ class Simulation:
             self.trainer_end[t] = self.now
 
     def _consumer(self, c: int) -> Iterator:
-        links, gpu, me, groups = self.links, self.consumer_gpu[c], f"consumer{c}", self.schedule.groups
+        links, gpu, me = self.links, self.consumer_gpu[c], f"consumer{c}"
+        order = self.order[c]
         slot_cause: list[int | None] = [None, None]
 
-        def post(gi):
-            for p in self.pieces.get((c, gi), ()):
+        def post(k):
+            for p in self.pieces.get((c, order[k]), ()):
                 yield "cpu", links.post_us * 1e-6
-                self._condition(p, *self._stream_ready(gpu, slot_cause[gi % 2]))
-        for gi in range(min(2, len(groups))):
-            yield from post(gi)
+                self._condition(p, *self._stream_ready(gpu, slot_cause[k % 2]))
+        for k in range(min(2, len(order))):
+            yield from post(k)
         cause = None
-        for gi in range(len(groups)):
+        for k, gi in enumerate(order):
             pieces = self.pieces.get((c, gi), [])
             if pieces:
                 yield "wait", pieces
                 cause = max(pieces, key=lambda p: p.done).activity
                 yield "cpu", links.launch_us * 1e-6
-                _, slot_cause[gi % 2] = self._kernel(gpu, "apply", me, "", gi, sum(p.nbytes for p in pieces),
-                                                     links.apply_GBps, cause)
-            if gi + 2 < len(groups):
-                yield from post(gi + 2)
+                _, slot_cause[k % 2] = self._kernel(gpu, "apply", me, "", gi, sum(p.nbytes for p in pieces),
+                                                    links.apply_GBps, cause)
+            if k + 2 < len(order):
+                yield from post(k + 2)
         yield "cpu", links.finish_us * 1e-6
         free, last = self.gpu_free.get(gpu, (0.0, None))
         end = max(self.now, free)
@@ -315,10 +320,19 @@ class Simulation:
     # ---- the event loop -------------------------------------------------------------------------------------------
     def run(self) -> "Simulation":
         s = self.schedule
+        num_groups = len(s.groups)
+        # the engine takes the groups in schedule order; "rotated" (a what-if, not the engine): consumer i of n starts
+        # at group i * G // n and wraps around, so consumers spread over the layers (and over PP trainer stages)
+        self.order = {c: list(range(num_groups)) for c in s.consumers}
+        if self.group_order == "rotated":
+            for i, c in enumerate(s.consumers):
+                start = i * num_groups // len(s.consumers)
+                self.order[c] = list(range(start, num_groups)) + list(range(start))
+        position = {c: {gi: k for k, gi in enumerate(order)} for c, order in self.order.items()}
         # per pair, pieces move in posting order: the trainer posts group by group, piece by piece
         self.pair_next: dict[int, _Piece] = {}
         by_pair: dict[tuple[int, int], list[_Piece]] = {}
-        for (c, gi), pieces in sorted(self.pieces.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (c, gi), pieces in sorted(self.pieces.items(), key=lambda kv: (position[kv[0][0]][kv[0][1]], kv[0][0])):
             for p in pieces:
                 by_pair.setdefault((p.trainer, c), []).append(p)
         for chain in by_pair.values():
@@ -330,7 +344,7 @@ class Simulation:
             steps: dict[int, list[_Piece]] = {}
             for p in chain:
                 steps.setdefault(p.group, []).append(p)
-            lanes.setdefault(t, {})[c] = sorted(steps.items())
+            lanes.setdefault(t, {})[c] = sorted(steps.items(), key=lambda kv: position[c][kv[0]])
         for t in s.trainers:
             if t in lanes:
                 self._trainer(t, lanes[t])

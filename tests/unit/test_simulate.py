@@ -121,6 +121,19 @@ def test_fleet_run_on_a_real_plan_is_at_or_above_its_speed_of_light(llama):
     assert per_layer > 0 and total > bigger.seconds
 
 
+def test_pipeline_parallel_trainers_serve_one_stage_at_a_time_unless_consumers_rotate(llama):
+    """The engine takes groups in layer order, so PP stages send one after the other; the rotated what-if spreads
+    consumers over the stages and gets close to the speed of light."""
+    shards = trainers.megatron(dict(llama.sources), num_layers=32, pp=2, tp=2)
+    work = workload.sharded(llama, shards, replicas=2, layers=range(32))
+    fleet = Fleet.disaggregated(1, 1, 4)
+    engine = simulate(work, fleet)
+    rotated = simulate(work, fleet, group_order="rotated")
+    assert engine.seconds > 1.6 * engine.speed_of_light.seconds
+    assert rotated.seconds < 1.2 * rotated.speed_of_light.seconds
+    assert rotated.speed_of_light.seconds == pytest.approx(engine.speed_of_light.seconds)
+
+
 # ---- bad input ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field", ["nvlink_GBps", "nic_GBps", "pcie_GBps", "pack_GBps", "apply_GBps"])
 @pytest.mark.parametrize("value", [0.0, -1.0])
