@@ -2,6 +2,9 @@
 (closed form for one group; slot reuse and two groups in flight for many), rates are max-min fair, named errors."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +195,24 @@ def test_trainer_layout_larger_than_the_fleet_is_named(llama):
 def test_fleet_refuses_two_ranks_on_one_gpu():
     with pytest.raises(FleetError, match="one rank per GPU"):
         Fleet(((0, 0),), ((0, 0),), 1)
+
+
+def test_simulator_imports_no_vllm_transformers_safetensors():
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('vllm', 'transformers', 'safetensors'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        from shardplan.planfile import PlanFile
+        from shardplan.simulate import Fleet, simulate, workload
+        work = workload.whole_tensors(PlanFile.read({str(LLAMA_TP2)!r}), layers=[0])
+        print('ok', simulate(work, Fleet.disaggregated(1, 1, 2)).seconds > 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok True"
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------------------
