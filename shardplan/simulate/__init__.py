@@ -1,6 +1,6 @@
 """Fleet-scale sync simulator: the engine's real schedule and pipelining rules, on links you describe.
 
-    from shardplan.planfile import PlanFile
+    from shardplan.plan.planfile import PlanFile
     from shardplan.simulate import Fleet, Links, simulate, trainers, workload
 
     plan_file = PlanFile.read("plans/kimi-k2--tp32-ep--bfloat16.plan")
@@ -14,17 +14,12 @@ and what it leaves out: docs/scale.md. Calibration against the measured H200 syn
 """
 from __future__ import annotations
 
-import importlib
+from shardplan.simulate import trainers, workload
+from shardplan.simulate.fleet import (CoverageError, Fleet, FleetError, LinkParameterError, Links, SimulationError,
+                                      UnreachableConsumerError)
+from shardplan.simulate.report import SimResult, SpeedOfLight
+from shardplan.simulate.run import extrapolate, simulate
+from shardplan.simulate.workload import Workload
 
-# exported lazily: `shardplan --help` and the CLI's parser load this package without torch (the engine needs it)
-_EXPORTS = {"simulate": "run", "extrapolate": "run", "SimResult": "report", "SpeedOfLight": "report",
-            "Workload": "workload", "Fleet": "fleet", "Links": "fleet", "SimulationError": "fleet",
-            "LinkParameterError": "fleet", "FleetError": "fleet", "CoverageError": "fleet",
-            "UnreachableConsumerError": "fleet"}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__all__ = ["CoverageError", "Fleet", "FleetError", "LinkParameterError", "Links", "SimResult", "SimulationError",
+           "SpeedOfLight", "UnreachableConsumerError", "Workload", "extrapolate", "simulate", "trainers", "workload"]

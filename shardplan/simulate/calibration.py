@@ -17,11 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardplan.planfile import PlanFile
-
-from . import workload
-from .run import simulate
-from .fleet import Fleet, Links
+from shardplan.plan.planfile import PlanFile
+from shardplan.simulate import workload
+from shardplan.simulate.fleet import Fleet, Links
+from shardplan.simulate.run import simulate
 
 H200_NVLINK_OVERLAP_SLOWDOWN = 0.11
 """Link rate lost while a pack/apply kernel runs on an H200 at either end (see the module docstring)."""

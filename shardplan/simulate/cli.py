@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import argparse
 
+from shardplan.plan.inspect import group_bytes
+from shardplan.plan.planfile import PlanFile
+from shardplan.simulate import trainers, workload
+from shardplan.simulate.fleet import Fleet, Links, SimulationError
+from shardplan.simulate.run import extrapolate, simulate
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="simulate one sync on a fleet (sync time, speed of light, links, critical "
@@ -52,12 +58,6 @@ def _layers(text: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardplan.planfile import PlanFile
-
-    from . import trainers, workload
-    from .fleet import Fleet, Links, SimulationError
-    from .run import extrapolate, simulate
-
     link_args = {f.replace("-", "_"): getattr(args, f.replace("-", "_")) for f in
                  ("nvlink-GBps", "nic-GBps", "nic-latency-us", "pcie-GBps", "pack-GBps", "apply-GBps", "post-us",
                   "overlap-slowdown")}
@@ -91,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
             raise SimulationError("--extrapolate needs --layers with at least two decoder layers, e.g. --layers 0-7")
         half = run_on(layers[:len(layers) // 2])
         total, per_layer, fixed = extrapolate([half, result], result.workload.num_layers)
-        from shardplan.inspect import group_bytes
         per_gpu = max(sum(group_bytes(plan_file.body, r).values()) for r in plan_file.ranks)
         light = per_gpu * args.bytes_scale / (links.network_GBps * 1e9)
         print(f"extrapolated to all {result.workload.num_layers} decoder layers from {len(layers) // 2} and "

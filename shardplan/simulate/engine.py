@@ -1,6 +1,6 @@
 """The discrete-event simulation of one sync over the `nccl` transport (the engine's two-sided pipeline).
 
-It replays, per rank, the steps `shardplan.sync` takes (TrainerSync._lane_two_sided, ConsumerSync._sync_two_sided),
+It replays, per rank, the steps `shardplan.sync` takes (sync/trainer.py TrainerSync._lane, sync/consumer.py, two-sided policy),
 against the Schedule the real `build_schedule` made, on the machine model of `fleet.py`:
 
   trainer t, one lane per consumer it serves (lanes share the process's one CPU thread and the GPU's one stream):
@@ -26,9 +26,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from shardplan.simulate.fleet import Fleet, Links, UnreachableConsumerError
 from shardplan.sync import Schedule
-
-from .fleet import Fleet, Links, UnreachableConsumerError
 
 NVLINK_OUT, NVLINK_IN, NET_OUT, NET_IN = range(4)
 PORT_NAMES = ("NVLink out", "NVLink in", "NIC out", "NIC in")

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import NET_OUT, NVLINK_OUT, PORT_NAMES, Activity, Simulation
-from .fleet import Fleet, Links
-from .workload import Workload
+from shardplan.simulate.engine import NET_OUT, NVLINK_OUT, PORT_NAMES, Activity, Simulation
+from shardplan.simulate.fleet import Fleet, Links
+from shardplan.simulate.workload import Workload
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from .engine import Simulation
-from .fleet import Fleet, FleetError, LinkParameterError, Links, UnreachableConsumerError
-from .report import SimResult, summarise
-from .workload import Workload
+from shardplan.simulate.engine import Simulation
+from shardplan.simulate.fleet import Fleet, FleetError, LinkParameterError, Links, UnreachableConsumerError
+from shardplan.simulate.report import SimResult, summarise
+from shardplan.simulate.workload import Workload
 
 
 def simulate(work: Workload, fleet: Fleet, links: Links | None = None, *, bytes_scale: float = 1.0,

@@ -1,13 +1,13 @@
-"""Trainer layouts as boxes (shardplan.shards.TrainerShard) for the simulator: Megatron-style PP x TP x EP (x DP) and
+"""Trainer layouts as boxes (shardplan.runtime.shards.TrainerShard) for the simulator: Megatron-style PP x TP x EP (x DP) and
 FSDP. A real trainer describes its own boxes; these builders cover the common layouts by checkpoint-name rules."""
 from __future__ import annotations
 
 from typing import Mapping
 
-from shardplan import ir
-from shardplan.shards import TrainerShard, expert_index, full_box, layer_stage, replicate, split_range
-
-from .fleet import FleetError
+from shardplan.plan import ir
+from shardplan.plan.names import expert_of
+from shardplan.runtime.shards import TrainerShard, full_box, layer_stage, replicate, split_range
+from shardplan.simulate.fleet import FleetError
 
 # Megatron's column-parallel (output dim split) and row-parallel (input dim split) linears, by checkpoint name
 _COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
@@ -40,13 +40,13 @@ def megatron(sources: Mapping[str, ir.TensorMeta], *, num_layers: int, pp: int =
             raise FleetError(f"trainer layout: {what} must be >= 1, got {n}")
     if stage_size % tp or stage_size % ep:
         raise FleetError(f"trainer layout: stage_size {stage_size} must be a multiple of tp={tp} and ep={ep}")
-    experts = [e for e in (expert_index(n) for n in sources) if e is not None]
+    experts = [e for e in (expert_of(n) for n in sources) if e is not None]
     num_experts = max(experts) + 1 if experts else 0
     stage_of = layer_stage(num_layers, pp)
     shards: list[TrainerShard] = []
     for name, meta in sources.items():
         first = stage_of(name) * stage_size
-        expert = expert_index(name)
+        expert = expert_of(name)
         if expert is not None:
             holder = expert * ep // num_experts
             shards += [TrainerShard(name, first + copy * ep + holder, full_box(meta.shape))

@@ -3,9 +3,9 @@ Packer reports them, and which trainer holds what; `Workload.schedule()` hands t
 
 Two kinds of trainer, as in the engine:
   * `whole_tensors`: trainers hold checkpoint tensors whole (replicas, or a WeightSource that gathers per group):
-    the segments are `ReplayPacker.layout`'s (PackLayout with layers moved in parts of `sync.PART_BYTES`);
-  * `sharded`: trainers hold boxes (shardplan.shards); `plan_shards` pins every piece to one trainer and the segments
-    are `ShardedPacker.layout`'s (whole layers, each trainer's part aligned, in trainer order). Consecutive segments
+    the spans are `ReplayPacker.spans`' (PackLayout with layers moved in parts of `sync.PART_BYTES`);
+  * `sharded`: trainers hold boxes (shardplan.runtime.shards); `plan_shards` pins every piece to one trainer and the spans
+    are `ShardedPacker.spans`' (whole layers, each trainer's part aligned, in trainer order). Consecutive segments
     pinned to the same trainer are merged into one: the schedule builder cuts a run of segments with the same
     eligible trainers into ceil(#trainers / #consumers) chunks but never more chunks than eligible trainers, so a
     pinned run is one piece either way (tests/unit/test_simulate.py checks the pieces are the same).
@@ -20,23 +20,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from shardplan import ir
-from shardplan.planfile import PlanFile
-from shardplan.replay import PackLayout, align_up, group_order
-from shardplan.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
-from shardplan.sync import PART_BYTES, Schedule, ScheduleError, Segment, build_schedule, fallback_slots
-
-from .fleet import CoverageError, FleetError
+from shardplan.plan import ir
+from shardplan.plan.names import group_of, group_order
+from shardplan.plan.planfile import PlanFile
+from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
+from shardplan.runtime.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
+from shardplan.simulate.fleet import CoverageError, FleetError
+from shardplan.sync import PART_BYTES, Schedule, ScheduleError, Span, build_schedule
 
 ALIGNMENT = 256   # the engine's default pack alignment (ReplayPacker / ShardedPacker)
 
 
 @dataclass
 class Workload:
-    """Every consumer's segments per group (`layouts[c][group]`, what Packer.layout reports), the groups in sync
+    """Every consumer's segments per group (`layouts[c][group]`, what Packer.spans reports), the groups in sync
     order, the trainer ranks and what each holds whole (`held[t]`: None = everything)."""
     groups: tuple[str, ...]
-    layouts: dict[int, dict[str, tuple[Segment, ...]]]
+    layouts: dict[int, dict[str, tuple[Span, ...]]]
     trainers: tuple[int, ...]
     held: dict[int, frozenset[str] | None]
     plan_rank: dict[int, int]                  # consumer rank -> the plan rank it runs (replicas share plans)
@@ -67,14 +67,14 @@ def restrict(plan: ir.RankPlan, layers: Iterable[int] | None, rank: int | None =
     if layers is None:
         return plan if rank == plan.rank else ir.RankPlan(rank, plan.params, plan.writes, plan.fallbacks)
     keep = {f"layers.{i}" for i in layers}
-    writes = tuple(w for w in plan.writes if ir.group_of(w.param) in keep)
+    writes = tuple(w for w in plan.writes if group_of(w.param) in keep)
     written = {w.param for w in writes}
     return ir.RankPlan(rank, tuple(p for p in plan.params if p.name in written), writes,
-                       tuple(f for f in plan.fallbacks if ir.group_of(f.source) in keep))
+                       tuple(f for f in plan.fallbacks if group_of(f.source) in keep))
 
 
 def num_decoder_layers(plan_file: PlanFile) -> int:
-    return 1 + max((int(g.split(".")[1]) for g in map(ir.group_of, plan_file.sources) if g.startswith("layers.")),
+    return 1 + max((int(g.split(".")[1]) for g in map(group_of, plan_file.sources) if g.startswith("layers.")),
                    default=-1)
 
 
@@ -99,19 +99,18 @@ def whole_tensors(plan_file: PlanFile, *, num_trainers: int = 1, replicas: int =
     layers = None if layers is None else tuple(sorted(set(layers)))
     plan_rank = _consumer_ranks(plan_file, ranks, replicas)
     sources = plan_file.sources
-    per_rank: dict[int, dict[str, tuple[Segment, ...]]] = {}
+    per_rank: dict[int, dict[str, tuple[Span, ...]]] = {}
     for r in sorted(set(plan_rank.values())):
         plan = restrict(plan_file.rank(r), layers)
         layout = PackLayout.from_plans(plan, ALIGNMENT, part_bytes)
-        groups: dict[str, list[Segment]] = {}
+        groups: dict[str, list[Span]] = {}
         for span in layout.groups:
             segs = groups.setdefault(span.name, [])
             for s in layout.segments[span.first:span.last]:
-                names: set[str] = set()
-                ir._collect_sources(plan.writes[s.refs[0].index].src.leaf, names)
-                segs.append(Segment(s.offset - span.start, s.nbytes, tuple(sorted(names))))
+                names = ir.sources(plan.writes[s.refs[0].index].src.leaf)
+                segs.append(Span(s.offset - span.start, s.nbytes, tuple(sorted(names))))
         for group, slots in fallback_slots(plan, layout, sources).items():
-            groups.setdefault(group, []).extend(Segment(f.offset, f.nbytes, (f.name,)) for f in slots)
+            groups.setdefault(group, []).extend(Span(f.offset, f.nbytes, (f.name,)) for f in slots)
         per_rank[r] = {g: tuple(segs) for g, segs in groups.items()}
     layouts = {c: per_rank[r] for c, r in plan_rank.items()}
     all_groups = tuple(sorted({g for lay in per_rank.values() for g in lay}, key=group_order))
@@ -147,7 +146,7 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
     for (t, c), sub in sharded_plan.plans.items():
         by_consumer.setdefault(c, {})[t] = sub
     layout_cache: dict[tuple, PackLayout] = {}
-    layouts: dict[int, dict[str, tuple[Segment, ...]]] = {}
+    layouts: dict[int, dict[str, tuple[Span, ...]]] = {}
     for c in sorted(plan_rank):
         parts = {}
         for t, sub in sorted(by_consumer.get(c, {}).items()):
@@ -155,7 +154,7 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
             if key not in layout_cache:
                 layout_cache[key] = PackLayout.from_plans(ir.RankPlan(0, sub.params, sub.writes), ALIGNMENT)
             parts[t] = layout_cache[key]
-        layouts[c] = _merged_segments(parts)
+        layouts[c] = _merged_spans(parts)
     all_groups = tuple(sorted({g for lay in layouts.values() for g in lay}, key=group_order))
     trainers = tuple(sorted({s.rank for s in shards}))
     return Workload(all_groups, layouts, trainers, {t: frozenset() for t in trainers}, plan_rank,
@@ -163,20 +162,14 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
                     time.perf_counter() - start, layers, num_decoder_layers(plan_file))
 
 
-def _merged_segments(parts: Mapping[int, PackLayout]) -> dict[str, tuple[Segment, ...]]:
-    """ShardedPacker.layout for one consumer (each trainer's part of a group at an aligned base, in trainer order),
-    with each trainer's segments of a group merged into one span (see the module docstring)."""
-    out: dict[str, list[Segment]] = {}
-    groups = {g for lay in parts.values() for g in lay.group_names}
-    for group in groups:
-        offset = 0
-        for t, lay in sorted(parts.items()):
-            if group not in lay.group_names:
-                continue
-            part = lay.group(group)
-            nonzero = [s for s in part.segments if s.nbytes]
+def _merged_spans(parts: Mapping[int, PackLayout]) -> dict[str, tuple[Span, ...]]:
+    """ShardedPacker.spans for one consumer (each trainer's part of a group at its `sharded_bases` offset), with each
+    trainer's segments of a group merged into one span (see the module docstring)."""
+    out: dict[str, list[Span]] = {}
+    for group in {g for lay in parts.values() for g in lay.group_names}:
+        for t, base in sharded_bases(parts, group, ALIGNMENT).items():
+            nonzero = [s for s in parts[t].group(group).segments if s.nbytes]
             if nonzero:
                 lo, hi = nonzero[0].offset, nonzero[-1].offset + nonzero[-1].nbytes
-                out.setdefault(group, []).append(Segment(offset + lo, hi - lo, (), (t,)))
-            offset = align_up(offset + part.nbytes, ALIGNMENT)
-    return {g: tuple(segs) for g, segs in out.items()}
+                out.setdefault(group, []).append(Span(base + lo, hi - lo, (), (t,)))
+    return {g: tuple(spans) for g, spans in out.items()}

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from shardplan import cli
-from shardplan.planfile import PlanFile
+from shardplan.plan.planfile import PlanFile
 from shardplan.simulate import (CoverageError, Fleet, FleetError, LinkParameterError, Links,
                                 UnreachableConsumerError, Workload, extrapolate, simulate, trainers, workload)
 from shardplan.simulate.engine import max_min_rates
 from shardplan.simulate.workload import restrict
-from shardplan.shards import plan_shards
-from shardplan.sync import ReplayPacker, Segment, ShardedPacker, build_schedule, layouts_of
+from shardplan.runtime.shards import plan_shards
+from shardplan.sync import ReplayPacker, ShardedPacker, Span, build_schedule, spans_of
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_TP2 = ROOT / "plans" / "llama-3.1-8b--tp2--bfloat16.plan"
@@ -42,7 +42,7 @@ def test_whole_tensor_workload_is_replay_packers_layout(llama):
     work = workload.whole_tensors(llama, num_trainers=3, layers=[0, 1], part_bytes=part)
     packer = ReplayPacker([restrict(llama.rank(r), [0, 1]) for r in llama.ranks], llama.sources, max_group_bytes=part)
     assert work.groups == tuple(packer.groups())
-    assert _nonempty(work.layouts) == _nonempty(layouts_of(packer))
+    assert _nonempty(work.layouts) == _nonempty(spans_of(packer))
     assert any("/" in g for g in work.groups)
 
 
@@ -56,19 +56,19 @@ def test_sharded_workload_schedules_the_same_pieces_as_sharded_packer(llama):
     needed = set().union(*(p.sources_read() for p in plans))
     sharded_plan = plan_shards(plans, {n: sources[n] for n in sorted(needed)}, shards)
     packer = ShardedPacker(sharded_plan, 0)
-    real = build_schedule(layouts_of(packer), packer.groups(), {t: frozenset() for t in work.trainers},
+    real = build_schedule(spans_of(packer), packer.groups(), {t: frozenset() for t in work.trainers},
                           work.trainers, work.consumers)
     ours = work.schedule()
     assert ours.groups == real.groups
     assert _pieces(ours) == _pieces(real)
     assert sum(len(s) for lay in work.layouts.values() for s in lay.values()) < \
-        sum(len(s) for lay in layouts_of(packer).values() for s in lay.values())
+        sum(len(s) for lay in spans_of(packer).values() for s in lay.values())
 
 
 # ---- the pipeline --------------------------------------------------------------------------------------------
 def _synthetic(num_groups: int, nbytes: int, num_consumers: int = 1) -> Workload:
     groups = tuple(f"layers.{i}" for i in range(num_groups))
-    layouts = {c: {g: (Segment(0, nbytes, (f"{g}.w",)),) for g in groups} for c in range(num_consumers)}
+    layouts = {c: {g: (Span(0, nbytes, (f"{g}.w",)),) for g in groups} for c in range(num_consumers)}
     return Workload(groups, layouts, (0,), {0: None}, {c: c for c in range(num_consumers)}, "synthetic")
 
 
@@ -205,7 +205,7 @@ def test_simulator_imports_no_vllm_transformers_safetensors():
                 if name.split('.')[0] in ('vllm', 'transformers', 'safetensors'):
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
-        from shardplan.planfile import PlanFile
+        from shardplan.plan.planfile import PlanFile
         from shardplan.simulate import Fleet, simulate, workload
         work = workload.whole_tensors(PlanFile.read({str(LLAMA_TP2)!r}), layers=[0])
         print('ok', simulate(work, Fleet.disaggregated(1, 1, 2)).seconds > 0)
