@@ -3,8 +3,8 @@
 Each measured case is one trainer GPU and one consumer GPU (rank 0 of the layout) over NVLink. The simulator gets
 what was measured in the same run and nothing fitted to the sync times it is compared with:
   * the link rate: that run's raw NCCL send of the same bytes (`raw`), as bytes / time;
-  * pack and apply rates: the replay bench's CUDA-graph figures for the same recorded plan (bench/results/replay_h200.json;
-    GB/s there count bytes read + written, so packed bytes move at half);
+  * pack and apply rates: the replay bench's CUDA-graph figures for the same recorded plan
+    (bench/results/replay_h200.json; GB/s there count bytes read + written, so packed bytes move at half);
   * the slowdown of a transfer while a pack or apply runs on its GPUs: from the engine's trace of the same design
     (bench/results/sync_h200_trace.log): a part's receive interval is 1.03-1.05x longer end to end than with pack and
     apply switched off, while the kernels cover ~35% of each part's transfer, i.e. a ~11% slower link while they run;
@@ -35,9 +35,12 @@ class Case:
 
 
 CASES = (
-    Case("kimi-ep", "kimi-k2--tp32-ep--bfloat16.plan", range(1, 4), "kimi-k2--tp32-ep--bfloat16 layer 1 rank 0 (recorded)"),
-    Case("kimi", "kimi-k2--tp32--bfloat16.plan", range(1, 4), "kimi-k2--tp32--bfloat16 layer 1 rank 0 (recorded)"),
-    Case("llama", "llama-3.1-70b--tp8--bfloat16.plan", range(0, 8), "llama-3.1-70b--tp8--bfloat16 layer 1 rank 0 (recorded)"),
+    Case("kimi-ep", "kimi-k2--tp32-ep--bfloat16.plan", range(1, 4),
+         "kimi-k2--tp32-ep--bfloat16 layer 1 rank 0 (recorded)"),
+    Case("kimi", "kimi-k2--tp32--bfloat16.plan", range(1, 4),
+         "kimi-k2--tp32--bfloat16 layer 1 rank 0 (recorded)"),
+    Case("llama", "llama-3.1-70b--tp8--bfloat16.plan", range(0, 8),
+         "llama-3.1-70b--tp8--bfloat16 layer 1 rank 0 (recorded)"),
 )
 
 

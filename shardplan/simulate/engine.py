@@ -1,7 +1,7 @@
 """The discrete-event simulation of one sync over the `nccl` transport (the engine's two-sided pipeline).
 
-It replays, per rank, the steps `shardplan.sync` takes (sync/trainer.py TrainerSync._lane, sync/consumer.py, two-sided policy),
-against the Schedule the real `build_schedule` made, on the machine model of `fleet.py`:
+It replays, per rank, the steps `shardplan.sync` takes under the two-sided policy (TrainerSync._lane,
+ConsumerSync.sync), against the Schedule the real `build_schedule` made, on the machine model of `fleet.py`:
 
   trainer t, one lane per consumer it serves (lanes share the process's one CPU thread and the GPU's one stream):
       for each of the lane's groups k:  if two groups are in flight, wait for the sends of group k-2;

@@ -99,7 +99,8 @@ class SimResult:
                  f"sync time          {self.seconds * 1e3:10.2f} ms",
                  f"speed of light     {sol.seconds * 1e3:10.2f} ms  (busiest port {sol.busiest_port}: "
                  f"{sol.network_s * 1e3:.2f} ms; trainer read once {sol.read_s * 1e3:.2f} ms)",
-                 f"  balanced bound   {sol.balanced_s * 1e3:10.2f} ms  (busiest consumer port {sol.consumer_s * 1e3:.2f} ms)",
+                 f"  balanced bound   {sol.balanced_s * 1e3:10.2f} ms  "
+                 f"(busiest consumer port {sol.consumer_s * 1e3:.2f} ms)",
                  f"sync / light       {self.seconds / sol.seconds:10.2f}x",
                  "critical path:"]
         for kind, secs in sorted(self.critical_breakdown().items(), key=lambda kv: -kv[1]):

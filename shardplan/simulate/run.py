@@ -23,9 +23,9 @@ def simulate(work: Workload, fleet: Fleet, links: Links | None = None, *, bytes_
         raise LinkParameterError(f"bytes_scale must be > 0, got {bytes_scale}")
     if rate_quantum_s < 0:
         raise LinkParameterError(f"rate_quantum_s must be >= 0, got {rate_quantum_s}")
-    if len(fleet.trainer_gpus) < len(work.trainers) or (work.trainers and max(work.trainers) >= len(fleet.trainer_gpus)):
-        raise FleetError(f"the trainer layout has {len(work.trainers)} ranks (up to {max(work.trainers)}) but the fleet "
-                         f"places {len(fleet.trainer_gpus)} trainer GPUs; add trainer nodes or shrink the layout")
+    if work.trainers and max(work.trainers) >= len(fleet.trainer_gpus):
+        raise FleetError(f"the trainer layout has {len(work.trainers)} ranks (up to {max(work.trainers)}) but the "
+                         f"fleet places {len(fleet.trainer_gpus)} trainer GPUs; add trainer nodes or shrink the layout")
     unplaced = [c for c in work.consumers if c >= len(fleet.consumer_gpus)]
     if unplaced:
         raise UnreachableConsumerError(f"consumer ranks {unplaced[:5]}{'...' if len(unplaced) > 5 else ''} have no "

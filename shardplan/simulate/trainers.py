@@ -1,5 +1,6 @@
-"""Trainer layouts as boxes (shardplan.runtime.shards.TrainerShard) for the simulator: Megatron-style PP x TP x EP (x DP) and
-FSDP. A real trainer describes its own boxes; these builders cover the common layouts by checkpoint-name rules."""
+"""Trainer layouts as boxes (shardplan.runtime.shards.TrainerShard) for the simulator: Megatron-style
+PP x TP x EP (x DP) and FSDP. A real trainer describes its own boxes; these builders cover the common layouts by
+checkpoint-name rules."""
 from __future__ import annotations
 
 from typing import Mapping

@@ -4,8 +4,8 @@ Packer reports them, and which trainer holds what; `Workload.schedule()` hands t
 Two kinds of trainer, as in the engine:
   * `whole_tensors`: trainers hold checkpoint tensors whole (replicas, or a WeightSource that gathers per group):
     the spans are `ReplayPacker.spans`' (PackLayout with layers moved in parts of `sync.PART_BYTES`);
-  * `sharded`: trainers hold boxes (shardplan.runtime.shards); `plan_shards` pins every piece to one trainer and the spans
-    are `ShardedPacker.spans`' (whole layers, each trainer's part aligned, in trainer order). Consecutive segments
+  * `sharded`: trainers hold boxes (shardplan.runtime.shards); `plan_shards` pins every piece to one trainer and the
+    spans are `ShardedPacker.spans`' (whole layers, each trainer's part aligned, in trainer order). Consecutive segments
     pinned to the same trainer are merged into one: the schedule builder cuts a run of segments with the same
     eligible trainers into ceil(#trainers / #consumers) chunks but never more chunks than eligible trainers, so a
     pinned run is one piece either way (tests/unit/test_simulate.py checks the pieces are the same).

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_simulator_reproduces_measured_h200_sync(case, capsys):
     cal = calibrate(case, ROOT)
     with capsys.disabled():
-        print(f"\n{case.name}: {cal.nbytes / 1e9:.2f} GB over {cal.link_GBps:.0f} GB/s (raw {cal.measured_ms['raw']:.2f} "
+        print(f"\n{case.name}: {cal.nbytes / 1e9:.2f} GB over {cal.link_GBps:.0f} GB/s "
+              f"(raw {cal.measured_ms['raw']:.2f} "
               f"ms): sharded measured {cal.measured_ms['sharded']:.2f} ms, simulated {cal.simulated_ms['sharded']:.2f} "
               f"ms ({cal.error('sharded'):+.1%}); end to end measured {cal.measured_ms['e2e']:.2f} ms, simulated "
               f"{cal.simulated_ms['e2e']:.2f} ms ({cal.error('e2e'):+.1%})")
