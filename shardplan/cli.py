@@ -18,6 +18,7 @@ from shardplan.plan.planfile import write_plan
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
+from shardplan.simulate import cli as simulate_cli
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "every rank) and write docs/coverage.md; options as python -m "
                                           "shardplan.record.coverage --help", add_help=False)
     cov.add_argument("args", nargs=argparse.REMAINDER)
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -207,7 +209,7 @@ def cmd_coverage(args) -> int:
 
 
 _COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
-             "coverage": cmd_coverage}
+             "coverage": cmd_coverage, "simulate": simulate_cli.run}
 
 if __name__ == "__main__":
     sys.exit(main())
