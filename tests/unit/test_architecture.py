@@ -13,7 +13,6 @@ FLOORS = {"errors": 0, "models": 0, "plan": 1, "runtime": 2, "transport": 3, "sy
 # imports allowed inside functions: packages that are optional for the module's users
 OPTIONAL = ("vllm", "transformers", "safetensors", "ray", "nixl", "mooncake", "torch.cuda", "matplotlib")
 MAX_LINES = 480
-# Modules allowed over the limit (none since issue 13 moved config reading and checkpoint names out of models).
 
 
 def _modules():
