@@ -20,7 +20,7 @@ from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
 
 SUFFIX = ".plan"
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "plans"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "plans"  # the repository's plans/, beside the package
 
 
 class PlanNotFound(ShardplanError):
