@@ -158,16 +158,15 @@ class Replayer:
         return sub
 
     def bind(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, *,
-             cuda_graph: bool | None = None, strategy: str = "batched") -> "BoundReplay":
+             cuda_graph: bool | None = None) -> "BoundReplay":
         """Validate the trainer's tensors, build every view and batch, and on CUDA capture them in a CUDA graph.
 
         Contract: until re-bound, the bound tensors and `out` keep their storage (in-place updates such as optimizer
         steps are fine; `p.data = new_tensor` or reallocation is not: `pack()` then raises StaleBindingError).
         cuda_graph: None (default) captures on CUDA and falls back to eager launches if capture fails (the reason is
-        kept in `BoundReplay.graph_error`); True requires the capture; False never captures.
-        `strategy` exists for benchmarks: "batched" (default), "batched-nowiden", "foreach" (one
-        torch._foreach_copy_ for all pure views) or "loop" (one copy_ per segment, the naive replay)."""
-        return BoundReplay(self, tensors, out, cuda_graph=cuda_graph, strategy=strategy)
+        kept in `BoundReplay.graph_error`); True requires the capture; False never captures. (The naive baselines a
+        benchmark compares with, one copy_ per segment and one foreach copy, live in bench/replay_bench.py.)"""
+        return BoundReplay(self, tensors, out, cuda_graph=cuda_graph)
 
     def pack(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """One-shot bind + pack (no caching): the uint8 buffer of `self.layout`."""
@@ -210,7 +209,7 @@ class BoundReplay:
     """A Replayer bound to one set of trainer tensors and one output buffer: `pack()` replays the prepared ops."""
 
     def __init__(self, replayer: Replayer, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None, *,
-                 cuda_graph: bool, strategy: str):
+                 cuda_graph: bool):
         self.replayer = replayer
         self.layout = replayer.layout
         names = replayer.sources_read()
@@ -225,16 +224,7 @@ class BoundReplay:
         self._pinned = list(self.tensors.values()) + [self.out]
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
         self._graph = None
-        self._max_width = 8
-        if strategy == "batched-nowiden":  # for benchmarks: the batched path without byte reinterpretation
-            strategy, self._max_width = "batched", 1
-        if strategy == "batched":
-            self._ops = self._batched_ops()
-        elif strategy in ("foreach", "loop"):
-            self._ops = self._simple_ops(strategy)
-        else:
-            raise ValueError(f"unknown strategy {strategy!r}: expected 'batched', 'batched-nowiden', 'foreach' or "
-                             f"'loop'")
+        self._ops = self._batched_ops()
         self._eager_ops = self._computed_ops()
         self.graph_error: str | None = None
         if cuda_graph or (cuda_graph is None and self.device.type == "cuda" and self._ops):
@@ -327,7 +317,7 @@ class BoundReplay:
         for item in items:
             addresses += [storage_ptr(self.tensors[item.name]) + self._src_byte(item),
                           storage_ptr(self.out) + self.out.storage_offset() + item.offset]
-        return widen(itemsize, batch.sizes, batch.strides, addresses, max_width=max(self._max_width, itemsize))
+        return widen(itemsize, batch.sizes, batch.strides, addresses, max_width=max(8, itemsize))
 
     def _views(self, run: list[_ViewSeg], geometry) -> tuple[torch.Tensor, object]:
         """Buffer view [len(run), *sizes] (constant stride) and the list of source views, in units of `width`."""
@@ -348,17 +338,6 @@ class BoundReplay:
                              f"strided copy x{len(run)} {list(sizes)}x{width}B strides {list(strides)}")
         return _labelled(lambda d=dst, s=srcs: torch.stack(s, out=d),
                          f"stack x{len(run)} {list(sizes)}x{width}B strides {list(strides)}")
-
-    def _simple_ops(self, strategy: str) -> list[Callable]:
-        dsts, srcs = [], []
-        for batch in self.replayer._batches:
-            src_dtype, dst_dtype = to_dtype(batch.src_dtype), to_dtype(batch.dst_dtype)
-            for item in batch.items:
-                dsts.append(self._buffer_view(dst_dtype, batch.sizes, ir.contiguous_strides(batch.sizes), item.offset))
-                srcs.append(self._src_view(item, src_dtype, 0, batch.sizes, batch.strides))
-        if strategy == "foreach":
-            return [lambda: torch._foreach_copy_(dsts, srcs)] if dsts else []
-        return [lambda d=d, s=s: d.copy_(s) for d, s in zip(dsts, srcs)]
 
     def _computed_ops(self) -> list[Callable]:
         """Non-view segments (Call/Full/Update leaves) go through the reference interpreter, once per segment."""
