@@ -55,6 +55,9 @@ class LLMClient(_Calls):
     def start_weight_update(self):
         self._call("start_weight_update", self.llm.start_weight_update)
 
+    def shutdown_weight_transfer_engine(self):
+        self._call("shutdown_weight_transfer_engine", self.llm.shutdown_weight_transfer_engine)
+
     def update_weights(self, update_info):
         self._call("update_weights", self.llm.update_weights, {"update_info": update_info})
 
@@ -106,6 +109,9 @@ class HttpClient(_Calls):
 
     def start_weight_update(self):
         self._call("start_weight_update", self._request, "POST", "/start_weight_update")
+
+    def shutdown_weight_transfer_engine(self):
+        self._call("shutdown_weight_transfer_engine", self._request, "POST", "/shutdown_weight_transfer_engine")
 
     def update_weights(self, update_info):
         self._call("update_weights", self._request, "POST", "/update_weights", {"update_info": update_info})

@@ -292,6 +292,7 @@ class EngineSync:
         self.incomplete.clear()
 
     def close(self) -> None:
+        """Release the engines' side of the sync (they keep serving what they hold)."""
         for engine in self.engines:
             try:
                 shutdown = getattr(engine, "shutdown_weight_transfer_engine", None)
@@ -299,3 +300,4 @@ class EngineSync:
                     shutdown()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+        self.initialized = False
