@@ -136,7 +136,7 @@ class EngineSyncReport:
     engines: list[EngineOutcome] = field(default_factory=list)
     trainer: SyncReport | None = None
     trainer_error: str = ""
-    phases: dict[str, float] = field(default_factory=dict)   # seconds: pause, init, announce, update, finish
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: pause, init (first), start, update, finish
 
     def __str__(self) -> str:
         state = "complete" if self.complete else "INCOMPLETE"
@@ -148,6 +148,14 @@ class EngineSyncReport:
         if self.trainer_error:
             lines.append(f"  trainer: {self.trainer_error}")
         return "\n".join(lines)
+
+
+def _quietly(fn, *args) -> None:
+    """Best-effort clean-up call whose failure must not hide the error being handled."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class EngineSync:
@@ -199,7 +207,6 @@ class EngineSync:
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise EngineError(f"version {version} is not newer than the last one synced ({self.version})")
-        self.version = version
         start, phases = time.monotonic(), {}
 
         def phase(name, t0):
@@ -210,15 +217,26 @@ class EngineSync:
         for engine in self.engines:
             engine.pause()
         t = phase("pause", t)
-        if not self.initialized:
-            self.init()
-            t = phase("init", t)
+        started: list[EngineClient] = []
+        try:   # nothing written yet: on any failure here the engines are put back as they were and resumed
+            if not self.initialized:
+                self.init()
+                t = phase("init", t)
+            for engine in self.engines:
+                engine.start_weight_update()
+                started.append(engine)
+            self.coordinator.announce(version)
+        except BaseException:
+            for engine in started:
+                _quietly(engine.finish_weight_update, None)   # the backend puts the kernel tensors back
+            for engine in self.engines:
+                if engine.name not in self.incomplete:   # an engine left incomplete earlier stays paused
+                    _quietly(engine.resume)
+            raise
+        self.version = version
         for engine in self.engines:
-            engine.set_weight_version(f"{version}:incomplete")
-        self.coordinator.announce(version)
-        t = phase("announce", t)
-        for engine in self.engines:
-            engine.start_weight_update()
+            engine.set_weight_version(f"{version}:incomplete")   # until finish says otherwise, even if we die
+        t = phase("start", t)
         errors: dict[str, BaseException] = {}
         trainer_out: list = []
 
@@ -255,11 +273,8 @@ class EngineSync:
                 engine.finish_weight_update(str(version))
                 engine.resume()
                 self.incomplete.discard(engine.name)
-            else:
-                try:   # workers whose own part completed still hold an open update: close it (no-op elsewhere)
-                    engine.finish_weight_update(None)
-                except EngineError:
-                    pass
+            else:   # workers whose own part completed still hold an open update: close it (no-op elsewhere)
+                _quietly(engine.finish_weight_update, None)
                 self.incomplete.add(engine.name)
             report.engines.append(self._outcome(engine, error))
         phase("finish", t)

