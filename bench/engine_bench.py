@@ -62,9 +62,9 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
     """Checkpoints A (the engine starts from it) and B (the update), and the plan recorded for A's config."""
     from safetensors.torch import save_file
 
-    from shardplan.layout import Layout
-    from shardplan.planfile import write_plan
-    from shardplan.session import RecordSession
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import write_plan
+    from shardplan.record.session import RecordSession
 
     dirs = [root / "A", root / "B"]
     for d in dirs:
@@ -81,7 +81,7 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
         tensors_b = tensors
     plan = root / "model.plan"
-    write_plan(plan, session.encode([session.record_rank(r)[0] for r in range(tp)]))
+    write_plan(plan, session.encode(session.record_plans(range(tp)).body))
     return dirs, tensors_b, plan
 
 

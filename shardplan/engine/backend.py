@@ -28,8 +28,13 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch, EplbNotSupported
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
-from shardplan.layout import Layout
+from shardplan.engine.reload import ReloadUnpacker
+from shardplan.models import resolve_model
+from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import PlanFile
+from shardplan.plan.store import load_plan
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
+from shardplan.transport import Control, create
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -51,7 +56,7 @@ def engine_layout(parallel_config) -> Layout:
 
 def worker_plan_rank(parallel_config, layout: Layout) -> int:
     """vLLM's worker (data-parallel index, pipeline stage, tensor-parallel rank) -> the plan's global rank (shardplan
-    numbers ranks as vLLM's world: dp x pp x tp, tp fastest; shardplan.layout)."""
+    numbers ranks as vLLM's world: dp x pp x tp, tp fastest; shardplan.plan.layout)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     dp_rank = getattr(parallel_config, "data_parallel_index", None)
     if dp_rank is None:
@@ -89,9 +94,6 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     @_named
     def init_transfer_engine(self, init_info: ShardplanInitInfo) -> None:
-        from shardplan.engine.reload import ReloadUnpacker
-        from shardplan.transport import Control, create
-
         pc = self.parallel_config
         if getattr(pc, "enable_eplb", False):
             raise EplbNotSupported("the engine runs with EPLB (enable_eplb): experts move between "
@@ -120,10 +122,6 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         """The plan file (given, or found by fingerprint) checked against the live engine; EnginePlanMismatch names
         the first field that differs."""
         import vllm
-
-        from shardplan.models import resolve_model
-        from shardplan.planfile import PlanFile
-        from shardplan.store import load_plan
 
         model_dir = self.model_config.model
         dtype = str(self.model_config.dtype).removeprefix("torch.")

@@ -8,7 +8,7 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
     begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
                    (pre-processing) layout, on the meta device
     apply(group)   materialize the layers the group writes (fresh, uninitialised tensors), scatter the group's bytes
-                   into them (shardplan.apply.Applier), and for every module whose LAST part has now landed run what
+                   into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has now landed run what
                    vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
                    update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
     end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
@@ -29,10 +29,11 @@ from typing import Mapping
 
 import torch
 
-from shardplan.apply import Applier, params_from_plan
 from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
-from shardplan.replay import PackLayout, to_dtype
-from shardplan.sync import fallback_slots
+from shardplan.plan.interp import to_dtype
+from shardplan.runtime.apply import Applier, params_from_plan
+from shardplan.runtime.pack import PackLayout, fallback_slots
+from shardplan.sync.adapters import _stamp
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -117,6 +118,10 @@ class ReloadUnpacker:
                                "(as in vLLM's own reload)", self.plan.rank, type(module).__name__, missing)
 
     # -- Unpacker protocol --
+    def stamp(self) -> str:
+        """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's)."""
+        return _stamp((self.plan.rank,), self.layout.digest, self.fallbacks)
+
     def sizes(self) -> dict[str, int]:
         sizes = {g.name: g.nbytes for g in self.layout.groups}
         for group, slots in self.fallbacks.items():

@@ -23,13 +23,14 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from shardplan import ir
 from shardplan.engine.clients import EngineClient, as_client
 from shardplan.engine.errors import EngineError, SyncIncomplete
 from shardplan.engine.protocol import EngineInitInfo
-from shardplan.planfile import PlanFile
-from shardplan.replay import MissingTensorError, TensorShapeError, to_dtype
-from shardplan.sync import (PART_BYTES, Coordinator, ReplayPacker, SyncConfig, SyncReport, TrainerSync, layouts_of)
+from shardplan.plan.interp import MissingTensorError, to_dtype
+from shardplan.plan.names import group_of
+from shardplan.plan.planfile import PlanFile
+from shardplan.runtime.tensors import TensorShapeError
+from shardplan.sync import PART_BYTES, Coordinator, ReplayPacker, SyncConfig, SyncReport, TrainerSync, spans_of
 from shardplan.transport import Control, create, trainer_name
 
 
@@ -54,7 +55,7 @@ class ModuleSource:
         self.metas = {n: plan_file.sources[n] for n in sorted(read)}
         self.by_group: dict[str, list[str]] = {}
         for n in self.metas:
-            self.by_group.setdefault(ir.group_of(n), []).append(n)
+            self.by_group.setdefault(group_of(n), []).append(n)
         have = self._all()
         missing = [n for n in self.metas if n not in have]
         if missing:
@@ -171,7 +172,7 @@ class EngineSync:
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
         packer = ReplayPacker(plans, self.plan_file.sources, max_group_bytes=max_group_bytes)
-        self.coordinator = Coordinator(self.control, layouts_of(packer), packer.groups(), num_trainers, self.config)
+        self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(
             control_host=host, control_port=self.control.port, transport=transport,

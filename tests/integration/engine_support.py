@@ -94,15 +94,14 @@ def make_model(root: Path, moe: bool, seed: int = 1) -> Path:
 
 def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
     """`shardplan record` for the tiny model (in this process: vLLM on the meta device, nothing left behind)."""
-    from shardplan.layout import Layout
-    from shardplan.planfile import write_plan
-    from shardplan.session import RecordSession
-    from shardplan.store import plan_path
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import write_plan
+    from shardplan.plan.store import plan_path
+    from shardplan.record.session import RecordSession
 
     session = RecordSession(str(model_dir), Layout(tp=tp))
-    plans = [session.record_rank(r)[0] for r in range(tp)]
     path = plan_path(session.spec, session.layout, session.dtype, out_dir=out_dir)
-    write_plan(path, session.encode(plans))
+    write_plan(path, session.encode(session.record_plans(range(tp)).body))
     return path
 
 
@@ -169,12 +168,18 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
     from shardplan.sync import SyncConfig
     from shardplan.transport import Control
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def checkpoint_state():
+        """The model's tensors under their checkpoint names (transformers 5 keeps MoE experts stacked in memory)."""
+        return revert_weight_conversion(model, model.state_dict())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(seed))
-    source = ModuleSource(model, plan_path)
+    source = ModuleSource(checkpoint_state, plan_path)
     rank = TrainerRank(plan_path, source, Control(host, port), config=SyncConfig(timeout_s=TIMEOUT_S))
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     conn.send(("ready", None))
@@ -190,7 +195,7 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+                state = {k: v.detach().to(torch.bfloat16) for k, v in checkpoint_state().items()}
                 path = write_checkpoint(Path(out_dir) / f"step{arg}", cfg, state)
                 conn.send(("ok", (str(path), float(loss))))
             elif cmd == "sync":

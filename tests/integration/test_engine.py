@@ -129,8 +129,8 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
     """A plan for another model config, layout or vLLM version is refused at init, naming the field; the engine
     keeps serving and keeps its sync (a later sync still works)."""
     from shardplan.engine.errors import EnginePlanMismatch
-    from shardplan.layout import Layout
-    from shardplan.planfile import PlanFile, encode, write_plan
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import PlanFile, encode, write_plan
 
     w = world
     good = PlanFile.read(w.plan)
@@ -152,7 +152,7 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
     from shardplan.engine.trainer import ModuleSource
-    from shardplan.replay import MissingTensorError
+    from shardplan.plan.interp import MissingTensorError
     from safetensors.torch import load_file
 
     tensors = load_file(str(world.model / "model.safetensors"))

@@ -12,13 +12,13 @@ import torch
 
 from test_sync import full_tensors, tiny_llama_plans
 
-from shardplan.apply import params_from_plan
-from shardplan.compile import compile_plans
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.trainer import EngineSync, ModuleSource
-from shardplan.layout import Layout
-from shardplan.planfile import encode, write_plan
-from shardplan.replay import apply_reference
+from shardplan.plan.compile import compile_plans
+from shardplan.plan.interp import apply_reference
+from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import PlanFile, encode, write_plan
+from shardplan.runtime.apply import params_from_plan
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig
 from shardplan.transport import Control, create
 
@@ -100,6 +100,8 @@ def world(tmp_path):
     path = tmp_path / "tiny.plan"
     write_plan(path, encode(compile_plans(plans, list(sources.values())), model="tiny", architecture="LlamaForCausalLM",
                             config_sha256="0" * 64, layout=Layout(tp=2, dp=2), dtype="bfloat16", vllm_version="0.32.0"))
+    plan_file = PlanFile.read(path)
+    plans = [plan_file.rank(r) for r in range(4)]   # what an engine's workers read
     engines = [StandInEngine("engine-a", plans, [0, 1]), StandInEngine("engine-b", plans, [2, 3])]
     sync = EngineSync(engines, path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048)
     return plans, sources, engines, sync
