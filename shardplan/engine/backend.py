@@ -137,8 +137,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         hint = f"record the plan for this engine: shardplan record --model {model_dir} --tp {layout.tp}" + \
             (f" --pp {layout.pp}" if layout.pp > 1 else "") + (f" --dp {layout.dp}" if layout.dp > 1 else "") + \
             (" --ep" if layout.ep else "") + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
-        if info.plan_sha256 and info.plan_sha256 != header.body_sha256:
-            raise EnginePlanMismatch(f"{where} (body sha256 {header.body_sha256[:12]}) is not the "
+        if info.plan_sha256 and info.plan_sha256 != plan_file.digest:
+            raise EnginePlanMismatch(f"{where} (sha256 {plan_file.digest[:12]}) is not the "
                                      f"trainer's plan ({info.plan_sha256[:12]}): both sides must read the same file")
         if header.layout != layout:
             raise EnginePlanMismatch(f"{where} is for layout {header.layout.tag()}, the engine runs "

@@ -25,7 +25,7 @@ class EngineInitInfo:
     """The plan file as the workers see it. Empty: found by fingerprint (shardplan.plan.store.load_plan) from the live
     engine's model config, layout and dtype."""
     plan_sha256: str = ""
-    """The trainer's plan body sha256 (its header's body_sha256): the worker refuses a different plan."""
+    """The trainer's plan file sha256 (PlanFile.digest): the worker refuses a different plan."""
     timeout_s: float = 30.0
     announce_timeout_s: float = 600.0
     verify: bool = True

@@ -178,7 +178,7 @@ class EngineSync:
             control_host=host, control_port=self.control.port, transport=transport,
             transport_options=dict(transport_options or {}),
             plan_path=self.plan_file.path if engine_plan_path is None else engine_plan_path,
-            plan_sha256=self.plan_file.header.body_sha256, timeout_s=self.config.timeout_s,
+            plan_sha256=self.plan_file.digest, timeout_s=self.config.timeout_s,
             announce_timeout_s=self.config.announce_timeout_s, verify=self.config.verify,
             max_group_bytes=max_group_bytes, check_config=check_config)
         self.transport, self.transport_options = transport, dict(transport_options or {})
