@@ -188,7 +188,8 @@ class Applier:
         if key not in self._bound:
             if len(self._bound) >= 4:  # cached views keep their buffers alive: remember only the last few buffers
                 self._bound.pop(next(iter(self._bound)))
-            for name, t in self.params.items():
+            for name in self._touched:   # (a group's Applier holds every param of the plan; it writes only these)
+                t = self.params[name]
                 if t.device != buffer.device:
                     raise PackBufferError(f"param {name!r} is on {t.device}, the buffer on {buffer.device}")
             ops = [op for runs in self._steps for op in self._step_ops(runs, buffer)]
@@ -260,6 +261,20 @@ class Applier:
             self._groups[group] = Applier(self.plan, self.layout.group(group), self.params,
                                           fallback_loader=self.fallback_loader or _refuse, cuda_graph=self.cuda_graph)
         return self._groups[group]
+
+    def rebind(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Write into these tensors from now on (the params among them this Applier writes; others are ignored), and
+        drop every cached view: for an engine that re-creates its Parameter objects (vLLM's layerwise reload
+        materializes fresh ones at every update), and to let the old ones be freed (cached views keep them alive)."""
+        metas = {p.name: p for p in self.plan.params}
+        for name, t in params.items():
+            if name in self.params:
+                check_tensor("param", name, t, metas[name], None)
+                self.params[name] = t
+        self._bound.clear()
+        self._param_ptrs = None
+        for sub in self._groups.values():
+            sub.rebind(params)
 
     def apply_group(self, group: str, buffer: torch.Tensor) -> None:
         self.for_group(group).apply(buffer)

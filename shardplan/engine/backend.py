@@ -1,0 +1,202 @@
+"""`shardplan` weight-transfer backend for vLLM (>= 0.32): each worker joins shardplan's sync engine as a consumer.
+
+Selected with `--weight-transfer-config '{"backend": "shardplan"}'` (or `LLM(weight_transfer_config=...)`), registered
+in every vLLM process by the `vllm.general_plugins` entry point (shardplan.engine.plugin). The trainer side
+(shardplan.engine.trainer.EngineSync) drives it through vLLM's own RPCs / HTTP routes:
+
+    init_weight_transfer_engine(EngineInitInfo)   once: find and check the plan, map this worker to its plan rank,
+                                                  join the sync as consumer<rank> (control channel, transport)
+    start_weight_update()                         layerwise reload begins (shardplan.engine.reload)
+    update_weights(EngineUpdateInfo(version))     ConsumerSync.sync(version): groups arrive, are applied into the
+                                                  pre-processing params and processed module by module; the reload is
+                                                  finalized before returning, complete or not
+    finish_weight_update()                        nothing left to do (the reload already ended)
+
+A failed update raises (SyncFailed naming the peers); the model is whole again before it does: every layer holds
+either this version (its update completed and was processed) or what it held before. `state()` says which
+(version, complete); the trainer side keeps the engine paused and its weight version "<v>:incomplete" (docs/engine.md).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch, EplbNotSupported
+from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
+from shardplan.engine.reload import ReloadUnpacker
+from shardplan.models import resolve_model
+from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import PlanFile
+from shardplan.plan.store import load_plan
+from shardplan.sync import ConsumerSync, SyncConfig, SyncState
+from shardplan.transport import Control, create
+
+logger = logging.getLogger("shardplan.engine")
+
+
+@dataclass
+class ShardplanInitInfo(EngineInitInfo, WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class ShardplanUpdateInfo(EngineUpdateInfo, WeightTransferUpdateInfo):
+    pass
+
+
+def engine_layout(parallel_config) -> Layout:
+    return Layout(tp=parallel_config.tensor_parallel_size, pp=parallel_config.pipeline_parallel_size,
+                  dp=parallel_config.data_parallel_size, ep=bool(parallel_config.enable_expert_parallel))
+
+
+def worker_plan_rank(parallel_config, layout: Layout) -> int:
+    """vLLM's worker (data-parallel index, pipeline stage, tensor-parallel rank) -> the plan's global rank (shardplan
+    numbers ranks as vLLM's world: dp x pp x tp, tp fastest; shardplan.plan.layout)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    dp_rank = getattr(parallel_config, "data_parallel_index", None)
+    if dp_rank is None:
+        dp_rank = parallel_config.data_parallel_rank
+    return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
+
+
+def _named(method):
+    """vLLM's collective_rpc passes a worker's exception on as its message only: put the error's class name in front
+    so the trainer side can raise the same named error (shardplan.engine.errors.raise_named)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except EngineError as e:
+            name = type(e).__name__
+            if str(e).startswith(name):
+                raise
+            raise type(e)(f"{name}: {e}") from None
+    return wrapper
+
+
+class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, ShardplanUpdateInfo]):
+    init_info_cls = ShardplanInitInfo
+    update_info_cls = ShardplanUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.consumer: ConsumerSync | None = None
+        self.unpacker = None
+        self.rank: int | None = None
+        self.last_error: str = ""
+
+    # -- init: find and check the plan, join the sync --------------------------------------------------------------
+    @_named
+    def init_transfer_engine(self, init_info: ShardplanInitInfo) -> None:
+        pc = self.parallel_config
+        if getattr(pc, "enable_eplb", False):
+            raise EplbNotSupported("the engine runs with EPLB (enable_eplb): experts move between "
+                                   "slots at runtime, and a plan holds the initial placement; start the engine "
+                                   "without --enable-eplb (remapping slots per sync is not implemented yet)")
+        layout = engine_layout(pc)
+        plan_file = self._find_plan(init_info, layout)
+        rank = worker_plan_rank(pc, layout)
+        plan = plan_file.rank(rank)
+        if self.consumer is not None:   # init again (a new trainer run): leave the old sync cleanly
+            self.shutdown()
+        self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes)
+        control = Control(init_info.control_host, int(init_info.control_port))
+        name = f"consumer{rank}"
+        options = dict(init_info.transport_options)
+        options.setdefault("timeout_s", init_info.timeout_s)
+        transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
+        config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
+                            announce_timeout_s=init_info.announce_timeout_s)
+        self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
+        self.rank = rank
+        logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s", rank,
+                    plan_file.path, layout.tag(), name, init_info.transport)
+
+    def _find_plan(self, info: ShardplanInitInfo, layout: Layout):
+        """The plan file (given, or found by fingerprint) checked against the live engine; EnginePlanMismatch names
+        the first field that differs."""
+        import vllm
+
+        model_dir = self.model_config.model
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        if info.plan_path:
+            plan_file = PlanFile.read(info.plan_path)
+        else:
+            try:
+                plan_file = load_plan(model_dir, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - PlanNotFound / StalePlan / a model shardplan cannot resolve
+                raise EnginePlanMismatch(f"no usable plan for {model_dir} at {layout.tag()} "
+                                         f"{dtype}: {e}") from None
+        header, where = plan_file.header, plan_file.path
+        hint = f"record the plan for this engine: shardplan record --model {model_dir} --tp {layout.tp}" + \
+            (f" --pp {layout.pp}" if layout.pp > 1 else "") + (f" --dp {layout.dp}" if layout.dp > 1 else "") + \
+            (" --ep" if layout.ep else "") + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
+        if info.plan_sha256 and info.plan_sha256 != plan_file.digest:
+            raise EnginePlanMismatch(f"{where} (sha256 {plan_file.digest[:12]}) is not the "
+                                     f"trainer's plan ({info.plan_sha256[:12]}): both sides must read the same file")
+        if header.layout != layout:
+            raise EnginePlanMismatch(f"{where} is for layout {header.layout.tag()}, the engine runs "
+                                     f"{layout.tag()}; {hint}")
+        if header.dtype != dtype:
+            raise EnginePlanMismatch(f"{where} is for dtype {header.dtype}, the engine runs "
+                                     f"{dtype}; {hint}")
+        here = vllm.__version__.split("+")[0]
+        if header.vllm_version.split("+")[0] != here:
+            raise EnginePlanMismatch(f"{where} was recorded with vLLM {header.vllm_version}, the "
+                                     f"engine runs vLLM {here}: its loaders may differ; {hint}")
+        if info.check_config:
+            try:
+                sha = resolve_model(model_dir).config_sha256
+            except Exception as e:  # noqa: BLE001 - the message says how to proceed
+                raise EnginePlanMismatch(f"cannot read the engine's model config {model_dir!r} to "
+                                         f"compare it with {where}'s ({e}); pass check_config=False to skip this "
+                                         f"check knowingly") from None
+            if sha != header.config_sha256:
+                raise EnginePlanMismatch(f"{where} was recorded for model config "
+                                         f"{header.config_sha256[:12]} ({header.model}), the engine serves "
+                                         f"{model_dir} (config {sha[:12]}); {hint}")
+        return plan_file
+
+    # -- one sync ------------------------------------------------------------------------------------------------------
+    @_named
+    def start_weight_update(self) -> None:
+        if self.consumer is None:
+            raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+        self.unpacker.begin()
+
+    @_named
+    def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
+        if self.consumer is None:
+            raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+        self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
+        try:
+            self.consumer.sync(int(update_info.version))
+            self.last_error = ""
+        except BaseException as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            with torch.no_grad():
+                self.unpacker.end(self.model_config)
+
+    def finish_weight_update(self) -> None:
+        if self.unpacker is not None:
+            self.unpacker.end(self.model_config)   # a start without an update: put the kernel tensors back
+
+    def state(self) -> dict:
+        """(version, complete) of the weights this worker holds, and the last sync's error."""
+        st = self.consumer.state if self.consumer is not None else SyncState(0, True)
+        return {"rank": self.rank, "version": st.version, "complete": st.complete, "error": self.last_error}
+
+    def shutdown(self) -> None:
+        if self.consumer is not None:
+            try:
+                self.consumer.transport.close()
+            finally:
+                self.consumer = None

@@ -1,0 +1,63 @@
+"""Errors of the live-engine integration, importable on both sides (no vLLM here).
+
+Worker-side errors cross vLLM's collective_rpc as text; `raise_named` on the trainer side turns the text back into
+the named class so callers can `except EnginePlanMismatch` whether the check ran in this process or in a worker.
+"""
+from __future__ import annotations
+
+import re
+
+from shardplan.errors import ShardplanError
+
+
+class EngineError(ShardplanError):
+    """Base of the live-engine integration's errors."""
+
+
+class EnginePlanMismatch(EngineError):
+    """The plan does not describe the live engine (other model config, layout, dtype, vLLM version or params); the
+    message names the field, both values and how to get a matching plan."""
+
+
+class EplbNotSupported(EngineError):
+    """The engine runs with EPLB (expert load balancing): its experts move between slots at runtime, which a plan
+    recorded with the initial placement cannot follow yet."""
+
+
+class EngineUnsupported(EngineError):
+    """The engine or model uses something the backend cannot update correctly (named in the message)."""
+
+
+class EngineNotInitialized(EngineError):
+    """A weight update was asked of a backend whose init_weight_transfer_engine has not run (or failed)."""
+
+
+class SyncIncomplete(EngineError):
+    """A sync did not complete on every engine. `report` (an EngineSyncReport) says which engines hold which state;
+    engines that did not complete stay paused, with weight version "<v>:incomplete", until a later sync completes or
+    the caller resumes them knowingly (EngineSync.resume(force=True))."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+    def __reduce__(self):
+        return (SyncIncomplete, (str(self), self.report))
+
+
+class EngineCallFailed(EngineError):
+    """An engine call (RPC or HTTP route) failed for a reason that is not one of the named errors above."""
+
+
+_NAMED = {cls.__name__: cls for cls in (EnginePlanMismatch, EplbNotSupported, EngineUnsupported,
+                                         EngineNotInitialized)}
+
+
+def raise_named(error: BaseException, what: str) -> None:
+    """Re-raise an engine call's failure as the named error it carries (collective_rpc and HTTP flatten worker
+    exceptions into text), else as EngineCallFailed; always names the call."""
+    text = str(error)
+    match = re.search(r"\b(" + "|".join(_NAMED) + r")\b:?\s*(.*)", text, re.S)
+    if match:
+        raise _NAMED[match.group(1)](f"{what}: {match.group(2).strip()[:2000]}") from error
+    raise EngineCallFailed(f"{what} failed: {type(error).__name__}: {text[:2000]}") from error

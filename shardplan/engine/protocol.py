@@ -1,0 +1,48 @@
+"""What the trainer side sends the engine's `shardplan` backend: the init and update info, as plain dataclasses
+(no vLLM here; the backend subclasses them into vLLM's WeightTransferInitInfo / WeightTransferUpdateInfo).
+
+Both travel as JSON-able dicts: over collective_rpc, Ray, or the HTTP routes of `vllm serve`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BACKEND = "shardplan"   # the name under which the plugin registers the backend (--weight-transfer-config)
+STATE_RPC = "shardplan_state"   # the worker RPC method the plugin adds (shardplan.engine.plugin)
+
+
+@dataclass
+class EngineInitInfo:
+    """Sent once, to every worker, by init_weight_transfer_engine."""
+    control_host: str = ""
+    """Host and port of the sync's control channel (shardplan.transport.Control, hosted by the driver)."""
+    control_port: int = 0
+    transport: str = "nccl"
+    """A shardplan.transport name: on CPU `nccl` runs over gloo; `mooncake:tcp`; ... (docs/transports.md)."""
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    plan_path: str = ""
+    """The plan file as the workers see it. Empty: found by fingerprint (shardplan.plan.store.load_plan) from the live
+    engine's model config, layout and dtype."""
+    plan_sha256: str = ""
+    """The trainer's plan file sha256 (PlanFile.digest): the worker refuses a different plan."""
+    timeout_s: float = 30.0
+    announce_timeout_s: float = 600.0
+    verify: bool = True
+    max_group_bytes: int = 256 << 20
+    """Pipeline unit; must equal the trainer's (shardplan.sync.PART_BYTES by default)."""
+    check_config: bool = True
+    """Compare the plan's config sha256 with the engine's model config (turn off only for a model whose config the
+    engine reads from somewhere shardplan cannot, e.g. a hub id not cached here)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EngineUpdateInfo:
+    """Sent per sync, to every worker, by update_weights."""
+    version: int = 0
+    rerun_moe_prepack: bool = True
+    """Re-run the CPU MoE experts' prepack that vLLM 0.32 skips on updates (shardplan.engine.reload). Leave it on;
+    the regression test turns it off once to show the bug it works around."""

@@ -1,0 +1,217 @@
+"""Plan bytes into a live vLLM model: the pre-processing layout, under vLLM's layerwise reload.
+
+A live engine's params are *post-processed* (`process_weights_after_loading`: oneDNN/sgl repacks that leave a linear
+`weight` with 0 elements on AVX-512/AMX CPUs, CPU MoE experts padded and prepacked, quantized layers repacked), while
+a plan holds the bytes the loader writes, i.e. the *pre-processing* layout. So, as vLLM's own checkpoint-format
+backends do (vllm/model_executor/model_loader/reload/), per sync:
+
+    begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
+                   (pre-processing) layout, on the meta device
+    apply(group)   materialize the layers the group writes (fresh, uninitialised tensors), scatter the group's bytes
+                   into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has now landed run what
+                   vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
+                   update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
+    end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
+                   processed last
+
+vLLM 0.32 bug worked around here: `UnquantizedFusedMoEMethod._setup_kernel` skips the experts' own
+`process_weights_after_loading` (the CPU prepack) on a weight update, so a reload copies the raw layout into the
+prepacked kernel tensors (a reload of the SAME weights changed a tiny Qwen3-MoE's greedy tokens on this CPU box).
+We re-run it after processing an unquantized MoE layer (tests/integration/test_engine_moe.py pins it).
+
+Fallback tensors (loaders shardplan could not record) go through the model's real `load_weights` under the same
+reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import torch
+
+from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
+from shardplan.plan.interp import to_dtype
+from shardplan.runtime.apply import Applier, params_from_plan
+from shardplan.runtime.pack import PackLayout, fallback_slots
+from shardplan.sync.adapters import _stamp
+
+logger = logging.getLogger("shardplan.engine")
+
+
+def _skips_moe_prepack_on_update() -> bool:
+    import vllm
+    return vllm.__version__.startswith("0.32.")
+
+
+
+
+class ReloadUnpacker:
+    """shardplan.sync Unpacker that writes into a live vLLM model through layerwise reload (see the module doc).
+    Built once per engine (init_transfer_engine); `begin()` / `end()` bracket every sync."""
+
+    def __init__(self, model: torch.nn.Module, plan, sources: Mapping, *, alignment: int = 256,
+                 max_group_bytes: int | None = None):
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self.model, self.plan, self.sources = model, plan, dict(sources)
+        self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
+        self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
+        metas = {p.name: p for p in plan.params}
+        self.targets: dict[str, tuple[torch.nn.Module, str]] = {}
+        for name in sorted({w.param for w in plan.writes}):
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                raise EnginePlanMismatch(f"rank {plan.rank}: the plan writes {name!r}, but the live model has no module "
+                                         f"{module_name!r}: the plan was recorded for another model") from None
+            if is_deferred_attention_layer(module):
+                raise EngineUnsupported(f"rank {plan.rank}: the plan writes {name!r} of an attention layer, whose "
+                                        f"scales vLLM re-loads only through its own loaders at finalize; not "
+                                        f"supported by the shardplan backend yet")
+            info = get_layerwise_info(module)
+            restore_params, restore_buffers = info.restore_metadata
+            meta = restore_params.get(attr, restore_buffers.get(attr))
+            if meta is None and isinstance(getattr(module, attr, None), torch.Tensor):
+                meta = getattr(module, attr)   # e.g. a bias: vLLM's reload keeps it live rather than on meta
+            want = metas[name]
+            if meta is None or tuple(meta.shape) != tuple(want.shape) or meta.dtype != to_dtype(want.dtype):
+                got = "absent" if meta is None else f"{str(meta.dtype).removeprefix('torch.')}{list(meta.shape)}"
+                raise EnginePlanMismatch(f"rank {plan.rank}: param {name!r} is {got} in the live model (before "
+                                         f"processing) but {want.dtype}{list(want.shape)} in the plan: the plan was "
+                                         f"recorded for another model, layout or dtype")
+            self.targets[name] = (module, attr)
+        # which modules each group (or part of a group) writes, and which groups write each module
+        self.group_modules: dict[str, list[torch.nn.Module]] = {}
+        self.group_params: dict[str, list[str]] = {}
+        self.module_groups: dict[torch.nn.Module, set[str]] = {}
+        for g in self.layout.groups:
+            names = sorted({ref.param for s in self.layout.group(g.name).segments for ref in s.refs})
+            self.group_params[g.name] = names
+            modules = []
+            for n in names:
+                module = self.targets[n][0]
+                if all(module is not m for m in modules):
+                    modules.append(module)
+                self.module_groups.setdefault(module, set()).add(g.name)
+            self.group_modules[g.name] = modules
+        self._unwritten_warning()
+        # one Applier per group, bound to meta stand-ins until a sync rebinds it to the materialized params
+        self._meta_params = params_from_plan(plan, device="meta")
+        self.applier = Applier(plan, self.layout, self._meta_params, fallback_loader=self._load_fallback)
+        self._pending: dict[torch.nn.Module, set[str]] = {}
+        self._materialized: set[int] = set()
+        self.active = False
+        self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
+
+    def _unwritten_warning(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+        written = {(id(m), a) for m, a in self.targets.values()}
+        for module in self.module_groups:
+            restore_params, restore_buffers = get_layerwise_info(module).restore_metadata
+            missing = [a for a in (*restore_params, *restore_buffers)
+                       if a not in SKIP_TENSORS and (id(module), a) not in written]
+            if missing:
+                logger.warning("shardplan: rank %d writes %s but not its %s: these are uninitialised at processing "
+                               "(as in vLLM's own reload)", self.plan.rank, type(module).__name__, missing)
+
+    # -- Unpacker protocol --
+    def stamp(self) -> str:
+        """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's)."""
+        return _stamp((self.plan.rank,), self.layout.digest, self.fallbacks)
+
+    def sizes(self) -> dict[str, int]:
+        sizes = {g.name: g.nbytes for g in self.layout.groups}
+        for group, slots in self.fallbacks.items():
+            sizes[group] = slots[-1].offset + slots[-1].nbytes
+        return sizes
+
+    def apply(self, group: str, buffer: torch.Tensor) -> None:
+        if not self.active:
+            raise EngineUnsupported("bytes arrived outside a weight update (start_weight_update not called)")
+        if group in self.layout.group_names:
+            self._materialize(group)
+            sub = self.applier.for_group(group)
+            sub.rebind({n: getattr(*self.targets[n]) for n in self.group_params[group]})
+            sub.apply(buffer[:self.layout.group(group).nbytes])
+            sub.rebind({n: self._meta_params[n] for n in self.group_params[group]})   # drop views of them
+        for f in self.fallbacks.get(group, ()):
+            meta = self.sources[f.name]
+            tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
+            self._load_fallback(f.name, tensor)
+        for module in self.group_modules.get(group, ()):
+            pending = self._pending[module]
+            pending.discard(group)
+            if not pending:
+                self._process(module)
+
+    # -- one sync --
+    def begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        initialize_layerwise_reload(self.model)
+        self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
+        self._materialized = set()
+        self.active = True
+
+    def end(self, model_config) -> None:
+        """Finish the reload whatever happened: layers whose update did not complete get their kernel tensors (the
+        weights they held before this sync) back, so the model is whole again, each layer at one version."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        if not self.active:
+            return
+        self.active = False
+        for group in self.group_params:   # no view of a materialized param may outlive the sync
+            self.applier.for_group(group).rebind({n: self._meta_params[n] for n in self.group_params[group]})
+        finalize_layerwise_reload(self.model, model_config)
+
+    def _materialize(self, group: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+        for module in self.group_modules[group]:
+            if id(module) not in self._materialized:
+                info = LAYERWISE_INFO[module]
+                if not info.can_load():
+                    raise EngineUnsupported(f"{type(module).__name__} is not set up for reloading (vLLM skips it)")
+                materialize_layer(module, info)
+                self._materialized.add(id(module))
+
+    def _process(self, module: torch.nn.Module) -> None:
+        """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
+                                                                       _get_original_loader)
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+        info = LAYERWISE_INFO[module]
+        if hasattr(module, "_already_called_process_weights_after_loading"):
+            delattr(module, "_already_called_process_weights_after_loading")
+        for tensor in get_layer_tensors(module).values():
+            tensor.weight_loader = _get_original_loader(tensor)
+        quant_method = getattr(module, "quant_method", None)
+        if isinstance(quant_method, QuantizeMethodBase):
+            quant_method.process_weights_after_loading(module)
+            if self.rerun_moe_prepack:
+                _rerun_skipped_moe_prepack(module, quant_method)
+            if hasattr(module, "update_param_tp_status"):
+                module.update_param_tp_status()
+        if info.kernel_tensors is not None:
+            _copy_and_restore_kernel_tensors(module, info)
+        info.reset()
+
+    def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
+        self.model.load_weights([(name, tensor)])
+
+
+def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method) -> None:
+    """vLLM 0.32: on a weight update, UnquantizedFusedMoEMethod._setup_kernel copies the converted weights into the
+    layer but skips `moe_kernel.fused_experts.process_weights_after_loading` (the CPU experts' pad + prepack), which
+    it runs only on the first load. Run it, as the first load did, so the kernel tensors get the prepacked layout."""
+    if not _skips_moe_prepack_on_update():
+        return
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    if not isinstance(quant_method, UnquantizedFusedMoEMethod) or getattr(quant_method, "moe_kernel", None) is None:
+        return
+    if getattr(quant_method.unquantized_backend, "name", "") in ("TPU", "OOT"):
+        return   # these return before _setup_kernel: nothing was skipped
+    quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)

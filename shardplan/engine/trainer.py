@@ -1,0 +1,319 @@
+"""Trainer side of a live-engine sync: no vLLM, transformers or safetensors here.
+
+    plan = PlanFile.read("plans/my-model--tp2--bfloat16.plan")
+    sync = EngineSync([llm_or_url_or_actor], plan)                 # the driver: control channel + coordinator
+    trainer = TrainerRank(plan, ModuleSource(model, plan), sync.control)   # each trainer rank (here: the same process)
+    for step in range(steps):
+        train_step(model)
+        report = sync.sync(trainer=trainer)    # pause, init (once), start, update || send, finish, resume
+
+With several trainer ranks (or a trainer in another process), each rank builds its own TrainerRank with the driver's
+`sync.control` and calls `rank.sync(version)` while the driver calls `sync.sync(version)`.
+
+Failure semantics (docs/engine.md): an engine whose update did not complete raises SyncIncomplete here, keeps its
+weight version "<v>:incomplete" and stays paused; every layer holds one version (v or the one before). The next
+complete sync repairs it and resumes it; `resume(force=True)` serves the mixed weights knowingly.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from shardplan.engine.clients import EngineClient, as_client
+from shardplan.engine.errors import EngineError, SyncIncomplete
+from shardplan.engine.protocol import EngineInitInfo
+from shardplan.plan.interp import MissingTensorError, to_dtype
+from shardplan.plan.names import group_of
+from shardplan.plan.planfile import PlanFile
+from shardplan.runtime.tensors import TensorShapeError
+from shardplan.sync import PART_BYTES, Coordinator, ReplayPacker, SyncConfig, SyncReport, TrainerSync, spans_of
+from shardplan.transport import Control, create, trainer_name
+
+
+def _plan_file(plan) -> PlanFile:
+    return plan if isinstance(plan, PlanFile) else PlanFile.read(plan)
+
+
+class ModuleSource:
+    """WeightSource over the trainer's tensors, by checkpoint (HF) name: an nn.Module (its state_dict names, e.g. a
+    transformers model), a dict, or a callable returning one. Every tensor is held whole; each group's tensors are
+    converted to the plan's dtype when asked (so fp32 master weights ship as the engine's bf16)."""
+
+    def __init__(self, tensors: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+                 plan):
+        plan_file = _plan_file(plan)
+        self._tensors = tensors
+        self._staged: dict[str, torch.Tensor] = {}
+        read = set()
+        for r in plan_file.ranks:
+            p = plan_file.rank(r)
+            read |= p.sources_read() | {f.source for f in p.fallbacks}
+        self.metas = {n: plan_file.sources[n] for n in sorted(read)}
+        self.by_group: dict[str, list[str]] = {}
+        for n in self.metas:
+            self.by_group.setdefault(group_of(n), []).append(n)
+        have = self._all()
+        missing = [n for n in self.metas if n not in have]
+        if missing:
+            raise MissingTensorError(f"the trainer's tensors lack {len(missing)} that the engines need: "
+                                     f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (names as in the checkpoint)")
+        for n, meta in self.metas.items():
+            if tuple(have[n].shape) != tuple(meta.shape):
+                raise TensorShapeError(f"trainer tensor {n!r} has shape {list(have[n].shape)}, the plan expects "
+                                       f"{list(meta.shape)}: the plan was recorded for another model")
+
+    def _all(self) -> Mapping[str, torch.Tensor]:
+        t = self._tensors
+        if isinstance(t, torch.nn.Module):
+            return t.state_dict(keep_vars=False)
+        return t() if callable(t) else t
+
+    def metadata(self):
+        return self.metas
+
+    def boxes(self):
+        return {n: tuple((0, s) for s in m.shape) for n, m in self.metas.items()}
+
+    def group(self, group: str):
+        """The group's tensors in the plan's dtype. A tensor of another dtype (or not contiguous) is copied into a
+        staging tensor of its own, kept across syncs: same storage every sync, so the packer's bound replay is
+        reused instead of rebuilt."""
+        have = self._all()
+        out = {}
+        with torch.no_grad():
+            for n in self.by_group.get(group, ()):
+                t, dtype = have[n].detach(), to_dtype(self.metas[n].dtype)
+                if t.dtype == dtype and t.is_contiguous():
+                    out[n] = t
+                    continue
+                staged = self._staged.get(n)
+                if staged is None or staged.device != t.device:
+                    staged = self._staged[n] = torch.empty(t.shape, dtype=dtype, device=t.device)
+                out[n] = staged.copy_(t)
+        return out
+
+
+class TrainerRank:
+    """One trainer rank of the sync (shardplan.sync.TrainerSync over a ReplayPacker of every engine rank's plan)."""
+
+    def __init__(self, plan, source, control: Control, *, rank: int = 0, transport: str = "nccl",
+                 transport_options: Mapping | None = None, config: SyncConfig | None = None,
+                 device: torch.device | str = "cpu", max_group_bytes: int = PART_BYTES):
+        plan_file = _plan_file(plan)
+        plans = [plan_file.rank(r) for r in plan_file.ranks]
+        self.packer = ReplayPacker(plans, plan_file.sources, device=device, max_group_bytes=max_group_bytes)
+        options = dict(transport_options or {})
+        config = config or SyncConfig()
+        options.setdefault("timeout_s", config.timeout_s)
+        self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)
+        self.engine = TrainerSync(rank, self.packer, source, self.transport, control, config, device)
+
+    def sync(self, version: int) -> SyncReport:
+        return self.engine.sync(version)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@dataclass
+class EngineOutcome:
+    name: str
+    complete: bool
+    error: str = ""
+    weight_version: str = ""
+    paused: bool | None = None
+    workers: list[dict] | None = None
+
+
+@dataclass
+class EngineSyncReport:
+    version: int
+    complete: bool
+    seconds: float
+    engines: list[EngineOutcome] = field(default_factory=list)
+    trainer: SyncReport | None = None
+    trainer_error: str = ""
+    phases: dict[str, float] = field(default_factory=dict)   # seconds: pause, init (first), start, update, finish
+
+    def __str__(self) -> str:
+        state = "complete" if self.complete else "INCOMPLETE"
+        lines = [f"version {self.version}: {state} in {self.seconds:.3f} s "
+                 + " ".join(f"{k} {v:.3f}" for k, v in self.phases.items())]
+        for e in self.engines:
+            lines.append(f"  {e.name}: {'ok' if e.complete else 'failed'} weight_version={e.weight_version!r}"
+                         + (f" paused={e.paused}" if e.paused is not None else "") + (f" {e.error}" if e.error else ""))
+        if self.trainer_error:
+            lines.append(f"  trainer: {self.trainer_error}")
+        return "\n".join(lines)
+
+
+def _quietly(fn, *args) -> None:
+    """Best-effort clean-up call whose failure must not hide the error being handled."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class EngineSync:
+    """The driver of live-engine syncs (one per RL job; the trainer's rank 0, or the controller): hosts the control
+    channel and the coordinator, and drives the engines' weight-transfer calls around each version."""
+
+    def __init__(self, engines: Sequence, plan, *, num_trainers: int = 1, transport: str = "nccl",
+                 transport_options: Mapping | None = None, config: SyncConfig | None = None, host: str = "127.0.0.1",
+                 port: int = 0, engine_plan_path: str | None = None, max_group_bytes: int = PART_BYTES,
+                 check_config: bool = True):
+        self.plan_file = _plan_file(plan)
+        self.config = config or SyncConfig()
+        self.control = Control.serve(host, port)
+        plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
+        packer = ReplayPacker(plans, self.plan_file.sources, max_group_bytes=max_group_bytes)
+        self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
+        self.engines: list[EngineClient] = [as_client(e) for e in engines]
+        self.init_info = EngineInitInfo(
+            control_host=host, control_port=self.control.port, transport=transport,
+            transport_options=dict(transport_options or {}),
+            plan_path=self.plan_file.path if engine_plan_path is None else engine_plan_path,
+            plan_sha256=self.plan_file.digest, timeout_s=self.config.timeout_s,
+            announce_timeout_s=self.config.announce_timeout_s, verify=self.config.verify,
+            max_group_bytes=max_group_bytes, check_config=check_config)
+        self.transport, self.transport_options = transport, dict(transport_options or {})
+        self.initialized = False
+        self.version = 0
+        self.incomplete: set[str] = set()   # engines whose last update did not complete (kept paused)
+
+    def trainer_rank(self, source, *, rank: int = 0, device: torch.device | str = "cpu") -> TrainerRank:
+        """A TrainerRank of this sync in this process (same plan, control channel, transport and part size)."""
+        return TrainerRank(self.plan_file, source, self.control, rank=rank, transport=self.transport,
+                           transport_options=self.transport_options, config=self.config, device=device,
+                           max_group_bytes=self.init_info.max_group_bytes)
+
+    def init(self) -> None:
+        """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
+        its model and joins the sync. Named errors (EnginePlanMismatch, EplbNotSupported, ...) come back here."""
+        info = self.init_info.to_dict()
+        for engine in self.engines:
+            engine.init_weight_transfer_engine(info)
+        self.initialized = True
+
+    def sync(self, version: int | None = None, *, trainer: TrainerRank | None = None,
+             update_options: Mapping | None = None) -> EngineSyncReport:
+        """One version, to every engine: pause, init (first time), start, update (with `trainer` sending in this
+        process, if given), finish with the version, resume. Raises SyncIncomplete (with the report) if any engine's
+        update did not complete: those engines stay paused, weight version "<v>:incomplete"."""
+        version = self.version + 1 if version is None else version
+        if version <= self.version:
+            raise EngineError(f"version {version} is not newer than the last one synced ({self.version})")
+        start, phases = time.monotonic(), {}
+
+        def phase(name, t0):
+            phases[name] = time.monotonic() - t0
+            return time.monotonic()
+
+        t = time.monotonic()
+        for engine in self.engines:
+            engine.pause()
+        t = phase("pause", t)
+        started: list[EngineClient] = []
+        try:   # nothing written yet: on any failure here the engines are put back as they were and resumed
+            if not self.initialized:
+                self.init()
+                t = phase("init", t)
+            for engine in self.engines:
+                engine.start_weight_update()
+                started.append(engine)
+            self.coordinator.announce(version)
+        except BaseException:
+            for engine in started:
+                _quietly(engine.finish_weight_update, None)   # the backend puts the kernel tensors back
+            for engine in self.engines:
+                if engine.name not in self.incomplete:   # an engine left incomplete earlier stays paused
+                    _quietly(engine.resume)
+            raise
+        self.version = version
+        for engine in self.engines:
+            engine.set_weight_version(f"{version}:incomplete")   # until finish says otherwise, even if we die
+        t = phase("start", t)
+        errors: dict[str, BaseException] = {}
+        trainer_out: list = []
+
+        def update(engine):
+            try:
+                engine.update_weights({"version": version, **(update_options or {})})
+            except BaseException as e:  # noqa: BLE001 - reported per engine
+                errors[engine.name] = e
+
+        def send():
+            try:
+                trainer_out.append(trainer.sync(version))
+            except BaseException as e:  # noqa: BLE001 - reported with the engines' outcome
+                trainer_out.append(e)
+
+        threads = [threading.Thread(target=update, args=(e,), daemon=True, name=f"update {e.name}")
+                   for e in self.engines]
+        if trainer is not None:
+            threads.append(threading.Thread(target=send, daemon=True, name="trainer send"))
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        t = phase("update", t)
+        report = EngineSyncReport(version, not errors, 0.0, phases=phases)
+        if trainer_out:
+            if isinstance(trainer_out[0], BaseException):
+                report.trainer_error = f"{type(trainer_out[0]).__name__}: {trainer_out[0]}"
+            else:
+                report.trainer = trainer_out[0]
+        for engine in self.engines:
+            error = errors.get(engine.name)
+            if error is None:
+                engine.finish_weight_update(str(version))
+                engine.resume()
+                self.incomplete.discard(engine.name)
+            else:   # workers whose own part completed still hold an open update: close it (no-op elsewhere)
+                _quietly(engine.finish_weight_update, None)
+                self.incomplete.add(engine.name)
+            report.engines.append(self._outcome(engine, error))
+        phase("finish", t)
+        report.seconds = time.monotonic() - start
+        if errors:
+            raise SyncIncomplete(f"version {version} did not complete on {sorted(errors)}: they stay paused with "
+                                 f"weight version '{version}:incomplete' until a later sync completes or "
+                                 f"resume(force=True)\n{report}", report)
+        return report
+
+    def _outcome(self, engine: EngineClient, error: BaseException | None) -> EngineOutcome:
+        out = EngineOutcome(engine.name, error is None, "" if error is None else f"{type(error).__name__}: {error}")
+        try:
+            out.weight_version = engine.get_weight_version()
+            out.paused = engine.is_paused()
+            out.workers = engine.worker_states()
+        except Exception as e:  # noqa: BLE001 - a dead engine: its error above already says so
+            out.error = out.error or f"state unavailable: {e}"
+        return out
+
+    def resume(self, *, force: bool = False) -> None:
+        """Resume every engine. Engines whose last update did not complete hold a mix of two versions (per layer):
+        refused unless force=True."""
+        if self.incomplete and not force:
+            raise SyncIncomplete(f"{sorted(self.incomplete)} hold an incomplete update (weight version "
+                                 f"'{self.version}:incomplete'); sync again, or resume(force=True) to serve "
+                                 f"the mixed weights knowingly")
+        for engine in self.engines:
+            engine.resume()
+        self.incomplete.clear()
+
+    def close(self) -> None:
+        """Release the engines' side of the sync (they keep serving what they hold)."""
+        for engine in self.engines:
+            try:
+                shutdown = getattr(engine, "shutdown_weight_transfer_engine", None)
+                if shutdown is not None:
+                    shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self.initialized = False

@@ -1,0 +1,269 @@
+"""Helpers for the live-engine tests: tiny random checkpoints (no hub), their plans, vLLM CPU engines, and a trainer
+process holding a transformers model that takes real AdamW steps.
+
+Engine recipe on a CPU box (docs/engine.md): VLLM_CPU_KVCACHE_SPACE=1, enforce_eager, skip_tokenizer_init with
+prompt token ids, TP=2 with VLLM_CPU_OMP_THREADS_BIND="0|1"; vLLM spawns its workers, so test modules guard nothing
+at import time that a spawned process would re-run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44], [901, 3, 3, 512, 64, 8]]
+MAX_TOKENS = 16
+TIMEOUT_S = 10.0
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 256, 2, 4, 2, 64, 512, 1024
+EXPERTS, TOPK, MOE_INTER = 8, 2, 128
+
+
+def config(moe: bool) -> dict:
+    cfg = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+           "model_type": "qwen3_moe" if moe else "qwen3", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+           "intermediate_size": INTER, "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+           "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+    if moe:
+        cfg.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_INTER,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    return cfg
+
+
+def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    def n(*shape):
+        return (1 + 0.1 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+
+    t = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": n(HIDDEN),
+         "lm_head.weight": r(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = n(HIDDEN)
+        t[p + "post_attention_layernorm.weight"] = n(HIDDEN)
+        t[p + "self_attn.q_proj.weight"] = r(HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.k_proj.weight"] = r(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.v_proj.weight"] = r(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[p + "self_attn.o_proj.weight"] = r(HIDDEN, HEADS * HEAD_DIM)
+        t[p + "self_attn.q_norm.weight"] = n(HEAD_DIM)
+        t[p + "self_attn.k_norm.weight"] = n(HEAD_DIM)
+        if moe:
+            t[p + "mlp.gate.weight"] = r(EXPERTS, HIDDEN)
+            for e in range(EXPERTS):
+                q = p + f"mlp.experts.{e}."
+                t[q + "gate_proj.weight"] = r(MOE_INTER, HIDDEN)
+                t[q + "up_proj.weight"] = r(MOE_INTER, HIDDEN)
+                t[q + "down_proj.weight"] = r(HIDDEN, MOE_INTER)
+        else:
+            t[p + "mlp.gate_proj.weight"] = r(INTER, HIDDEN)
+            t[p + "mlp.up_proj.weight"] = r(INTER, HIDDEN)
+            t[p + "mlp.down_proj.weight"] = r(HIDDEN, INTER)
+    return t
+
+
+def write_checkpoint(directory: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    return directory
+
+
+def make_model(root: Path, moe: bool, seed: int = 1) -> Path:
+    return write_checkpoint(root / ("moe" if moe else "dense"), config(moe), random_tensors(moe, seed))
+
+
+def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
+    """`shardplan record` for the tiny model (in this process: vLLM on the meta device, nothing left behind)."""
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import write_plan
+    from shardplan.plan.store import plan_path
+    from shardplan.record.session import RecordSession
+
+    session = RecordSession(str(model_dir), Layout(tp=tp))
+    path = plan_path(session.spec, session.layout, session.dtype, out_dir=out_dir)
+    write_plan(path, session.encode(session.record_plans(range(tp)).body))
+    return path
+
+
+def engine_kwargs(tp: int) -> dict:
+    return dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                max_num_batched_tokens=256, seed=0, tensor_parallel_size=tp, gpu_memory_utilization=0.5)
+
+
+def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    else:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    extra = {"weight_transfer_config": WeightTransferConfig(backend="shardplan")} if shardplan_backend else {}
+    return LLM(model=str(model_dir), **engine_kwargs(tp), **extra)
+
+
+def stop_llm(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    del llm
+    gc.collect()
+
+
+def greedy(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+_FRESH: dict[tuple[str, int], list[list[int]]] = {}
+
+
+def fresh_tokens(model_dir: Path, tp: int) -> list[list[int]]:
+    """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
+    per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine."""
+    import hashlib
+    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp)
+    if key not in _FRESH:
+        llm = start_llm(model_dir, tp, shardplan_backend=False)
+        try:
+            _FRESH[key] = greedy(llm)
+        finally:
+            stop_llm(llm)
+    return _FRESH[key]
+
+
+# ---- the trainer process ----------------------------------------------------------------------------------------------
+def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir: str, conn, lr: float, seed: int):
+    """A separate trainer: a transformers model (fp32 master weights) taking AdamW steps on a fixed random batch,
+    one shardplan TrainerRank; commands: ("step", k) -> saves checkpoint k (bf16) and returns its dir;
+    ("sync", v) -> TrainerRank.sync(v); ("sync_slow", (v, seconds)) -> sync with a stall after the first group;
+    ("modules", None) -> whether vLLM was ever imported here."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from shardplan.engine.trainer import ModuleSource, TrainerRank
+    from shardplan.sync import SyncConfig
+    from shardplan.transport import Control
+
+    from transformers.core_model_loading import revert_weight_conversion
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def checkpoint_state():
+        """The model's tensors under their checkpoint names (transformers 5 keeps MoE experts stacked in memory)."""
+        return revert_weight_conversion(model, model.state_dict())
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(seed))
+    source = ModuleSource(checkpoint_state, plan_path)
+    rank = TrainerRank(plan_path, source, Control(host, port), config=SyncConfig(timeout_s=TIMEOUT_S))
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    conn.send(("ready", None))
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "stop":
+                rank.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "step":
+                loss = model(input_ids=batch, labels=batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                state = {k: v.detach().to(torch.bfloat16) for k, v in checkpoint_state().items()}
+                path = write_checkpoint(Path(out_dir) / f"step{arg}", cfg, state)
+                conn.send(("ok", (str(path), float(loss))))
+            elif cmd == "sync":
+                conn.send(("ok", rank.sync(arg)))
+            elif cmd == "sync_stall":
+                # the trainer sends its first group, then stalls before packing the next (killed from outside)
+                packer, pack = rank.packer, rank.packer.pack
+
+                def stalling(*a, **kw):
+                    pack(*a, **kw)
+                    conn.send(("packed", None))
+                    packer.pack = lambda *a, **kw: time.sleep(3600)
+                packer.pack = stalling
+                rank.sync(arg)
+            elif cmd == "modules":
+                conn.send(("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "safetensors"))))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            conn.send(("error", e))
+
+
+class Trainer:
+    """The trainer process, driven over a pipe."""
+
+    def __init__(self, model_dir: Path, plan_path: Path, control, out_dir: Path, *, lr: float = 2e-2, seed: int = 0):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_trainer_main, daemon=True,
+                                args=(str(model_dir), str(plan_path), control.host, control.port, str(out_dir), child,
+                                      lr, seed))
+        self.proc.start()
+        tag, err = self._recv(180)
+        if tag != "ready":
+            raise err
+
+    def _recv(self, timeout_s: float):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("the trainer process did not answer")
+        return self.conn.recv()
+
+    def call(self, cmd: str, arg=None, timeout_s: float = 120):
+        self.conn.send((cmd, arg))
+        tag, out = self._recv(timeout_s)
+        if tag == "error":
+            raise out
+        return out
+
+    def send(self, cmd: str, arg=None) -> None:
+        self.conn.send((cmd, arg))
+
+    def result(self, timeout_s: float = 120):
+        tag, out = self._recv(timeout_s)
+        if tag == "error":
+            raise out
+        return out
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout_s=30)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+        self.proc.join(10)
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

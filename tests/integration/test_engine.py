@@ -1,0 +1,190 @@
+"""shardplan inside live vLLM CPU engines, driven by a real trainer (docs/engine.md).
+
+Per layout (tiny Qwen3 dense TP=1 and TP=2, tiny Qwen3-MoE TP=2), once per module: a random checkpoint, its plan
+(recorded here), one engine with the `shardplan` backend (registered by the plugin entry point) and a trainer process
+(transformers, AdamW, no vLLM). Three versions: train a step, save the checkpoint, sync; the engine's greedy tokens
+must change at every step and equal a fresh engine of the same layout started from the saved checkpoint.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_support import (TIMEOUT_S, Trainer, fresh_tokens, greedy, make_model, record_plan,
+                                              start_llm, stop_llm)
+
+from shardplan.engine.trainer import EngineSync
+from shardplan.sync import SyncConfig
+
+LAYOUTS = {"dense-tp1": (False, 1), "dense-tp2": (False, 2), "moe-tp2": (True, 2)}
+
+
+class World:
+    pass
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def world(request, tmp_path_factory):
+    moe, tp = LAYOUTS[request.param]
+    w = World()
+    w.name, w.tp = request.param, tp
+    w.root = tmp_path_factory.mktemp(request.param)
+    w.model = make_model(w.root, moe)
+    w.plan = record_plan(w.model, tp, w.root / "plans")
+    w.llm = start_llm(w.model, tp)
+    w.driver = EngineSync([w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
+    w.trainer = Trainer(w.model, w.plan, w.driver.control, w.root / "ckpt")
+    w.version = 0
+    yield w
+    w.trainer.stop()
+    stop_llm(w.llm)
+
+
+def sync(w, version: int):
+    w.trainer.send("sync", version)
+    report = w.driver.sync(version)
+    trainer_report = w.trainer.result()
+    return report, trainer_report
+
+
+def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
+    w = world
+    tokens = greedy(w.llm)
+    assert w.llm.get_weight_version() == "default"
+    steps = []
+    for version in (1, 2, 3):
+        checkpoint, loss = w.trainer.call("step", version)
+        report, sent = sync(w, version)
+        assert report.complete and report.engines[0].complete, str(report)
+        assert report.engines[0].weight_version == str(version)
+        assert report.engines[0].paused is False
+        assert [s["version"] for s in report.engines[0].workers or ()] == [version] * w.tp, str(report)
+        assert all(s["complete"] for s in report.engines[0].workers)
+        assert sent.nbytes > 0
+        new = greedy(w.llm)
+        assert new != tokens, f"step {version} did not change the engine's tokens"
+        steps.append((checkpoint, new))
+        tokens = new
+        w.version = version
+    for version, (checkpoint, got) in enumerate(steps, 1):
+        assert fresh_tokens(checkpoint, w.tp) == got, f"version {version}: engine != fresh engine from {checkpoint}"
+    # the trainer side never imported vLLM (nor safetensors: the test's checkpoint writer is imported lazily)
+    assert not [m for m in w.trainer.call("modules") if m.startswith("vllm")]
+
+
+@pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
+def test_trainer_killed_mid_sync_leaves_the_engine_paused_and_marked_incomplete(world):
+    """The trainer dies after its first group reached the engine: the engine's update fails naming trainer0, every
+    layer is whole again (each at one version), its weight version says "<v>:incomplete", it stays paused, a plain
+    resume is refused; a restarted trainer's next version completes, resumes it, and matches a fresh engine."""
+    import threading
+    import time
+
+    from shardplan.engine.errors import SyncIncomplete
+
+    w = world
+    version = w.version + 1
+    checkpoint, _ = w.trainer.call("step", version)
+    w.trainer.send("sync_stall", version)
+    outcome = []
+    driver = threading.Thread(target=lambda: outcome.append(_catch(lambda: w.driver.sync(version))), daemon=True)
+    driver.start()
+    tag, _ = w.trainer._recv(120)
+    assert tag == "packed"   # the first group is on its way
+    time.sleep(1.0)
+    w.trainer.kill()
+    driver.join(4 * TIMEOUT_S)
+    assert not driver.is_alive(), "the driver's sync did not end after the trainer died"
+    error = outcome[0]
+    assert isinstance(error, SyncIncomplete), error
+    engine = error.report.engines[0]
+    assert not engine.complete and "trainer0" in engine.error
+    assert engine.weight_version == f"{version}:incomplete"
+    assert engine.paused is True
+    assert [(s["version"], s["complete"]) for s in engine.workers] == [(version, False)]
+    assert "trainer0" in engine.workers[0]["error"]
+    assert w.llm.get_weight_version() == f"{version}:incomplete"
+    with pytest.raises(SyncIncomplete):
+        w.driver.resume()
+    # a restarted trainer (from the last checkpoint it saved) repairs the engine with the next version
+    w.trainer = Trainer(checkpoint, w.plan, w.driver.control, w.root / "ckpt-restarted")
+    version += 1
+    checkpoint, _ = w.trainer.call("step", version)
+    report, _ = sync(w, version)
+    assert report.complete and report.engines[0].weight_version == str(version) and not report.engines[0].paused
+    tokens = greedy(w.llm)
+    w.version = version
+    assert fresh_tokens(checkpoint, w.tp) == tokens
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001 - the test inspects it
+        return e
+
+
+@pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
+def test_foreign_plans_are_refused_by_name(world, tmp_path):
+    """A plan for another model config, layout or vLLM version is refused at init, naming the field; the engine
+    keeps serving and keeps its sync (a later sync still works)."""
+    from shardplan.engine.errors import EnginePlanMismatch
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import PlanFile, encode, write_plan
+
+    w = world
+    good = PlanFile.read(w.plan)
+    h = good.header
+    cases = {"config": dict(config_sha256="0" * 64), "layout": dict(layout=Layout(tp=2)),
+             "vLLM": dict(vllm_version="0.31.0"), "dtype": dict(dtype="float16")}
+    for field, change in cases.items():
+        fields = dict(model=h.model, architecture=h.architecture, config_sha256=h.config_sha256, layout=h.layout,
+                      dtype=h.dtype, vllm_version=h.vllm_version)
+        fields.update(change)
+        path = tmp_path / f"bad-{field}.plan"
+        write_plan(path, encode(good.body, **fields))
+        other = EngineSync([w.llm], path, config=SyncConfig(timeout_s=TIMEOUT_S))
+        with pytest.raises(EnginePlanMismatch, match=field):
+            other.init()
+    assert w.llm.get_weight_version() == str(w.version)
+
+
+@pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
+def test_trainer_missing_a_tensor_is_named(world):
+    from shardplan.engine.trainer import ModuleSource
+    from shardplan.plan.interp import MissingTensorError
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(world.model / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(MissingTensorError, match="model.layers.1.mlp.down_proj.weight"):
+        ModuleSource(tensors, world.plan)
+
+
+def test_an_engine_with_eplb_is_refused():
+    """EPLB cannot run on CPU (vLLM refuses it there), so the check runs on a backend object whose config says so."""
+    from types import SimpleNamespace
+
+    from shardplan.engine.backend import ShardplanInitInfo, ShardplanWeightTransferEngine
+    from shardplan.engine.errors import EplbNotSupported
+
+    backend = object.__new__(ShardplanWeightTransferEngine)
+    backend.parallel_config = SimpleNamespace(enable_eplb=True)
+    with pytest.raises(EplbNotSupported, match="enable_eplb"):
+        backend.init_transfer_engine(ShardplanInitInfo())
+
+
+@pytest.mark.parametrize("world", ["moe-tp2"], indirect=True)
+def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
+    """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged. With the backend's re-run of the
+    experts' CPU prepack switched off (the vLLM 0.32 path), they change: the bug this pins."""
+    w = world
+    tokens = greedy(w.llm)
+    for version, rerun in ((w.version + 1, True), (w.version + 2, False), (w.version + 3, True)):
+        w.trainer.send("sync", version)
+        report = w.driver.sync(version, update_options={"rerun_moe_prepack": rerun})
+        w.trainer.result()
+        assert report.complete
+        got = greedy(w.llm)
+        assert (got == tokens) is rerun, f"version {version}, prepack re-run {rerun}"
+    w.version += 3

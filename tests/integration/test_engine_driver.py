@@ -1,0 +1,173 @@
+"""The trainer-side driver (shardplan.engine.trainer.EngineSync) against stand-in engines, no vLLM: each stand-in
+joins the sync as its consumers (ConsumerSync + ApplyUnpacker over plain tensors) when initialized, and keeps the
+state a vLLM engine exposes (paused, weight version). Checks the failure semantics the driver owns: a failed update
+leaves that engine paused and "<v>:incomplete", a plain resume is refused, the next complete sync repairs and resumes;
+a failure before any byte puts the engines back as they were."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from test_sync import full_tensors, tiny_llama_plans
+
+from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.trainer import EngineSync, ModuleSource
+from shardplan.plan.compile import compile_plans
+from shardplan.plan.interp import apply_reference
+from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import PlanFile, encode, write_plan
+from shardplan.runtime.apply import params_from_plan
+from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig
+from shardplan.transport import Control, create
+
+TIMEOUT_S = 5.0
+
+
+class FlakyUnpacker(ApplyUnpacker):
+    fail_at: str | None = None
+
+    def apply(self, group, buffer):
+        if group == self.fail_at:
+            raise RuntimeError(f"injected failure applying {group}")
+        super().apply(group, buffer)
+
+
+class StandInEngine:
+    """What EngineSync sees of a TP engine whose workers are `ranks` (EngineClient methods)."""
+
+    def __init__(self, name, plans, ranks):
+        self.name, self.plans, self.ranks = name, plans, ranks
+        self.paused, self.version, self.refuse_init = False, "default", None
+        self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
+        self.consumers = {}
+
+    def init_weight_transfer_engine(self, info):
+        if self.refuse_init:
+            raise_named(RuntimeError(f"Worker failed with error 'EnginePlanMismatch: {self.refuse_init}'"), self.name)
+        control = Control(info["control_host"], info["control_port"])
+        for r in self.ranks:
+            unpacker = FlakyUnpacker(self.plans[r], self.params[r], max_group_bytes=info["max_group_bytes"])
+            transport = create(info["transport"], me=f"consumer{r}", control=control, timeout_s=TIMEOUT_S)
+            self.consumers[r] = ConsumerSync(r, unpacker, transport, control, SyncConfig(timeout_s=TIMEOUT_S))
+
+    def start_weight_update(self):
+        pass
+
+    def update_weights(self, update_info):
+        errors = []
+
+        def run(c):
+            try:
+                c.sync(update_info["version"])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(c,)) for c in self.consumers.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise_named(errors[0], f"{self.name}: update_weights")
+
+    def finish_weight_update(self, weight_version=None):
+        if weight_version is not None:
+            self.version = weight_version
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def is_paused(self):
+        return self.paused
+
+    def set_weight_version(self, version):
+        self.version = version
+
+    def get_weight_version(self):
+        return self.version
+
+    def worker_states(self):
+        return [{"rank": r, "version": c.state.version, "complete": c.state.complete} for r, c in self.consumers.items()]
+
+
+@pytest.fixture
+def world(tmp_path):
+    plans, sources = tiny_llama_plans(num_consumers=4)
+    path = tmp_path / "tiny.plan"
+    write_plan(path, encode(compile_plans(plans, list(sources.values())), model="tiny", architecture="LlamaForCausalLM",
+                            config_sha256="0" * 64, layout=Layout(tp=2, dp=2), dtype="bfloat16", vllm_version="0.32.0"))
+    plan_file = PlanFile.read(path)
+    plans = [plan_file.rank(r) for r in range(4)]   # what an engine's workers read
+    engines = [StandInEngine("engine-a", plans, [0, 1]), StandInEngine("engine-b", plans, [2, 3])]
+    sync = EngineSync(engines, path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048)
+    return plans, sources, engines, sync
+
+
+def check_params(engine, plans, tensors):
+    for r in engine.ranks:
+        want = params_from_plan(plans[r], fill=float("nan"))
+        apply_reference(plans[r], tensors, want)
+        for name, t in want.items():
+            assert torch.equal(t.view(torch.uint8), engine.params[r][name].view(torch.uint8)), f"rank {r} {name}"
+
+
+def test_complete_syncs_reach_every_engine_and_resume_them(world):
+    plans, sources, engines, sync = world
+    for version, seed in ((1, 1), (2, 2)):
+        tensors = full_tensors(sources, seed)
+        trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))
+        report = sync.sync(trainer=trainer)
+        trainer.close()
+        assert report.complete and report.version == version and report.trainer.nbytes > 0
+        for e in engines:
+            assert (e.version, e.paused) == (str(version), False)
+            assert e.worker_states() == [{"rank": r, "version": version, "complete": True} for r in e.ranks]
+            check_params(e, plans, tensors)
+
+
+def test_a_failed_update_keeps_that_engine_paused_and_incomplete_until_a_complete_sync(world):
+    plans, sources, engines, sync = world
+    tensors = full_tensors(sources, 1)
+    trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))
+    sync.sync(trainer=trainer)
+    engines[1].consumers[3].unpacker.fail_at = "layers.1/0"
+    with pytest.raises(SyncIncomplete) as caught:
+        sync.sync(trainer=trainer)
+    report = caught.value.report
+    a, b = report.engines
+    assert a.complete and a.weight_version == "2" and a.paused is False
+    assert not b.complete and b.weight_version == "2:incomplete" and b.paused is True
+    assert "injected failure" in b.error
+    assert {s["rank"]: (s["version"], s["complete"]) for s in b.workers} == {2: (2, True), 3: (2, False)}
+    with pytest.raises(SyncIncomplete, match="engine-b"):
+        sync.resume()
+    assert engines[1].paused
+    engines[1].consumers[3].unpacker.fail_at = None
+    tensors = full_tensors(sources, 3)
+    trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))   # a new trainer process, say
+    report = sync.sync(trainer=trainer)
+    assert report.complete and all(e.weight_version == "3" and e.paused is False for e in report.engines)
+    check_params(engines[1], plans, tensors)
+    sync.resume()   # nothing incomplete any more: allowed
+
+
+def test_a_refused_init_leaves_the_engines_serving_as_they_were(world):
+    plans, sources, engines, sync = world
+    engines[1].refuse_init = "plan.plan is for layout tp4, the engine runs tp2"
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    with pytest.raises(EnginePlanMismatch, match="layout tp4"):
+        sync.sync(trainer=trainer)
+    assert all((e.paused, e.version) == (False, "default") for e in engines)
+    assert sync.version == 0
+
+
+def test_errors_cross_the_rpc_boundary_by_name():
+    with pytest.raises(EnginePlanMismatch, match="for layout tp2"):
+        raise_named(RuntimeError("Worker failed with error 'EnginePlanMismatch: x.plan is for layout tp2, the "
+                                 "engine runs tp1'"), "llm: init_weight_transfer_engine")
+    with pytest.raises(EngineCallFailed, match="llm: update_weights failed: RuntimeError: boom"):
+        raise_named(RuntimeError("boom"), "llm: update_weights")
