@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import test_record_archs as archs_test
-from shardplan.plan.compile import canonical
+from shardplan.plan.compile import canonical, compile_plans
 from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import PlanFile, decode
 from test_record_archs import arch_root  # noqa: F401  (fixture)
@@ -22,7 +22,7 @@ def test_real_recordings_pass_the_strict_reader(arch, layout, arch_root):  # noq
     assert session is not None, f"vLLM rejects {layout.tag()} for {arch}"
     key = (model, overrides, layout, "bfloat16")
     plans = [archs_test.get_plan(session, key, rank)[0] for rank in range(layout.world_size)]
-    plan_file = PlanFile(*decode(session.encode(plans), arch))
+    plan_file = PlanFile(*decode(session.encode(compile_plans(plans, session.sources)), arch))
     for plan in plans:
         got, want = plan_file.rank(plan.rank), canonical(plan)
         assert got.writes == want.writes and got.params == want.params and got.fallbacks == want.fallbacks
