@@ -12,6 +12,7 @@ from shardplan.plan.inspect import group_bytes
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
+from shardplan.record import fp8
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
@@ -55,7 +56,7 @@ class RecordSession:
         # @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another config of
         # the same class (a transformers meta build) would fail later in this process without one.
         with set_current_vllm_config(self.vllm_config):
-            self.tensors = checkpoint_tensors(self.spec, dtype)
+            self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
     @property
