@@ -46,9 +46,7 @@ def _patch_for_meta() -> None:
             original(self, *args, **kwargs)
 
     emm.ExpertMapManager.__init__ = __init__
-    # FP8 layers ask for AMX when built on CPUs; answering True only affects kernel choice, which we never run.
-    if hasattr(torch, "cpu") and hasattr(torch.cpu, "_is_amx_tile_supported"):
-        torch.cpu._is_amx_tile_supported = lambda: True
+    # FP8 layers' CPU kernel probes (AMX, the W8A16 op) are answered by fp8.kernel_probes_patched, for builds only
 
 
 def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = ""):
