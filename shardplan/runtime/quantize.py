@@ -60,6 +60,23 @@ class NonFiniteBlockError(QuantizeError):
     """A source block holds inf or NaN: its scale would be inf/NaN and every fp8 byte of the block wrong."""
 
 
+def quantizer_id(block: tuple[int, int]) -> str:
+    """How a plan file names the reference quantizer with a block size: "fp8-e4m3-block-amax448-v1/128x128"."""
+    return f"{REFERENCE}/{block[0]}x{block[1]}"
+
+
+def parse_quantizer(text: str) -> tuple[str, tuple[int, int]]:
+    """(quantizer name, block) of a plan's quantizer id; QuantizerMismatch for anything this module cannot run."""
+    name, _, block = (text or "").partition("/")
+    dims = block.split("x")
+    if name not in QUANTIZERS or len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        what = "no quantizer (it is not a quantized plan)" if not text else f"quantizer {text!r}"
+        raise QuantizerMismatch(f"the plan expects {what}; this replay implements {REFERENCE!r}/<bn>x<bk> only. "
+                                f"Record the plan from a block-FP8 config (quantization_config.weight_block_size), or "
+                                f"replay an unquantized plan with runtime.replay.Replayer.")
+    return name, (int(dims[0]), int(dims[1]))
+
+
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference quantizer: 2-D `x` -> (fp8 [rows, cols], float32 scales [ceil(rows/bn), ceil(cols/bk)])."""
     if x.dtype not in INPUT_DTYPES:
@@ -132,16 +149,14 @@ class QuantizingReplayer:
 
     `plans`: RankPlans recorded against the FP8 checkpoint (fp8 `X.weight`, float32 `X.weight_scale_inv`);
     `sources`: that checkpoint's tensor table (as the plan file's). The trainer binds its own tensors under the
-    *weight* names (`X.weight`, bfloat16/float16/float32, full shape); it holds no scales. `quantizer` is the one the
-    plan file names (`PlanHeader.quantizer`); anything but `REFERENCE` is refused. Other options go to `Replayer`."""
+    *weight* names (`X.weight`, bfloat16/float16/float32, full shape); it holds no scales. `quantizer`: the id the
+    plan file names (`PlanHeader.quantizer`, e.g. "fp8-e4m3-block-amax448-v1/128x128"); any other quantizer, or none,
+    is refused (QuantizerMismatch). Other options go to `Replayer`."""
 
     def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
-                 quantizer: str, block: tuple[int, int] = (128, 128), **replayer_options):
-        if quantizer not in QUANTIZERS:
-            raise QuantizerMismatch(f"the plan expects quantizer {quantizer!r}, this replay implements "
-                                    f"{list(QUANTIZERS)}: record the plan for the FP8 checkpoint made by "
-                                    f"{REFERENCE!r}, or quantize with the plan's own tool")
-        self.quantizer, self.block = quantizer, tuple(block)
+                 quantizer: str, **replayer_options):
+        _, self.block = parse_quantizer(quantizer)
+        self.quantizer = quantizer
         self.plans = as_plans(plans)
         self.sources = dict(sources)
         self.weights = sorted(n for n, m in self.sources.items()

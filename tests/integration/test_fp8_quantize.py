@@ -18,12 +18,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from shardplan.plan.compile import compile_plans
 from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import PlanFile, decode
 from shardplan.record import verify
 from shardplan.record.build import Fp8BlockMisaligned, build_model, loading_context
 from shardplan.record.session import RecordSession
 from shardplan.runtime.apply import Applier
-from shardplan.runtime.quantize import REFERENCE, QuantizingReplayer, quantize_blocks
+from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
 
 BLOCK = (128, 128)
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
@@ -89,6 +91,8 @@ def test_fp8_recording_verifies():
     assert params["w13_weight_scale_inv"] == params["w2_weight_scale_inv"] == "float32", sorted(params)
     assert "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv" in plan.sources_read()
     assert not plan.fallbacks
+    assert s.quantizer == "fp8-e4m3-block-amax448-v1/128x128"
+    assert decode(s.encode(compile_plans([plan], s.sources)))[0].quantizer == s.quantizer
     verdict = verify.verify_rank(s.vllm_config, s.layout, 1, plan, verify.random_checkpoint(s.tensors, 3))
     assert verdict.ok, verdict.mismatched
     assert verdict.num_params > 20
@@ -118,7 +122,8 @@ def bf16_and_fp8_checkpoints(s: RecordSession, seed: int):
 def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     s = session(model, tp, ep)
     rank = data.draw(st.integers(0, tp - 1), label="rank")
-    plan = plan_of(s, rank)
+    plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, rank)], s.sources))))
+    plan = plan_file.rank(rank)
     trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, data.draw(st.integers(0, 2 ** 16), label="seed"))
 
     real = build_model(s.vllm_config, s.layout, rank, "cpu")
@@ -130,7 +135,7 @@ def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     verify.poison(replayed)
     params = dict(replayed.named_parameters())
     params.update(dict(replayed.named_buffers()))
-    replayer = QuantizingReplayer(plan, {m.name: m for m in s.sources}, quantizer=REFERENCE, block=BLOCK)
+    replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
     assert not any(n.endswith("_scale_inv") for n in replayer.sources_read())
     with torch.no_grad():
         Applier(plan, replayer.layout, params).apply(replayer.pack(trainer))
