@@ -175,10 +175,13 @@ class QuantizingReplayer:
         self.layout = self.inner.layout
 
     def _reads(self, name: str):
-        for plan in self.plans:
-            for w in plan.writes:
-                if name in ir.sources(w.src.leaf):
-                    yield plan.rank, w
+        if not hasattr(self, "_readers"):  # name -> (rank, write) for every write reading it: one pass over the plans
+            self._readers: dict[str, list] = {}
+            for plan in self.plans:
+                for w in plan.writes:
+                    for source in ir.sources(w.src.leaf):
+                        self._readers.setdefault(source, []).append((plan.rank, w))
+        return self._readers.get(name, ())
 
     def _box(self, weight: str):
         """The element box of `weight` one pack quantizes: the union of what the plans read of it and of its scale
