@@ -59,12 +59,16 @@ class PlanHeader:
     ranks: tuple[int, ...]
     num_writes: tuple[int, ...]   # per rank, aligned with `ranks`
     num_sources: int
+    # what the consumer's bytes are made with when the trainer transforms its tensors: "" (copied as recorded), or a
+    # quantizer id such as "fp8-e4m3-block-amax448-v1/128x128" (runtime/quantize.py); written only when not empty
+    quantizer: str = ""
 
     def to_dict(self) -> dict:
+        extra = {"quantizer": self.quantizer} if self.quantizer else {}
         return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
                 "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
                 "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
-                "ranks": list(self.ranks), "num_writes": list(self.num_writes), "num_sources": self.num_sources}
+                "ranks": list(self.ranks), "num_writes": list(self.num_writes), "num_sources": self.num_sources, **extra}
 
 
 def _checker(path: str) -> Checker:
@@ -114,13 +118,13 @@ def _decode_body(raw, path: str) -> PlanBody:
 
 # ---- write ------------------------------------------------------------------------------------------------
 def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
-           vllm_version: str) -> bytes:
+           vllm_version: str, quantizer: str = "") -> bytes:
     """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
     file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
     ranks = tuple(sorted(body.rank_params))
     header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources))
+                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer)
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
     sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
                        header_bytes, body_bytes])

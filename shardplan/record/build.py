@@ -15,11 +15,16 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.plan.layout import Layout
+from shardplan.record import fp8
 from shardplan.record.parallel import fake_parallel_state
 
 
 class LayoutRejected(ShardplanError):
     pass
+
+
+class Fp8BlockMisaligned(LayoutRejected):
+    """vLLM refuses a block-FP8 model on a layout whose TP partitions are not whole quantization blocks."""
 
 
 def _quiet_vllm() -> None:
@@ -41,9 +46,7 @@ def _patch_for_meta() -> None:
             original(self, *args, **kwargs)
 
     emm.ExpertMapManager.__init__ = __init__
-    # FP8 layers ask for AMX when built on CPUs; answering True only affects kernel choice, which we never run.
-    if hasattr(torch, "cpu") and hasattr(torch.cpu, "_is_amx_tile_supported"):
-        torch.cpu._is_amx_tile_supported = lambda: True
+    # FP8 layers' CPU kernel probes (AMX, the W8A16 op) are answered by fp8.kernel_probes_patched, for builds only
 
 
 def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = ""):
@@ -93,7 +96,8 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
     # attention layers register themselves by name in this dict: allow building the same config again
     vllm_config.compilation_config.static_forward_context.clear()
     with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \
-            set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+            set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device), \
+            fp8.kernel_probes_patched(vllm_config):
         try:
             model = initialize_model(vllm_config=vllm_config)
             _forget_pp_missing_layers()
@@ -101,6 +105,12 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
         except ShardplanError:
             raise
         except Exception as e:
+            if fp8.misalignment(str(e)):
+                raise Fp8BlockMisaligned(
+                    f"vLLM refuses block-FP8 {vllm_config.model_config.model} on {layout.tag()} (rank {rank}): "
+                    f"{' '.join(str(e).split())[:400]} Each TP partition of a quantized weight must be whole "
+                    f"{list(fp8.vllm_block_size(vllm_config))} blocks: choose a smaller TP size (or EP for the "
+                    f"experts).") from e
             if device == "meta":
                 raise MetaBuildFailed(str(e)) from e
             raise LayoutRejected(f"vLLM failed to build the model for rank {rank} of {layout.tag()}: "

@@ -12,6 +12,8 @@ from shardplan.plan.inspect import group_bytes
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
+from shardplan.record import fp8
+from shardplan.runtime.quantize import quantizer_id
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
@@ -55,7 +57,7 @@ class RecordSession:
         # @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another config of
         # the same class (a transformers meta build) would fail later in this process without one.
         with set_current_vllm_config(self.vllm_config):
-            self.tensors = checkpoint_tensors(self.spec, dtype)
+            self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
     @property
@@ -142,7 +144,14 @@ class RecordSession:
         """The plan file's bytes for a compiled body (Recorded.body, or compile_plans of recorded RankPlans)."""
         return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
                       config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
-                      vllm_version=self.vllm_version)
+                      vllm_version=self.vllm_version, quantizer=self.quantizer)
+
+    @property
+    def quantizer(self) -> str:
+        """The quantizer id a plan of a block-FP8 config expects the trainer to use ("" for unquantized configs): the
+        recorded checkpoint is the one the reference quantizer makes, so replaying it from BF16 needs that one."""
+        block = fp8.block_size(self.spec.config)
+        return quantizer_id(block) if block else ""
 
 
 def plan_nbytes(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta]) -> int:

@@ -1,0 +1,101 @@
+"""runtime/quantize.py without vLLM: the quantizing replay on hand-made FP8 plans (two TP ranks of one [256, 384]
+weight), checked against the reference quantizer run on the whole tensor, and its named errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from shardplan.plan import ir
+from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
+                                        QuantizerMismatch, QuantizingReplayer, quantize_blocks, quantizer_id)
+from shardplan.runtime.replay import Replayer
+
+W, S = "layer.proj.weight", "layer.proj.weight_scale_inv"
+SHAPE = (256, 384)
+BLOCK = (128, 128)
+QID = quantizer_id(BLOCK)
+SOURCES = {W: ir.TensorMeta(W, SHAPE, "float8_e4m3fn"), S: ir.TensorMeta(S, (2, 3), "float32"),
+           "norm": ir.TensorMeta("norm", (384,), "bfloat16")}
+
+
+def rows_plan(rank: int, lo: int, hi: int) -> ir.RankPlan:
+    """Rank reads rows [lo, hi) of the weight, their scale rows, and the whole norm (a copied bf16 tensor)."""
+    cols, rows = SHAPE[1], hi - lo
+    s_lo, s_hi = lo // BLOCK[0], -(-hi // BLOCK[0])
+    params = (ir.TensorMeta("w", (rows, cols), "float8_e4m3fn"), ir.TensorMeta("s", (s_hi - s_lo, 3), "float32"),
+              ir.TensorMeta("n", (384,), "bfloat16"))
+    writes = (ir.Write("w", ir.full_region((rows, cols)), ir.View(ir.Source(W), ir.Region(lo * cols, (rows, cols), (cols, 1)))),
+              ir.Write("s", ir.full_region((s_hi - s_lo, 3)), ir.View(ir.Source(S), ir.Region(s_lo * 3, (s_hi - s_lo, 3), (3, 1)))),
+              ir.Write("n", ir.full_region((384,)), ir.View(ir.Source("norm"), ir.full_region((384,)))))
+    return ir.RankPlan(rank, params, writes)
+
+
+def trainer_tensors(seed: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {W: (torch.randn(SHAPE, generator=gen) * 3).to(dtype), "norm": torch.randn(384, generator=gen).bfloat16()}
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rank=st.sampled_from([0, 1, None]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_pack_equals_reference_checkpoint(seed, rank, dtype):
+    """Each rank's buffer (or both ranks in one buffer) == the ordinary replay of the reference FP8 checkpoint of the
+    whole tensor: quantizing only the rank's box gives the same bytes."""
+    plans = [rows_plan(0, 0, 128), rows_plan(1, 128, 256)]
+    plans = plans if rank is None else plans[rank]
+    tensors = trainer_tensors(seed, dtype)
+    fp8, scale = quantize_blocks(tensors[W], BLOCK)
+    expected = Replayer(plans, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]})
+    replayer = QuantizingReplayer(plans, SOURCES, quantizer=QID)
+    assert replayer.sources_read() == {W, "norm"}
+    if rank is not None:
+        assert replayer.boxes[W] == ((128 * rank, 128 * rank + 128), (0, 384))  # the rank's own rows only
+    bound = replayer.bind(tensors)
+    assert torch.equal(bound.pack(), expected)
+    tensors[W].mul_(2)  # in-place update: the next pack re-quantizes
+    fp8, scale = quantize_blocks(tensors[W], BLOCK)
+    assert torch.equal(bound.pack(), Replayer(plans, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
+
+
+def test_reference_quantizer_values():
+    x = torch.zeros(130, 130)
+    x[0, 0], x[129, 129] = 448.0 * 3, -1.5
+    fp8, scale = quantize_blocks(x, BLOCK)
+    assert scale.shape == (2, 2) and scale[0, 0] == 3.0 and scale[1, 1] == pytest.approx(1.5 / 448)
+    assert scale[0, 1] == pytest.approx(1e-4 / 448)  # an all-zero block: the amax floor
+    assert fp8[0, 0].float() == 448.0 and fp8[129, 129].float() == -448.0
+    assert (fp8.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:130, :130]).sub(x).abs().max() == 0
+
+
+def test_quantizer_mismatch_refused():
+    for bad in ("", "fp8-e4m3-block-amax448-v2/128x128", "fp8-e4m3-block-amax448-v1", "fp8-e4m3-block-amax448-v1/0x128"):
+        with pytest.raises(QuantizerMismatch, match="the plan expects"):
+            QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=bad)
+
+
+def test_misaligned_box_refused():
+    with pytest.raises(BlockAlignmentError, match=r"rank 3 reads rows/cols \[\[64, 192\], \[0, 384\]\] of 'layer.proj"):
+        QuantizingReplayer(rows_plan(3, 64, 192), SOURCES, quantizer=QID)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.float64])
+def test_dtype_refused(dtype):
+    tensors = trainer_tensors(0)
+    tensors[W] = tensors[W].float().to(dtype)
+    with pytest.raises(QuantizerDTypeError, match="'layer.proj.weight' is"):
+        QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=QID).bind(tensors)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_block_refused_before_any_byte(bad):
+    tensors = trainer_tensors(1)
+    replayer = QuantizingReplayer(rows_plan(1, 128, 256), SOURCES, quantizer=QID)
+    tensors[W][5, 7] = bad  # rank 0's rows: not this rank's business
+    bound = replayer.bind(tensors, torch.full((replayer.layout.nbytes,), 0xAB, dtype=torch.uint8))
+    bound.pack()
+    tensors[W][200, 300] = bad
+    bound.out.fill_(0xAB)
+    with pytest.raises(NonFiniteBlockError, match=r"'layer.proj.weight' holds .* at \[200, 300\] \(block \[1, 2\]"):
+        bound.pack()
+    assert (bound.out == 0xAB).all()  # nothing packed
