@@ -210,6 +210,8 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
             return
         marker.write_text(arch)
         t0 = time.perf_counter()
+        if arch == os.environ.get("SHARDPLAN_COVERAGE_HANG"):   # fault injection for the sweep's own test
+            time.sleep(3600)
         try:
             row = run_architecture(arch, workdir)
         except Exception as exc:  # a bug of the sweep itself for this architecture: its row says so
