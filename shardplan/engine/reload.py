@@ -33,7 +33,7 @@ from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan.interp import to_dtype
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.pack import PackLayout, fallback_slots
-from shardplan.sync.adapters import _stamp
+from shardplan.sync.adapters import layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -120,7 +120,7 @@ class ReloadUnpacker:
     # -- Unpacker protocol --
     def stamp(self) -> str:
         """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's)."""
-        return _stamp((self.plan.rank,), self.layout.digest, self.fallbacks)
+        return layout_stamp((self.plan.rank,), self.layout.digest, self.fallbacks)
 
     def sizes(self) -> dict[str, int]:
         sizes = {g.name: g.nbytes for g in self.layout.groups}

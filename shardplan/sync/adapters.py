@@ -91,7 +91,7 @@ def _same_tensors(bound: Mapping[str, torch.Tensor], names: Sequence[str], given
     return True
 
 
-def _stamp(plan_ranks: Sequence[int], *parts) -> str:
+def layout_stamp(plan_ranks: Sequence[int], *parts) -> str:
     """What both sides compare before the first byte moves: the plan ranks a buffer is for and a digest of its pack
     layout (segments, order, dtypes, destinations) and of the fallback tensors' slots."""
     h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
@@ -120,7 +120,7 @@ class ReplayPacker:
         return sorted(self.replayers)
 
     def stamp(self, consumer: int) -> str:
-        return _stamp((consumer,), self.replayers[consumer].layout.digest, self.fallbacks[consumer])
+        return layout_stamp((consumer,), self.replayers[consumer].layout.digest, self.fallbacks[consumer])
 
     def groups(self):
         return self._groups
@@ -168,7 +168,7 @@ class ApplyUnpacker:
             self.fallbacks = fallback_slots(plan, self.layout, sources)
         self.applier = Applier(plan, self.layout, params, fallback_loader=fallback_loader)
         self.sources, self.fallback_loader = sources, fallback_loader
-        self._stamp = _stamp((plan.rank,), self.layout.digest, self.fallbacks)
+        self._stamp = layout_stamp((plan.rank,), self.layout.digest, self.fallbacks)
 
     def stamp(self) -> str:
         return self._stamp
@@ -196,7 +196,7 @@ def _sharded_parts(sharded, consumer: int, alignment: int):
 
 
 def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout]) -> str:
-    return _stamp((consumer,), [(t, lay.digest) for t, lay in sorted(parts.items())])
+    return layout_stamp((consumer,), [(t, lay.digest) for t, lay in sorted(parts.items())])
 
 
 
