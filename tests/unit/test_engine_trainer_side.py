@@ -2,34 +2,22 @@
 transformers and safetensors unimportable, and names its errors."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from shardplan.engine.clients import HttpClient, as_client
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, EplbNotSupported, raise_named
 from shardplan.engine.protocol import EngineInitInfo
+from blocked_imports import run_without_vllm
 
 
 def test_trainer_side_imports_without_vllm_transformers_safetensors():
-    code = textwrap.dedent("""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('vllm', 'transformers', 'safetensors'):
-                    raise ImportError('blocked: ' + name)
-        sys.meta_path.insert(0, Block())
+    out = run_without_vllm("""
         import shardplan.engine, shardplan.engine.trainer, shardplan.engine.clients
         import shardplan.engine.protocol, shardplan.engine.errors
-        assert not any(m.split('.')[0] in ('vllm', 'transformers', 'safetensors') for m in sys.modules)
         print('ok')
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert out.strip() == "ok"
 
 
 def test_worker_errors_come_back_as_the_named_class():
