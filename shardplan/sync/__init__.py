@@ -13,9 +13,10 @@ N, and at most two groups are in flight per side. The consumer posts receives fo
 slots free), waits for N's done marks, verifies, applies N while N+1 is in flight, then re-posts the slot for N+2.
 
 Control channel keys (values are short strings or JSON):
-    join/<rank>                      {"epoch", "held"}    a rank (re)starting; trainers say which tensors they hold whole
+    join/<rank>                      {"epoch", "held", "stamps"}  a rank (re)starting; trainers say which tensors they
+                                     hold whole; both sides the stamp of each consumer's bytes (plan rank + digest)
     schedule/<id>                    the Schedule (JSON)  written once per membership
-    v<V>/announce                    {"schedule", "members": {rank: epoch}}
+    v<V>/announce                    {"schedule", "members": {rank: epoch}, "stamps": {rank: {consumer: stamp}}}
     v<V>/free/<consumer>/<g>         "ok <unix time>" | "abort: ..."        consumer -> its trainers
     v<V>/done/<trainer>/<consumer>/<g>  {"sums": [...]} | "abort: ..."      trainer -> consumer, after the send finished
     v<V>/result/<rank>               {"ok", "epoch", "errors"}
