@@ -204,19 +204,33 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
             rows[1].append(holes)
     # only the order among writes to one param matters: a stable sort by param makes it canonical
     ordered = {r: sorted(ws, key=lambda w: w.param) for r, ws in ordered.items()}
+    return body_from_rows(
+        by_skeleton, ordered, params,
+        rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
+        fallbacks={p.rank: list(p.fallbacks) for p in plans if p.fallbacks},
+        not_needed={p.rank: tuple(p.not_needed) for p in plans}, sources=sources)
+
+
+def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[ir.Write]],
+                   params: Mapping[str, ir.TensorMeta], *, rank_params: dict[int, tuple[str, ...]],
+                   fallbacks: dict[int, list[ir.Fallback]], not_needed: dict[int, tuple[str, ...]],
+                   sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
+    """The templating half of compile_plans: `by_skeleton[(skeleton, num_name_vars)] = (var rows, hole rows)`, the
+    var rows being [rank, layer, name ints...]. Row order does not matter. plan/extend.py feeds it rows it extended
+    to unrecorded ranks, so both paths template through this one function."""
     groups: list[Group] = []
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
         _make_groups(skel, np.asarray(var_rows, dtype=np.int64),
                      np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1), groups)
     return PlanBody(
-        ranks=tuple(sorted(p.rank for p in plans)),
-        sources=SourceTable.from_metas(sources),
+        ranks=tuple(sorted(rank_params)),
+        sources=sources if isinstance(sources, SourceTable) else SourceTable.from_metas(sources),
         params=dict(sorted(params.items())),
-        rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
+        rank_params=rank_params,
         groups=groups,
         ordered=ordered,
-        fallbacks={p.rank: list(p.fallbacks) for p in plans if p.fallbacks},
-        not_needed={p.rank: tuple(p.not_needed) for p in plans},
+        fallbacks=fallbacks,
+        not_needed=not_needed,
     )
 
 

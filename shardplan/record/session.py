@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Sequence
 from shardplan import models
 from shardplan.plan import ir
 from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers
+from shardplan.plan.extend import body_from_flat, flat_rank
 from shardplan.plan.inspect import group_bytes
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
@@ -18,6 +19,7 @@ from shardplan.record.build import build_for_recording, loading_context, make_vl
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
 from shardplan.record.loader import record_loader
+from shardplan.record.ranks import extend_ranks
 
 
 @dataclass
@@ -90,17 +92,56 @@ class RecordSession:
 
     def record_plans(self, ranks: Sequence[int], *, exhaustive: bool = False,
                      progress: Callable[[RankStats], None] | None = None) -> Recorded:
-        """The compiled plans of `ranks`. Unless exhaustive, records every rank on a model cut to the first few
-        layers (enough for each class of identical layers to appear twice), checks that same-class layers are renamed
-        copies of each other, and extends them to every layer at compile time. Falls back to recording every layer
-        whenever a check fails; the result is byte-identical either way (bench/compile_bench.py checks it)."""
+        """The compiled plans of `ranks`. Unless exhaustive, records on a model cut to the first few layers (enough
+        for each class of identical layers to appear twice), checks that same-class layers are renamed copies of each
+        other, and extends them to every layer at compile time; and records only the ranks that determine and check
+        each rank class's affine dependence on the rank (record/ranks.py), predicting the others. Falls back to
+        recording every layer / more ranks whenever a check fails; the result is byte-identical either way
+        (bench/compile_bench.py and tests/integration/test_extend_ranks.py check it)."""
         if exhaustive:
-            return self._record_all_layers(ranks, progress, "exhaustive (asked)")
+            plans, stats = self.record(ranks, progress)
+            return Recorded(compile_plans(plans, self.sources), stats, "exhaustive (asked): every rank, every layer")
         return self._record_sampled(ranks, progress)
 
+    def _record_ranks(self, session: "RecordSession", ranks, progress) -> tuple[PlanBody, list, list, str]:
+        """(compiled body of every rank in `ranks` on `session`'s model, the plans actually recorded, their stats,
+        how the ranks were covered)."""
+        plans: list[ir.RankPlan] = []
+        stats: list[RankStats] = []
+
+        def record(rank: int):
+            plan, s = session.record_rank(rank)
+            plans.append(plan)
+            stats.append(s)
+            if progress:
+                progress(s)
+            return flat_rank(plan)
+        ext = extend_ranks(self.layout, ranks, record, self.num_experts)
+        body = body_from_flat(ext.flats, session.sources)
+        how = f"ranks {_ranges(sorted(ext.recorded))} recorded ({len(ext.recorded)} of {len(ranks)})"
+        if len(ext.recorded) < len(ranks):
+            how += ", the others extended affinely in the rank, each rank class's line checked on a recorded rank"
+        if ext.notes:
+            how += f"; {len(ext.notes)} check(s) failed, so more ranks were recorded (first: {ext.notes[0]})"
+        return body, plans, stats, how
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of the model (0 if none): the EP ranks holding one more expert form their own rank class."""
+        try:
+            return int(self.vllm_config.model_config.get_num_experts() or 0)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+
     def _record_all_layers(self, ranks, progress, how: str) -> Recorded:
-        plans, stats = self.record(ranks, progress)
-        return Recorded(compile_plans(plans, self.sources), stats, how)
+        body, _, stats, ranks_how = self._record_ranks(self, ranks, progress)
+        return Recorded(body, self._all_stats(body, ranks, stats), f"{how}; {ranks_how}")
+
+    def _all_stats(self, body: PlanBody, ranks, recorded: list[RankStats]) -> list[RankStats]:
+        """Recorded ranks' figures, and for the predicted ones the same figures counted from the body."""
+        by_rank = {s.rank: s for s in recorded}
+        return [by_rank.get(r) or self._stats_from_body(body, RankStats(r, 0, 0, 0, 0, 0.0, "-", "extended"))
+                for r in ranks]
 
     def _record_sampled(self, ranks, progress) -> Recorded:
         classes = layer_classes(self.tensors)
@@ -121,17 +162,19 @@ class RecordSession:
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(
                 ranks, progress, "exhaustive (the cut model's checkpoint differs from the full one's first layers)")
-        plans, stats = shrunk.record(ranks, progress)
+        cut_body, plans, stats, ranks_how = self._record_ranks(shrunk, ranks, progress)
         reps = {ms[0]: [m for m in ms[1:2] if m < num_sampled] for ms in members.values()}
         problem = check_layer_invariance(plans, reps)
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (sampling check failed: {problem})")
         full_layers = {ms[0]: ms for ms in members.values()}
         drop = {m for ms in members.values() for m in ms[1:2]}
-        body = extend_layers(compile_plans(plans, shrunk.sources), full_layers, drop, self.sources)
-        how = (f"sampled: recorded layers {sampled} of {num_layers} on every rank, extended to {len(members)} layer "
-               f"classes")
-        return Recorded(body, [self._stats_from_body(body, s) for s in stats], how)
+        body = extend_layers(cut_body, full_layers, drop, self.sources)
+        how = f"sampled: recorded layers {sampled} of {num_layers}, extended to {len(members)} layer classes; {ranks_how}"
+        by_rank = {s.rank: s for s in stats}
+        return Recorded(body, [self._stats_from_body(body, by_rank.get(r) or RankStats(r, 0, 0, 0, 0, 0.0, "-",
+                                                                                      "extended")) for r in ranks],
+                        how)
 
     def _stats_from_body(self, body: PlanBody, s: RankStats) -> RankStats:
         nbytes = sum(group_bytes(body, s.rank).values())
@@ -160,6 +203,17 @@ def plan_nbytes(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta]) -> int:
     total = sum(w.dst.numel * ir.itemsize(dtypes[w.param]) for w in plan.writes)
     total += sum(sources[f.source].numel * ir.itemsize(sources[f.source].dtype) for f in plan.fallbacks)
     return total
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'"""
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def layer_classes(tensors) -> dict[int, tuple]:

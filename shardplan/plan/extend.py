@@ -1,0 +1,171 @@
+"""Extend a few recorded ranks to every rank of a layout, at template level.
+
+`compile_plans` turns each write into a skeleton and integers: a row [rank, layer, name ints | holes] under the key
+(skeleton, number of name ints). Ranks of one layout differ by affine offsets in those integers almost everywhere: the
+TP rank moves a narrow's offset, the EP rank moves the expert indices a rank reads. A *rank class* (chosen from the
+layout by record/ranks.py) is a set of ranks whose rows, sorted, are an exact integer-affine function of one
+coordinate u (the TP rank, or the EP rank).
+
+`FlatRank` is one recorded rank without its rank column: every template's rows, sorted and unique; the ordered
+(overlapping-destination) writes as skeletons + integers; the parameter names and shapes as text + integers; the
+fallbacks. `Line` is the affine function through two recorded ranks: every integer of the second minus the first must
+be divisible by their coordinate distance, and the two must have the same templates, the same number of rows in each,
+the same ordered-write skeletons, parameters and fallbacks; otherwise there is no line. `Line.at(u)` predicts a rank;
+record/ranks.py accepts a line only after a third recorded rank equals its prediction exactly, and records more ranks
+otherwise. `body_from_flat` builds the plan body of every rank from recorded and predicted FlatRanks through the same
+templating function as `compile_plans`, so a correct prediction gives the same bytes as recording every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from shardplan.plan import ir
+from shardplan.plan.compile import PlanBody, SourceTable, body_from_rows
+from shardplan.plan.names import layer_of
+from shardplan.plan.overlap import overlapping_params
+from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
+
+
+class NotAffine(Exception):
+    """Two ranks' plans are not related by an integer-affine map (the caller records more ranks)."""
+
+
+@dataclass(frozen=True, eq=False)
+class FlatRank:
+    """One rank's plan as the compiler sees it, without the rank column (so ranks compare and interpolate)."""
+    rows: dict[tuple, np.ndarray]   # (skeleton, num name ints) -> int64 [n, 1 + num name ints + num holes]; sorted, unique
+    ordered: tuple                  # skeletons of the ordered writes, in plan order
+    ordered_ints: np.ndarray        # their holes, concatenated
+    ordered_counts: tuple           # number of holes of each
+    params: tuple                   # (name text, ndim, dtype) of each param, in plan order
+    param_ints: np.ndarray          # their name ints and shapes, concatenated
+    fallbacks: tuple
+
+    def same_as(self, other: "FlatRank") -> str | None:
+        """None when equal; else what differs first (for the recording note)."""
+        if self.rows.keys() != other.rows.keys():
+            return "different write templates"
+        for key, rows in self.rows.items():
+            if not np.array_equal(rows, other.rows[key]):
+                return f"different rows of template {_short(key)}"
+        if (self.ordered, self.ordered_counts, self.params, self.fallbacks) != \
+                (other.ordered, other.ordered_counts, other.params, other.fallbacks):
+            return "different ordered writes, params or fallbacks"
+        if not np.array_equal(self.ordered_ints, other.ordered_ints) or \
+                not np.array_equal(self.param_ints, other.param_ints):
+            return "different ordered writes or param shapes"
+        return None
+
+
+def _short(key) -> str:
+    text = repr(key[0])
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def flat_rank(plan: ir.RankPlan) -> FlatRank:
+    writes = [w for w in plan.writes if w.dst.numel > 0]
+    overlapping = overlapping_params(writes)
+    rows: dict[tuple, list] = {}
+    ordered = []
+    for w in writes:
+        if w.param in overlapping:
+            ordered.append(w)
+            continue
+        skel, holes, var_values = flatten_write(w)
+        rows.setdefault((skel, len(var_values)), []).append([layer_of(w.param)] + var_values + holes)
+    # compile_plans drops exact duplicates and keeps the recording order of ordered writes within a param
+    arrays = {k: np.unique(_ints(v).reshape(len(v), -1), axis=0) for k, v in rows.items()}
+    skeletons, ordered_ints, counts = [], [], []
+    for w in sorted(ordered, key=lambda w: w.param):
+        skel, holes, _ = flatten_write(w)
+        skeletons.append(skel)
+        ordered_ints.extend(holes)
+        counts.append(len(holes))
+    params, param_ints = [], []
+    for p in plan.params:
+        params.append((split_name(p.name, param_ints), len(p.shape), p.dtype))
+        param_ints.extend(p.shape)
+    return FlatRank(arrays, tuple(skeletons), _ints(ordered_ints), tuple(counts), tuple(params), _ints(param_ints),
+                    tuple(plan.fallbacks))
+
+
+class Line:
+    """The integer-affine map u -> FlatRank through rank a (at u_a) and rank b (at u_b); NotAffine if none."""
+
+    def __init__(self, a: FlatRank, u_a: int, b: FlatRank, u_b: int):
+        if u_a == u_b:
+            raise NotAffine("two ranks at one coordinate")
+        self.base, self.u_a, self.span = a, u_a, u_b - u_a
+        if a.rows.keys() != b.rows.keys():
+            raise NotAffine("different write templates")
+        if (a.ordered, a.ordered_counts, a.params, a.fallbacks) != (b.ordered, b.ordered_counts, b.params,
+                                                                     b.fallbacks):
+            raise NotAffine("different ordered writes, params or fallbacks")
+        self.slopes = {k: self._slope(rows, b.rows[k], _short(k)) for k, rows in a.rows.items()}
+        self.ordered_slope = self._slope(a.ordered_ints, b.ordered_ints, "ordered writes")
+        self.param_slope = self._slope(a.param_ints, b.param_ints, "params")
+
+    def _slope(self, a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
+        if a.shape != b.shape:
+            raise NotAffine(f"different number of rows in {what}")
+        diff = b - a
+        if (diff % self.span).any():
+            raise NotAffine(f"{what}: offsets not divisible by the rank distance")
+        return diff // self.span
+
+    def at(self, u: int) -> FlatRank:
+        k = u - self.u_a
+        a = self.base
+        rows = {key: rows + k * self.slopes[key] for key, rows in a.rows.items()}
+        return FlatRank(rows, a.ordered, a.ordered_ints + k * self.ordered_slope, a.ordered_counts, a.params,
+                        a.param_ints + k * self.param_slope, a.fallbacks)
+
+
+def sorted_rows(f: FlatRank) -> FlatRank:
+    """A prediction with its rows sorted and unique, as flat_rank makes a recording (to compare the two)."""
+    return FlatRank({k: np.unique(v, axis=0) for k, v in f.rows.items()}, f.ordered, f.ordered_ints,
+                    f.ordered_counts, f.params, f.param_ints, f.fallbacks)
+
+
+def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
+    """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does."""
+    parts: dict[tuple, list[np.ndarray]] = {}
+    ordered: dict[int, list[ir.Write]] = {}
+    params: dict[str, ir.TensorMeta] = {}
+    rank_params: dict[int, tuple[str, ...]] = {}
+    fallbacks: dict[int, list[ir.Fallback]] = {}
+    for rank in sorted(flats):
+        f = flats[rank]
+        for key, rows in f.rows.items():
+            parts.setdefault(key, []).append(
+                np.concatenate([np.full((len(rows), 1), rank, dtype=np.int64), rows], axis=1))
+        if f.ordered:
+            writes, pos = [], 0
+            for skel, count in zip(f.ordered, f.ordered_counts):
+                writes.append(unflatten_write(skel, f.ordered_ints[pos:pos + count].tolist()))
+                pos += count
+            ordered[rank] = writes
+        filler = Filler(f.param_ints.tolist())
+        names = []
+        for text, ndim, dtype in f.params:
+            name = filler.name(text)
+            shape = tuple(filler.take() for _ in range(ndim))
+            params.setdefault(name, ir.TensorMeta(name, shape, dtype))
+            names.append(name)
+        rank_params[rank] = tuple(sorted(names))
+        if f.fallbacks:
+            fallbacks[rank] = list(f.fallbacks)
+    by_skeleton = {}
+    for (skel, num_name_vars), chunks in parts.items():
+        rows = np.unique(np.concatenate(chunks), axis=0)   # a prediction may repeat a row: compile dedupes too
+        split = 2 + num_name_vars
+        by_skeleton[(skel, num_name_vars)] = (rows[:, :split], rows[:, split:])
+    return body_from_rows(by_skeleton, ordered, params, rank_params=rank_params, fallbacks=fallbacks, not_needed={},
+                          sources=sources)

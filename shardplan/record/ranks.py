@@ -1,0 +1,111 @@
+"""Which ranks to record for a whole layout, and the prediction of the others (plan/extend.py).
+
+Rank classes come from the layout: a loader sees the TP rank, and with expert parallelism the EP rank (dp x tp ranks
+of a pipeline stage, TP fastest) and how many experts it holds (vLLM gives the first `num_experts % ep_size` EP ranks
+one more). So ranks are grouped by pipeline stage and, under EP, by expert count; within a group the coordinate u is
+the EP rank under EP, else the TP rank (data-parallel replicas without EP load the same weights: they share u).
+With both TP > 1 and DP > 1 under EP, a rank's plan depends on its TP rank and its EP rank; each DP replica is then a
+class of its own (u = TP rank).
+
+Within a class, ranks are taken by bisection over the distinct coordinates: record the two ends, fit the line through
+them, record the middle one and compare it with the line's prediction, exactly. Equal: every rank between the ends is
+predicted. Not equal (or no line: other templates, row counts, indivisible offsets): split at the middle and do the
+same on both halves, recording more ranks, at worst every one. Ranks that share a coordinate (DP replicas) are
+predicted from the first; the class's last rank is recorded to check that, and if it differs every rank of the class
+is recorded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from shardplan.plan.extend import FlatRank, Line, NotAffine, sorted_rows
+from shardplan.plan.layout import Layout
+
+
+@dataclass
+class RankClass:
+    key: tuple
+    coords: dict[int, int] = field(default_factory=dict)   # rank -> u
+
+
+def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> list[RankClass]:
+    classes: dict[tuple, RankClass] = {}
+    ep_size = layout.dp * layout.tp
+    for rank in ranks:
+        dp_rank, pp_rank, tp_rank = layout.coords(rank)
+        key: tuple = (("pp", pp_rank),)
+        u = tp_rank
+        if layout.ep:
+            ep_rank = dp_rank * layout.tp + tp_rank
+            if num_experts and num_experts % ep_size:
+                key += (("more experts", ep_rank < num_experts % ep_size),)
+            if layout.tp > 1 and layout.dp > 1:
+                key += (("dp", dp_rank),)
+            else:
+                u = ep_rank
+        classes.setdefault(key, RankClass(key)).coords[rank] = u
+    return list(classes.values())
+
+
+@dataclass
+class Extension:
+    flats: dict[int, FlatRank]        # every rank asked for: recorded or predicted
+    recorded: list[int]               # the ranks actually recorded, in recording order
+    notes: list[str]                  # why extra ranks were recorded
+
+
+def extend_ranks(layout: Layout, ranks: Sequence[int], record: Callable[[int], FlatRank],
+                 num_experts: int = 0) -> Extension:
+    """Record the ranks needed to determine and check each class's line; predict the rest."""
+    out = Extension({}, [], [])
+    recorded: dict[int, FlatRank] = {}
+
+    def get(rank: int) -> FlatRank:
+        if rank not in recorded:
+            recorded[rank] = record(rank)
+            out.recorded.append(rank)
+        return recorded[rank]
+
+    for cls in rank_classes(layout, ranks, num_experts):
+        by_u: dict[int, list[int]] = {}
+        for rank, u in sorted(cls.coords.items()):
+            by_u.setdefault(u, []).append(rank)
+        us = sorted(by_u)
+        first = {u: by_u[u][0] for u in us}
+        predicted: dict[int, FlatRank] = {}     # u -> FlatRank of first[u]
+        segments = [(0, len(us) - 1)]
+        while segments:
+            lo, hi = segments.pop()
+            a, b = get(first[us[lo]]), get(first[us[hi]])
+            predicted[us[lo]], predicted[us[hi]] = a, b
+            if hi - lo <= 1:
+                continue
+            mid = (lo + hi) // 2
+            checked = get(first[us[mid]])
+            try:
+                line = Line(a, us[lo], b, us[hi])
+                problem = sorted_rows(line.at(us[mid])).same_as(checked)
+            except NotAffine as e:
+                problem = str(e)
+            if problem is None:
+                for i in range(lo + 1, hi):
+                    predicted[us[i]] = recorded.get(first[us[i]]) or line.at(us[i])
+                continue
+            out.notes.append(f"ranks {first[us[lo]]}..{first[us[hi]]} {_describe(cls.key)}: {problem}")
+            segments += [(lo, mid), (mid, hi)]
+        replicas = [r for u in us for r in by_u[u][1:]]
+        if replicas:
+            last = max(replicas)
+            problem = get(last).same_as(sorted_rows(predicted[cls.coords[last]]))
+            if problem:
+                out.notes.append(f"rank {last} is not a copy of rank {first[cls.coords[last]]}: {problem}")
+                for r in replicas:
+                    get(r)
+        for rank, u in cls.coords.items():
+            out.flats[rank] = recorded.get(rank) or predicted[u]
+    return out
+
+
+def _describe(key: tuple) -> str:
+    return "(" + ", ".join(f"{k} {v}" for k, v in key) + ")"
