@@ -310,15 +310,9 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
     invariance. Rebuilds each group's index over all layers; the result equals compiling every layer directly."""
     groups: list[Group] = []
     for g in body.groups:
-        rows = []
-        for t in iter_trie(g.index):
-            layer = t[1]
-            if layer in drop:
-                continue
-            for new in full_layers.get(layer, [layer]):
-                rows.append((t[0], new) + t[2:])
-        if rows:
-            groups.append(Group(g.skeleton, g.coeffs, build_trie(sorted(rows)), g.num_vars))
+        index = _extend_layer_index(g.index, full_layers, drop)
+        if index is not None:
+            groups.append(Group(g.skeleton, g.coeffs, index, g.num_vars))
     params: dict[str, ir.TensorMeta] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
     for rank, names in body.rank_params.items():
@@ -346,3 +340,35 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
     return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
                     params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
                     fallbacks=body.fallbacks, not_needed={})
+
+
+def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]):
+    """The trie build_trie would make of the index's rows with each layer (variable 1) replaced by every layer of its
+    class, built from the trie itself: the subtrees under a layer are shared, not expanded (a non-EP Kimi-K2 body has
+    ~2M rows over 32 ranks x 61 layers)."""
+    new_children: dict[int, tuple | None] = {}
+    pairs = []
+    for start, stop, step, child in index:   # the rank variable
+        if id(child) not in new_children:
+            layer_pairs = [(new, sub) for s, e, st, sub in child for layer in range(s, e, st) if layer not in drop
+                           for new in full_layers.get(layer, [layer])]
+            new_children[id(child)] = _runs(sorted(layer_pairs, key=lambda p: p[0])) if layer_pairs else None
+        if new_children[id(child)] is not None:
+            pairs.extend((rank, new_children[id(child)]) for rank in range(start, stop, step))
+    return _runs(pairs) if pairs else None
+
+
+def _runs(pairs) -> tuple:
+    """A trie node from (value, child) pairs sorted by value, runs merged exactly as build_trie merges them."""
+    runs: list[list] = []
+    for value, child in pairs:
+        if runs and runs[-1][3] == child:
+            start, last, step, _ = runs[-1]
+            if step == 0:
+                runs[-1] = [start, value, value - start, child]
+                continue
+            if value - last == step:
+                runs[-1][1] = value
+                continue
+        runs.append([value, value, 0, child])
+    return tuple((start, last + (step or 1), step or 1, child) for start, last, step, child in runs)

@@ -97,35 +97,46 @@ def flat_rank(plan: ir.RankPlan) -> FlatRank:
 
 
 class Line:
-    """The integer-affine map u -> FlatRank through rank a (at u_a) and rank b (at u_b); NotAffine if none."""
+    """The integer-affine map u -> FlatRank (u a tuple of coordinates) through rank a at u_a and, for each axis, one
+    rank that differs from a on that axis only; NotAffine if there is none."""
 
-    def __init__(self, a: FlatRank, u_a: int, b: FlatRank, u_b: int):
-        if u_a == u_b:
-            raise NotAffine("two ranks at one coordinate")
-        self.base, self.u_a, self.span = a, u_a, u_b - u_a
-        if a.rows.keys() != b.rows.keys():
-            raise NotAffine("different write templates")
-        if (a.ordered, a.ordered_counts, a.params, a.fallbacks) != (b.ordered, b.ordered_counts, b.params,
-                                                                     b.fallbacks):
-            raise NotAffine("different ordered writes, params or fallbacks")
-        self.slopes = {k: self._slope(rows, b.rows[k], _short(k)) for k, rows in a.rows.items()}
-        self.ordered_slope = self._slope(a.ordered_ints, b.ordered_ints, "ordered writes")
-        self.param_slope = self._slope(a.param_ints, b.param_ints, "params")
+    def __init__(self, a: FlatRank, u_a, others):
+        self.base, self.u_a = a, tuple(u_a)
+        self.axes = []   # (axis, row slopes by template, ordered-write slope, param slope)
+        for b, u_b in others:
+            moved = [i for i, (x, y) in enumerate(zip(self.u_a, u_b)) if x != y]
+            if len(moved) != 1:
+                raise NotAffine("two ranks that differ on more or less than one coordinate")
+            axis = moved[0]
+            span = u_b[axis] - self.u_a[axis]
+            if a.rows.keys() != b.rows.keys():
+                raise NotAffine("different write templates")
+            if (a.ordered, a.ordered_counts, a.params, a.fallbacks) != (b.ordered, b.ordered_counts, b.params,
+                                                                         b.fallbacks):
+                raise NotAffine("different ordered writes, params or fallbacks")
+            self.axes.append((axis, {k: _slope(rows, b.rows[k], span, _short(k)) for k, rows in a.rows.items()},
+                              _slope(a.ordered_ints, b.ordered_ints, span, "ordered writes"),
+                              _slope(a.param_ints, b.param_ints, span, "params")))
 
-    def _slope(self, a: np.ndarray, b: np.ndarray, what: str) -> np.ndarray:
-        if a.shape != b.shape:
-            raise NotAffine(f"different number of rows in {what}")
-        diff = b - a
-        if (diff % self.span).any():
-            raise NotAffine(f"{what}: offsets not divisible by the rank distance")
-        return diff // self.span
-
-    def at(self, u: int) -> FlatRank:
-        k = u - self.u_a
+    def at(self, u) -> FlatRank:
         a = self.base
-        rows = {key: rows + k * self.slopes[key] for key, rows in a.rows.items()}
-        return FlatRank(rows, a.ordered, a.ordered_ints + k * self.ordered_slope, a.ordered_counts, a.params,
-                        a.param_ints + k * self.param_slope, a.fallbacks)
+        rows, ordered_ints, param_ints = dict(a.rows), a.ordered_ints, a.param_ints
+        for axis, slopes, ordered_slope, param_slope in self.axes:
+            k = u[axis] - self.u_a[axis]
+            if k:
+                rows = {key: r + k * slopes[key] for key, r in rows.items()}
+                ordered_ints = ordered_ints + k * ordered_slope
+                param_ints = param_ints + k * param_slope
+        return FlatRank(rows, a.ordered, ordered_ints, a.ordered_counts, a.params, param_ints, a.fallbacks)
+
+
+def _slope(a: np.ndarray, b: np.ndarray, span: int, what: str) -> np.ndarray:
+    if a.shape != b.shape:
+        raise NotAffine(f"different number of rows in {what}")
+    diff = b - a
+    if (diff % span).any():
+        raise NotAffine(f"{what}: offsets not divisible by the rank distance")
+    return diff // span
 
 
 def sorted_rows(f: FlatRank) -> FlatRank:

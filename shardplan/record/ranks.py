@@ -26,7 +26,7 @@ from shardplan.plan.layout import Layout
 @dataclass
 class RankClass:
     key: tuple
-    coords: dict[int, int] = field(default_factory=dict)   # rank -> u
+    coords: dict[int, tuple[int, ...]] = field(default_factory=dict)   # rank -> u
 
 
 def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> list[RankClass]:
@@ -35,15 +35,12 @@ def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> 
     for rank in ranks:
         dp_rank, pp_rank, tp_rank = layout.coords(rank)
         key: tuple = (("pp", pp_rank),)
-        u = tp_rank
+        u: tuple[int, ...] = (tp_rank,)
         if layout.ep:
             ep_rank = dp_rank * layout.tp + tp_rank
             if num_experts and num_experts % ep_size:
                 key += (("more experts", ep_rank < num_experts % ep_size),)
-            if layout.tp > 1 and layout.dp > 1:
-                key += (("dp", dp_rank),)
-            else:
-                u = ep_rank
+            u = (tp_rank, dp_rank) if layout.tp > 1 and layout.dp > 1 else (ep_rank,)
         classes.setdefault(key, RankClass(key)).coords[rank] = u
     return list(classes.values())
 
@@ -57,7 +54,7 @@ class Extension:
 
 def extend_ranks(layout: Layout, ranks: Sequence[int], record: Callable[[int], FlatRank],
                  num_experts: int = 0) -> Extension:
-    """Record the ranks needed to determine and check each class's line; predict the rest."""
+    """Record the ranks needed to determine and check each class's affine map; predict the rest."""
     out = Extension({}, [], [])
     recorded: dict[int, FlatRank] = {}
 
@@ -68,44 +65,96 @@ def extend_ranks(layout: Layout, ranks: Sequence[int], record: Callable[[int], F
         return recorded[rank]
 
     for cls in rank_classes(layout, ranks, num_experts):
-        by_u: dict[int, list[int]] = {}
-        for rank, u in sorted(cls.coords.items()):
-            by_u.setdefault(u, []).append(rank)
-        us = sorted(by_u)
-        first = {u: by_u[u][0] for u in us}
-        predicted: dict[int, FlatRank] = {}     # u -> FlatRank of first[u]
-        segments = [(0, len(us) - 1)]
-        while segments:
-            lo, hi = segments.pop()
-            a, b = get(first[us[lo]]), get(first[us[hi]])
-            predicted[us[lo]], predicted[us[hi]] = a, b
-            if hi - lo <= 1:
-                continue
-            mid = (lo + hi) // 2
-            checked = get(first[us[mid]])
-            try:
-                line = Line(a, us[lo], b, us[hi])
-                problem = sorted_rows(line.at(us[mid])).same_as(checked)
-            except NotAffine as e:
-                problem = str(e)
-            if problem is None:
-                for i in range(lo + 1, hi):
-                    predicted[us[i]] = recorded.get(first[us[i]]) or line.at(us[i])
-                continue
-            out.notes.append(f"ranks {first[us[lo]]}..{first[us[hi]]} {_describe(cls.key)}: {problem}")
-            segments += [(lo, mid), (mid, hi)]
-        replicas = [r for u in us for r in by_u[u][1:]]
-        if replicas:
-            last = max(replicas)
-            problem = get(last).same_as(sorted_rows(predicted[cls.coords[last]]))
-            if problem:
-                out.notes.append(f"rank {last} is not a copy of rank {first[cls.coords[last]]}: {problem}")
-                for r in replicas:
-                    get(r)
-        for rank, u in cls.coords.items():
-            out.flats[rank] = recorded.get(rank) or predicted[u]
+        if len(next(iter(cls.coords.values()))) == 2 and _plane(cls, get, out):
+            continue
+        for part in _one_dimensional(cls):
+            _bisect(part, get, out)
     return out
 
 
+def _one_dimensional(cls: RankClass) -> list[RankClass]:
+    """A class over (TP rank, DP rank) as one class per DP replica over the TP rank."""
+    if len(next(iter(cls.coords.values()))) == 1:
+        return [cls]
+    parts: dict[int, RankClass] = {}
+    for rank, (tp_rank, dp_rank) in cls.coords.items():
+        parts.setdefault(dp_rank, RankClass(cls.key + (("dp", dp_rank),))).coords[rank] = (tp_rank,)
+    return list(parts.values())
+
+
+def _plane(cls: RankClass, get, out: Extension) -> bool:
+    """EP with TP > 1 and DP > 1: experts follow the EP rank, the rest the TP rank; both are affine in (TP rank,
+    DP rank). Three ranks determine the plane (a corner and one step along each axis, at the far end); the opposite
+    corner and the middle of each axis check it. False (and nothing predicted) if a check fails."""
+    by_u = {u: r for r, u in sorted(cls.coords.items(), reverse=True)}   # u -> its lowest rank
+    u0 = min(by_u)
+    along_tp = [u for u in by_u if u[1] == u0[1] and u != u0]
+    along_dp = [u for u in by_u if u[0] == u0[0] and u != u0]
+    if not along_tp or not along_dp:
+        return False
+    u_t, u_d = max(along_tp), max(along_dp)
+    mid_t, mid_d = (u0[0] + u_t[0]) // 2, (u0[1] + u_d[1]) // 2
+    checks = {u for u in [(u_t[0], u_d[1]), (mid_t, u0[1]), (mid_t + 1, u0[1]), (u0[0], mid_d), (u0[0], mid_d + 1)]
+              if u in by_u and u not in (u0, u_t, u_d)}
+    try:
+        plane = Line(get(by_u[u0]), u0, [(get(by_u[u_t]), u_t), (get(by_u[u_d]), u_d)])
+        problems = [(u, sorted_rows(plane.at(u)).same_as(get(by_u[u]))) for u in sorted(checks)]
+        problem = next((f"rank {by_u[u]}: {p}" for u, p in problems if p), None)
+    except NotAffine as e:
+        problem = str(e)
+    if problem:
+        out.notes.append(f"{_describe(cls.key)} not affine in (TP rank, DP rank): {problem}; one class per DP replica")
+        return False
+    for rank, u in cls.coords.items():
+        out.flats[rank] = plane.at(u)
+    for rank in out.recorded:
+        if rank in cls.coords:
+            out.flats[rank] = get(rank)
+    return True
+
+
+def _bisect(cls: RankClass, get, out: Extension) -> None:
+    by_u: dict[tuple, list[int]] = {}
+    for rank, u in sorted(cls.coords.items()):
+        by_u.setdefault(u, []).append(rank)
+    us = sorted(by_u)
+    first = {u: by_u[u][0] for u in us}
+    predicted: dict[tuple, FlatRank] = {}     # u -> FlatRank of first[u]
+    segments = [(0, len(us) - 1)]
+    while segments:
+        lo, hi = segments.pop()
+        a, b = get(first[us[lo]]), get(first[us[hi]])
+        predicted[us[lo]], predicted[us[hi]] = a, b
+        if hi - lo <= 1:
+            continue
+        mid = (lo + hi) // 2
+        checks = [mid, mid + 1] if mid + 1 < hi else [mid]
+        try:
+            line = Line(a, us[lo], [(b, us[hi])])
+            problem = next((p for i in checks if (p := sorted_rows(line.at(us[i])).same_as(get(first[us[i]])))),
+                           None)
+        except NotAffine as e:
+            problem = str(e)
+            for i in checks:   # recorded either way: the halves start from them
+                get(first[us[i]])
+        if problem is None:
+            for i in range(lo + 1, hi):
+                predicted[us[i]] = line.at(us[i])
+            continue
+        out.notes.append(f"ranks {first[us[lo]]}..{first[us[hi]]} {_describe(cls.key)}: {problem}")
+        segments += [(lo, mid), (mid, hi)]
+    replicas = [r for u in us for r in by_u[u][1:]]
+    if replicas:
+        last = max(replicas)
+        problem = get(last).same_as(sorted_rows(predicted[cls.coords[last]]))
+        if problem:
+            out.notes.append(f"rank {last} is not a copy of rank {first[cls.coords[last]]}: {problem}")
+            for r in replicas:
+                get(r)
+    for rank, u in cls.coords.items():
+        out.flats[rank] = predicted[u]
+    for rank in out.recorded:
+        if rank in cls.coords:
+            out.flats[rank] = get(rank)
 def _describe(key: tuple) -> str:
     return "(" + ", ".join(f"{k} {v}" for k, v in key) + ")"

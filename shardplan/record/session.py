@@ -9,7 +9,6 @@ from shardplan import models
 from shardplan.plan import ir
 from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers
 from shardplan.plan.extend import body_from_flat, flat_rank
-from shardplan.plan.inspect import group_bytes
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
@@ -19,6 +18,7 @@ from shardplan.record.build import build_for_recording, loading_context, make_vl
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
 from shardplan.record.loader import record_loader
+from shardplan.record.figures import rank_figures
 from shardplan.record.ranks import extend_ranks
 
 
@@ -100,7 +100,7 @@ class RecordSession:
         (bench/compile_bench.py and tests/integration/test_extend_ranks.py check it)."""
         if exhaustive:
             plans, stats = self.record(ranks, progress)
-            return Recorded(compile_plans(plans, self.sources), stats, "exhaustive (asked): every rank, every layer")
+            return Recorded(compile_plans(plans, self.sources), stats, "exhaustive (asked)")
         return self._record_sampled(ranks, progress)
 
     def _record_ranks(self, session: "RecordSession", ranks, progress) -> tuple[PlanBody, list, list, str]:
@@ -135,13 +135,7 @@ class RecordSession:
 
     def _record_all_layers(self, ranks, progress, how: str) -> Recorded:
         body, _, stats, ranks_how = self._record_ranks(self, ranks, progress)
-        return Recorded(body, self._all_stats(body, ranks, stats), f"{how}; {ranks_how}")
-
-    def _all_stats(self, body: PlanBody, ranks, recorded: list[RankStats]) -> list[RankStats]:
-        """Recorded ranks' figures, and for the predicted ones the same figures counted from the body."""
-        by_rank = {s.rank: s for s in recorded}
-        return [by_rank.get(r) or self._stats_from_body(body, RankStats(r, 0, 0, 0, 0, 0.0, "-", "extended"))
-                for r in ranks]
+        return Recorded(body, self._stats(body, ranks, stats), f"{how}; {ranks_how}")
 
     def _record_sampled(self, ranks, progress) -> Recorded:
         classes = layer_classes(self.tensors)
@@ -171,17 +165,21 @@ class RecordSession:
         drop = {m for ms in members.values() for m in ms[1:2]}
         body = extend_layers(cut_body, full_layers, drop, self.sources)
         how = f"sampled: recorded layers {sampled} of {num_layers}, extended to {len(members)} layer classes; {ranks_how}"
-        by_rank = {s.rank: s for s in stats}
-        return Recorded(body, [self._stats_from_body(body, by_rank.get(r) or RankStats(r, 0, 0, 0, 0, 0.0, "-",
-                                                                                      "extended")) for r in ranks],
-                        how)
+        multiplicity = {**{m: 0 for m in drop}, **{rep: len(ms) for rep, ms in full_layers.items()}}
+        return Recorded(body, self._stats(cut_body, ranks, stats, multiplicity), how)
 
-    def _stats_from_body(self, body: PlanBody, s: RankStats) -> RankStats:
-        nbytes = sum(group_bytes(body, s.rank).values())
-        num_read = num_sources_read(body, s.rank)
-        fallbacks = len(body.fallbacks.get(s.rank, ()))
-        return RankStats(s.rank, num_read, fallbacks, len(self.sources) - num_read - fallbacks, nbytes, s.seconds,
-                         s.device, s.tier, s.tier_note)
+    def _stats(self, body: PlanBody, ranks, recorded: list[RankStats], multiplicity=None) -> list[RankStats]:
+        """Every rank's figures counted from the body (whole model; `multiplicity`: layers per sampled layer), with the
+        recording time and tier of the ranks recorded ("extended" for the ones predicted)."""
+        figures = rank_figures(body, multiplicity)
+        by_rank = {s.rank: s for s in recorded}
+        out = []
+        for r in ranks:
+            s = by_rank.get(r) or RankStats(r, 0, 0, 0, 0, 0.0, "-", "extended")
+            num_read, num_fallback, nbytes = figures[r]
+            out.append(RankStats(r, num_read, num_fallback, len(self.sources) - num_read - num_fallback, nbytes,
+                                 s.seconds, s.device, s.tier, s.tier_note))
+        return out
 
     def encode(self, body: PlanBody) -> bytes:
         """The plan file's bytes for a compiled body (Recorded.body, or compile_plans of recorded RankPlans)."""
@@ -224,41 +222,3 @@ def layer_classes(tensors) -> dict[int, tuple]:
         if layer >= 0:
             out.setdefault(layer, []).append((without_layer(name, layer), tuple(shape), dtype))
     return {layer: tuple(sorted(sig)) for layer, sig in out.items()}
-
-
-def num_sources_read(body, rank: int) -> int:
-    """Distinct checkpoint tensors a rank reads, counted from the templates without building names."""
-
-    seen: set = set()
-    for g in body.groups:
-        sources = _source_slots(g.skeleton)
-        if not sources:
-            continue
-        rows = g.instances(rank)
-        for text, cols in sources:
-            if "layers.{}." in text:
-                cols = [1] + cols  # the source's layer index is fitted on the param layer (variable 1)
-            for row in {tuple(r) for r in rows[:, cols].tolist()} if cols else {()}:
-                seen.add((text, row))
-    for w in body.ordered.get(rank, ()):
-        for name in ir.sources(w.src.leaf):
-            seen.add((name, ()))
-    return len(seen)
-
-
-def _source_slots(skeleton) -> list[tuple[str, list[int]]]:
-    """(source name template, its variable columns) for each Source in a write skeleton."""
-    out, pos = [], 2
-
-    def walk(node):
-        nonlocal pos
-        if isinstance(node, tuple) and node:
-            if node[0] == "S" and len(node) == 2 and isinstance(node[1], str):
-                n = node[1].count("{}") - (1 if "layers.{}." in node[1] else 0)
-                out.append((node[1], list(range(pos, pos + n))))
-                pos += n
-                return
-            for child in node:
-                walk(child)
-    walk(skeleton[3])
-    return out
