@@ -84,22 +84,17 @@ def _one_dimensional(cls: RankClass) -> list[RankClass]:
 
 def _plane(cls: RankClass, get, out: Extension) -> bool:
     """EP with TP > 1 and DP > 1: experts follow the EP rank, the rest the TP rank; both are affine in (TP rank,
-    DP rank). Three ranks determine the plane (a corner and one step along each axis, at the far end); the opposite
-    corner and the middle of each axis check it. False (and nothing predicted) if a check fails."""
+    DP rank). The first rank and its next along each axis determine the plane; the far corner checks it. False (and
+    nothing predicted) if that fails."""
     by_u = {u: r for r, u in sorted(cls.coords.items(), reverse=True)}   # u -> its lowest rank
     u0 = min(by_u)
-    along_tp = [u for u in by_u if u[1] == u0[1] and u != u0]
-    along_dp = [u for u in by_u if u[0] == u0[0] and u != u0]
-    if not along_tp or not along_dp:
+    u_t, u_d = (u0[0] + 1, u0[1]), (u0[0], u0[1] + 1)
+    far = max(by_u)
+    if u_t not in by_u or u_d not in by_u or far in (u0, u_t, u_d):
         return False
-    u_t, u_d = max(along_tp), max(along_dp)
-    mid_t, mid_d = (u0[0] + u_t[0]) // 2, (u0[1] + u_d[1]) // 2
-    checks = {u for u in [(u_t[0], u_d[1]), (mid_t, u0[1]), (mid_t + 1, u0[1]), (u0[0], mid_d), (u0[0], mid_d + 1)]
-              if u in by_u and u not in (u0, u_t, u_d)}
     try:
         plane = Line(get(by_u[u0]), u0, [(get(by_u[u_t]), u_t), (get(by_u[u_d]), u_d)])
-        problems = [(u, sorted_rows(plane.at(u)).same_as(get(by_u[u]))) for u in sorted(checks)]
-        problem = next((f"rank {by_u[u]}: {p}" for u, p in problems if p), None)
+        problem = sorted_rows(plane.at(far)).same_as(get(by_u[far]))
     except NotAffine as e:
         problem = str(e)
     if problem:
@@ -123,32 +118,30 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
     segments = [(0, len(us) - 1)]
     while segments:
         lo, hi = segments.pop()
-        a, b = get(first[us[lo]]), get(first[us[hi]])
-        predicted[us[lo]], predicted[us[hi]] = a, b
-        if hi - lo <= 1:
+        if hi - lo <= 2:
+            for i in range(lo, hi + 1):
+                predicted[us[i]] = get(first[us[i]])
             continue
-        mid = (lo + hi) // 2
-        checks = [mid, mid + 1] if mid + 1 < hi else [mid]
+        # the first two determine the line (their difference is the slope per rank), the last checks it
+        a, next_a, last = get(first[us[lo]]), get(first[us[lo + 1]]), get(first[us[hi]])
         try:
-            line = Line(a, us[lo], [(b, us[hi])])
-            problem = next((p for i in checks if (p := sorted_rows(line.at(us[i])).same_as(get(first[us[i]])))),
-                           None)
+            line = Line(a, us[lo], [(next_a, us[lo + 1])])
+            problem = sorted_rows(line.at(us[hi])).same_as(last)
         except NotAffine as e:
             problem = str(e)
-            for i in checks:   # recorded either way: the halves start from them
-                get(first[us[i]])
         if problem is None:
-            for i in range(lo + 1, hi):
+            for i in range(lo, hi + 1):
                 predicted[us[i]] = line.at(us[i])
             continue
         out.notes.append(f"ranks {first[us[lo]]}..{first[us[hi]]} {_describe(cls.key)}: {problem}")
+        mid = (lo + hi) // 2
         segments += [(lo, mid), (mid, hi)]
     replicas = [r for u in us for r in by_u[u][1:]]
     if replicas:
-        last = max(replicas)
-        problem = get(last).same_as(sorted_rows(predicted[cls.coords[last]]))
+        last_replica = max(replicas)
+        problem = get(last_replica).same_as(sorted_rows(predicted[cls.coords[last_replica]]))
         if problem:
-            out.notes.append(f"rank {last} is not a copy of rank {first[cls.coords[last]]}: {problem}")
+            out.notes.append(f"rank {last_replica} is not a copy of rank {first[cls.coords[last_replica]]}: {problem}")
             for r in replicas:
                 get(r)
     for rank, u in cls.coords.items():
@@ -156,5 +149,7 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
     for rank in out.recorded:
         if rank in cls.coords:
             out.flats[rank] = get(rank)
+
+
 def _describe(key: tuple) -> str:
     return "(" + ", ".join(f"{k} {v}" for k, v in key) + ")"
