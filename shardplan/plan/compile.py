@@ -315,7 +315,11 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
             groups.append(Group(g.skeleton, g.coeffs, index, g.num_vars))
     params: dict[str, ir.TensorMeta] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
+    extended: dict[tuple[str, ...], tuple[str, ...]] = {}   # ranks of a layout mostly share their param names
     for rank, names in body.rank_params.items():
+        if names in extended:
+            rank_params[rank] = extended[names]
+            continue
         out = set()
         for n in names:
             layer = layer_of(n)
@@ -326,7 +330,7 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
                 meta = body.params[n]
                 params[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
                 out.add(renamed)
-        rank_params[rank] = tuple(sorted(out))
+        rank_params[rank] = extended[names] = tuple(sorted(out))
     ordered = {}
     for rank, writes in body.ordered.items():
         out_writes = []
@@ -350,9 +354,16 @@ def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]
     pairs = []
     for start, stop, step, child in index:   # the rank variable
         if id(child) not in new_children:
-            layer_pairs = [(new, sub) for s, e, st, sub in child for layer in range(s, e, st) if layer not in drop
-                           for new in full_layers.get(layer, [layer])]
-            new_children[id(child)] = _runs(sorted(layer_pairs, key=lambda p: p[0])) if layer_pairs else None
+            by_layer: dict[int, object] = {}
+            for s, e, st, sub in child:
+                for layer in range(s, e, st):
+                    if layer in drop:
+                        continue
+                    for new in full_layers.get(layer, [layer]):
+                        if by_layer.setdefault(new, sub) != sub:   # two layers' rows land on one: build_trie unites
+                            return build_trie(sorted({(t[0], n) + t[2:] for t in iter_trie(index) if t[1] not in drop
+                                                      for n in full_layers.get(t[1], [t[1]])}))
+            new_children[id(child)] = _runs(sorted(by_layer.items(), key=lambda p: p[0])) if by_layer else None
         if new_children[id(child)] is not None:
             pairs.extend((rank, new_children[id(child)]) for rank in range(start, stop, step))
     return _runs(pairs) if pairs else None

@@ -152,6 +152,8 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
     params: dict[str, ir.TensorMeta] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
     fallbacks: dict[int, list[ir.Fallback]] = {}
+    metas: dict[tuple, list[ir.TensorMeta]] = {}
+    names: dict[tuple, tuple[str, ...]] = {}
     for rank in sorted(flats):
         f = flats[rank]
         for key, rows in f.rows.items():
@@ -163,14 +165,17 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
                 writes.append(unflatten_write(skel, f.ordered_ints[pos:pos + count].tolist()))
                 pos += count
             ordered[rank] = writes
-        filler = Filler(f.param_ints.tolist())
-        names = []
-        for text, ndim, dtype in f.params:
-            name = filler.name(text)
-            shape = tuple(filler.take() for _ in range(ndim))
-            params.setdefault(name, ir.TensorMeta(name, shape, dtype))
-            names.append(name)
-        rank_params[rank] = tuple(sorted(names))
+        key = (f.params, f.param_ints.tobytes())
+        if key not in metas:   # ranks of a layout mostly share their params
+            filler = Filler(f.param_ints.tolist())
+            metas[key] = []
+            for text, ndim, dtype in f.params:
+                name = filler.name(text)
+                metas[key].append(ir.TensorMeta(name, tuple(filler.take() for _ in range(ndim)), dtype))
+            names[key] = tuple(sorted(m.name for m in metas[key]))
+        for meta in metas[key]:
+            params.setdefault(meta.name, meta)
+        rank_params[rank] = names[key]
         if f.fallbacks:
             fallbacks[rank] = list(f.fallbacks)
     by_skeleton = {}
