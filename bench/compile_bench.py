@@ -1,42 +1,87 @@
-"""Issue-3 bars, measured in one invocation:
+"""Issue-14 bars (and the issue-3 plan figures), measured in one invocation:
 
-    python bench/compile_bench.py [--model kimi-k2] [--skip-exhaustive]
+    python bench/compile_bench.py [--model kimi-k2] [--curve 8,16,32,64,128,256] [--families tp-ep,tp,dp-ep]
+                                  [--exhaustive-ranks 2] [--skip-exhaustive] [--seed 0]
 
-1. `shardplan record --model M --tp 32 --ep` for all ranks: wall time and peak RSS (a child process each), next to
-   the same command with --exhaustive (every rank recorded fully: the brute-force baseline); outputs must be
-   byte-identical.
-2. Plan size on disk: TP32+EP and TP32 without EP.
-3. Loading + instantiating one rank's plan in a fresh trainer process (no vLLM imported): median over ranks.
-Bars: record <= 20 s and <= 1 GB RSS; TP32+EP plan <= 1 MB, TP32 <= 2 MB; load+instantiate <= 50 ms.
+1. The fixed part: `import vllm` alone in a fresh interpreter (vLLM's share), next to the one-rank command.
+2. The curve: for each layout family and rank count N, `shardplan record` of the whole layout (a child process,
+   imports included) next to the same command with `--ranks 0`, run right before it: wall time, the ratio (bar:
+   <= 1.3x, flat in N), peak RSS of each (os.wait4, per child). Families: tp-ep = `--tp N --ep` up to TP 64, then
+   `--tp 32 --dp N/32 --ep`; tp = the same without --ep; dp-ep = `--tp 1 --dp N --ep`.
+3. The proof, same invocation: the whole-layout plans of Kimi-K2 TP32+EP and TP32 are cmp'd against plans/ (recorded
+   exhaustively when shipped); for TP32+EP, TP32 and DP128+EP, `--exhaustive` (every rank and layer recorded) runs on
+   a random subset of ranks, because a full exhaustive run takes minutes per layout, and each of those ranks'
+   instantiated plans must equal the extended plan's.
+4. Plan size on disk and instantiation: see `instantiation_rows` (LEAD: the columnar helper's table goes there).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import resource
+import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 
-def run_record(model: str, flags: list[str], out: Path) -> tuple[float, float, Path]:
+
+def run_record(model: str, flags: list[str], out: Path) -> tuple[float, float, str, Path]:
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stdout = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)   # the child's own peak RSS, not the max over all children
     wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
-        raise SystemExit(proc.stderr)
-    # ru_maxrss of children is the max over all children so far: run the smaller job first
-    rss = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 1024
-    note = [l for l in proc.stdout.splitlines() if l.startswith("recording:")]
-    print(f"  {' '.join(cmd[3:])}: {wall:.1f}s, {note[0] if note else ''}", flush=True)
-    return wall, rss, next(out.glob("*.plan"))
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{stdout[-3000:]}")
+    how = next((line[len("recording: "):] for line in stdout.splitlines() if line.startswith("recording:")), "")
+    return wall, usage.ru_maxrss / 1024, how, next(out.glob("*.plan"))
 
 
-def load_time(path: Path, ranks: list[int]) -> float:
+def import_vllm_seconds() -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import vllm"], check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def family_flags(family: str, n: int) -> list[str] | None:
+    if family == "dp-ep":
+        return ["--tp", "1", "--dp", str(n), "--ep"]
+    ep = ["--ep"] if family == "tp-ep" else []
+    if n <= 64:
+        return ["--tp", str(n), *ep]
+    if n % 32:
+        return None
+    return ["--tp", "32", "--dp", str(n // 32), *ep]
+
+
+def same_ranks(extended: Path, exhaustive: Path, ranks: list[int]) -> bool:
+    """Every listed rank's instantiated plan is equal in both files."""
+    code = f"""
+from shardplan.plan.planfile import PlanFile
+a, b = PlanFile.read({str(extended)!r}), PlanFile.read({str(exhaustive)!r})
+print(all(a.rank(r) == b.rank(r) and a.not_needed(r) == b.not_needed(r) for r in {ranks!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.strip() == "True"
+
+
+# ---- LEAD: plan instantiation table (issue 14 item 3, the columnar helper) goes here -----------------------
+def instantiation_rows(plans: dict[str, Path]) -> list[tuple[str, str, str]]:
+    """(measure, value, bar) rows for the plans recorded above (name -> path). For now: the issue-3 figures (size on
+    disk; load + instantiate one rank in a fresh trainer process without vLLM, median over three ranks)."""
+    rows = []
+    for name, path in plans.items():
+        rows.append((f"plan size {name}", f"{path.stat().st_size / 1024:.0f} KiB", "<= 2 MB"))
+        rows.append((f"load + instantiate one rank, {name}", f"{load_time(path) * 1e3:.1f} ms", "<= 50 ms"))
+    return rows
+
+
+def load_time(path: Path) -> float:
     code = f"""
 import sys, time, statistics
 class Block:
@@ -46,47 +91,72 @@ class Block:
 sys.meta_path.insert(0, Block())
 import torch  # a trainer has torch loaded already; not part of the plan's cost
 from shardplan.plan.planfile import PlanFile
+ranks = PlanFile.read({str(path)!r}).ranks
 times = []
-for rank in {ranks!r}:
+for rank in (ranks[0], ranks[len(ranks) // 2], ranks[-1]):
     t0 = time.perf_counter()
     plan = PlanFile.read({str(path)!r}).rank(rank)
     times.append(time.perf_counter() - t0)
-print(statistics.median(times), len(plan.writes))
+print(statistics.median(times))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    return float(out[0])
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+# ---- end of the LEAD section -------------------------------------------------------------------------------
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="kimi-k2")
-    ap.add_argument("--tp", type=int, default=32)
+    ap.add_argument("--curve", default="8,16,32,64,128,256")
+    ap.add_argument("--families", default="tp-ep,tp,dp-ep")
+    ap.add_argument("--exhaustive-ranks", type=int, default=2, help="ranks per layout recorded with --exhaustive")
     ap.add_argument("--skip-exhaustive", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    rows = []
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    rows = [("import vllm alone (vLLM's fixed share), fresh interpreter", f"{import_vllm_seconds():.1f} s", "")]
+    headline = {("tp-ep", 32): "tp32-ep", ("tp", 32): "tp32", ("dp-ep", 128): "dp128-ep"}
+    counts = sorted({int(n) for n in args.curve.split(",")} | ({32, 128} if args.model == "kimi-k2" else set()))
+    kept: dict[str, tuple[list[str], Path]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        print("recording (each in a child process):")
-        wall, rss, sampled = run_record(args.model, ["--tp", str(args.tp), "--ep"], tmp / "ep")
-        rows.append((f"record {args.model} tp{args.tp}-ep, all ranks", f"{wall:.1f} s", "<= 20 s"))
-        rows.append(("  peak RSS", f"{rss:.0f} MiB", "<= 1 GB"))
-        _, _, no_ep = run_record(args.model, ["--tp", str(args.tp)], tmp / "noep")
-        if not args.skip_exhaustive:
-            wall_x, rss_x, exhaustive = run_record(args.model, ["--tp", str(args.tp), "--ep", "--exhaustive"],
-                                                   tmp / "ex")
-            same = sampled.read_bytes() == exhaustive.read_bytes()
-            rows.append((f"  baseline --exhaustive", f"{wall_x:.1f} s ({wall_x / wall:.1f}x)", "brute force"))
-            rows.append(("  output byte-identical to --exhaustive", str(same), "True"))
-        rows.append((f"plan size tp{args.tp}-ep", f"{sampled.stat().st_size / 1024:.0f} KiB", "<= 1 MB"))
-        rows.append((f"plan size tp{args.tp}", f"{no_ep.stat().st_size / 1024:.0f} KiB", "<= 2 MB"))
-        ranks = [0, args.tp // 2, args.tp - 1]
-        rows.append((f"load + instantiate one rank, tp{args.tp}-ep", f"{load_time(sampled, ranks) * 1e3:.1f} ms",
-                     "<= 50 ms"))
-        rows.append((f"load + instantiate one rank, tp{args.tp}", f"{load_time(no_ep, ranks) * 1e3:.1f} ms",
-                     "(no bar)"))
-    print(f"\n{'measure':<48} {'value':>20} {'bar':>12}")
+        print(f"\n{'layout':<28} {'N':>4} {'one rank s':>10} {'all ranks s':>11} {'ratio':>6} {'RSS 1 / all MiB':>16}"
+              f"  how", flush=True)
+        for family in args.families.split(","):
+            for n in counts:
+                flags = family_flags(family, n)
+                if flags is None or (n not in map(int, args.curve.split(",")) and (family, n) not in headline):
+                    continue
+                tag = f"{family}-{n}"
+                one, rss_one, _, _ = run_record(args.model, [*flags, "--ranks", "0"], tmp / f"{tag}-one")
+                every, rss_all, how, plan = run_record(args.model, flags, tmp / tag)
+                recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
+                print(f"{' '.join(flags):<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
+                      f"{rss_one:>7.0f} / {rss_all:<7.0f} {recorded[:90]}", flush=True)
+                rows.append((f"record {' '.join(flags)} (N={n}) / --ranks 0", f"{every / one:.2f}x", "<= 1.3x"))
+                if (family, n) in headline:
+                    kept[headline[(family, n)]] = (flags, plan)
+        print(f"load average: {os.getloadavg()}", flush=True)
+        for name, (flags, plan) in kept.items():
+            shipped = ROOT / "plans" / f"{args.model}--{name}--bfloat16.plan"
+            if shipped.exists():
+                rows.append((f"{name}: byte-identical to plans/{shipped.name}",
+                             str(plan.read_bytes() == shipped.read_bytes()), "True"))
+            if args.skip_exhaustive:
+                continue
+            world = int(subprocess.run([sys.executable, "-c", f"from shardplan.plan.planfile import PlanFile; "
+                                        f"print(len(PlanFile.read({str(plan)!r}).ranks))"],
+                                       capture_output=True, text=True, check=True).stdout)
+            subset = sorted(random.Random(args.seed).sample(range(world), min(args.exhaustive_ranks, world)))
+            wall, _, _, exhaustive = run_record(args.model, [*flags, "--exhaustive", "--ranks",
+                                                             ",".join(map(str, subset))], tmp / f"{name}-ex")
+            rows.append((f"{name}: ranks {subset} equal to --exhaustive (random subset; a full exhaustive run takes "
+                         f"~{wall / len(subset) * world / 60:.0f} min)",
+                         str(same_ranks(plan, exhaustive, subset)), "True"))
+        rows += instantiation_rows({name: plan for name, (_, plan) in kept.items()})
+    print(f"\n{'measure':<100} {'value':>10} {'bar':>9}")
     for name, value, bar in rows:
-        print(f"{name:<48} {value:>20} {bar:>12}")
+        print(f"{name:<100} {value:>10} {bar:>9}")
+    print(f"load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
