@@ -4,16 +4,19 @@ Rank classes come from the layout: a loader sees the TP rank, and with expert pa
 of a pipeline stage, TP fastest) and how many experts it holds (vLLM gives the first `num_experts % ep_size` EP ranks
 one more). So ranks are grouped by pipeline stage and, under EP, by expert count; within a group the coordinate u is
 the EP rank under EP, else the TP rank (data-parallel replicas without EP load the same weights: they share u).
-With both TP > 1 and DP > 1 under EP, a rank's plan depends on its TP rank and its EP rank; each DP replica is then a
-class of its own (u = TP rank).
+With both TP > 1 and DP > 1 under EP, u = (TP rank, DP rank): experts follow the EP rank = DP rank x TP + TP rank,
+the rest the TP rank, both affine in u.
 
-Within a class, ranks are taken by bisection over the distinct coordinates: record the two ends, fit the line through
-them, record the middle one and compare it with the line's prediction, exactly. Equal: every rank between the ends is
-predicted. Not equal (or no line: other templates, row counts, indivisible offsets): split at the middle and do the
-same on both halves, recording more ranks, at worst every one. Ranks that share a coordinate (DP replicas) are
-predicted from the first; the class's last rank is recorded to check that, and if it differs every rank of the class
-is recorded.
-"""
+One coordinate: the first two ranks of a class determine the line (their difference is the exact change per rank),
+the last rank checks it; equal, every rank of the class is predicted. A loader's offsets are products of the rank
+(affine), floor divisions of it (kv heads replicated over TP ranks: a staircase, whose step between neighbours is 0
+or a whole head, never what the far end needs) and boundaries (padding rows on the last ranks, uneven experts: the
+far end is off the line unless two such breaks cancel there). Not equal, or no line at all (other templates, row
+counts, indivisible offsets): split at the middle and do the same on both halves, recording more ranks, at worst every
+one. Ranks that share a coordinate (DP replicas) are predicted from the first; the class's last rank is recorded to
+check that, and if it differs every rank of the class is recorded. Two coordinates: the first rank and its next along
+each axis determine the plane, the far corner checks it; otherwise one 1-D class per DP replica.
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
