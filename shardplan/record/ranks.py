@@ -16,6 +16,7 @@ counts, indivisible offsets): split at the middle and do the same on both halves
 one. Ranks that share a coordinate (DP replicas) are predicted from the first; the class's last rank is recorded to
 check that, and if it differs every rank of the class is recorded. Two coordinates: the first rank and its next along
 each axis determine the plane, the far corner checks it; otherwise one 1-D class per DP replica.
+"""
 
 from __future__ import annotations
 
