@@ -1,7 +1,7 @@
 """Issue-14 bars (and the issue-3 plan figures), measured in one invocation:
 
     python bench/compile_bench.py [--model kimi-k2] [--curve 8,16,32,64,128,256] [--families tp-ep,tp,dp-ep]
-                                  [--exhaustive-ranks 2] [--skip-exhaustive] [--seed 0]
+                                  [--exhaustive-ranks 2] [--skip-exhaustive] [--seed 0] [--repeat 1]
 
 1. The fixed part: `import vllm` alone in a fresh interpreter (vLLM's share), next to the one-rank command.
 2. The curve: for each layout family and rank count N, `shardplan record` of the whole layout (a child process,
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--exhaustive-ranks", type=int, default=2, help="ranks per layout recorded with --exhaustive")
     ap.add_argument("--skip-exhaustive", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="alternated runs per point; the fastest of each is kept")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rows = [("import vllm alone (vLLM's fixed share), fresh interpreter", f"{import_vllm_seconds():.1f} s", "")]
@@ -127,8 +128,12 @@ def main() -> None:
                 if flags is None or (n not in map(int, args.curve.split(",")) and (family, n) not in headline):
                     continue
                 tag = f"{family}-{n}"
-                one, rss_one, _, _ = run_record(args.model, [*flags, "--ranks", "0"], tmp / f"{tag}-one")
-                every, rss_all, how, plan = run_record(args.model, flags, tmp / tag)
+                ones, everys = [], []
+                for i in range(args.repeat):   # alternated, the fastest of each: the box's load swings within minutes
+                    ones.append(run_record(args.model, [*flags, "--ranks", "0"], tmp / f"{tag}-one-{i}"))
+                    everys.append(run_record(args.model, flags, tmp / f"{tag}-{i}"))
+                one, rss_one, _, _ = min(ones)
+                every, rss_all, how, plan = min(everys)
                 recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
                 print(f"{' '.join(flags):<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
                       f"{rss_one:>7.0f} / {rss_all:<7.0f} {recorded[:90]}", flush=True)
