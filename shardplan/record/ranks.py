@@ -3,8 +3,8 @@
 Rank classes come from the layout: a loader sees the TP rank, and with expert parallelism the EP rank (dp x tp ranks
 of a pipeline stage, TP fastest) and how many experts it holds (vLLM gives the first `num_experts % ep_size` EP ranks
 one more). So ranks are grouped by pipeline stage and, under EP, by expert count; within a group the coordinate u is
-the EP rank under EP, else the TP rank (data-parallel replicas without EP load the same weights: they share u).
-With both TP > 1 and DP > 1 under EP, u = (TP rank, DP rank): experts follow the EP rank = DP rank x TP + TP rank,
+the rank within the stage's DP x TP ranks (vLLM's MoE layers span the DP ranks with or without EP: experts split or
+sliced over DP x TP). With both TP > 1 and DP > 1, u = (TP rank, DP rank): experts follow DP rank x TP + TP rank,
 the rest the TP rank, both affine in u.
 
 One coordinate: the first two ranks of a class determine the line (their difference is the exact change per rank),
@@ -39,12 +39,11 @@ def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> 
     for rank in ranks:
         dp_rank, pp_rank, tp_rank = layout.coords(rank)
         key: tuple = (("pp", pp_rank),)
-        u: tuple[int, ...] = (tp_rank,)
-        if layout.ep:
-            ep_rank = dp_rank * layout.tp + tp_rank
-            if num_experts and num_experts % ep_size:
-                key += (("more experts", ep_rank < num_experts % ep_size),)
-            u = (tp_rank, dp_rank) if layout.tp > 1 and layout.dp > 1 else (ep_rank,)
+        # MoE layers span the DP ranks with or without EP (vLLM shards experts over dp x tp without EP too)
+        ep_rank = dp_rank * layout.tp + tp_rank
+        u: tuple[int, ...] = (tp_rank, dp_rank) if layout.tp > 1 and layout.dp > 1 else (ep_rank,)
+        if layout.ep and num_experts and num_experts % ep_size:
+            key += (("more experts", ep_rank < num_experts % ep_size),)
         classes.setdefault(key, RankClass(key)).coords[rank] = u
     return list(classes.values())
 

@@ -157,5 +157,5 @@ def test_rank_classes_follow_the_layout():
     by_key = {c.key: c.coords for c in rank_classes(Layout(tp=2, dp=3, ep=True), range(6), num_experts=8)}
     assert by_key == {(("pp", 0), ("more experts", True)): {0: (0, 0), 1: (1, 0)},
                       (("pp", 0), ("more experts", False)): {2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)}}
-    replicas = rank_classes(Layout(tp=2, dp=2), range(4))
-    assert [c.coords for c in replicas] == [{0: (0,), 1: (1,), 2: (0,), 3: (1,)}]
+    without_ep = rank_classes(Layout(tp=2, dp=2), range(4))   # MoE layers span the DP ranks without EP too
+    assert [c.coords for c in without_ep] == [{0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}]
