@@ -24,15 +24,28 @@ def ordinals(values: list) -> tuple[np.ndarray, list]:
     return np.asarray([at[v] for v in values], dtype=np.int64), distinct
 
 
+_HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
+
+
 def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the first row of each distinct row, distinct id per row)."""
+    """(index of the first row of each distinct row, distinct id per row). Rows become one int64 key each (mixed
+    radix when it fits, else a multiplicative hash checked for collisions), so this is one 1-D sort."""
     if len(matrix) == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     keyed = row_keys(matrix)
-    if keyed is None:
-        _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
+    if keyed is not None:
+        keys = keyed[0]
+    elif matrix.shape[1] <= len(_HASH):
+        with np.errstate(over="ignore"):
+            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
     else:
-        _, first, inverse = np.unique(keyed[0], return_index=True, return_inverse=True)
+        keys = None
+    if keys is not None:
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if keyed is not None or (matrix[first][inverse] == matrix).all():
+            return first, inverse
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
     return first, inverse.reshape(-1)
 
 
@@ -49,7 +62,10 @@ def region_tuples(cols: WriteColumns, side: str, rows: np.ndarray) -> list[tuple
 
 def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
     """Per write: an id of its distinct (source region geometry, destination sizes); and per id the
-    (broadcast source region or None, (collapsed sizes, collapsed strides)) replay reads it with."""
+    (broadcast source region or None, (collapsed sizes, collapsed strides)) replay reads it with. Cached on cols."""
+    got = cols._cache.get("geometry_keys")
+    if got is not None:
+        return got
     matrix = np.concatenate([cols.src_ndim[:, None], cols.src_sizes, cols.src_strides, cols.dst_ndim[:, None],
                              cols.dst_sizes], axis=1)
     matrix[cols.src < 0] = 0   # computed writes: one shared id (their geometry is not used)
@@ -61,6 +77,7 @@ def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
         dst_sizes = tuple(cols.dst_sizes[i, :n_dst].tolist())
         src = broadcast_region(region, dst_sizes)
         out.append((src, collapse(*((src or region).sizes, (src or region).strides))))
+    cols._cache["geometry_keys"] = inverse, out
     return inverse, out
 
 
