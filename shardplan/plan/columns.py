@@ -68,6 +68,42 @@ def row_keys(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
     return (rows - lows) @ mults, lows, mults
 
 
+_HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
+
+
+def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the first row of each distinct row, distinct id per row). Rows become one int64 key each (mixed
+    radix when it fits, else a multiplicative hash checked for collisions); keys of a small range are numbered
+    without sorting."""
+    n = len(matrix)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    keyed = row_keys(matrix)
+    if keyed is not None:
+        keys = keyed[0]
+        top = int(keys.max()) + 1
+        if top <= 4 * n + 4096:
+            present = np.zeros(top, dtype=bool)
+            present[keys] = True
+            dense = np.cumsum(present) - 1
+            inverse = dense[keys]
+            first = np.full(int(dense[-1]) + 1, n, dtype=np.int64)
+            np.minimum.at(first, inverse, np.arange(n, dtype=np.int64))
+            return first, inverse
+    elif matrix.shape[1] <= len(_HASH):
+        with np.errstate(over="ignore"):
+            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
+    else:
+        keys = None
+    if keys is not None:
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if keyed is not None or (matrix[first][inverse] == matrix).all():
+            return first, inverse
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
+    return first, inverse.reshape(-1)
+
+
 # ---- source ids -----------------------------------------------------------------------------------------------
 class SourceIds:
     """Numbers checkpoint tensor names: `ids(text, holes)` -> int64 ids (-1: not a name of this table)."""
@@ -230,7 +266,8 @@ class WriteColumns:
     """One rank's writes as columns (see the module docstring). Build with `from_writes` or `planrank`."""
 
     def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
-                 src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds):
+                 src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,
+                 classes: Mapping[str, np.ndarray] | None = None):
         self.param_names = tuple(param_names)
         self.param = np.asarray(param, dtype=np.int64)
         self.dst_offset, self.dst_ndim = np.asarray(dst_offset, dtype=np.int64), np.asarray(dst_ndim, dtype=np.int64)
@@ -241,6 +278,29 @@ class WriteColumns:
         self.computed = dict(computed)
         self.sources = sources
         self._cache: dict = {}
+        self._classes = dict(classes or {})
+
+    def region_classes(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(class per write, a representative write per class) of the `side` ("dst"/"src") region geometry (ndim,
+        sizes, strides): equal classes have equal geometry (equal geometries may still be two classes). From the
+        templates when instantiated from a plan file (a template's geometry rarely varies), else computed."""
+        key = ("classes", side)
+        got = self._cache.get(key)
+        if got is None:
+            classes = self._classes.get(side)
+            if classes is None:
+                matrix = np.concatenate([getattr(self, f"{side}_ndim")[:, None], getattr(self, f"{side}_sizes"),
+                                         getattr(self, f"{side}_strides")], axis=1)
+                first, classes = distinct_rows(matrix)
+            else:
+                first = np.full(int(classes.max(initial=-1)) + 1, len(classes), dtype=np.int64)
+                np.minimum.at(first, classes, np.arange(len(classes), dtype=np.int64))
+                used = first < len(classes)
+                if not used.all():   # renumber densely
+                    remap = np.cumsum(used) - 1
+                    classes, first = remap[classes], first[used]
+            got = self._cache[key] = (classes, first)
+        return got
 
     def __len__(self) -> int:
         return len(self.param)

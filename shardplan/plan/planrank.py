@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.columns import WriteColumns, expand_trie, row_keys, table_ids
+from shardplan.plan.columns import WriteColumns, distinct_rows, expand_trie, row_keys, table_ids
 from shardplan.plan.compile import PlanBody
 from shardplan.plan.planbounds import _overlapping, check_bounds
 from shardplan.plan.planerrors import PlanBoundsError, advice
@@ -19,6 +19,7 @@ from shardplan.plan.template import Filler, pure_view_form, trie_child, unflatte
 
 _FIELDS = ("param", "dst_offset", "dst_ndim", "dst_sizes", "dst_strides", "src", "src_offset", "src_ndim",
            "src_sizes", "src_strides")
+_CLASSES = ("dst_class", "src_class")
 
 
 def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
@@ -45,19 +46,23 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
             block = _pure_block(form, g.coeffs, holes, param_index, ids, rank, path, _name_cache(body))
             for side in ("dst", "src"):
                 _check_boxes(block, side, names, param_numels, ids, rank, path)
+                block[f"{side}_class"] = (np.zeros(len(holes), dtype=np.int64) if block["constant"][side]
+                                          else _classes(block, side))
             blocks.append(block)
     num_free = sum(len(b["param"]) for b in blocks)
     free = _concat(blocks)
     order = _canonical_order(free, names)
-    free = {k: v[order] for k, v in free.items() if k in _FIELDS}
+    free = {k: v[order] for k, v in free.items() if k in _FIELDS + _CLASSES}
     ordered = list(body.ordered.get(rank, ()))
     generic += ordered
     if generic:
         check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
     cols = _concat([free, _object_block(names, ordered, ids)])
-    objects = _computed_objects(blocks, order, ordered, num_free)
+    objects = _computed_objects(blocks, order, ordered, num_free) if any(
+        b["objects"] for b in blocks) or ordered else {}
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}
-    return WriteColumns(names, *(cols[k] for k in _FIELDS), computed=computed, sources=ids)
+    return WriteColumns(names, *(cols[k] for k in _FIELDS), computed=computed, sources=ids,
+                        classes={"dst": cols["dst_class"], "src": cols["src_class"]})
 
 
 def _name_cache(body: PlanBody) -> dict:
@@ -113,7 +118,14 @@ def _object_block(names, writes, ids) -> dict:
     cols = WriteColumns.from_writes(names, writes, ids)
     out = {k: getattr(cols, k) for k in _FIELDS}
     out["objects"] = list(writes)
+    for side in ("dst", "src"):
+        out[f"{side}_class"] = _classes(out, side)
     return out
+
+
+def _classes(block: dict, side: str) -> np.ndarray:
+    return distinct_rows(np.concatenate([block[f"{side}_ndim"][:, None], block[f"{side}_sizes"],
+                                         block[f"{side}_strides"]], axis=1))[1]
 
 
 def _concat(blocks: list[dict]) -> dict:
@@ -124,9 +136,14 @@ def _concat(blocks: list[dict]) -> dict:
         matrix = k.endswith("sizes") or k.endswith("strides")
         out[k] = (np.full((n, width), 1 if k.endswith("sizes") else 0, dtype=np.int64) if matrix
                   else np.empty(n, dtype=np.int64))
-    start = 0
+    for k in _CLASSES:
+        out[k] = np.empty(n, dtype=np.int64)
+    start, base = 0, {k: 0 for k in _CLASSES}
     for b in blocks:
         stop = start + len(b["param"])
+        for k in _CLASSES:
+            out[k][start:stop] = b[k] + base[k]
+            base[k] += int(b[k].max(initial=-1)) + 1
         for k in _FIELDS:
             if b[k].ndim == 2:
                 out[k][start:stop, :b[k].shape[1]] = b[k]

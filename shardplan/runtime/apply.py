@@ -116,9 +116,9 @@ class Applier:
         items = self.__dict__.get("_item_objects")
         if items is None:
             placed, names = self._placed, self._columns.param_names
-            items = [_Item(w, off, names[p], dst, *placed.geometry[g], dtype) for w, off, p, dst, g, dtype in
+            items = [_Item(w, off, names[p], dst, *placed.geometry[g], placed.dtypes[d]) for w, off, p, dst, g, d in
                      zip(placed.write.tolist(), placed.offset.tolist(), placed.param.tolist(),
-                         placed.dst_offset.tolist(), placed.geometry_id.tolist(), placed.dtype)]
+                         placed.dst_offset.tolist(), placed.geometry_id.tolist(), placed.dtype_id.tolist())]
             self.__dict__["_item_objects"] = items
         return items
 

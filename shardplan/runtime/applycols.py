@@ -7,20 +7,21 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns
 from shardplan.plan.interp import PlanError
-from shardplan.plan.names import base_group, group_of
+from shardplan.plan.names import base_group
 from shardplan.plan.overlap import overlap_levels
-from shardplan.runtime.packcols import distinct_rows, extents, region_tuples
+from shardplan.runtime.packcols import extents, group_cached, region_tuples
 from shardplan.runtime.tensors import collapse
 
 
 class Placement:
     """This rank's writes placed in the layout, as columns: write index, buffer offset, param id (in the plan's
-    params), destination offset, collapsed geometry id (`geometry[id]` = (sizes, strides)), dtype name per row;
+    params), destination offset, collapsed geometry id (`geometry[id]` = (sizes, strides)), dtype id (in `dtypes`) per row;
     only segments with bytes. `seen`: bool per write, True where the layout has a ref for it."""
 
-    def __init__(self, write, offset, param, dst_offset, geometry_id, geometry, dtype, seen):
+    def __init__(self, write, offset, param, dst_offset, geometry_id, geometry, dtype_id, dtypes, seen):
         self.write, self.offset, self.param, self.dst_offset = write, offset, param, dst_offset
-        self.geometry_id, self.geometry, self.dtype, self.seen = geometry_id, geometry, dtype, seen
+        self.geometry_id, self.geometry, self.dtype_id, self.dtypes, self.seen = (geometry_id, geometry, dtype_id,
+                                                                                  dtypes, seen)
 
 
 def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
@@ -69,18 +70,18 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     # a layout of one part of a split group holds only some of the group's writes: nothing to check against
     groups = set() if len(names) == 1 and "/" in names[0] else {base_group(g) for g in names}
     if groups:
-        in_groups = np.asarray([group_of(name) in groups for name in cols.param_names], dtype=bool)
+        in_groups = np.asarray([group_cached(name) in groups for name in cols.param_names], dtype=bool)
         missing = np.nonzero(~seen & in_groups[cols.param])[0].tolist()
         if missing:
             raise mismatch(f"rank {rank}: writes {missing[:8]} (of {len(missing)}) have no segment in the layout: "
                            f"compute the layout from the same plans")
     live = table.nbytes[seg] > 0
     seg, index = seg[live], index[live]
-    first, geo = distinct_rows(np.concatenate([cols.dst_ndim[index, None], cols.dst_sizes[index],
-                                               cols.dst_strides[index]], axis=1))
-    geometry = [collapse(sizes, strides) for sizes, strides in region_tuples(cols, "dst", index[first])]
+    dst_class, reps = cols.region_classes("dst")
+    geo = dst_class[index]
+    geometry = [collapse(sizes, strides) for sizes, strides in region_tuples(cols, "dst", reps)]
     return Placement(index, table.offset[seg], cols.param[index], cols.dst_offset[index], geo, geometry,
-                     [table.dtypes[d] for d in table.dtype[seg].tolist()], seen)
+                     table.dtype[seg], table.dtypes, seen)
 
 
 def overlap_steps(cols: WriteColumns, placed: Placement) -> np.ndarray:

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.columns import WriteColumns, columns_of, row_keys
+from shardplan.plan.columns import WriteColumns, columns_of, distinct_rows, row_keys  # noqa: F401
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import group_of, group_order
 from shardplan.runtime.tensors import broadcast_region, collapse
@@ -22,31 +22,6 @@ def ordinals(values: list) -> tuple[np.ndarray, list]:
     distinct = sorted(set(values))
     at = {v: i for i, v in enumerate(distinct)}
     return np.asarray([at[v] for v in values], dtype=np.int64), distinct
-
-
-_HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
-
-
-def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the first row of each distinct row, distinct id per row). Rows become one int64 key each (mixed
-    radix when it fits, else a multiplicative hash checked for collisions), so this is one 1-D sort."""
-    if len(matrix) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    keyed = row_keys(matrix)
-    if keyed is not None:
-        keys = keyed[0]
-    elif matrix.shape[1] <= len(_HASH):
-        with np.errstate(over="ignore"):
-            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
-    else:
-        keys = None
-    if keys is not None:
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        if keyed is not None or (matrix[first][inverse] == matrix).all():
-            return first, inverse
-    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
-    return first, inverse.reshape(-1)
 
 
 def real_dims(ndim: np.ndarray, width: int) -> np.ndarray:
@@ -66,10 +41,10 @@ def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
     got = cols._cache.get("geometry_keys")
     if got is not None:
         return got
-    matrix = np.concatenate([cols.src_ndim[:, None], cols.src_sizes, cols.src_strides, cols.dst_ndim[:, None],
-                             cols.dst_sizes], axis=1)
-    matrix[cols.src < 0] = 0   # computed writes: one shared id (their geometry is not used)
-    first, inverse = distinct_rows(matrix)
+    src_class, _ = cols.region_classes("src")
+    dst_class, _ = cols.region_classes("dst")
+    pair = np.where(cols.src < 0, -1, src_class * (int(dst_class.max(initial=0)) + 1) + dst_class)
+    first, inverse = distinct_rows(pair[:, None])   # computed writes: one shared id (their geometry is unused)
     out = []
     for i in first.tolist():
         n_src, n_dst = int(cols.src_ndim[i]), int(cols.dst_ndim[i])
@@ -115,8 +90,8 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     param_names = list(param_gid)
     # per global param: name ordinal, group ordinal, dtype ordinal (Python per param, not per write)
     name_ord, _ = ordinals(param_names)
-    groups = [group_of(n) for n in param_names]
-    group_keys = [group_order(g) for g in groups]
+    groups = [group_cached(n) for n in param_names]
+    group_keys = [_group_order(g) for g in groups]
     group_ord, group_sorted = ordinals(list(zip(group_keys, groups)))
     group_names = [g for _, g in group_sorted]
     # a param's dtype is the plan's (two ranks' plans may disagree: different bytes)
@@ -133,9 +108,9 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
         gid = per_plan[rank_pos][cols.param]
         geo_id, geo_table = geometry_keys(cols)
         geometry_tables.append(geo_table)
-        first, dst_id = distinct_rows(np.concatenate([cols.dst_ndim[:, None], cols.dst_sizes, cols.dst_strides], 1))
+        dst_id, first = cols.region_classes("dst")
         dst_tables.append(region_tuples(cols, "dst", first))
-        sfirst, src_geo = distinct_rows(np.concatenate([cols.src_ndim[:, None], cols.src_sizes, cols.src_strides], 1))
+        src_geo, sfirst = cols.region_classes("src")
         src_tables.append(region_tuples(cols, "src", sfirst))
         src = src_ids[rank_pos].copy()
         for i, w in cols.computed.items():   # computed writes: identical bytes only for equal source expressions
@@ -153,11 +128,13 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
     src_geo = _global_ordinals(w["srcgeo"], src_tables)
     gp = w["param"]
-    order = np.lexsort((w["index"], w["dst_offset"], dst_ord, dsz_ord, name_ord[gp], geo_ord, w["dtype"],
-                        w["kind"], w["rank_pos"], group_ord[gp]))
-    order = _break_ties(order, w, [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp],
-                                   dsz_ord, dst_ord, w["dst_offset"]], all_cols)
-    w = {k: v[order] for k, v in w.items()}
+    prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
+    packed = row_keys(np.stack(prefix, axis=1)) if len(gp) else None   # mixed radix keeps lexicographic order
+    if packed is not None:
+        prefix = [packed[0]]
+    order = np.lexsort([w["dst_offset"]] + prefix[::-1])   # stable: ties keep plan order (the index key)
+    order = _break_ties(order, w, prefix + [w["dst_offset"]], all_cols)
+    w = {k: w[k][order] for k in ("rank_pos", "dtype", "rank", "index", "param", "src", "src_offset")}
     dsz_ord = dsz_ord[order]
     gp = w["param"]
     # dedup: identical bytes = same source view, same destination dtype and shape, same group
@@ -198,6 +175,27 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
         spans, out["group"], out["group_names"] = _split(spans, out, max_group_bytes, keep_whole)
     out["spans"] = spans
     return out
+
+
+_GROUPS: dict[str, str] = {}
+_GROUP_ORDERS: dict[str, tuple] = {}
+
+
+def group_cached(name: str) -> str:
+    """group_of, remembered per name (a layout asks it for every param of every plan)."""
+    got = _GROUPS.get(name)
+    if got is None:
+        if len(_GROUPS) > 1 << 18:
+            _GROUPS.clear()
+        got = _GROUPS[name] = group_of(name)
+    return got
+
+
+def _group_order(group: str) -> tuple:
+    got = _GROUP_ORDERS.get(group)
+    if got is None:
+        got = _GROUP_ORDERS[group] = group_order(group)
+    return got
 
 
 _LOCAL = 1 << 21   # > plancheck.MAX_WRITES_PER_RANK: local ids of plan `pos` are pos * _LOCAL + id
