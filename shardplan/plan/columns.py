@@ -305,6 +305,15 @@ class WriteColumns:
     def __len__(self) -> int:
         return len(self.param)
 
+    def written_params(self) -> tuple[str, ...]:
+        """Names of the params the writes write, sorted."""
+        return tuple(sorted(self.param_names[i] for i in np.unique(self.param).tolist()))
+
+    def sources_of(self, i: int) -> tuple[str, ...]:
+        """Names of the checkpoint tensors write i reads, sorted."""
+        w = self.computed.get(i)
+        return (self.source_name(i),) if w is None else tuple(sorted(ir.sources(w.src.leaf)))
+
     @property
     def pure(self) -> np.ndarray:
         """Bool per write: a pure view of one checkpoint tensor (replayed with zero ops)."""

@@ -90,7 +90,7 @@ class Applier:
         metas = {p.name: p for p in plan.params}
         self._columns = cols = columns_of(plan)
         self.params = {}
-        for name in sorted({cols.param_names[i] for i in np.unique(cols.param).tolist()}):
+        for name in cols.written_params():
             check_tensor("param", name, params.get(name), metas[name], None)
             self.params[name] = params[name]
         self._placed = place(plan, cols, layout, LayoutMismatchError)

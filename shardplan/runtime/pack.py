@@ -146,6 +146,10 @@ class SegmentTable(Sequence):
         arrays["ref_start"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return SegmentTable(arrays, self.dtypes, self.group_names, self.param_names)
 
+    def params(self) -> tuple[str, ...]:
+        """Names of the params the segments' refs write, sorted."""
+        return tuple(sorted(self.param_names[i] for i in np.unique(self.ref_param).tolist()))
+
     def digest_update(self, h) -> None:
         """Feed every field to a hash; names by value (ids are renumbered by the sorted names they stand for), region
         rows without padding: equal segments hash alike whatever tables hold them."""

@@ -44,7 +44,8 @@ def _meta_params(plan):
 def test_shipped_plans_columnar_equals_objects(path):
     plan_file = PlanFile.read(path)
     ranks = plan_file.ranks
-    sample = [ranks[-1]] if any(b in path for b in BIG) else sorted({ranks[0], ranks[len(ranks) // 2], ranks[-1]})
+    big = any(b in path for b in BIG)
+    sample = [ranks[-1]] if big else sorted({ranks[0], ranks[-1]})
     for rank in sample:
         plan, objects = plan_file.rank(rank), plan_file.rank_objects(rank)
         assert isinstance(plan.writes, LazyWrites) and len(plan.writes) == len(objects.writes)
@@ -54,13 +55,13 @@ def test_shipped_plans_columnar_equals_objects(path):
         _assert_same_layout(layout, [objects])
         # the same layout from the object plan (columns built from ir.Write objects) has the same digest
         assert PackLayout.from_plans(objects).digest == layout.digest
-        split = PackLayout.from_plans(plan, 256, 1 << 22)
-        _assert_same_layout(split, [objects], 256, 1 << 22)
+        if not big:
+            _assert_same_layout(PackLayout.from_plans(plan, 256, 1 << 22), [objects], 256, 1 << 22)
         replayer = Replayer(plan, plan_file.sources)
         assert replayer.layout.digest == layout.digest
         applier = Applier(plan, replayer.layout, _meta_params(plan))
         assert len(applier._items) == sum(1 for s in layout.segments for r in s.refs if s.nbytes)
-    if len(ranks) > 1 and not any(b in path for b in BIG):
+    if len(ranks) > 1 and not big:
         pair = [plan_file.rank(r) for r in ranks[:2]]
         _assert_same_layout(PackLayout.from_plans(pair), [plan_file.rank_objects(r) for r in ranks[:2]])
 
