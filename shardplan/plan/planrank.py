@@ -57,7 +57,7 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     generic += ordered
     if generic:
         check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
-    cols = _concat([free, _object_block(names, ordered, ids)])
+    cols = _concat([free, _object_block(names, ordered, ids)]) if ordered else free
     objects = _computed_objects(blocks, order, ordered, num_free) if any(
         b["objects"] for b in blocks) or ordered else {}
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}

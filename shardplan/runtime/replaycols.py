@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.columns import WriteColumns, columns_of
+from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
 from shardplan.plan.interp import PlanError, resolve_op
 from shardplan.runtime.packcols import extents, geometry_keys, ordinals
 
@@ -17,12 +17,20 @@ def source_numels(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.
     return cols.sources.numels(ids, sources)
 
 
-def source_dtypes(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.TensorMeta]) -> list[str]:
-    """dtype per id (ids are distinct: callers pass np.unique output)."""
-    dtypes = getattr(cols.sources, "dtypes", None)
-    if dtypes is not None:
-        return dtypes(ids, sources)
-    return [sources[cols.sources.name(int(i))].dtype for i in ids.tolist()]
+def source_dtypes(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.TensorMeta]
+                  ) -> tuple[np.ndarray, list[str]]:
+    """(code per id, dtype names the codes index) as `sources` describes the tensors; vectorised when `sources` is
+    the plan file's own table."""
+    table = cols.sources
+    if isinstance(table, TableSourceIds) and sources is table.table:
+        names = sorted({d for _, d in table.metas_by_row})
+        code = {d: i for i, d in enumerate(names)}
+        row_codes = np.asarray([code[d] for _, d in table.metas_by_row], dtype=np.int64)
+        return row_codes[np.searchsorted(table.bases, ids, side="right") - 1], names
+    dtypes = [sources[table.name(int(i))].dtype for i in ids.tolist()]
+    names = sorted(set(dtypes))
+    code = {d: i for i, d in enumerate(names)}
+    return np.asarray([code[d] for d in dtypes], dtype=np.int64), names
 
 
 def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta]) -> None:
@@ -79,7 +87,7 @@ def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, i
     rep_rank, rep_index = segments.ref_rank[first_ref], segments.ref_index[first_ref]
     pure = np.zeros(num, dtype=bool)
     key_parts = np.zeros((num, 3), dtype=np.int64)   # source dtype, geometry, plan position (global ordinals)
-    geometries, dtype_of = [], []
+    geometries, dtype_names = [], []
     for pos, plan in enumerate(plans):
         mask = rep_rank == plan.rank
         if not mask.any():
@@ -89,16 +97,15 @@ def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, i
         src = cols.src[index]
         pure[mask] = src >= 0
         geo_id, geo_table = geometry_keys(cols)
-        used, at = np.unique(src[src >= 0], return_inverse=True)
-        dtypes = source_dtypes(cols, used, sources)
+        codes, names = source_dtypes(cols, src[src >= 0], sources)
         dtype_local = np.zeros(len(index), dtype=np.int64)
-        dtype_local[src >= 0] = len(dtype_of) + at.reshape(-1)
-        dtype_of += dtypes
+        dtype_local[src >= 0] = len(dtype_names) + codes
+        dtype_names += names
         key_parts[mask, 0] = dtype_local
         key_parts[mask, 1] = len(geometries) + geo_id[index]
         geometries += [g for _, g in geo_table]
         key_parts[mask, 2] = pos
-    dtype_ord, dtype_names = ordinals(dtype_of or [""])
+    dtype_ord, dtype_names = ordinals(dtype_names or [""])
     geo_ord, geo_values = ordinals(geometries or [((), ())])
     computed = np.nonzero(~pure & (segments.nbytes > 0))[0].tolist()
     live = np.nonzero(pure & (segments.nbytes > 0))[0]
