@@ -30,6 +30,7 @@ from typing import Mapping
 import torch
 
 from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
+from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.pack import PackLayout, fallback_slots
@@ -54,12 +55,13 @@ class ReloadUnpacker:
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        self.model, self.plan, self.sources = model, plan, dict(sources)
+        # a plan file's source table stays templated (a dict of it would spell out every checkpoint name)
+        self.model, self.plan, self.sources = model, plan, dict(sources) if isinstance(sources, dict) else sources
         self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
         self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
         metas = {p.name: p for p in plan.params}
         self.targets: dict[str, tuple[torch.nn.Module, str]] = {}
-        for name in sorted({w.param for w in plan.writes}):
+        for name in columns_of(plan).written_params():
             module_name, _, attr = name.rpartition(".")
             try:
                 module = model.get_submodule(module_name)
@@ -87,7 +89,7 @@ class ReloadUnpacker:
         self.group_params: dict[str, list[str]] = {}
         self.module_groups: dict[torch.nn.Module, set[str]] = {}
         for g in self.layout.groups:
-            names = sorted({ref.param for s in self.layout.group(g.name).segments for ref in s.refs})
+            names = list(self.layout.group(g.name).segments.params())
             self.group_params[g.name] = names
             modules = []
             for n in names:

@@ -38,6 +38,8 @@ from shardplan.plan.plancheck import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_
 from shardplan.plan.planerrors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
                          PlanFormatVersionError, PlanLimitError, PlanNotCanonical, PlanOpNotAllowed, PlanOversize,
                          PlanRankNotCovered, PlanTruncated, PlanUnreadable, PlanWriteError, advice)
+from shardplan.plan.columns import LazyWrites
+from shardplan.plan.planrank import rank_columns
 from shardplan.plan.template import flatten_write, unflatten_write
 
 MAGIC = b"SHRDPLAN"
@@ -303,21 +305,32 @@ class PlanFile:
                                      f"missing ranks with `shardplan record --ranks` (docs/recording.md).")
 
     def rank(self, rank: int) -> ir.RankPlan:
-        """The rank's writes, bounds-checked (vectorised per template). `not_needed` is left empty here: ask
+        """The rank's writes, bounds-checked (vectorised), as columns (plan/columns.py): `plan.writes` is a
+        `LazyWrites` that builds `ir.Write` objects only when indexed. `not_needed` is left empty here: ask
         `not_needed(rank)`, which materialises every checkpoint name."""
         if rank not in self._cache:
             self.check_rank(rank)
-            rank_params = set(self.body.rank_params[rank])
-
-            def check(group, holes):
-                check_group_bounds(group, holes, self.body, rank_params, rank, self.path)
-            plan = instantiate(self.body, rank, check)
-            # writes of non-view templates and ordered writes were not covered by the vectorised check
-            num_free = len(plan.writes) - len(self.body.ordered.get(rank, ()))
-            generic = [w for w in plan.writes[:num_free] if not ir.is_pure_view(w)] + list(plan.writes[num_free:])
-            check_bounds(plan, self.body.sources, self.path, generic)
-            self._cache[rank] = plan
+            columns = rank_columns(self.body, rank, self.path)
+            self._cache[rank] = ir.RankPlan(rank=rank, params=tuple(self.body.params[n] for n in
+                                                                    self.body.rank_params[rank]),
+                                            writes=LazyWrites(columns),
+                                            fallbacks=tuple(self.body.fallbacks.get(rank, ())))
         return self._cache[rank]
+
+    def rank_objects(self, rank: int) -> ir.RankPlan:
+        """The rank's plan with one `ir.Write` object per write (the pre-columnar path: tests and benchmarks compare
+        `rank` against it)."""
+        self.check_rank(rank)
+        rank_params = set(self.body.rank_params[rank])
+
+        def check(group, holes):
+            check_group_bounds(group, holes, self.body, rank_params, rank, self.path)
+        plan = instantiate(self.body, rank, check)
+        # writes of non-view templates and ordered writes were not covered by the vectorised check
+        num_free = len(plan.writes) - len(self.body.ordered.get(rank, ()))
+        generic = [w for w in plan.writes[:num_free] if not ir.is_pure_view(w)] + list(plan.writes[num_free:])
+        check_bounds(plan, self.body.sources, self.path, generic)
+        return plan
 
     def not_needed(self, rank: int) -> tuple[str, ...]:
         plan = self.rank(rank)

@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.plan import ir
-from shardplan.plan.interp import MissingTensorError, PlanError, region_view, to_dtype
-from shardplan.plan.names import base_group, group_of
-from shardplan.plan.overlap import overlap_levels
+from shardplan.plan.columns import columns_of
+from shardplan.plan.interp import MissingTensorError, region_view, to_dtype
+from shardplan.runtime.applycols import overlap_steps, place
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, capture_graph, check_tensor, collapse, storage_ptr,
                                        storage_view, widen)
@@ -87,14 +88,15 @@ class Applier:
                                         f"lambda n, t: model.load_weights([(n, t)])")
         self.fallback_loader = fallback_loader
         metas = {p.name: p for p in plan.params}
+        self._columns = cols = columns_of(plan)
         self.params = {}
-        for name in sorted({w.param for w in plan.writes}):
+        for name in cols.written_params():
             check_tensor("param", name, params.get(name), metas[name], None)
             self.params[name] = params[name]
-        self._items = self._place()
-        self._steps = self._plan_steps()
+        self._placed = place(plan, cols, layout, LayoutMismatchError)
         self._bound: dict[tuple, list[Callable]] = {}
-        self._touched = sorted({it.param for it in self._items})   # the params this Applier's layout writes
+        # the params this Applier's layout writes
+        self._touched = sorted({cols.param_names[i] for i in np.unique(self._placed.param).tolist()})
         self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()
@@ -108,50 +110,32 @@ class Applier:
         return cls(plan, layout, tensors, fallback_loader=fallback_loader)
 
     # -- plan-only precomputation --
-    def _place(self) -> list[_Item]:
-        writes = self.plan.writes
-        metas = {p.name: p for p in self.plan.params}
-        items, seen = [], set()
-        if self.plan.rank not in self.layout.ranks:
-            raise LayoutMismatchError(f"the layout was computed for consumer ranks {list(self.layout.ranks)}, "
-                                      f"not rank {self.plan.rank}")
-        for seg in self.layout.segments:
-            for ref in seg.refs:
-                if ref.rank != self.plan.rank:
-                    continue
-                w = writes[ref.index] if ref.index < len(writes) else None
-                if (w is None or w.param != ref.param or tuple(w.dst.sizes) != seg.shape
-                        or metas[w.param].dtype != seg.dtype):
-                    raise LayoutMismatchError(f"rank {self.plan.rank}: layout segment at byte {seg.offset} "
-                                              f"({seg.dtype}{list(seg.shape)} for {ref.param!r}, write {ref.index}) "
-                                              f"does not match the plan: compute the layout from the same plans")
-                lo, hi = w.dst.extent()
-                if w.dst.numel and (lo < 0 or hi > metas[w.param].numel):
-                    raise PlanError(f"rank {self.plan.rank}: write {ref.index} writes elements [{lo}, {hi}) of "
-                                    f"{w.param!r}, which has {metas[w.param].numel}")
-                seen.add(ref.index)
-                sizes, strides = collapse(w.dst.sizes, w.dst.strides)
-                if seg.nbytes:
-                    items.append(_Item(ref.index, seg.offset, w.param, w.dst.offset, sizes, strides, seg.dtype))
-        names = self.layout.group_names
-        # a layout of one part of a split group holds only some of the group's writes: nothing to check against
-        groups = set() if len(names) == 1 and "/" in names[0] else {base_group(g) for g in names}
-        missing = [i for i, w in enumerate(writes) if i not in seen and group_of(w.param) in groups]
-        if missing:
-            raise LayoutMismatchError(f"rank {self.plan.rank}: writes {missing[:8]} (of {len(missing)}) have no "
-                                      f"segment in the layout: compute the layout from the same plans")
+    @property
+    def _items(self) -> list[_Item]:
+        """The placed writes as `_Item` objects (built when first needed: at the first bind)."""
+        items = self.__dict__.get("_item_objects")
+        if items is None:
+            placed, names = self._placed, self._columns.param_names
+            items = [_Item(w, off, names[p], dst, *placed.geometry[g], placed.dtypes[d]) for w, off, p, dst, g, d in
+                     zip(placed.write.tolist(), placed.offset.tolist(), placed.param.tolist(),
+                         placed.dst_offset.tolist(), placed.geometry_id.tolist(), placed.dtype_id.tolist())]
+            self.__dict__["_item_objects"] = items
         return items
 
-    def _plan_steps(self) -> list[list[list[_Item]]]:
+    @property
+    def _steps(self) -> list[list[list[_Item]]]:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
-        levels = overlap_levels((it.param, *self.plan.writes[it.write].dst.extent(), it.write) for it in self._items)
-        steps: list[list[list[_Item]]] = [[] for _ in range(1 + max(levels.values(), default=-1))]
-        for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
-            runs = steps[levels[item.write]]
-            if runs and self._extends(runs[-1], item):
-                runs[-1].append(item)
-            else:
-                runs.append([item])
+        steps = self.__dict__.get("_step_lists")
+        if steps is None:
+            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed).tolist()))
+            steps = [[] for _ in range(1 + max(levels.values(), default=-1))]
+            for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
+                runs = steps[levels[item.write]]
+                if runs and self._extends(runs[-1], item):
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
+            self.__dict__["_step_lists"] = steps
         return steps
 
     @staticmethod
@@ -297,7 +281,7 @@ class Applier:
         """param -> destination regions this Applier writes (its layout's writes), for completeness proofs."""
         regions: dict[str, list[ir.Region]] = {}
         for it in self._items:
-            regions.setdefault(it.param, []).append(self.plan.writes[it.write].dst)
+            regions.setdefault(it.param, []).append(self._columns.dst(it.write))
         return {name: tuple(rs) for name, rs in regions.items()}
 
     def coverage_mask(self, name: str) -> torch.Tensor:

@@ -10,15 +10,16 @@ layer's bytes (`fallback_slots`); sharded trainers' parts of a group sit one aft
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from shardplan.plan import ir
 from shardplan.plan.interp import PlanError
-from shardplan.plan.names import base_group, group_of, group_order
-from shardplan.plan.overlap import overlapping_pairs
-from shardplan.runtime.tensors import align_up, broadcast_region, collapse
+from shardplan.plan.names import base_group, group_of
+from shardplan.runtime.packcols import layout_arrays
+from shardplan.runtime.tensors import align_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,55 +59,115 @@ class GroupSpan:
 
 
 
-def _write_sort_key(w: ir.Write, dtype: str, rank_pos: int, index: int) -> tuple:
-    """Layout order: group, consumer rank, views before computed writes, then geometry so that writes a kernel can
-    batch (same source geometry; destinations at a constant stride) sit next to each other at a constant stride."""
-    group = group_of(w.param)
-    if ir.is_pure_view(w):
-        src = broadcast_region(w.src.region, w.dst.sizes) or w.src.region
-        geometry = collapse(src.sizes, src.strides)
-        tail = (w.src.leaf.name, w.src.region.offset)
-        kind = 0
-    else:
-        geometry, tail, kind = ((), ()), ("", 0), 1
-    return (group_order(group), rank_pos, kind, dtype, geometry, w.param, w.dst.sizes, w.dst.strides,
-            w.dst.offset, tail, index)
+class SegmentTable(Sequence):
+    """A layout's segments as columns (runtime/packcols.py builds them): `Segment` objects are built only when
+    indexed. Per segment: offset, nbytes, dtype (id in `dtypes`), shape (`shape_ndim` dims of `shape`), group (id in
+    `group_names`), its refs at [ref_start[i], ref_start[i + 1]) of the ref columns (rank, write index, param id in
+    `param_names`, destination region)."""
 
-def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
-                  keep_whole: set[str]) -> tuple[list[list], list[Segment]]:
-    """Cut each [name, start, stop, first, last] group larger than max_bytes into parts at segment boundaries, except
-    the groups in `keep_whole` (whose writes overlap: parts are applied one after the other, while overlapping writes
-    must land in plan order, which only a whole group's apply keeps)."""
-    out: list[list] = []
-    for name, start, stop, first, last in groups:
-        if stop - start <= max_bytes or name in keep_whole:
-            out.append([name, start, stop, first, last])
-            continue
-        # ceil(bytes / max_bytes) parts of about equal size (each segment goes to the part its middle byte falls in):
-        # a small tail part would leave the pipeline nothing to overlap the next pack with (a slot is refilled only
-        # once the send two parts back has finished)
-        num_parts = -(-(stop - start) // max_bytes)
-        share = (stop - start) / num_parts
-        parts: list[list] = []
-        for i in range(first, last):
-            seg = segments[i]
-            index = min(num_parts - 1, int((seg.offset + seg.nbytes / 2 - start) // share))
-            if not parts or index > parts[-1][5]:
-                parts.append([f"{name}/{len(parts)}", seg.offset, seg.offset, i, i, index])
-            parts[-1][2], parts[-1][4] = seg.offset + seg.nbytes, i + 1
-        parts = [p[:5] for p in parts]
-        if len(parts) == 1:   # only alignment padding was over the limit: nothing to split
-            out.append([name, start, stop, first, last])
-            continue
-        parts[-1][2] = stop   # the group's trailing alignment padding stays with its last part
-        for j in range(len(parts) - 1):
-            parts[j][2] = parts[j + 1][1]   # each part runs up to the next (padding included)
-        for part in parts:
-            for i in range(part[3], part[4]):
-                s = segments[i]
-                segments[i] = Segment(s.offset, s.nbytes, s.dtype, s.shape, part[0], s.refs)
-        out += parts
-    return out, segments
+    FIELDS = ("offset", "nbytes", "dtype", "shape_ndim", "shape", "group")
+    REF_FIELDS = ("ref_rank", "ref_index", "ref_param", "ref_dst_offset", "ref_dst_ndim", "ref_dst_sizes",
+                  "ref_dst_strides")
+
+    def __init__(self, arrays: Mapping, dtypes, group_names, param_names):
+        for k in self.FIELDS + self.REF_FIELDS + ("ref_start",):
+            setattr(self, k, arrays[k])
+        self.dtypes, self.group_names, self.param_names = tuple(dtypes), tuple(group_names), tuple(param_names)
+        self._cache: dict[int, Segment] = {}
+
+    @classmethod
+    def from_segments(cls, segments: Sequence[Segment]) -> "SegmentTable":
+        refs = [r for s in segments for r in s.refs]
+        width = max([len(s.shape) for s in segments] + [len(r.dst.sizes) for r in refs] + [1])
+        dtypes = sorted({s.dtype for s in segments})
+        groups = list(dict.fromkeys(s.group for s in segments))
+        params = list(dict.fromkeys(r.param for r in refs))
+
+        def padded(rows, fill):
+            return np.asarray([tuple(r) + (fill,) * (width - len(r)) for r in rows], dtype=np.int64).reshape(-1, width)
+        arrays = {"offset": [s.offset for s in segments], "nbytes": [s.nbytes for s in segments],
+                  "dtype": [dtypes.index(s.dtype) for s in segments], "shape_ndim": [len(s.shape) for s in segments],
+                  "shape": padded([s.shape for s in segments], 1), "group": [groups.index(s.group) for s in segments],
+                  "ref_start": np.cumsum([0] + [len(s.refs) for s in segments]),
+                  "ref_rank": [r.rank for r in refs], "ref_index": [r.index for r in refs],
+                  "ref_param": [params.index(r.param) for r in refs], "ref_dst_offset": [r.dst.offset for r in refs],
+                  "ref_dst_ndim": [len(r.dst.sizes) for r in refs], "ref_dst_sizes": padded([r.dst.sizes for r in refs], 1),
+                  "ref_dst_strides": padded([r.dst.strides for r in refs], 0)}
+        return cls({k: np.asarray(v, dtype=np.int64) for k, v in arrays.items()}, dtypes, groups, params)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"segment {i} of a layout with {n} segments")
+        i %= n
+        seg = self._cache.get(i)
+        if seg is None:
+            seg = self._cache[i] = self._segment(i)
+        return seg
+
+    def _segment(self, i: int) -> Segment:
+        refs = []
+        for j in range(int(self.ref_start[i]), int(self.ref_start[i + 1])):
+            ndim = int(self.ref_dst_ndim[j])
+            dst = ir.Region(int(self.ref_dst_offset[j]), tuple(self.ref_dst_sizes[j, :ndim].tolist()),
+                            tuple(self.ref_dst_strides[j, :ndim].tolist()))
+            refs.append(WriteRef(int(self.ref_rank[j]), int(self.ref_index[j]), self.param_names[self.ref_param[j]],
+                                 dst))
+        return Segment(int(self.offset[i]), int(self.nbytes[i]), self.dtypes[self.dtype[i]],
+                       tuple(self.shape[i, :self.shape_ndim[i]].tolist()), self.group_names[self.group[i]], tuple(refs))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"SegmentTable({len(self)} segments)"
+
+    def take(self, indices, shift: int = 0, groups: Mapping[int, int] | None = None) -> "SegmentTable":
+        """The listed segments (in that order), offsets moved by -shift."""
+        indices = np.asarray(indices, dtype=np.int64)
+        arrays = {k: getattr(self, k)[indices] for k in self.FIELDS}
+        arrays["offset"] = arrays["offset"] - shift
+        counts = self.ref_start[indices + 1] - self.ref_start[indices]
+        starts = np.repeat(self.ref_start[indices] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        rows = starts + np.arange(int(counts.sum()))
+        arrays.update({k: getattr(self, k)[rows] for k in self.REF_FIELDS})
+        arrays["ref_start"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return SegmentTable(arrays, self.dtypes, self.group_names, self.param_names)
+
+    def params(self) -> tuple[str, ...]:
+        """Names of the params the segments' refs write, sorted."""
+        return tuple(sorted(self.param_names[i] for i in np.unique(self.ref_param).tolist()))
+
+    def digest_update(self, h) -> None:
+        """Feed every field to a hash; names by value (ids are renumbered by the sorted names they stand for), region
+        rows without padding: equal segments hash alike whatever tables hold them."""
+        named = {"dtype": self.dtypes, "group": self.group_names, "ref_param": self.param_names}
+        for k in self.FIELDS + self.REF_FIELDS + ("ref_start",):
+            a = np.asarray(getattr(self, k), dtype=np.int64)
+            if k in named:
+                used = np.unique(a)
+                used_names = [named[k][i] for i in used.tolist()]
+                rank = np.empty(len(used), dtype=np.int64)
+                rank[np.argsort(np.asarray(used_names + [""], dtype=object)[:-1], kind="stable")] = np.arange(len(used))
+                a = rank[np.searchsorted(used, a)] if len(a) else a
+                h.update(repr(sorted(used_names)).encode())
+            if k in ("shape", "ref_dst_sizes", "ref_dst_strides"):
+                ndim = self.shape_ndim if k == "shape" else self.ref_dst_ndim
+                a = a[:, :int(ndim.max()) if len(ndim) else 0]
+            a = np.ascontiguousarray(a)
+            h.update(k.encode() + str(a.shape).encode() + a.tobytes())
 
 
 @dataclass(frozen=True)
@@ -120,6 +181,10 @@ class PackLayout:
     base: int = 0  # byte offset of this layout inside the full layout it was cut from (0 for a full layout)
     _by_group: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self):
+        if not isinstance(self.segments, SegmentTable):   # given as Segment objects
+            object.__setattr__(self, "segments", SegmentTable.from_segments(tuple(self.segments)))
+
     @classmethod
     def from_plans(cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
                    max_group_bytes: int | None = None) -> "PackLayout":
@@ -131,48 +196,11 @@ class PackLayout:
         plans = as_plans(plans)
         if alignment <= 0 or alignment % 16:
             raise ValueError(f"alignment must be a positive multiple of 16 bytes, got {alignment}")
-        keyed = []
-        for rank_pos, plan in enumerate(plans):
-            dtypes = {p.name: p.dtype for p in plan.params}
-            for index, w in enumerate(plan.writes):
-                if w.param not in dtypes:
-                    raise PlanError(f"rank {plan.rank}: write {index} targets {w.param!r}, which is not among the "
-                                    f"plan's params")
-                keyed.append((_write_sort_key(w, dtypes[w.param], rank_pos, index), plan.rank, index, w,
-                              dtypes[w.param]))
-        keyed.sort(key=lambda item: item[0])
-        # dedup: identical bytes = same source view, same destination dtype and shape, same group
-        slots: dict[tuple, list] = {}
-        order: list[tuple] = []
-        for _, rank, index, w, dtype in keyed:
-            dedup_key = (group_of(w.param), w.src, dtype, w.dst.sizes)
-            if dedup_key not in slots:
-                slots[dedup_key] = []
-                order.append(dedup_key)
-            slots[dedup_key].append(WriteRef(rank, index, w.param, w.dst))
-        segments, groups = [], []
-        offset = 0
-        for dedup_key in order:
-            group, _, dtype, sizes = dedup_key
-            if not groups or groups[-1][0] != group:
-                offset = align_up(offset, alignment)
-                groups.append([group, offset, offset, len(segments), len(segments)])
-            nbytes = math.prod(sizes) * ir.itemsize(dtype)
-            segments.append(Segment(offset, nbytes, dtype, tuple(sizes), group, tuple(slots[dedup_key])))
-            offset = align_up(offset + nbytes, alignment)
-            groups[-1][2] = offset
-            groups[-1][4] = len(segments)
-        if max_group_bytes is not None:
-            if max_group_bytes <= 0:
-                raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-            # groups with overlapping writes (of any of the plans' ranks) stay whole: parts are applied one after
-            # the other, while overlapping writes must land in plan order, which only a whole group's apply keeps
-            spans = ((w.param, *(w.dst.extent() if w.dst.numel else (0, 0)), group_of(w.param))
-                     for _, _, _, w, _ in keyed)
-            keep_whole = {group for group, _ in overlapping_pairs(spans)}
-            groups, segments = _split_groups(groups, segments, max_group_bytes, keep_whole)
-        spans = tuple(GroupSpan(*g) for g in groups)
-        return cls(alignment, offset, tuple(segments), spans, tuple(p.rank for p in plans))
+        out = layout_arrays(plans, alignment, max_group_bytes)
+        table = SegmentTable(out, out["dtypes"], out["group_names"], out["param_names"])
+        spans = tuple(GroupSpan(table.group_names[g], start, stop, first, last)
+                      for g, start, stop, first, last in out["spans"])
+        return cls(alignment, out["nbytes_total"], table, spans, tuple(p.rank for p in plans))
 
     def group(self, name: str) -> "PackLayout":
         """The layout of one weight group alone: offsets relative to the group's first byte, so a group can be
@@ -181,8 +209,7 @@ class PackLayout:
             span = next((g for g in self.groups if g.name == name), None)
             if span is None:
                 raise KeyError(f"weight group {name!r} is not in this layout (groups: {[g.name for g in self.groups]})")
-            segments = tuple(Segment(s.offset - span.start, s.nbytes, s.dtype, s.shape, s.group, s.refs)
-                             for s in self.segments[span.first:span.last])
+            segments = self.segments.take(np.arange(span.first, span.last), shift=span.start)
             self._by_group[name] = PackLayout(self.alignment, span.nbytes, segments,
                                               (GroupSpan(name, 0, span.nbytes, 0, len(segments)),), self.ranks,
                                               self.base + span.start)
@@ -195,26 +222,33 @@ class PackLayout:
     def rank_ranges(self, rank: int) -> list[tuple[int, int]]:
         """Byte ranges [start, stop) a consumer rank needs (adjacent segments merged): what a pull-based transport
         reads when several ranks share one buffer. Padding between a rank's adjacent segments is included."""
+        table = self.segments
+        seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
+        mine = np.unique(seg_of_ref[table.ref_rank == rank])
         ranges: list[list[int]] = []
-        for s in self.segments:
-            if s.nbytes and any(r.rank == rank for r in s.refs):
-                stop = s.offset + s.nbytes
-                if ranges and align_up(ranges[-1][1], self.alignment) >= s.offset:
+        for offset, nbytes in zip(table.offset[mine].tolist(), table.nbytes[mine].tolist()):
+            if nbytes:
+                stop = offset + nbytes
+                if ranges and align_up(ranges[-1][1], self.alignment) >= offset:
                     ranges[-1][1] = stop
                 else:
-                    ranges.append([s.offset, stop])
+                    ranges.append([offset, stop])
         return [tuple(r) for r in ranges]
 
     def segment_of(self, rank: int) -> dict[int, int]:
         """write index -> segment index for one consumer rank."""
-        return {r.index: i for i, s in enumerate(self.segments) for r in s.refs if r.rank == rank}
+        table = self.segments
+        seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
+        mine = table.ref_rank == rank
+        return dict(zip(table.ref_index[mine].tolist(), seg_of_ref[mine].tolist()))
 
     @property
     def digest(self) -> str:
         """Hash of the whole layout (offsets, sizes, dtypes, shapes, groups, and every write's rank, index, param and
         destination region): the sync engine's trainer and consumer compare it (as part of their stamps) before the
         first byte moves."""
-        h = hashlib.sha256(repr((self.alignment, self.nbytes, self.base, self.segments)).encode())
+        h = hashlib.sha256(repr((self.alignment, self.nbytes, self.base)).encode())
+        self.segments.digest_update(h)
         return h.hexdigest()[:16]
 
     def format(self) -> str:

@@ -12,13 +12,16 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shardplan.plan import ir
-from shardplan.plan.interp import PlanError, resolve_op, to_dtype, write_source
+from shardplan.plan.columns import columns_of
+from shardplan.plan.interp import PlanError, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
-from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, StaleBindingError, broadcast_region,
-                                       capture_graph, check_tensor, collapse, storage_ptr, storage_view, widen)
+from shardplan.runtime.replaycols import check_plans, plan_batches, run_items
+from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, StaleBindingError, capture_graph, check_tensor,
+                                       storage_ptr, storage_view, widen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,75 +58,55 @@ class Replayer:
     def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
                  alignment: int = 256, device: torch.device | str | None = None, max_group_bytes: int | None = None):
         self.plans = as_plans(plans)
-        self.sources = dict(sources)
+        # a plan file's source table stays templated (a dict of it would spell out ~70k names)
+        self.sources = dict(sources) if isinstance(sources, dict) else sources
         self.device = torch.device(device) if device is not None else None
         self.layout = PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
-        self._check_plans()
-        self._batches, self._computed = self._plan_batches()
+        check_plans(self.plans, self.sources)
+        self._runs, self._computed = self._plan_batches()
         self._group_replayers: dict[str, Replayer] = {}
 
     # -- plan-only precomputation --
     def _write(self, ref: WriteRef) -> ir.Write:
         return self._by_rank[ref.rank].writes[ref.index]
 
-    def _check_plans(self) -> None:
-        for plan in self.plans:
-            for index, w in enumerate(plan.writes):
-                names: set[str] = set()
-                ir.sources(w.src.leaf, names)
-                for name in sorted(names):
-                    if name not in self.sources:
-                        raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) reads {name!r}, which the "
-                                        f"sources table does not describe")
-                for op in ir.literal_ops(w.src.leaf):
-                    resolve_op(op)
-                if ir.is_pure_view(w):
-                    meta = self.sources[w.src.leaf.name]
-                    lo, hi = w.src.region.extent()
-                    if w.src.region.numel and (lo < 0 or hi > meta.numel):
-                        raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) reads elements [{lo}, {hi}) of "
-                                        f"{meta.name!r}, which has {meta.numel} ({meta.dtype}{list(meta.shape)})")
-                    if broadcast_region(w.src.region, w.dst.sizes) is None:
-                        raise PlanError(f"rank {plan.rank}: write {index} ({w.param}): source sizes "
-                                        f"{list(w.src.region.sizes)} do not broadcast to {list(w.dst.sizes)}")
+    def _plan_batches(self) -> tuple[list[tuple], list[int]]:
+        return plan_batches(self.plans, self.layout.segments, self.sources)
 
-    def _plan_batches(self) -> tuple[list[_Batch], list[int]]:
-        batches: list[_Batch] = []
-        computed: list[int] = []
-        run: list[_ViewSeg] = []
-        run_key = None
-        for i, seg in enumerate(self.layout.segments):
-            if seg.nbytes == 0:
-                continue
-            w = self._write(seg.refs[0])
-            if not ir.is_pure_view(w):
-                computed.append(i)
-                continue
-            src = broadcast_region(w.src.region, w.dst.sizes)
-            sizes, strides = collapse(src.sizes, src.strides)
-            key = (self.sources[w.src.leaf.name].dtype, seg.dtype, sizes, strides, seg.nbytes)
-            item = _ViewSeg(i, seg.offset, w.src.leaf.name, src.offset, sizes, strides, math.prod(sizes))
-            if key != run_key and run:
-                batches.append(_Batch(*run_key[:4], tuple(run)))
-                run = []
-            run_key = key
-            run.append(item)
-        if run:
-            batches.append(_Batch(*run_key[:4], tuple(run)))
-        return batches, computed
+    @property
+    def _batches(self) -> list[_Batch]:
+        """The runs as `_Batch` objects with their items (built at the first bind, kept)."""
+        batches = self.__dict__.get("_batch_objects")
+        if batches is None:
+            batches = []
+            for (src_dtype, dst_dtype, sizes, strides), seg_indices in self._runs:
+                items = tuple(_ViewSeg(seg, offset, name, src_offset, sizes, strides, math.prod(sizes))
+                              for seg, offset, name, src_offset in run_items(self.plans, self.layout.segments,
+                                                                             seg_indices))
+                batches.append(_Batch(src_dtype, dst_dtype, sizes, strides, items))
+            self.__dict__["_batch_objects"] = batches
+        return batches
 
     # -- public API --
     @property
     def num_batches(self) -> int:
-        return len(self._batches) + len(self._computed)
+        return len(self._runs) + len(self._computed)
 
     def sources_read(self, group: str | None = None) -> set[str]:
         """Names of the trainer tensors that packing (one group of) the layout reads."""
-        layout = self.layout if group is None else self.layout.group(group)
+        segments = (self.layout if group is None else self.layout.group(group)).segments
         names: set[str] = set()
-        for seg in layout.segments:
-            ir.sources(self._write(seg.refs[0]).src.leaf, names)
+        first_ref = segments.ref_start[:-1]
+        for plan in self.plans:
+            mine = first_ref[segments.ref_rank[first_ref] == plan.rank]
+            cols = columns_of(plan)
+            index = segments.ref_index[mine]
+            src = cols.src[index]
+            for i in np.unique(src[src >= 0]).tolist():
+                names.add(cols.sources.name(i))
+            for i in index[src < 0].tolist():
+                ir.sources(cols.computed[i].src.leaf, names)
         return names
 
     def for_group(self, group: str) -> "Replayer":
@@ -133,7 +116,7 @@ class Replayer:
             sub.plans, sub.sources, sub.device = self.plans, self.sources, self.device
             sub._by_rank = self._by_rank
             sub.layout = self.layout.group(group)
-            sub._batches, sub._computed = sub._plan_batches()
+            sub._runs, sub._computed = sub._plan_batches()
             sub._group_replayers = {}
             self._group_replayers[group] = sub
         return self._group_replayers[group]
@@ -147,13 +130,13 @@ class Replayer:
         if bad:
             raise PlanError(f"segments {bad[:8]} are not in this layout (it has {len(lay.segments)}): subset takes "
                             f"indices into layout.segments")
-        segs = tuple(lay.segments[i] for i in segments)
+        segs = lay.segments.take(np.asarray(segments, dtype=np.int64))
         sub = Replayer.__new__(Replayer)
         sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank
         name = lay.groups[0].name if len(lay.groups) == 1 else "subset"
         sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),),
                                 lay.ranks, lay.base)
-        sub._batches, sub._computed = sub._plan_batches()
+        sub._runs, sub._computed = sub._plan_batches()
         sub._group_replayers = {}
         return sub
 

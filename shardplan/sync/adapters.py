@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from shardplan.plan import ir
+from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_order
@@ -31,7 +31,7 @@ def spans_of(packer: Packer) -> dict[int, dict[str, tuple[Span, ...]]]:
 
 def _segment_sources(replayer: Replayer, seg) -> tuple[str, ...]:
     plan = next(p for p in replayer.plans if p.rank == seg.refs[0].rank)
-    return tuple(sorted(ir.sources(plan.writes[seg.refs[0].index].src.leaf)))
+    return columns_of(plan).sources_of(seg.refs[0].index)
 
 
 def _ordered_groups(pack_layouts) -> tuple[str, ...]:

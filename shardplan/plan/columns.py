@@ -1,0 +1,465 @@
+"""Columnar rank plans: a rank's writes as numpy columns (one row per write) instead of one `ir.Write` per write.
+
+A non-EP Kimi-K2 TP32 rank has ~70k writes; as Python objects they cost ~1 s to build and as much again to walk.
+`WriteColumns` holds, per write i: the param it writes (`param[i]`, an index into `param_names`), its destination
+region (`dst_offset`, `dst_ndim`, `dst_sizes`, `dst_strides`), and for a pure view `param[box] <- source[box]` the
+checkpoint tensor (`src[i]`, an id in `sources`, a `SourceIds`) and the source region (`src_*`). Region rows are
+padded to the widest region of the rank with size 1 / stride 0 (neutral for numel and extent); `*_ndim` says how many
+dims are real. Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
+
+`LazyWrites` is the `RankPlan.writes` of a columnar plan: a sequence that builds `ir.Write` objects only when asked
+(printing, tests); `columns_of(plan)` gives the columns of any plan (built from objects when the plan has none).
+Source ids come from a `SourceIds` table: `TableSourceIds` numbers the names of a plan file's templated source table
+without materialising them (the id of `model.layers.{}.x` with holes [7] is found by a binary search over the
+template's expanded index), `NameSourceIds` numbers explicit names (plans built from objects).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from shardplan.plan import ir
+from shardplan.plan.template import Filler, split_name
+
+
+# ---- tries -> arrays --------------------------------------------------------------------------------------------
+def expand_trie(node, width: int) -> np.ndarray:
+    """Every tuple of an index trie (template.iter_trie order) as int64 rows [num_tuples, width], with numpy."""
+    if node is None or node == ():
+        return np.zeros((1, 0), dtype=np.int64)
+    cache: dict[int, np.ndarray] = {}
+
+    def rec(node) -> np.ndarray:
+        got = cache.get(id(node))
+        if got is not None:
+            return got
+        parts = []
+        for start, stop, step, child in node:
+            values = np.arange(start, stop, step, dtype=np.int64)
+            if child is None:
+                parts.append(values[:, None])
+            else:
+                sub = rec(child)
+                parts.append(np.concatenate([np.repeat(values, len(sub))[:, None], np.tile(sub, (len(values), 1))],
+                                            axis=1))
+        out = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)
+        cache[id(node)] = out
+        return out
+    rows = rec(node)
+    return rows.reshape(len(rows), width)
+
+
+def row_keys(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """One int64 key per row (mixed radix over each column's [min, max]); equal rows <-> equal keys. Returns
+    (keys, lows, multipliers) or None when the radix product would not fit in 63 bits."""
+    n, k = rows.shape
+    if k == 0:
+        return np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lows = rows.min(axis=0) if n else np.zeros(k, dtype=np.int64)
+    spans = (rows.max(axis=0) - lows + 1) if n else np.ones(k, dtype=np.int64)
+    mults = np.ones(k, dtype=np.int64)
+    total = 1
+    for j in range(k - 1, -1, -1):
+        mults[j] = total
+        total *= int(spans[j])
+        if total >= 1 << 62:
+            return None
+    return (rows - lows) @ mults, lows, mults
+
+
+_HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
+
+
+def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the first row of each distinct row, distinct id per row). Rows become one int64 key each (mixed
+    radix when it fits, else a multiplicative hash checked for collisions); keys of a small range are numbered
+    without sorting."""
+    n = len(matrix)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    keyed = row_keys(matrix)
+    if keyed is not None:
+        keys = keyed[0]
+        top = int(keys.max()) + 1
+        if top <= 4 * n + 4096:
+            present = np.zeros(top, dtype=bool)
+            present[keys] = True
+            dense = np.cumsum(present) - 1
+            inverse = dense[keys]
+            first = np.full(int(dense[-1]) + 1, n, dtype=np.int64)
+            np.minimum.at(first, inverse, np.arange(n, dtype=np.int64))
+            return first, inverse
+    elif matrix.shape[1] <= len(_HASH):
+        with np.errstate(over="ignore"):
+            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
+    else:
+        keys = None
+    if keys is not None:
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if keyed is not None or (matrix[first][inverse] == matrix).all():
+            return first, inverse
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
+    return first, inverse.reshape(-1)
+
+
+# ---- source ids -----------------------------------------------------------------------------------------------
+class SourceIds:
+    """Numbers checkpoint tensor names: `ids(text, holes)` -> int64 ids (-1: not a name of this table)."""
+
+    def ids(self, text: str, holes: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def name(self, i: int) -> str:
+        raise NotImplementedError
+
+    def meta(self, i: int) -> ir.TensorMeta:
+        raise NotImplementedError
+
+    def ids_of_names(self, names: Iterable[str]) -> np.ndarray:
+        out = []
+        for name in names:
+            ints: list[int] = []
+            text = split_name(name, ints)
+            out.append(int(self.ids(text, np.asarray([ints], dtype=np.int64).reshape(1, len(ints)))[0]))
+        return np.asarray(out, dtype=np.int64)
+
+    def numels(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta] | None = None) -> np.ndarray:
+        """Elements of each id's tensor as `table` (default: this id table's own) describes it; -1 where `table`
+        does not hold the name."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        out = np.empty(len(uniq), dtype=np.int64)
+        for j, i in enumerate(uniq.tolist()):
+            meta = self.meta(i) if table is None else table.get(self.name(i))
+            out[j] = -1 if meta is None else meta.numel
+        return out[inverse.reshape(-1)]
+
+
+class NameSourceIds(SourceIds):
+    """Ids of explicit names (the position in `names`), for plans built from `ir.Write` objects."""
+
+    def __init__(self, names: Sequence[str], metas: Mapping[str, ir.TensorMeta] | None = None):
+        self.names = tuple(names)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.metas = metas
+
+    def ids(self, text: str, holes: np.ndarray) -> np.ndarray:
+        return np.asarray([self._index.get(Filler(row).name(text), -1) for row in holes.tolist()], dtype=np.int64)
+
+    def ids_of_names(self, names: Iterable[str]) -> np.ndarray:
+        return np.asarray([self._index.get(n, -1) for n in names], dtype=np.int64)
+
+    def name(self, i: int) -> str:
+        return self.names[i]
+
+    def meta(self, i: int) -> ir.TensorMeta | None:
+        return None if self.metas is None else self.metas.get(self.names[i])
+
+
+class TableSourceIds(SourceIds):
+    """Ids of a templated source table's names (`compile.SourceTable`), without materialising the names: id =
+    first id of the template row + position of the name's integers among the row's (sorted) index tuples."""
+
+    def __init__(self, table):
+        self.table = table
+        self.texts, self.metas_by_row, bases, self._rows, self._keys = [], [], [], [], []
+        self._by_text: dict[str, list[int]] = {}
+        total = 0
+        for r, (text, shape, dtype, index) in enumerate(table.templates):
+            width = text.count("{}")
+            rows = expand_trie(index, width) if index is not None else np.zeros((1, 0), dtype=np.int64)
+            keyed = row_keys(rows)
+            if keyed is None:   # a radix too wide for int64 keys: plancheck's hole limits make this unreachable
+                keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
+            else:
+                order = np.argsort(keyed[0], kind="stable")
+                keys = (keyed[0][order], keyed[1], rows.max(axis=0) if len(rows) else keyed[1], keyed[2])
+            self._rows.append(rows[order])
+            self._keys.append(keys)
+            self.texts.append(text)
+            self.metas_by_row.append((tuple(shape), dtype))
+            self._by_text.setdefault(text, []).append(r)
+            bases.append(total)
+            total += len(rows)
+        self.bases = np.asarray(bases + [total], dtype=np.int64)
+        self.row_numels = np.asarray([int(np.prod(s, dtype=np.int64)) if s else 1 for s, _ in self.metas_by_row],
+                                     dtype=np.int64)
+
+    def ids(self, text: str, holes: np.ndarray) -> np.ndarray:
+        return self.ids_numels(text, holes)[0]
+
+    def ids_numels(self, text: str, holes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(id, numel) per row of integers of names of template `text`; id -1 (numel 0) where no name matches."""
+        holes = np.asarray(holes, dtype=np.int64)
+        out = np.full(len(holes), -1, dtype=np.int64)
+        numels = np.zeros(len(holes), dtype=np.int64)
+        for r in self._by_text.get(text, ()):
+            todo = out < 0
+            if not todo.any():
+                break
+            rows, keys = self._rows[r], self._keys[r]
+            query = holes if todo.all() else holes[todo]
+            if query.shape[1] != rows.shape[1]:
+                continue
+            if query.shape[1] == 0:
+                pos = np.zeros(len(query), dtype=np.int64)
+                found = np.full(len(query), len(rows) > 0)
+            elif keys is None:
+                lookup = {tuple(row): j for j, row in enumerate(rows.tolist())}
+                pos = np.asarray([lookup.get(tuple(q), -1) for q in query.tolist()], dtype=np.int64)
+                found = pos >= 0
+            else:
+                sorted_keys, lows, highs, mults = keys
+                in_range = ((query >= lows) & (query <= highs)).all(axis=1)
+                qkeys = (query - lows) @ mults   # a key is injective only in range: `in_range` guards the rest
+                pos = np.minimum(np.searchsorted(sorted_keys, qkeys), len(sorted_keys) - 1)
+                found = in_range & (sorted_keys[pos] == qkeys)
+            ids = np.where(found, self.bases[r] + pos, -1)
+            if todo.all():
+                out, numels = ids, np.where(found, self.row_numels[r], 0)
+            else:
+                where = np.nonzero(todo)[0]
+                out[where] = ids
+                numels[where] = np.where(found, self.row_numels[r], 0)
+        return out, numels
+
+    def _row_of(self, i: int) -> int:
+        return int(np.searchsorted(self.bases, i, side="right")) - 1
+
+    def name(self, i: int) -> str:
+        r = self._row_of(i)
+        return Filler(self._rows[r][i - self.bases[r]].tolist()).name(self.texts[r])
+
+    def meta(self, i: int) -> ir.TensorMeta:
+        shape, dtype = self.metas_by_row[self._row_of(i)]
+        return ir.TensorMeta(self.name(i), shape, dtype)
+
+    def numels(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta] | None = None) -> np.ndarray:
+        if table is not None and table is not self.table:
+            return super().numels(ids, table)
+        rows = np.searchsorted(self.bases, ids, side="right") - 1
+        return self.row_numels[rows]
+
+    def dtypes(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta] | None = None) -> list[str]:
+        """dtype name per id (`table`: as the trainer's sources describe them; default: this table's)."""
+        if table is not None and table is not self.table:
+            return [table[self.name(int(i))].dtype for i in ids.tolist()]
+        rows = (np.searchsorted(self.bases, ids, side="right") - 1).tolist()
+        return [self.metas_by_row[r][1] for r in rows]
+
+
+def table_ids(table) -> SourceIds:
+    """The `SourceIds` of a source table, built once per table (cached on it)."""
+    ids = getattr(table, "_shardplan_source_ids", None)
+    if ids is None:
+        ids = TableSourceIds(table)
+        try:
+            table._shardplan_source_ids = ids
+        except AttributeError:
+            pass
+    return ids
+
+
+# ---- the columns -----------------------------------------------------------------------------------------------
+class WriteColumns:
+    """One rank's writes as columns (see the module docstring). Build with `from_writes` or `planrank`."""
+
+    def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
+                 src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,
+                 classes: Mapping[str, np.ndarray] | None = None):
+        self.param_names = tuple(param_names)
+        self.param = np.asarray(param, dtype=np.int64)
+        self.dst_offset, self.dst_ndim = np.asarray(dst_offset, dtype=np.int64), np.asarray(dst_ndim, dtype=np.int64)
+        self.dst_sizes, self.dst_strides = _matrix(dst_sizes, 1), _matrix(dst_strides, 0)
+        self.src = np.asarray(src, dtype=np.int64)
+        self.src_offset, self.src_ndim = np.asarray(src_offset, dtype=np.int64), np.asarray(src_ndim, dtype=np.int64)
+        self.src_sizes, self.src_strides = _matrix(src_sizes, 1), _matrix(src_strides, 0)
+        self.computed = dict(computed)
+        self.sources = sources
+        self._cache: dict = {}
+        self._classes = dict(classes or {})
+
+    def region_classes(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """(class per write, a representative write per class) of the `side` ("dst"/"src") region geometry (ndim,
+        sizes, strides): equal classes have equal geometry (equal geometries may still be two classes). From the
+        templates when instantiated from a plan file (a template's geometry rarely varies), else computed."""
+        key = ("classes", side)
+        got = self._cache.get(key)
+        if got is None:
+            classes = self._classes.get(side)
+            if classes is None:
+                matrix = np.concatenate([getattr(self, f"{side}_ndim")[:, None], getattr(self, f"{side}_sizes"),
+                                         getattr(self, f"{side}_strides")], axis=1)
+                first, classes = distinct_rows(matrix)
+            else:
+                first = np.full(int(classes.max(initial=-1)) + 1, len(classes), dtype=np.int64)
+                np.minimum.at(first, classes, np.arange(len(classes), dtype=np.int64))
+                used = first < len(classes)
+                if not used.all():   # renumber densely
+                    remap = np.cumsum(used) - 1
+                    classes, first = remap[classes], first[used]
+            got = self._cache[key] = (classes, first)
+        return got
+
+    def __len__(self) -> int:
+        return len(self.param)
+
+    def written_params(self) -> tuple[str, ...]:
+        """Names of the params the writes write, sorted."""
+        return tuple(sorted(self.param_names[i] for i in np.unique(self.param).tolist()))
+
+    def sources_of(self, i: int) -> tuple[str, ...]:
+        """Names of the checkpoint tensors write i reads, sorted."""
+        w = self.computed.get(i)
+        return (self.source_name(i),) if w is None else tuple(sorted(ir.sources(w.src.leaf)))
+
+    @property
+    def pure(self) -> np.ndarray:
+        """Bool per write: a pure view of one checkpoint tensor (replayed with zero ops)."""
+        return self.src >= 0
+
+    @classmethod
+    def from_writes(cls, params: Sequence[ir.TensorMeta] | Sequence[str], writes: Sequence[ir.Write],
+                    sources: SourceIds | None = None) -> "WriteColumns":
+        names = tuple(p if isinstance(p, str) else p.name for p in params)
+        index = {n: i for i, n in enumerate(names)}
+        extra = sorted({w.param for w in writes} - set(index))
+        names += tuple(extra)   # writes to params the plan does not declare: the consumers' checks name them
+        index.update({n: len(index) + i for i, n in enumerate(extra)})
+        if sources is None:
+            sources = NameSourceIds(sorted({w.src.leaf.name for w in writes if ir.is_pure_view(w)}))
+        width = max([len(w.dst.sizes) for w in writes] + [len(w.src.region.sizes) for w in writes if ir.is_pure_view(w)]
+                    + [1])
+        n = len(writes)
+        cols = {k: np.zeros(n, dtype=np.int64) for k in ("param", "dst_offset", "dst_ndim", "src", "src_offset",
+                                                          "src_ndim")}
+        mats = {k: np.full((n, width), 1 if k.endswith("sizes") else 0, dtype=np.int64)
+                for k in ("dst_sizes", "dst_strides", "src_sizes", "src_strides")}
+        computed = {}
+        pure_names = []
+        for i, w in enumerate(writes):
+            cols["param"][i] = index[w.param]
+            _put(cols, mats, "dst", i, w.dst)
+            if ir.is_pure_view(w):
+                pure_names.append((i, w.src.leaf.name))
+                _put(cols, mats, "src", i, w.src.region)
+            else:
+                computed[i] = w
+                cols["src"][i] = -1
+        if pure_names:
+            cols["src"][[i for i, _ in pure_names]] = sources.ids_of_names(n for _, n in pure_names)
+        return cls(names, cols["param"], cols["dst_offset"], cols["dst_ndim"], mats["dst_sizes"], mats["dst_strides"],
+                   cols["src"], cols["src_offset"], cols["src_ndim"], mats["src_sizes"], mats["src_strides"],
+                   computed, sources)
+
+    # -- one write back as objects (cached: regions and names repeat) --
+    def _region(self, side: str, i: int) -> ir.Region:
+        ndim = int(getattr(self, f"{side}_ndim")[i])
+        key = (side, int(getattr(self, f"{side}_offset")[i]), tuple(getattr(self, f"{side}_sizes")[i, :ndim].tolist()),
+               tuple(getattr(self, f"{side}_strides")[i, :ndim].tolist()))
+        region = self._cache.get(key)
+        if region is None:
+            region = self._cache[key] = ir.Region(key[1], key[2], key[3])
+        return region
+
+    def dst(self, i: int) -> ir.Region:
+        return self._region("dst", i)
+
+    def source_name(self, i: int) -> str:
+        key = ("s", int(self.src[i]))
+        name = self._cache.get(key)
+        if name is None:
+            name = self._cache[key] = self.sources.name(key[1])
+        return name
+
+    def write(self, i: int) -> ir.Write:
+        w = self.computed.get(i)
+        if w is not None:
+            return w
+        return ir.Write(self.param_names[self.param[i]], self.dst(i),
+                        ir.View(ir.Source(self.source_name(i)), self._region("src", i)))
+
+    def src_view(self, i: int) -> ir.View:
+        return self.write(i).src
+
+
+def _matrix(values, pad: int) -> np.ndarray:
+    m = np.asarray(values, dtype=np.int64)
+    return m.reshape(len(m), -1) if m.ndim != 2 else m
+
+
+def _put(cols: dict, mats: dict, side: str, i: int, region: ir.Region) -> None:
+    cols[f"{side}_offset"][i] = region.offset
+    cols[f"{side}_ndim"][i] = len(region.sizes)
+    mats[f"{side}_sizes"][i, :len(region.sizes)] = region.sizes
+    mats[f"{side}_strides"][i, :len(region.strides)] = region.strides
+
+
+class LazyWrites(Sequence):
+    """`RankPlan.writes` of a columnar plan: `ir.Write` objects are built when indexed or iterated (and kept)."""
+
+    def __init__(self, columns: WriteColumns):
+        self.columns = columns
+        self._all: tuple[ir.Write, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def materialise(self) -> tuple[ir.Write, ...]:
+        if self._all is None:
+            self._all = tuple(self.columns.write(i) for i in range(len(self.columns)))
+        return self._all
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.materialise()[i]
+        if self._all is not None:
+            return self._all[i]
+        n = len(self.columns)
+        if not -n <= i < n:
+            raise IndexError(f"write {i} of a plan with {n} writes")
+        return self.columns.write(i % n)
+
+    def __iter__(self) -> Iterator[ir.Write]:
+        return iter(self.materialise())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LazyWrites):
+            other = other.materialise()
+        try:
+            return len(other) == len(self) and self.materialise() == tuple(other)
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.materialise())
+
+    def __repr__(self) -> str:
+        return f"LazyWrites({len(self)} writes)"
+
+    def __add__(self, other):
+        return self.materialise() + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + self.materialise()
+
+
+def columns_of(plan: ir.RankPlan) -> WriteColumns:
+    """The plan's writes as columns: the plan's own when it was instantiated columnar, else built from its
+    `ir.Write` objects (once per plan object: cached)."""
+    writes = plan.writes
+    if isinstance(writes, LazyWrites):
+        return writes.columns
+    key = id(plan)
+    got = _OBJECT_COLUMNS.get(key)
+    if got is not None and got[0] is plan:
+        return got[1]
+    cols = WriteColumns.from_writes(plan.params, writes)
+    if len(_OBJECT_COLUMNS) > 64:
+        _OBJECT_COLUMNS.pop(next(iter(_OBJECT_COLUMNS)))
+    _OBJECT_COLUMNS[key] = (plan, cols)
+    return cols
+
+
+_OBJECT_COLUMNS: dict[int, tuple] = {}

@@ -1,0 +1,112 @@
+"""Applier's plan-only work on columns: matching a layout's refs to a consumer rank's writes (every check vectorised)
+and ordering the placed writes into steps of strided runs (runtime/apply.py uses these)."""
+from __future__ import annotations
+
+import numpy as np
+
+from shardplan.plan import ir
+from shardplan.plan.columns import WriteColumns
+from shardplan.plan.interp import PlanError
+from shardplan.plan.names import base_group
+from shardplan.plan.overlap import overlap_levels
+from shardplan.runtime.packcols import extents, group_cached, region_tuples
+from shardplan.runtime.tensors import collapse
+
+
+class Placement:
+    """This rank's writes placed in the layout, as columns: write index, buffer offset, param id (in the plan's
+    params), destination offset, collapsed geometry id (`geometry[id]` = (sizes, strides)), dtype id (in `dtypes`) per row;
+    only segments with bytes. `seen`: bool per write, True where the layout has a ref for it."""
+
+    def __init__(self, write, offset, param, dst_offset, geometry_id, geometry, dtype_id, dtypes, seen):
+        self.write, self.offset, self.param, self.dst_offset = write, offset, param, dst_offset
+        self.geometry_id, self.geometry, self.dtype_id, self.dtypes, self.seen = (geometry_id, geometry, dtype_id,
+                                                                                  dtypes, seen)
+
+
+def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
+    """The checks of the pre-columnar `Applier._place` (same errors), on arrays. `mismatch`: the error class for a
+    layout that does not describe this plan."""
+    table = layout.segments
+    rank = plan.rank
+    if rank not in layout.ranks:
+        raise mismatch(f"the layout was computed for consumer ranks {list(layout.ranks)}, not rank {rank}")
+    seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
+    mine = np.nonzero(table.ref_rank == rank)[0]
+    seg, index = seg_of_ref[mine], table.ref_index[mine]
+    n = len(cols)
+    ok = (index >= 0) & (index < n)
+    safe = np.where(ok, index, 0)
+    # the layout's param name for each ref, as an id among this plan's params (-1: not one of them)
+    plan_param = {name: i for i, name in enumerate(cols.param_names)}
+    layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
+    ok &= layout_to_plan[table.ref_param[mine]] == cols.param[safe]
+    ok &= table.shape_ndim[seg] == cols.dst_ndim[safe]
+    width = min(table.shape.shape[1], cols.dst_sizes.shape[1])
+    ok &= (table.shape[seg, :width] == cols.dst_sizes[safe, :width]).all(axis=1)
+    dtype_id = {d: i for i, d in enumerate(table.dtypes)}
+    param_dtype = np.asarray([dtype_id.get(p.dtype, -1) for p in plan.params] + [-1], dtype=np.int64)
+    ok &= param_dtype[np.minimum(cols.param[safe], len(plan.params))] == table.dtype[seg]
+    if not ok.all():
+        j = int(np.nonzero(~ok)[0][0])
+        s = table[int(seg[j])]
+        ref = next(r for r in s.refs if r.rank == rank and r.index == int(index[j]))
+        raise mismatch(f"rank {rank}: layout segment at byte {s.offset} ({s.dtype}{list(s.shape)} for "
+                       f"{ref.param!r}, write {ref.index}) does not match the plan: compute the layout from the same "
+                       f"plans")
+    numels = np.asarray([p.numel for p in plan.params] + [0], dtype=np.int64)
+    lo, hi = extents(cols.dst_offset[index], cols.dst_sizes[index], cols.dst_strides[index])
+    nonempty = ~(cols.dst_sizes[index] == 0).any(axis=1)
+    bad = nonempty & ((lo < 0) | (hi > numels[cols.param[index]]))
+    if bad.any():
+        j = int(np.nonzero(bad)[0][0])
+        i = int(index[j])
+        name = cols.param_names[cols.param[i]]
+        raise PlanError(f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of {name!r}, which "
+                        f"has {int(numels[cols.param[i]])}")
+    seen = np.zeros(n, dtype=bool)
+    seen[index] = True
+    names = layout.group_names
+    # a layout of one part of a split group holds only some of the group's writes: nothing to check against
+    groups = set() if len(names) == 1 and "/" in names[0] else {base_group(g) for g in names}
+    if groups:
+        in_groups = np.asarray([group_cached(name) in groups for name in cols.param_names], dtype=bool)
+        missing = np.nonzero(~seen & in_groups[cols.param])[0].tolist()
+        if missing:
+            raise mismatch(f"rank {rank}: writes {missing[:8]} (of {len(missing)}) have no segment in the layout: "
+                           f"compute the layout from the same plans")
+    live = table.nbytes[seg] > 0
+    seg, index = seg[live], index[live]
+    dst_class, reps = cols.region_classes("dst")
+    geo = dst_class[index]
+    geometry = [collapse(sizes, strides) for sizes, strides in region_tuples(cols, "dst", reps)]
+    return Placement(index, table.offset[seg], cols.param[index], cols.dst_offset[index], geo, geometry,
+                     table.dtype[seg], table.dtypes, seen)
+
+
+def overlap_steps(cols: WriteColumns, placed: Placement) -> np.ndarray:
+    """Overlap level per placed write (a write comes after every earlier-in-plan write whose destination overlaps
+    it). Writes overlapping none are level 0; the few that do (a rank's ordered writes) go through
+    overlap.overlap_levels."""
+    index = placed.write
+    lo, hi = extents(cols.dst_offset[index], cols.dst_sizes[index], cols.dst_strides[index])
+    param = cols.param[index]
+    keep = np.nonzero(hi > lo)[0]
+    levels = np.zeros(len(index), dtype=np.int64)
+    if len(keep) < 2:
+        return levels
+    order = keep[np.lexsort((hi[keep], lo[keep], param[keep]))]
+    _, ranked = np.unique(np.concatenate([lo[order], hi[order]]), return_inverse=True)
+    ranked = ranked.reshape(-1)
+    span = len(ranked) + 1
+    p = param[order]
+    lo_r, hi_r = ranked[:len(order)] + p * span, ranked[len(order):] + p * span
+    reach = np.maximum.accumulate(hi_r)[:-1]
+    hit = (p[1:] == p[:-1]) & (lo_r[1:] < reach)
+    involved_params = np.unique(p[1:][hit])
+    if not len(involved_params):
+        return levels
+    rows = np.nonzero(np.isin(param, involved_params) & (hi > lo))[0]
+    got = overlap_levels((int(param[j]), int(lo[j]), int(hi[j]), int(index[j])) for j in rows.tolist())
+    levels[rows] = [got[int(index[j])] for j in rows.tolist()]
+    return levels

@@ -1,0 +1,340 @@
+"""The pack layout computed on columns: `PackLayout.from_plans`' sort, dedup, offsets and group split, with numpy.
+
+Same result as the per-write definition in runtime/pack.py's docstring (tests/unit/test_columns.py compares it with
+the object path, `layout_from_objects`), without one Python object per write: per-write keys are small integers
+(ordinals of names, dtypes, groups, geometries computed once per distinct value), sorted by one `np.lexsort`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from shardplan.plan import ir
+from shardplan.plan.columns import WriteColumns, columns_of, distinct_rows, row_keys  # noqa: F401
+from shardplan.plan.interp import PlanError
+from shardplan.plan.names import group_of, group_order
+from shardplan.runtime.tensors import broadcast_region, collapse
+
+
+def ordinals(values: list) -> tuple[np.ndarray, list]:
+    """Rank of each value among the distinct values (Python ordering): (ordinal per value, sorted distinct)."""
+    distinct = sorted(set(values))
+    at = {v: i for i, v in enumerate(distinct)}
+    return np.asarray([at[v] for v in values], dtype=np.int64), distinct
+
+
+def real_dims(ndim: np.ndarray, width: int) -> np.ndarray:
+    return np.arange(width)[None, :] < ndim[:, None]
+
+
+def region_tuples(cols: WriteColumns, side: str, rows: np.ndarray) -> list[tuple]:
+    """(sizes, strides) tuples of the given rows (call on distinct rows only)."""
+    ndim = getattr(cols, f"{side}_ndim")
+    sizes, strides = getattr(cols, f"{side}_sizes"), getattr(cols, f"{side}_strides")
+    return [(tuple(sizes[i, :ndim[i]].tolist()), tuple(strides[i, :ndim[i]].tolist())) for i in rows.tolist()]
+
+
+def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
+    """Per write: an id of its distinct (source region geometry, destination sizes); and per id the
+    (broadcast source region or None, (collapsed sizes, collapsed strides)) replay reads it with. Cached on cols."""
+    got = cols._cache.get("geometry_keys")
+    if got is not None:
+        return got
+    src_class, _ = cols.region_classes("src")
+    dst_class, _ = cols.region_classes("dst")
+    pair = np.where(cols.src < 0, -1, src_class * (int(dst_class.max(initial=0)) + 1) + dst_class)
+    first, inverse = distinct_rows(pair[:, None])   # computed writes: one shared id (their geometry is unused)
+    out = []
+    for i in first.tolist():
+        n_src, n_dst = int(cols.src_ndim[i]), int(cols.dst_ndim[i])
+        region = ir.Region(0, tuple(cols.src_sizes[i, :n_src].tolist()), tuple(cols.src_strides[i, :n_src].tolist()))
+        dst_sizes = tuple(cols.dst_sizes[i, :n_dst].tolist())
+        src = broadcast_region(region, dst_sizes)
+        out.append((src, collapse(*((src or region).sizes, (src or region).strides))))
+    cols._cache["geometry_keys"] = inverse, out
+    return inverse, out
+
+
+def shared_source_ids(all_cols: Sequence[WriteColumns]) -> list[np.ndarray]:
+    """Source ids comparable across plans: each plan's own when they share one id table, else ids of the names."""
+    if all(c.sources is all_cols[0].sources for c in all_cols):
+        return [c.src for c in all_cols]
+    names: dict[str, int] = {}
+    out = []
+    for c in all_cols:
+        used = np.unique(c.src[c.src >= 0])
+        mapped = np.asarray([names.setdefault(c.sources.name(int(i)), len(names)) for i in used.tolist()],
+                            dtype=np.int64)
+        ids = np.full(len(c.src), -1, dtype=np.int64)
+        if len(used):
+            ids[c.src >= 0] = mapped[np.searchsorted(used, c.src[c.src >= 0])]
+        out.append(ids)
+    return out
+
+
+def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes: int | None) -> dict:
+    """Everything `PackLayout` holds, as arrays: see `pack.SegmentTable` for the fields."""
+    all_cols = [columns_of(p) for p in plans]
+    param_gid: dict[str, int] = {}
+    per_plan = []
+    for rank_pos, (plan, cols) in enumerate(zip(plans, all_cols)):
+        if (cols.param >= len(plan.params)).any():
+            index = int(np.nonzero(cols.param >= len(plan.params))[0][0])
+            raise PlanError(f"rank {plan.rank}: write {index} targets {cols.param_names[cols.param[index]]!r}, which "
+                            f"is not among the plan's params")
+        if any(p.name != n for p, n in zip(plan.params, cols.param_names)):
+            raise PlanError(f"rank {plan.rank}: the columns' params are not the plan's")
+        gids = np.asarray([param_gid.setdefault(p.name, len(param_gid)) for p in plan.params] + [0], dtype=np.int64)
+        per_plan.append(gids)
+    param_names = list(param_gid)
+    # per global param: name ordinal, group ordinal, dtype ordinal (Python per param, not per write)
+    name_ord, _ = ordinals(param_names)
+    groups = [group_cached(n) for n in param_names]
+    group_keys = [_group_order(g) for g in groups]
+    group_ord, group_sorted = ordinals(list(zip(group_keys, groups)))
+    group_names = [g for _, g in group_sorted]
+    # a param's dtype is the plan's (two ranks' plans may disagree: different bytes)
+    dtype_names = sorted({p.dtype for plan in plans for p in plan.params})
+    dtype_at = {d: i for i, d in enumerate(dtype_names)}
+    plan_dtypes = [np.asarray([dtype_at[p.dtype] for p in plan.params] + [0], dtype=np.int64) for plan in plans]
+    src_ids = shared_source_ids(all_cols)
+
+    parts = {k: [] for k in ("rank_pos", "dtype", "rank", "index", "param", "kind", "geometry", "dsizes",
+                             "dst_offset", "src", "src_offset", "srcgeo")}
+    geometry_tables, dst_tables, src_tables, computed_views = [], [], [], {}
+    for rank_pos, (plan, cols) in enumerate(zip(plans, all_cols)):
+        n = len(cols)
+        gid = per_plan[rank_pos][cols.param]
+        geo_id, geo_table = geometry_keys(cols)
+        geometry_tables.append(geo_table)
+        dst_id, first = cols.region_classes("dst")
+        dst_tables.append(region_tuples(cols, "dst", first))
+        src_geo, sfirst = cols.region_classes("src")
+        src_tables.append(region_tuples(cols, "src", sfirst))
+        src = src_ids[rank_pos].copy()
+        for i, w in cols.computed.items():   # computed writes: identical bytes only for equal source expressions
+            src[i] = -2 - computed_views.setdefault(w.src, len(computed_views))
+        for key, value in (("rank_pos", np.full(n, rank_pos)), ("dtype", plan_dtypes[rank_pos][cols.param]), ("rank", np.full(n, plan.rank)),
+                           ("index", np.arange(n)), ("param", gid), ("kind", (cols.src < 0).astype(np.int64)),
+                           ("geometry", geo_id + _LOCAL * rank_pos), ("dsizes", dst_id + _LOCAL * rank_pos),
+                           ("dst_offset", cols.dst_offset), ("src", src), ("src_offset", cols.src_offset),
+                           ("srcgeo", src_geo + _LOCAL * rank_pos)):
+            parts[key].append(np.asarray(value, dtype=np.int64))
+    w = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in parts.items()}
+    # tuples -> global ordinals (the sort compares tuples as Python does)
+    geo_ord = _global_ordinals(w["geometry"], [[g[1] for g in t] for t in geometry_tables], w["kind"])
+    dsz_ord = _global_ordinals(w["dsizes"], [[d[0] for d in t] for t in dst_tables])
+    dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
+    src_geo = _global_ordinals(w["srcgeo"], src_tables)
+    gp = w["param"]
+    prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
+    packed = row_keys(np.stack(prefix, axis=1)) if len(gp) else None   # mixed radix keeps lexicographic order
+    if packed is not None:
+        prefix = [packed[0]]
+    order = np.lexsort([w["dst_offset"]] + prefix[::-1])   # stable: ties keep plan order (the index key)
+    order = _break_ties(order, w, prefix + [w["dst_offset"]], all_cols)
+    w = {k: w[k][order] for k in ("rank_pos", "dtype", "rank", "index", "param", "src", "src_offset")}
+    dsz_ord = dsz_ord[order]
+    gp = w["param"]
+    # dedup: identical bytes = same source view, same destination dtype and shape, same group
+    key = np.stack([group_ord[gp], w["src"], w["src_offset"], src_geo[order], w["dtype"], dsz_ord], axis=1)
+    first, inverse = distinct_rows(key)
+    seg_of_distinct = np.empty(len(first), dtype=np.int64)
+    seg_of_distinct[np.argsort(first, kind="stable")] = np.arange(len(first))
+    seg = seg_of_distinct[inverse]
+    by_seg = np.argsort(seg, kind="stable")   # refs of a segment in layout order
+    num_segments = len(first)
+    rep = np.sort(first)                      # each segment's first write (layout order)
+    counts = np.bincount(seg, minlength=num_segments)
+    ref_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    # per segment: dtype, shape (the representative's destination sizes), group, bytes, offset
+    rank_pos = w["rank_pos"]
+    cols_dst = _gather_dst(all_cols, rank_pos, w["index"])
+    seg_dtype = w["dtype"][rep]
+    seg_ndim, seg_shape = cols_dst["ndim"][rep], cols_dst["sizes"][rep]
+    numel = np.prod(np.where(real_dims(seg_ndim, seg_shape.shape[1]), seg_shape, 1), axis=1)
+    itemsizes = np.asarray([ir.itemsize(d) for d in dtype_names], dtype=np.int64)
+    nbytes = numel * itemsizes[seg_dtype] if num_segments else np.zeros(0, dtype=np.int64)
+    padded = (nbytes + alignment - 1) // alignment * alignment
+    offset = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if num_segments else padded
+    total = int(padded.sum())
+    seg_group = group_ord[gp[rep]]
+    out = {"offset": offset, "nbytes": nbytes, "dtype": seg_dtype, "dtypes": tuple(dtype_names),
+           "shape_ndim": seg_ndim, "shape": seg_shape, "group": seg_group, "group_names": tuple(group_names),
+           "ref_start": ref_start, "ref_rank": w["rank"][by_seg], "ref_index": w["index"][by_seg],
+           "ref_param": gp[by_seg], "param_names": tuple(param_names),
+           "ref_dst_offset": cols_dst["offset"][by_seg], "ref_dst_ndim": cols_dst["ndim"][by_seg],
+           "ref_dst_sizes": cols_dst["sizes"][by_seg], "ref_dst_strides": cols_dst["strides"][by_seg],
+           "nbytes_total": total}
+    spans = _group_spans(seg_group, offset, total)
+    if max_group_bytes is not None:
+        if max_group_bytes <= 0:
+            raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
+        keep_whole = _overlapping_groups(gp, cols_dst, group_ord, group_names)
+        spans, out["group"], out["group_names"] = _split(spans, out, max_group_bytes, keep_whole)
+    out["spans"] = spans
+    return out
+
+
+_GROUPS: dict[str, str] = {}
+_GROUP_ORDERS: dict[str, tuple] = {}
+
+
+def group_cached(name: str) -> str:
+    """group_of, remembered per name (a layout asks it for every param of every plan)."""
+    got = _GROUPS.get(name)
+    if got is None:
+        if len(_GROUPS) > 1 << 18:
+            _GROUPS.clear()
+        got = _GROUPS[name] = group_of(name)
+    return got
+
+
+def _group_order(group: str) -> tuple:
+    got = _GROUP_ORDERS.get(group)
+    if got is None:
+        got = _GROUP_ORDERS[group] = group_order(group)
+    return got
+
+
+_LOCAL = 1 << 21   # > plancheck.MAX_WRITES_PER_RANK: local ids of plan `pos` are pos * _LOCAL + id
+
+
+def _global_ordinals(local_ids: np.ndarray, tables: list[list], kind: np.ndarray | None = None) -> np.ndarray:
+    """local_ids encode (plan position * 1e6 + id in that plan's table): the rank of each one's tuple among all."""
+    flat, keys = [], []
+    for pos, table in enumerate(tables):
+        for j, value in enumerate(table):
+            flat.append(value)
+            keys.append(pos * _LOCAL + j)
+    if not keys:
+        return np.zeros(len(local_ids), dtype=np.int64)
+    ords, _ = ordinals(flat)
+    keys = np.asarray(keys, dtype=np.int64)
+    at = np.searchsorted(keys, local_ids)
+    out = ords[at]
+    if kind is not None:
+        out = np.where(kind > 0, 0, out)   # computed writes: geometry ((), ()) in the reference key, after `kind`
+    return out
+
+
+def _break_ties(order, w, prefix_keys, all_cols) -> np.ndarray:
+    """Writes equal in every key before the tail (source name, source offset) are ordered by it, as in the
+    reference key: only overlapping writes to one box of one param can tie there (rare), so this is Python."""
+    if len(order) < 2:
+        return order
+    same = np.ones(len(order) - 1, dtype=bool)
+    for k in prefix_keys:
+        ks = k[order]
+        same &= ks[1:] == ks[:-1]
+    if not same.any():
+        return order
+    order = order.copy()
+    starts = np.nonzero(same & ~np.concatenate([[False], same[:-1]]))[0]
+    for start in starts.tolist():
+        stop = start + 1
+        while stop < len(same) and same[stop]:
+            stop += 1
+        run = order[start:stop + 1].tolist()
+
+        def tail(j):
+            cols = all_cols[int(w["rank_pos"][j])]
+            index = int(w["index"][j])
+            if cols.src[index] < 0:
+                return ("", 0, index)
+            return (cols.source_name(index), int(cols.src_offset[index]), index)
+        order[start:stop + 1] = sorted(run, key=tail)
+    return order
+
+
+def _gather_dst(all_cols, rank_pos, index) -> dict:
+    width = max(c.dst_sizes.shape[1] for c in all_cols) if all_cols else 1
+    n = len(index)
+    out = {"offset": np.empty(n, dtype=np.int64), "ndim": np.empty(n, dtype=np.int64),
+           "sizes": np.ones((n, width), dtype=np.int64), "strides": np.zeros((n, width), dtype=np.int64)}
+    for pos, cols in enumerate(all_cols):
+        mask = rank_pos == pos
+        rows = index[mask]
+        out["offset"][mask] = cols.dst_offset[rows]
+        out["ndim"][mask] = cols.dst_ndim[rows]
+        out["sizes"][mask, :cols.dst_sizes.shape[1]] = cols.dst_sizes[rows]
+        out["strides"][mask, :cols.dst_strides.shape[1]] = cols.dst_strides[rows]
+    return out
+
+
+def _group_spans(seg_group: np.ndarray, offset: np.ndarray, total: int) -> list[list]:
+    """[group ordinal, start, stop, first, last] per run of segments of one group."""
+    if len(seg_group) == 0:
+        return []
+    firsts = np.nonzero(np.concatenate([[True], seg_group[1:] != seg_group[:-1]]))[0].tolist()
+    spans = []
+    for j, first in enumerate(firsts):
+        last = firsts[j + 1] if j + 1 < len(firsts) else len(seg_group)
+        stop = int(offset[last]) if last < len(seg_group) else total
+        spans.append([int(seg_group[first]), int(offset[first]), stop, first, last])
+    return spans
+
+
+def extents(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi) element extent per row (padded dims have size 1: no reach); (offset, offset) when empty."""
+    reach = (sizes - 1) * strides
+    lo = offset + np.minimum(reach, 0).sum(axis=1)
+    hi = offset + np.maximum(reach, 0).sum(axis=1) + 1
+    empty = (sizes == 0).any(axis=1)
+    return np.where(empty, offset, lo), np.where(empty, offset, hi)
+
+
+def _overlapping_groups(gp, cols_dst, group_ord, group_names) -> set[str]:
+    """Groups in which two writes (of any of the plans' ranks) to one param name have intersecting extents."""
+    lo, hi = extents(cols_dst["offset"], cols_dst["sizes"], cols_dst["strides"])
+    keep = hi > lo
+    gp, lo, hi = gp[keep], lo[keep], hi[keep]
+    if len(gp) < 2:
+        return set()
+    order = np.lexsort((hi, lo, gp))
+    gp, lo, hi = gp[order], lo[order], hi[order]
+    # dense ranks of the bounds keep `param * span + bound` small: later params start above every earlier hi, so
+    # one running max serves all params
+    _, ranked = np.unique(np.concatenate([lo, hi]), return_inverse=True)
+    ranked = ranked.reshape(-1)
+    span = len(ranked) + 1
+    lo_r, hi_r = ranked[:len(lo)] + gp * span, ranked[len(lo):] + gp * span
+    reach = np.maximum.accumulate(hi_r)[:-1]
+    hit = (gp[1:] == gp[:-1]) & (lo_r[1:] < reach)
+    return {group_names[group_ord[p]] for p in np.unique(gp[1:][hit]).tolist()}
+
+
+def _split(spans, out, max_bytes, keep_whole) -> tuple[list, np.ndarray, tuple]:
+    """pack._split_groups on arrays: a group over max_bytes becomes parts "<group>/0", "<group>/1", ... of about
+    equal size, each segment going to the part its middle byte falls in."""
+    names = list(out["group_names"])
+    seg_group = out["group"].copy()
+    offset, nbytes = out["offset"], out["nbytes"]
+    new_spans = []
+    for gid, start, stop, first, last in spans:
+        name = names[gid]
+        if stop - start <= max_bytes or name in keep_whole:
+            new_spans.append([gid, start, stop, first, last])
+            continue
+        num_parts = -(-(stop - start) // max_bytes)
+        share = (stop - start) / num_parts
+        mids = offset[first:last] + nbytes[first:last] / 2 - start
+        index = np.minimum(num_parts - 1, np.floor_divide(mids, share).astype(np.int64))
+        flags = np.concatenate([[True], index[1:] > index[:-1]])
+        cuts = np.nonzero(flags)[0]
+        if len(cuts) == 1:   # only alignment padding was over the limit: nothing to split
+            new_spans.append([gid, start, stop, first, last])
+            continue
+        pid = len(names)
+        names += [f"{name}/{p}" for p in range(len(cuts))]
+        seg_group[first:last] = pid + np.cumsum(flags) - 1
+        firsts = first + cuts
+        starts = offset[firsts]
+        # each part runs up to the next (padding included); the group's trailing padding stays with its last part
+        stops = np.append(starts[1:], stop)
+        lasts = np.append(firsts[1:], last)
+        parts = [[pid + p, a, b, f, e] for p, (a, b, f, e) in
+                 enumerate(zip(starts.tolist(), stops.tolist(), firsts.tolist(), lasts.tolist()))]
+        new_spans += parts
+    return new_spans, seg_group, tuple(names)
