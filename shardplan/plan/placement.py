@@ -5,10 +5,15 @@ redundant), (E + R) / EP slots per EP rank, and the rebalancer moves experts bet
 with `--eplb-redundant R` does not name a checkpoint expert for a slot: each expert write reads
 `...experts.slot.<p>.<weight>` (p = the physical slot, an affine hole like any other), and the plan header's `eplb`
 field (`EplbSlots`) says so. At every sync the placement (vLLM's `physical_to_logical_map`, one row of E + R logical
-ids per MoE layer) is an input: `PlacementBinder.bind(placement)` rewrites each slot name to the checkpoint expert the
-slot holds now (`...experts.<placement[layer][p]>.<weight>`), giving an ordinary RankPlan (Replayer, Applier and the
-layout stamp work unchanged). The destinations do not depend on the placement, so a consumer's pack layout is the same
-for every placement; the placement digest is what trainer and consumer compare (docs/eplb.md).
+ids per MoE layer) is an input, used in one of two equivalent ways:
+
+* `PlacementBinder.bind(placement)` rewrites each slot name to the checkpoint expert the slot holds now
+  (`...experts.<placement[layer][p]>.<weight>`): an ordinary RankPlan (reference interpreter, verification);
+* `with_slot_aliases(tensors, slot_names, placement)` hands a Replayer of the *unbound* plan each slot's expert
+  tensor under the slot's name: the sync's path (sync/placement.py), because the pack layout of the unbound plan has
+  one segment per slot whatever the placement, so trainer and consumer build the same layout (and stamp) from the same
+  file once, and a rebalance changes only which tensor fills each slot. (A bound plan's layout is not fixed: two slots
+  of one rank holding the same expert share one segment.)
 
 No torch, no vLLM: the trainer binds with this module.
 """
@@ -180,18 +185,9 @@ class PlacementBinder:
         if tuple(placement.rows) != self.slots.moe_layers:
             raise PlacementShapeError(f"placement covers MoE layers {list(placement.rows)[:8]}..., the plan "
                                       f"{list(self.slots.moe_layers)[:8]}...")
-        rows = placement.rows
 
         def name(n: str) -> str:
-            m = _SLOT.search(n)
-            if m is None:
-                return n
-            layer, slot = layer_of(n), int(m.group(1))
-            row = rows.get(layer)
-            if row is None or slot >= len(row):
-                raise PlacementShapeError(f"plan rank {self.plan.rank} writes {n}, outside the placement (layers "
-                                          f"{list(rows)[:8]}..., {len(row or ())} slots)")
-            return f"{n[:m.start()]}.experts.{row[slot]}.{n[m.end():]}"
+            return bound_name(n, placement, self.plan.rank)
 
         writes = list(self.plan.writes)
         for i in self._slot_writes:
@@ -202,6 +198,35 @@ class PlacementBinder:
             self._cache.pop(next(iter(self._cache)))
         self._cache[placement.digest] = bound
         return bound
+
+
+def bound_name(name: str, placement: Placement, rank: int | None = None) -> str:
+    """`...layers.<l>...experts.slot.<p>.w` -> `...experts.<placement[l][p]>.w`; other names unchanged."""
+    m = _SLOT.search(name)
+    if m is None:
+        return name
+    layer, slot = layer_of(name), int(m.group(1))
+    row = placement.rows.get(layer)
+    if row is None or slot >= len(row):
+        raise PlacementShapeError(f"{'plan rank ' + str(rank) + ' ' if rank is not None else ''}reads {name}, outside "
+                                  f"the placement (layers {list(placement.rows)[:8]}..., {len(row or ())} slots)")
+    return f"{name[:m.start()]}.experts.{row[slot]}.{name[m.end():]}"
+
+
+def with_slot_aliases(tensors: Mapping, slot_names, placement: Placement, who: str = "") -> dict:
+    """`tensors` (checkpoint name -> tensor) plus each slot name -> the tensor of the expert the slot holds: what a
+    Replayer of the *unbound* plan packs from. Its pack layout is the consumer's (both built from the same unbound
+    plan, independent of the placement); only which tensor fills each slot changes."""
+    out = dict(tensors)
+    for n in slot_names:
+        source = bound_name(n, placement)
+        try:
+            out[n] = tensors[source]
+        except KeyError:
+            raise PlacementError(f"{who or 'the trainer'} lacks {source}, which slot {n} holds under placement "
+                                 f"{placement.digest}: with EPLB a trainer must hold every expert of the layers it "
+                                 f"serves whole (any expert can move to any slot)") from None
+    return out
 
 
 def rename_leaf(leaf: ir.Leaf, name) -> ir.Leaf:
