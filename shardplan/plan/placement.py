@@ -74,9 +74,9 @@ class EplbSlots:
             v = getattr(self, f)
             if type(v) is not int or v < 1:
                 raise PlacementError(f"eplb.{f} must be a positive integer, got {v!r}")
-        if type(self.num_redundant_experts) is not int or self.num_redundant_experts < 1:
-            raise PlacementError(f"eplb.num_redundant_experts must be a positive integer (a plan without redundant "
-                                 f"slots has no eplb field), got {self.num_redundant_experts!r}")
+        if type(self.num_redundant_experts) is not int or self.num_redundant_experts < 0:
+            raise PlacementError(f"eplb.num_redundant_experts must be a non-negative integer, got "
+                                 f"{self.num_redundant_experts!r}")
         if self.num_physical_experts % self.num_ep_ranks:
             raise PlacementError(f"eplb: {self.num_physical_experts} physical slots do not split evenly over "
                                  f"{self.num_ep_ranks} EP ranks (vLLM requires it)")
@@ -119,18 +119,23 @@ class Placement:
         return json.dumps({"layers": sorted(self.rows), "rows": [list(self.rows[k]) for k in sorted(self.rows)]})
 
 
-def make_placement(physical_to_logical, slots: EplbSlots) -> Placement:
+def make_placement(physical_to_logical, slots: EplbSlots, layers: tuple[int, ...] | None = None) -> Placement:
     """From vLLM's `physical_to_logical_map` ([moe_layers, E + R]; a tensor, array or nested lists), checked against
-    the plan's slots: PlacementShapeError / PlacementExpertError name the first bad row or slot."""
+    the plan's slots: PlacementShapeError / PlacementExpertError name the first bad row or slot. `layers`: the decoder
+    layers of the rows when they are not all of the plan's MoE layers (a pipeline stage's engine holds its own)."""
     rows = physical_to_logical.tolist() if hasattr(physical_to_logical, "tolist") else physical_to_logical
-    num_layers, num_slots, num_experts = len(slots.moe_layers), slots.num_physical_experts, slots.num_logical_experts
+    layers = slots.moe_layers if layers is None else tuple(layers)
+    if not set(layers) <= set(slots.moe_layers) or list(layers) != sorted(set(layers)):
+        raise PlacementShapeError(f"placement rows for layers {list(layers)[:8]}: the plan's MoE layers are "
+                                  f"{list(slots.moe_layers)[:8]}...")
+    num_layers, num_slots, num_experts = len(layers), slots.num_physical_experts, slots.num_logical_experts
     if not isinstance(rows, (list, tuple)) or len(rows) != num_layers:
         got = len(rows) if isinstance(rows, (list, tuple)) else type(rows).__name__
         raise PlacementShapeError(f"placement has {got} rows; the plan's model has {num_layers} MoE layers "
                                   f"({list(slots.moe_layers)[:8]}...): pass vLLM's physical_to_logical_map "
                                   f"[{num_layers}, {num_slots}] of the whole model")
     out = {}
-    for layer, row in zip(slots.moe_layers, rows):
+    for layer, row in zip(layers, rows):
         if not isinstance(row, (list, tuple)) or len(row) != num_slots:
             got = len(row) if isinstance(row, (list, tuple)) else type(row).__name__
             raise PlacementShapeError(f"placement row of layer {layer} has {got} slots; the plan has {num_slots} "
@@ -147,21 +152,30 @@ def make_placement(physical_to_logical, slots: EplbSlots) -> Placement:
     return Placement(out, hashlib.sha256(text).hexdigest()[:16])
 
 
-def check_engine_slots(slots: EplbSlots | None, engine_num_redundant: int, where: str,
+def check_engine_slots(slots: EplbSlots | None, engine_eplb: bool, engine_num_redundant: int, where: str,
                        engine_num_logical: int | None = None, engine_ep: int | None = None) -> None:
-    """EplbPlanMismatch unless the plan's redundant slots are the engine's."""
-    plan_r = slots.num_redundant_experts if slots else 0
-    if plan_r != engine_num_redundant:
+    """EplbPlanMismatch unless the plan's EPLB slots are the engine's: an engine with EPLB needs a plan recorded with
+    `--eplb-redundant` (its experts move, even with 0 redundant slots), one without EPLB a plan without."""
+    if engine_eplb and slots is None:
         raise EplbPlanMismatch(
-            f"{where} was recorded with {plan_r} redundant expert slots, the engine runs "
-            f"num_redundant_experts={engine_num_redundant}: its slots would be filled wrong or not at all; record "
-            f"the plan with `shardplan record ... --ep --eplb-redundant {engine_num_redundant}`" if engine_num_redundant
-            else f"{where} has {plan_r} redundant expert slots but the engine runs without EPLB: use the plan "
-                 f"recorded without --eplb-redundant")
-    if slots and engine_num_logical is not None and engine_num_logical != slots.num_logical_experts:
+            f"{where} was recorded without EPLB slots, the engine runs EPLB with num_redundant_experts="
+            f"{engine_num_redundant}: its experts move between slots, and the plan would fill each slot from the "
+            f"initial placement; record the plan with `shardplan record ... --ep --eplb-redundant "
+            f"{engine_num_redundant}`")
+    if slots is not None and not engine_eplb:
+        raise EplbPlanMismatch(f"{where} has EPLB slots ({slots.num_redundant_experts} redundant) but the engine runs "
+                               f"without EPLB: use the plan recorded without --eplb-redundant")
+    if slots is None:
+        return
+    if slots.num_redundant_experts != engine_num_redundant:
+        raise EplbPlanMismatch(f"{where} was recorded with {slots.num_redundant_experts} redundant expert slots, the "
+                               f"engine runs num_redundant_experts={engine_num_redundant}: its slots would be filled "
+                               f"wrong or not at all; record the plan with `shardplan record ... --ep "
+                               f"--eplb-redundant {engine_num_redundant}`")
+    if engine_num_logical is not None and engine_num_logical != slots.num_logical_experts:
         raise EplbPlanMismatch(f"{where} has {slots.num_logical_experts} logical experts, the engine "
                                f"{engine_num_logical}")
-    if slots and engine_ep is not None and engine_ep != slots.num_ep_ranks:
+    if engine_ep is not None and engine_ep != slots.num_ep_ranks:
         raise EplbPlanMismatch(f"{where} splits slots over {slots.num_ep_ranks} EP ranks, the engine over {engine_ep}")
 
 
@@ -182,9 +196,6 @@ class PlacementBinder:
         """The plan with every `experts.slot.<p>` name replaced by the checkpoint expert slot p holds."""
         if placement.digest in self._cache:
             return self._cache[placement.digest]
-        if tuple(placement.rows) != self.slots.moe_layers:
-            raise PlacementShapeError(f"placement covers MoE layers {list(placement.rows)[:8]}..., the plan "
-                                      f"{list(self.slots.moe_layers)[:8]}...")
 
         def name(n: str) -> str:
             return bound_name(n, placement, self.plan.rank)

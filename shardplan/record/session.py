@@ -46,7 +46,7 @@ class Recorded:
 
 class RecordSession:
     def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False, tier: str = "auto", eplb_redundant: int = 0):
+                 strict: bool = False, tier: str = "auto", eplb_redundant: int | None = None):
         self._model, self._overrides, self.eplb_redundant = model, list(overrides), eplb_redundant
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
@@ -62,7 +62,7 @@ class RecordSession:
             self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
         self.eplb = None   # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
-        if eplb_redundant:
+        if eplb_redundant is not None:
             self.eplb = eplb.eplb_slots(self.tensors, layout, eplb_redundant, self.spec.config, self.spec.name)
             eplb.enable_eplb(self.vllm_config, eplb_redundant)
             self.sources += slot_sources(self.sources, self.eplb)

@@ -53,10 +53,10 @@ def read_placement(control: Control, version: int, consumer: Peer, slots: EplbSl
     except (ValueError, KeyError, TypeError):
         raise PlacementError(f"{consumer}'s placement for version {version} is not a placement: {text[:200]!r}") \
             from None
-    if layers != list(slots.moe_layers):
-        raise PlacementError(f"{consumer}'s placement covers MoE layers {layers[:8]}, the plan "
+    if not isinstance(layers, list) or not set(layers) <= set(slots.moe_layers):
+        raise PlacementError(f"{consumer}'s placement covers MoE layers {str(layers)[:80]}, the plan "
                              f"{list(slots.moe_layers)[:8]}: trainer and engine read different plans")
-    placement = make_placement(rows, slots)
+    placement = make_placement(rows, slots, layers=tuple(layers))
     if record.get("digest") != placement.digest:
         raise PlacementError(f"{consumer}'s placement for version {version} does not match its digest")
     return placement

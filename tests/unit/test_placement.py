@@ -72,8 +72,11 @@ def test_placement_of_wrong_shape_is_named():
     plan_file, _ = eplb_plan_file()
     binder = PlacementBinder(plan_file.rank(0), plan_file.header.eplb)
     other = make_placement([[0, 1, 2, 3, 0, 1]], EplbSlots(4, 2, 2, (1,)))
-    with pytest.raises(PlacementShapeError, match="covers MoE layers"):
+    with pytest.raises(PlacementShapeError, match="plan rank 0 reads model.layers.2.mlp.experts.slot.0.down_proj.weight, "
+                                                  "outside the placement"):
         binder.bind(other)
+    with pytest.raises(PlacementShapeError, match=r"rows for layers \[3\]"):
+        make_placement([[0, 1, 2, 3, 0, 1]], EplbSlots(4, 2, 2, (1, 2)), layers=(3,))
 
 
 @pytest.mark.parametrize("bad", [4, -1, 7, True, 1.0, None])
@@ -92,16 +95,19 @@ def test_torch_tensor_map_is_accepted():
 
 
 def test_plan_without_redundant_slots_on_an_engine_with_them_is_named():
-    with pytest.raises(EplbPlanMismatch, match="recorded with 0 redundant expert slots.*--eplb-redundant 8"):
-        check_engine_slots(None, 8, "plans/x.plan")
-    with pytest.raises(EplbPlanMismatch, match="2 redundant expert slots but the engine runs without EPLB"):
-        check_engine_slots(EplbSlots(4, 2, 2, (1,)), 0, "plans/x.plan")
+    with pytest.raises(EplbPlanMismatch, match="recorded without EPLB slots.*--eplb-redundant 8"):
+        check_engine_slots(None, True, 8, "plans/x.plan")
+    with pytest.raises(EplbPlanMismatch, match="recorded without EPLB slots.*num_redundant_experts=0"):
+        check_engine_slots(None, True, 0, "plans/x.plan")   # experts move even without redundant slots
+    with pytest.raises(EplbPlanMismatch, match="2 redundant\\) but the engine runs without EPLB"):
+        check_engine_slots(EplbSlots(4, 2, 2, (1,)), False, 0, "plans/x.plan")
     with pytest.raises(EplbPlanMismatch, match="recorded with 2 .* num_redundant_experts=4"):
-        check_engine_slots(EplbSlots(4, 2, 2, (1,)), 4, "plans/x.plan")
+        check_engine_slots(EplbSlots(4, 2, 2, (1,)), True, 4, "plans/x.plan")
     with pytest.raises(EplbPlanMismatch, match="over 2 EP ranks, the engine over 4"):
-        check_engine_slots(EplbSlots(4, 4, 2, (1,)), 4, "plans/x.plan", engine_num_logical=4, engine_ep=4)
-    check_engine_slots(None, 0, "plans/x.plan")
-    check_engine_slots(EplbSlots(4, 2, 2, (1,)), 2, "plans/x.plan", engine_num_logical=4, engine_ep=2)
+        check_engine_slots(EplbSlots(4, 4, 2, (1,)), True, 4, "plans/x.plan", engine_num_logical=4, engine_ep=4)
+    check_engine_slots(None, False, 0, "plans/x.plan")
+    check_engine_slots(EplbSlots(4, 2, 2, (1,)), True, 2, "plans/x.plan", engine_num_logical=4, engine_ep=2)
+    check_engine_slots(EplbSlots(4, 0, 2, (1,)), True, 0, "plans/x.plan")
 
 
 def test_unbound_plan_reads_no_real_expert():
@@ -118,8 +124,8 @@ def test_unbound_plan_reads_no_real_expert():
 def test_eplb_slots_reject_bad_values():
     with pytest.raises(PlacementError, match="do not split evenly over 4 EP ranks"):
         EplbSlots(4, 2, 4, (1,))
-    with pytest.raises(PlacementError, match="num_redundant_experts must be a positive integer"):
-        EplbSlots(4, 0, 2, (1,))
+    with pytest.raises(PlacementError, match="num_redundant_experts must be a non-negative integer"):
+        EplbSlots(4, -1, 2, (1,))
     with pytest.raises(PlacementError, match="moe_layers must be increasing"):
         EplbSlots(4, 2, 2, (2, 1))
     with pytest.raises(PlacementError, match="in that order"):
