@@ -19,21 +19,9 @@ from __future__ import annotations
 
 import gc
 
-from shardplan.engine.errors import EngineError
+from shardplan.engine.errors import EplbPlacementChanged, EplbPlacementUnavailable, EplbRebalanceInFlight
 from shardplan.plan.names import layer_of
 from shardplan.plan.placement import EplbSlots, Placement, PlacementError, PlacementShapeError, make_placement
-
-
-class EplbRebalanceInFlight(EngineError):
-    """An asynchronous EPLB rebalance may be in flight and cannot be drained: writing now could be undone by it."""
-
-
-class EplbPlacementChanged(EngineError):
-    """The engine's placement changed while an update was being applied: its slots may hold the wrong experts."""
-
-
-class EplbPlacementUnavailable(EngineError):
-    """The engine runs EPLB but its placement cannot be read (no EPLB state on its MoE layers)."""
 
 
 def _moe_model(model):

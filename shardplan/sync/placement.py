@@ -132,3 +132,11 @@ class EplbPacker:
         aliased = with_slot_aliases(tensors, self._slot_names[key], self.placements[consumer],
                                     f"the trainer packing {group} for consumer {consumer}")
         self.inner.pack(consumer, group, aliased, out, segments)
+
+
+def make_packer(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], slots: EplbSlots | None,
+                control: Control | None = None, *, timeout_s: float = 60.0, **packer_options):
+    """The trainer's Packer for a plan file: EplbPacker when it has EPLB slots (`header.eplb`), else ReplayPacker."""
+    if slots is None:
+        return ReplayPacker(plans, sources, **packer_options)
+    return EplbPacker(plans, sources, slots, control, timeout_s=timeout_s, **packer_options)
