@@ -39,6 +39,9 @@ def eplb_slots(tensors, layout, num_redundant: int, config: dict, label: str) ->
     cannot run there."""
     num_experts = num_logical_experts(config)
     ep_size = layout.dp * layout.tp
+    if type(num_redundant) is not int or num_redundant < 0:
+        raise LayoutRejected(f"--eplb-redundant must be a non-negative integer (vLLM's num_redundant_experts), got "
+                             f"{num_redundant!r}")
     if not layout.ep or not num_experts:
         raise LayoutRejected(f"--eplb-redundant needs --ep and a mixture-of-experts model ({label})")
     if ep_size <= 1:

@@ -318,3 +318,24 @@ def test_backend_refuses_a_plan_whose_eplb_slots_are_not_the_engines():
     with pytest.raises(EnginePlanMismatch, match="engine runs without EPLB"):
         backend._check_eplb(plan_file)
     assert backend._check_eplb(plain) is None
+
+
+def test_cli_records_an_eplb_plan_of_its_own_and_refuses_layouts_vllm_would(tmp_path, capsys):
+    from shardplan.cli import main
+    from shardplan.plan.inspect import inspect_plan
+
+    args = ["record", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "--out", str(tmp_path),
+            *[x for o in MODELS["qwen3-30b-a3b"] for x in ("--override", o)]]
+    assert main(args + ["--eplb-redundant", "2"]) == 0
+    (path,) = tmp_path.glob("*.plan")
+    assert "--tp2-ep-eplb2--" in path.name
+    plan_file = PlanFile.read(path)
+    assert plan_file.header.eplb.num_redundant_experts == 2 and plan_file.header.eplb.slots_per_rank == 3
+    text = inspect_plan(str(path))
+    assert "EPLB: 4 experts + 2 redundant = 6 slots per MoE layer, 3 per rank on 2 EP ranks" in text
+    assert main(args + ["--eplb-redundant", "3"]) == 2
+    assert "4 experts + 3 redundant do not divide over 2 EP ranks" in capsys.readouterr().err
+    assert main([a for a in args if a != "--ep"] + ["--eplb-redundant", "2"]) == 2
+    assert "--eplb-redundant needs --ep" in capsys.readouterr().err
+    assert main(args + ["--eplb-redundant", "-1"]) == 2
+    assert "--eplb-redundant must be a non-negative integer" in capsys.readouterr().err
