@@ -102,6 +102,11 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
              f"{body.num_writes()} writes over all ranks"]
     if h.eplb is not None:
         e = h.eplb
+        num_slot_names = len(e.moe_layers) * e.num_physical_experts * len(
+            {n.split(".experts.slot.0.")[1] for n in body.sources if ".layers." in n and ".experts.slot.0." in n} or {""})
+        lines[-1] = lines[-1].replace(f"{len(body.sources)} checkpoint tensors",
+                                      f"{len(body.sources) - num_slot_names} checkpoint tensors (+{num_slot_names} "
+                                      f"expert-slot names)")
         lines.append(f"  EPLB: {e.num_logical_experts} experts + {e.num_redundant_experts} redundant = "
                      f"{e.num_physical_experts} slots per MoE layer, {e.slots_per_rank} per rank on {e.num_ep_ranks} "
                      f"EP ranks, {len(e.moe_layers)} MoE layers; expert writes name their slot (`experts.slot.<p>`), "
