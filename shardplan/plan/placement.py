@@ -34,6 +34,9 @@ _SLOT = re.compile(r"\.experts\.slot\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+MAX_PHYSICAL_EXPERTS = 65536   # E + R, and the EP size, a plan header may declare (vLLM models have <= 512 experts)
+
+
 class PlacementError(ShardplanError):
     """A placement that cannot be bound to a plan (its shape, its values, or the plan has no slots)."""
 
@@ -77,6 +80,9 @@ class EplbSlots:
         if type(self.num_redundant_experts) is not int or self.num_redundant_experts < 0:
             raise PlacementError(f"eplb.num_redundant_experts must be a non-negative integer, got "
                                  f"{self.num_redundant_experts!r}")
+        if self.num_physical_experts > MAX_PHYSICAL_EXPERTS or self.num_ep_ranks > MAX_PHYSICAL_EXPERTS:
+            raise PlacementError(f"eplb: {self.num_physical_experts} physical slots over {self.num_ep_ranks} EP ranks "
+                                 f"exceed the limit of {MAX_PHYSICAL_EXPERTS}")
         if self.num_physical_experts % self.num_ep_ranks:
             raise PlacementError(f"eplb: {self.num_physical_experts} physical slots do not split evenly over "
                                  f"{self.num_ep_ranks} EP ranks (vLLM requires it)")

@@ -209,6 +209,9 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     for key in ("tp", "pp", "dp"):
         world *= c.int_(layout[key], f"header.layout.{key}", 1, MAX_WORLD_SIZE)
     c.bool_(layout["ep"], "header.layout.ep")
+    if "eplb" in raw and (layout["ep"] is not True or
+                          EplbSlots.from_dict(raw["eplb"]).num_ep_ranks != layout["tp"] * layout["dp"]):
+        c.fail("header.eplb", raw["eplb"], "num_ep_ranks must be the layout's EP group (tp x dp, with ep true)")
     if world > MAX_WORLD_SIZE:
         c.limit("header.layout", f"world size {world} exceeds {MAX_WORLD_SIZE}")
     if type(raw["dtype"]) is not str or raw["dtype"] not in MODEL_DTYPES:

@@ -63,7 +63,7 @@ class PlanHeader:
     # what the consumer's bytes are made with when the trainer transforms its tensors: "" (copied as recorded), or a
     # quantizer id such as "fp8-e4m3-block-amax448-v1/128x128" (runtime/quantize.py); written only when not empty
     quantizer: str = ""
-    # EPLB redundant expert slots the plan was recorded with (plan/placement.py); written only when there are some
+    # the EPLB expert slots the plan was recorded with (plan/placement.py); written only for EPLB plans
     eplb: EplbSlots | None = None
 
     def to_dict(self) -> dict:

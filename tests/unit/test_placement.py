@@ -137,7 +137,11 @@ def test_eplb_slots_reject_bad_values():
                                   {"num_logical_experts": 4, "num_redundant_experts": 3, "num_ep_ranks": 2,
                                    "moe_layers": [1, 2]},
                                   {"num_logical_experts": 4, "num_redundant_experts": 2, "num_ep_ranks": 2,
-                                   "moe_layers": [1, "2"]}])
+                                   "moe_layers": [1, "2"]},
+                                  {"num_logical_experts": 4, "num_redundant_experts": 4, "num_ep_ranks": 4,
+                                   "moe_layers": [1, 2]},     # not the layout's EP group (tp2)
+                                  {"num_logical_experts": 2 ** 40, "num_redundant_experts": 0, "num_ep_ranks": 2,
+                                   "moe_layers": [1, 2]}])
 def test_plan_file_with_a_bad_eplb_header_is_refused(eplb):
     plan_file, _ = eplb_plan_file()
     from shardplan.plan.planfile import encode
