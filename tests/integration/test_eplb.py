@@ -36,15 +36,17 @@ MODELS = {
 }
 # (model, tp = EP size, redundant): 4 logical experts; R > E gives an expert three replicas
 CASES = [("qwen3-30b-a3b", 2, 2), ("qwen3-30b-a3b", 4, 4), ("kimi-k2", 2, 2), ("kimi-k2", 2, 6),
-         ("kimi-k2", 4, 4), ("qwen3-30b-a3b", 2, 6)]
+         ("kimi-k2", 4, 4), ("qwen3-30b-a3b", 2, 6), ("qwen3-30b-a3b", 2, 4, 2), ("kimi-k2", 1, 2, 2)]
+# (..., dp): the EP group spans data-parallel ranks too (dp x tp)
 
 
 @functools.cache
-def _recorded(model: str, tp: int, redundant: int):
+def _recorded(model: str, tp: int, redundant: int, dp: int = 1):
     from shardplan.record.session import RecordSession
 
-    session = RecordSession(model, Layout(tp=tp, ep=True), overrides=MODELS[model], eplb_redundant=redundant)
-    recorded = session.record_plans(list(range(tp)))
+    layout = Layout(tp=tp, dp=dp, ep=True)
+    session = RecordSession(model, layout, overrides=MODELS[model], eplb_redundant=redundant)
+    recorded = session.record_plans(list(range(layout.world_size)))
     plan_file = PlanFile(*decode(session.encode(recorded.body)))
     return session, plan_file
 
@@ -121,6 +123,7 @@ def test_bound_plan_equals_real_loader_with_that_placement(case, placement_seed,
         real = _load_real(session, rank, checkpoint, placement)
         ours, bound = _load_shardplan(session, plan_file, rank, checkpoint, placement)
         assert not any(".slot." in n for n in bound.sources_read())
+        _assert_alias_path_writes_the_same(plan_file, rank, checkpoint, placement, ours)
         verdict = RankVerdict(rank)
         compare_models(real, ours, verdict)
         on_slot = _slot_experts(ours, session, rank, checkpoint, placement)
@@ -137,6 +140,23 @@ def test_bound_plan_equals_real_loader_with_that_placement(case, placement_seed,
         params = dict(ours.named_parameters())
         for meta in bound.params:   # every element the plan covers was written
             assert not torch.isnan(params[meta.name].float()).any(), meta.name
+
+
+def _assert_alias_path_writes_the_same(plan_file, rank, checkpoint, placement, model) -> None:
+    """The sync's path (the unbound plan's Replayer fed slot aliases, sync/placement.py) == the bound plan's."""
+    from shardplan.plan.placement import slot_of, with_slot_aliases
+    from shardplan.runtime.apply import params_from_plan
+
+    unbound = plan_file.rank(rank)
+    slot_names = sorted(n for n in unbound.sources_read() if slot_of(n) is not None)
+    params = params_from_plan(unbound, fill=float("nan"))
+    with torch.no_grad():
+        replayer = Replayer(unbound, plan_file.sources)
+        Applier(unbound, replayer.layout, params).apply(replayer.pack(with_slot_aliases(checkpoint, slot_names,
+                                                                                        placement)))
+    written = dict(model.named_parameters())
+    for name, t in params.items():
+        assert torch.equal(bits(t), bits(written[name])), name
 
 
 def _same_rank_replica(placement, slots, rank, key) -> bool:
@@ -339,3 +359,17 @@ def test_cli_records_an_eplb_plan_of_its_own_and_refuses_layouts_vllm_would(tmp_
     assert "--eplb-redundant needs --ep" in capsys.readouterr().err
     assert main(args + ["--eplb-redundant", "-1"]) == 2
     assert "--eplb-redundant must be a non-negative integer" in capsys.readouterr().err
+
+
+def test_sampled_recording_equals_every_layer_with_slots():
+    """Kimi-K2 at full size records 3 of 61 layers and extends them (how the R=32 TP32 plan was made): with EPLB slots
+    the extended plan is byte-identical to recording every layer."""
+    from shardplan.record.session import RecordSession
+
+    overrides = [o for o in MODELS["kimi-k2"] if not o.startswith("num_hidden_layers")] + ["num_hidden_layers=5"]
+    session = RecordSession("kimi-k2", Layout(tp=2, ep=True), overrides=overrides, eplb_redundant=2)
+    sampled = session.record_plans([0, 1])
+    assert sampled.how.startswith("sampled"), sampled.how
+    every = session.record_plans([0, 1], exhaustive=True)
+    assert session.encode(sampled.body) == session.encode(every.body)
+    assert PlanFile(*decode(session.encode(sampled.body))).header.eplb.moe_layers == (1, 2, 3, 4)
