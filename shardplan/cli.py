@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "recording it as a fallback")
     rec.add_argument("--exhaustive", action="store_true", help="record every rank fully (no sampling); the output "
                                                                "is byte-identical either way")
+    rec.add_argument("--eplb-redundant", type=int, default=None, metavar="R",
+                     help="for engines running vLLM's EPLB with R redundant expert slots (R >= 0; needs --ep): expert "
+                          "writes name their physical slot, bound to the live placement at every sync (docs/eplb.md)")
 
     ver = sub.add_parser("verify", help="prove replay == vLLM's real load_weights, bitwise, on random tensors")
     _layout_args(ver)
@@ -146,8 +149,11 @@ def cmd_record(args) -> int:
     layout, ranks = _layout(args)
     _check_override_keys(args.model, args.override)
     path = _check_out(args, layout, ranks)
+    if args.eplb_redundant is not None:   # its own file: a plan without the slots must not be found for an engine with them
+        path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-eplb{args.eplb_redundant}--"))
     t0 = time.perf_counter()
-    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict)
+    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict,
+                            eplb_redundant=args.eplb_redundant)
     recorded = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
     stats = recorded.stats
     data = session.encode(recorded.body)

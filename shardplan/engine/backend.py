@@ -26,14 +26,17 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch, EplbNotSupported
+from shardplan.engine.eplb import EngineEplb
+from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
 from shardplan.engine.reload import ReloadUnpacker
 from shardplan.models import resolve_model
 from shardplan.plan.layout import Layout
+from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.plan.planfile import PlanFile
 from shardplan.plan.store import load_plan
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
+from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
 
 logger = logging.getLogger("shardplan.engine")
@@ -90,17 +93,16 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.unpacker = None
         self.rank: int | None = None
         self.last_error: str = ""
+        self.eplb: EngineEplb | None = None
+        self.placement_stale = False   # the last update's placement changed under it (EplbPlacementChanged)
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     @_named
     def init_transfer_engine(self, init_info: ShardplanInitInfo) -> None:
         pc = self.parallel_config
-        if getattr(pc, "enable_eplb", False):
-            raise EplbNotSupported("the engine runs with EPLB (enable_eplb): experts move between "
-                                   "slots at runtime, and a plan holds the initial placement; start the engine "
-                                   "without --enable-eplb (remapping slots per sync is not implemented yet)")
         layout = engine_layout(pc)
         plan_file = self._find_plan(init_info, layout)
+        self.eplb = self._check_eplb(plan_file)
         rank = worker_plan_rank(pc, layout)
         plan = plan_file.rank(rank)
         if self.consumer is not None:   # init again (a new trainer run): leave the old sync cleanly
@@ -114,9 +116,22 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
                             announce_timeout_s=init_info.announce_timeout_s)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
-        self.rank = rank
+        self.rank, self.control, self.placement_stale = rank, control, False
         logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s", rank,
                     plan_file.path, layout.tag(), name, init_info.transport)
+
+    def _check_eplb(self, plan_file) -> EngineEplb | None:
+        """EnginePlanMismatch unless the plan's EPLB slots are the engine's (docs/eplb.md); the worker's EPLB reader."""
+        pc = self.parallel_config
+        enabled = bool(getattr(pc, "enable_eplb", False))
+        num_redundant = int(pc.eplb_config.num_redundant_experts) if enabled else 0
+        try:
+            check_engine_slots(plan_file.header.eplb, enabled, num_redundant, plan_file.path)
+        except EplbPlanMismatch as e:
+            raise EnginePlanMismatch(f"EplbPlanMismatch: {e}") from None
+        if not enabled:
+            return None
+        return EngineEplb(self.model, plan_file.header.eplb, bool(pc.eplb_config.use_async))
 
     def _find_plan(self, info: ShardplanInitInfo, layout: Layout):
         """The plan file (given, or found by fingerprint) checked against the live engine; EnginePlanMismatch names
@@ -176,7 +191,15 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
         try:
+            placement = None
+            if self.eplb is not None:   # drain an in-flight rebalance, then say which expert each slot holds
+                placement = self.eplb.before_update()
+                publish_placement(self.control, int(update_info.version), self.consumer.name, placement)
             self.consumer.sync(int(update_info.version))
+            if placement is not None:
+                self.placement_stale = True
+                self.eplb.after_update(placement)
+                self.placement_stale = False
             self.last_error = ""
         except BaseException as e:
             self.last_error = f"{type(e).__name__}: {e}"
@@ -192,7 +215,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def state(self) -> dict:
         """(version, complete) of the weights this worker holds, and the last sync's error."""
         st = self.consumer.state if self.consumer is not None else SyncState(0, True)
-        return {"rank": self.rank, "version": st.version, "complete": st.complete, "error": self.last_error}
+        return {"rank": self.rank, "version": st.version, "complete": st.complete and not self.placement_stale,
+                "error": self.last_error}
 
     def shutdown(self) -> None:
         if self.consumer is not None:

@@ -20,8 +20,20 @@ class EnginePlanMismatch(EngineError):
 
 
 class EplbNotSupported(EngineError):
-    """The engine runs with EPLB (expert load balancing): its experts move between slots at runtime, which a plan
-    recorded with the initial placement cannot follow yet."""
+    """Kept for callers that catch it; no longer raised: an engine with EPLB needs a plan recorded with
+    `--eplb-redundant` (docs/eplb.md), and a plan without is EnginePlanMismatch ("EplbPlanMismatch: ...")."""
+
+
+class EplbRebalanceInFlight(EngineError):
+    """An asynchronous EPLB rebalance may be in flight and cannot be drained: writing now could be undone by it."""
+
+
+class EplbPlacementChanged(EngineError):
+    """The engine's placement changed while an update was being applied: its slots may hold the wrong experts."""
+
+
+class EplbPlacementUnavailable(EngineError):
+    """The engine runs EPLB but its placement cannot be read (no EPLB state on its MoE layers)."""
 
 
 class EngineUnsupported(EngineError):
@@ -49,7 +61,8 @@ class EngineCallFailed(EngineError):
     """An engine call (RPC or HTTP route) failed for a reason that is not one of the named errors above."""
 
 
-_NAMED = {cls.__name__: cls for cls in (EnginePlanMismatch, EplbNotSupported, EngineUnsupported,
+_NAMED = {cls.__name__: cls for cls in (EnginePlanMismatch, EplbNotSupported, EplbRebalanceInFlight,
+                                         EplbPlacementChanged, EplbPlacementUnavailable, EngineUnsupported,
                                          EngineNotInitialized)}
 
 

@@ -30,7 +30,8 @@ from shardplan.plan.interp import MissingTensorError, to_dtype
 from shardplan.plan.names import group_of
 from shardplan.plan.planfile import PlanFile
 from shardplan.runtime.tensors import TensorShapeError
-from shardplan.sync import PART_BYTES, Coordinator, ReplayPacker, SyncConfig, SyncReport, TrainerSync, spans_of
+from shardplan.sync import PART_BYTES, Coordinator, SyncConfig, SyncReport, TrainerSync, spans_of
+from shardplan.sync.placement import expert_sources, make_packer
 from shardplan.transport import Control, create, trainer_name
 
 
@@ -52,6 +53,9 @@ class ModuleSource:
         for r in plan_file.ranks:
             p = plan_file.rank(r)
             read |= p.sources_read() | {f.source for f in p.fallbacks}
+        if plan_file.header.eplb is not None:   # EPLB: any expert can move to any slot, so all are needed
+            read = expert_sources([plan_file.rank(r) for r in plan_file.ranks], plan_file.header.eplb,
+                                  plan_file.sources)
         self.metas = {n: plan_file.sources[n] for n in sorted(read)}
         self.by_group: dict[str, list[str]] = {}
         for n in self.metas:
@@ -105,9 +109,10 @@ class TrainerRank:
                  device: torch.device | str = "cpu", max_group_bytes: int = PART_BYTES):
         plan_file = _plan_file(plan)
         plans = [plan_file.rank(r) for r in plan_file.ranks]
-        self.packer = ReplayPacker(plans, plan_file.sources, device=device, max_group_bytes=max_group_bytes)
-        options = dict(transport_options or {})
         config = config or SyncConfig()
+        self.packer = make_packer(plans, plan_file.sources, plan_file.header.eplb, control, timeout_s=config.timeout_s,
+                                  device=device, max_group_bytes=max_group_bytes)
+        options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
         self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)
         self.engine = TrainerSync(rank, self.packer, source, self.transport, control, config, device)
@@ -171,7 +176,7 @@ class EngineSync:
         self.config = config or SyncConfig()
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
-        packer = ReplayPacker(plans, self.plan_file.sources, max_group_bytes=max_group_bytes)
+        packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb, max_group_bytes=max_group_bytes)
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(
@@ -194,7 +199,7 @@ class EngineSync:
 
     def init(self) -> None:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
-        its model and joins the sync. Named errors (EnginePlanMismatch, EplbNotSupported, ...) come back here."""
+        its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
         info = self.init_info.to_dict()
         for engine in self.engines:
             engine.init_weight_transfer_engine(info)

@@ -14,6 +14,7 @@ from shardplan.plan.compile import PlanBody
 from shardplan.plan.planfile import PlanFile, skeleton_ops
 from shardplan.plan.ir import itemsize
 from shardplan.plan.names import group_of
+from shardplan.plan.placement import slot_of
 from shardplan.plan.template import trie_count
 
 
@@ -99,7 +100,19 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
              f"shardplan {h.shardplan_version}, format {h.format_version}",
              f"  {len(body.sources)} checkpoint tensors, {len(body.params)} params, {len(body.groups)} templates, "
              f"{body.num_writes()} writes over all ranks"]
-    full_bytes = sum(m.numel * itemsize(m.dtype) for m in body.sources.values())
+    if h.eplb is not None:
+        e = h.eplb
+        num_slot_names = len(e.moe_layers) * e.num_physical_experts * len(
+            {n.split(".experts.slot.0.")[1] for n in body.sources if ".layers." in n and ".experts.slot.0." in n} or {""})
+        lines[-1] = lines[-1].replace(f"{len(body.sources)} checkpoint tensors",
+                                      f"{len(body.sources) - num_slot_names} checkpoint tensors (+{num_slot_names} "
+                                      f"expert-slot names)")
+        lines.append(f"  EPLB: {e.num_logical_experts} experts + {e.num_redundant_experts} redundant = "
+                     f"{e.num_physical_experts} slots per MoE layer, {e.slots_per_rank} per rank on {e.num_ep_ranks} "
+                     f"EP ranks, {len(e.moe_layers)} MoE layers; expert writes name their slot (`experts.slot.<p>`), "
+                     f"bound to the engine's placement at every sync (docs/eplb.md)")
+    # slot names (EPLB) are not checkpoint tensors: the full broadcast is the real checkpoint's
+    full_bytes = sum(m.numel * itemsize(m.dtype) for m in body.sources.values() if slot_of(m.name) is None)
     per_rank = {r: group_bytes(body, r) for r in body.ranks}
     totals = {r: sum(v.values()) for r, v in per_rank.items()}
     lines.append("")

@@ -16,6 +16,7 @@ import reprlib
 from bisect import bisect_left, bisect_right
 
 from shardplan.plan import ir
+from shardplan.plan.placement import EplbSlots, PlacementError
 from shardplan.plan.template import trie_count
 from shardplan.plan.planerrors import advice
 from shardplan.plan.planskeleton import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
@@ -45,7 +46,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
 HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model", "architecture", "config_sha256",
                  "layout", "dtype", "ranks", "num_writes", "num_sources")
-OPTIONAL_HEADER_FIELDS = ("quantizer",)   # only in plans whose trainer quantizes (runtime/quantize.py)
+OPTIONAL_HEADER_FIELDS = ("quantizer",   # only in plans whose trainer quantizes (runtime/quantize.py)
+                          "eplb")       # only in plans with EPLB redundant expert slots (plan/placement.py)
 _QUANTIZER = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}/[1-9][0-9]{0,4}x[1-9][0-9]{0,4}")
 
 
@@ -179,12 +181,19 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     """The header map: exactly HEADER_FIELDS, each of its documented type and range. Returns it unchanged."""
     if type(raw) is not dict:
         c.fail("header", raw, "must be a msgpack map")
-    if tuple(raw) not in (HEADER_FIELDS, HEADER_FIELDS + OPTIONAL_HEADER_FIELDS):
+    optional = tuple(raw)[len(HEADER_FIELDS):]
+    if tuple(raw)[:len(HEADER_FIELDS)] != HEADER_FIELDS or \
+            optional != tuple(f for f in OPTIONAL_HEADER_FIELDS if f in optional):
         c.fail("header keys", list(raw), f"must be exactly {list(HEADER_FIELDS)}, in that order (then optionally "
                                          f"{list(OPTIONAL_HEADER_FIELDS)})")
     if "quantizer" in raw:
         c.str_(raw["quantizer"], "header.quantizer", pattern=_QUANTIZER, rule="must be a quantizer id such as "
                "'fp8-e4m3-block-amax448-v1/128x128'")
+    if "eplb" in raw:
+        try:
+            EplbSlots.from_dict(raw["eplb"])
+        except PlacementError as e:
+            c.fail("header.eplb", raw["eplb"], str(e))
     c.int_(raw["format_version"], "header.format_version", version, version)
     c.str_(raw["shardplan_version"], "header.shardplan_version", pattern=_VERSION, rule="must be a version string")
     c.str_(raw["vllm_version"], "header.vllm_version", pattern=_VERSION, rule="must be a version string")
@@ -200,6 +209,9 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     for key in ("tp", "pp", "dp"):
         world *= c.int_(layout[key], f"header.layout.{key}", 1, MAX_WORLD_SIZE)
     c.bool_(layout["ep"], "header.layout.ep")
+    if "eplb" in raw and (layout["ep"] is not True or
+                          EplbSlots.from_dict(raw["eplb"]).num_ep_ranks != layout["tp"] * layout["dp"]):
+        c.fail("header.eplb", raw["eplb"], "num_ep_ranks must be the layout's EP group (tp x dp, with ep true)")
     if world > MAX_WORLD_SIZE:
         c.limit("header.layout", f"world size {world} exceeds {MAX_WORLD_SIZE}")
     if type(raw["dtype"]) is not str or raw["dtype"] not in MODEL_DTYPES:

@@ -1,6 +1,7 @@
 """One model + one layout + one dtype: the unit that `shardplan record` and `shardplan verify` work on."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -12,7 +13,8 @@ from shardplan.plan.extend import body_from_flat, flat_rank
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
-from shardplan.record import fp8
+from shardplan.plan.placement import slot_sources
+from shardplan.record import eplb, fp8
 from shardplan.runtime.quantize import quantizer_id
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
@@ -46,8 +48,8 @@ class Recorded:
 
 class RecordSession:
     def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False, tier: str = "auto"):
-        self._model, self._overrides = model, list(overrides)
+                 strict: bool = False, tier: str = "auto", eplb_redundant: int | None = None):
+        self._model, self._overrides, self.eplb_redundant = model, list(overrides), eplb_redundant
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         view = hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
@@ -61,6 +63,12 @@ class RecordSession:
         with set_current_vllm_config(self.vllm_config):
             self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
+        self.eplb = None   # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
+        if eplb_redundant is not None:
+            self.eplb = eplb.eplb_slots(self.tensors, layout, eplb_redundant, self.spec.config, self.spec.name)
+            eplb.enable_eplb(self.vllm_config, eplb_redundant)
+            self.sources += slot_sources(self.sources, self.eplb)
+            self.tensors = eplb.recording_tensors(self.tensors, self.eplb)
 
     @property
     def vllm_version(self) -> str:
@@ -71,9 +79,11 @@ class RecordSession:
     def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
         t0 = time.perf_counter()
         model, device = build_for_recording(self.vllm_config, self.layout, rank)
-        with loading_context(self.vllm_config, self.layout, rank):  # loaders ask for the TP/EP rank while loading
+        with loading_context(self.vllm_config, self.layout, rank), \
+                (eplb.identity_slots() if self.eplb else contextlib.nullcontext()):
+            # loaders ask for the TP/EP rank while loading
             recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
-        plan = recording.to_plan()
+        plan = recording.to_plan() if self.eplb is None else eplb.slot_plan(recording.to_plan(), self.eplb)
         del model
         stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),
                           plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, device,
@@ -151,7 +161,8 @@ class RecordSession:
         if num_sampled >= num_layers:
             return self._record_all_layers(ranks, progress, "exhaustive (layers do not repeat enough to sample)")
         shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
-                               overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)])
+                               overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)],
+                               eplb_redundant=self.eplb_redundant)
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(
@@ -185,7 +196,7 @@ class RecordSession:
         """The plan file's bytes for a compiled body (Recorded.body, or compile_plans of recorded RankPlans)."""
         return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
                       config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
-                      vllm_version=self.vllm_version, quantizer=self.quantizer)
+                      vllm_version=self.vllm_version, quantizer=self.quantizer, eplb=self.eplb)
 
     @property
     def quantizer(self) -> str:

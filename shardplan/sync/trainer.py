@@ -117,6 +117,9 @@ class TrainerSync(Rank):
             done.add(gi)
 
         try:
+            begin = getattr(self.packer, "begin", None)
+            if begin is not None:   # EPLB: bind this consumer's plan to the placement it published (sync/placement.py)
+                begin(version, c)
             for k, (gi, group, pieces, segments) in enumerate(steps):
                 finished = None
                 if len(in_flight) == 2:   # this group's slot is still being sent from (group k-2): wait for it

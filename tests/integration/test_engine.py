@@ -161,19 +161,6 @@ def test_trainer_missing_a_tensor_is_named(world):
         ModuleSource(tensors, world.plan)
 
 
-def test_an_engine_with_eplb_is_refused():
-    """EPLB cannot run on CPU (vLLM refuses it there), so the check runs on a backend object whose config says so."""
-    from types import SimpleNamespace
-
-    from shardplan.engine.backend import ShardplanInitInfo, ShardplanWeightTransferEngine
-    from shardplan.engine.errors import EplbNotSupported
-
-    backend = object.__new__(ShardplanWeightTransferEngine)
-    backend.parallel_config = SimpleNamespace(enable_eplb=True)
-    with pytest.raises(EplbNotSupported, match="enable_eplb"):
-        backend.init_transfer_engine(ShardplanInitInfo())
-
-
 @pytest.mark.parametrize("world", ["moe-tp2"], indirect=True)
 def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
     """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged. With the backend's re-run of the

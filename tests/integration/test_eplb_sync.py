@@ -1,0 +1,105 @@
+"""EPLB through the sync engine: 2 replicated trainers -> 2 EP consumers over gloo, in processes. Each version, the
+driver publishes each consumer's placement as its engine backend would (`v<V>/placement/<consumer>`); every consumer
+slot must then hold the expert of that version's placement, bitwise, after rebalances between versions; a consumer that
+publishes nothing fails only its own lanes, named (PlacementNotPublished), and the other consumer completes."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from shardplan.plan.placement import make_placement
+from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
+from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
+from shardplan.transport import consumer_name
+from tests.integration.test_sync import TIMEOUT_S, LocalCluster, _cluster_setup, _context, _FullSource, _Received, \
+    received
+from tests.unit.eplb_helpers import eplb_plan_file, expected_slots
+
+MOE = (1, 2)
+
+
+@dataclass
+class EplbWorld:
+    num_trainers: int = 2
+    num_consumers: int = 2
+
+    def __post_init__(self):
+        self.plan_file, real = eplb_plan_file()
+        self.slots = self.plan_file.header.eplb
+        self.plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
+        g = torch.Generator().manual_seed(5)
+        self.tensors = {m.name: torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in real}
+        packer = self.packer(None)
+        self.groups, self.spans = list(packer.groups()), spans_of(packer)
+
+    def packer(self, control, timeout_s: float = 60.0):
+        return EplbPacker(self.plans, self.plan_file.sources, self.slots, control, timeout_s=timeout_s)
+
+    def source(self, rank):
+        return _FullSource(self.tensors)
+
+    def unpacker(self, rank):
+        from shardplan.runtime.apply import params_from_plan
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        return _Received(ApplyUnpacker(self.plans[rank], params), params)
+
+
+def build_eplb_rank(world_factory, name, transport, control, config=None):
+    world = world_factory()
+    config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
+    if name.startswith("trainer"):
+        rank = int(name[7:])
+        return TrainerSync(rank, world.packer(control, config.timeout_s), world.source(rank), transport, control,
+                           config)
+    return ConsumerSync(int(name[8:]), world.unpacker(int(name[8:])), transport, control, config)
+
+
+class EplbCluster(LocalCluster):
+    def __init__(self, transport: str, world_factory):
+        _cluster_setup(self, transport, world_factory, None)
+        self.build = functools.partial(build_eplb_rank, world_factory, config=self.config)
+        self.ctx = _context()
+        self.procs = {}
+        for name in self.names:
+            self._spawn(name)
+        for name in self.names:
+            self._ready(name)
+
+
+def test_each_version_fills_slots_from_the_placement_its_consumer_published():
+    cluster = EplbCluster("nccl", EplbWorld)
+    world = cluster.world
+    slots = world.slots
+    try:
+        placements = {1: [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]],     # start-up
+                      2: [[1, 2, 0, 3, 2, 0], [3, 3, 2, 1, 0, 1]],     # rebalanced: a replica twice on rank 0
+                      3: [[0, 2, 1, 3, 1, 1], [2, 3, 0, 1, 0, 2]]}
+        for version in (1, 2):
+            placement = make_placement(placements[version], slots)
+            for c in range(world.num_consumers):
+                publish_placement(cluster.control, version, consumer_name(c), placement)
+            results = cluster.sync(version)
+            assert all(r[0] == "ok" for r in results.values()), results
+            for c in range(world.num_consumers):
+                params = cluster.call(consumer_name(c), received)
+                expected_slots(params, placement, slots, c, world.tensors)
+                for name, t in params.items():
+                    assert not torch.isnan(t.float()).any(), name
+
+        # v3: consumer1's engine publishes no placement: its lanes fail, named; consumer0 completes
+        placement = make_placement(placements[3], slots)
+        publish_placement(cluster.control, 3, consumer_name(0), placement)
+        assert cluster.control.try_get(placement_key(3, consumer_name(1))) is None
+        results = cluster.sync(3, wait_s=60)
+        assert results["consumer0"][0] == "ok", results
+        expected_slots(cluster.call("consumer0", received), placement, slots, 0, world.tensors)
+        failed = [t for t in ("trainer0", "trainer1") if results[t][0] != "ok"]
+        assert failed, results   # the trainer(s) serving consumer1
+        for t in failed:
+            assert results[t][0] == "error" and "consumer1" in str(results[t][1]), results[t]
+            assert "published no EPLB placement for version 3" in str(results[t][1]), results[t]
+        assert results["consumer1"][0] == "error", results["consumer1"]
+    finally:
+        cluster.close()
