@@ -23,7 +23,7 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
 from shardplan.plan.overlap import overlapping_params
-from shardplan.plan.template import (Filler, build_trie, flatten_write, iter_trie, pure_view_form, pure_view_writes,
+from shardplan.plan.template import (Filler, build_trie, flatten_write, trie_node, iter_trie, pure_view_form, pure_view_writes,
                                      split_name, trie_child, trie_count, unflatten_write)
 
 
@@ -370,16 +370,4 @@ def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]
 
 
 def _runs(pairs) -> tuple:
-    """A trie node from (value, child) pairs sorted by value, runs merged exactly as build_trie merges them."""
-    runs: list[list] = []
-    for value, child in pairs:
-        if runs and runs[-1][3] == child:
-            start, last, step, _ = runs[-1]
-            if step == 0:
-                runs[-1] = [start, value, value - start, child]
-                continue
-            if value - last == step:
-                runs[-1][1] = value
-                continue
-        runs.append([value, value, 0, child])
-    return tuple((start, last + (step or 1), step or 1, child) for start, last, step, child in runs)
+    return trie_node(pairs)

@@ -230,9 +230,13 @@ def build_trie(tuples: Sequence[tuple[int, ...]], depth: int = 0):
     by_value: dict[int, list] = {}
     for t in tuples:
         by_value.setdefault(t[depth], []).append(t)
+    return trie_node((value, build_trie(by_value[value], depth + 1)) for value in sorted(by_value))
+
+
+def trie_node(pairs) -> tuple:
+    """A trie node from (value, child) pairs sorted by value: equal children at a constant step merge into one run."""
     runs: list[list] = []  # [start, last, step (0: single value so far), child]
-    for value in sorted(by_value):
-        child = build_trie(by_value[value], depth + 1)
+    for value, child in pairs:
         if runs and runs[-1][3] == child:
             start, last, step, _ = runs[-1]
             if step == 0:
