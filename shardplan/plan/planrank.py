@@ -49,14 +49,15 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
                 block[f"{side}_class"] = (np.zeros(len(holes), dtype=np.int64) if block["constant"][side]
                                           else _classes(block, side))
             blocks.append(block)
+    ordered = list(body.ordered.get(rank, ()))
+    generic += ordered
+    # object writes first: one may name a param this rank does not declare, which the ordering below cannot index
+    if generic:
+        check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
     num_free = sum(len(b["param"]) for b in blocks)
     free = _concat(blocks)
     order = _canonical_order(free, names)
     free = {k: v[order] for k, v in free.items() if k in _FIELDS + _CLASSES}
-    ordered = list(body.ordered.get(rank, ()))
-    generic += ordered
-    if generic:
-        check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
     cols = _concat([free, _object_block(names, ordered, ids)]) if ordered else free
     objects = _computed_objects(blocks, order, ordered, num_free) if any(
         b["objects"] for b in blocks) or ordered else {}
@@ -150,20 +151,6 @@ def _concat(blocks: list[dict]) -> dict:
             else:
                 out[k][start:stop] = b[k]
         start = stop
-    return out
-
-
-def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
-    position = np.empty(len(order), dtype=np.int64)
-    position[order] = np.arange(len(order))
-    out, start = {}, 0
-    for b in blocks:
-        if b["objects"] is not None:
-            for new, w in zip(position[start:start + len(b["objects"])].tolist(), b["objects"]):
-                out[new] = w
-        start += len(b["param"])
-    for j, w in enumerate(ordered):
-        out[num_free + j] = w
     return out
 
 
