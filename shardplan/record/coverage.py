@@ -37,7 +37,7 @@ from shardplan.record.build import LayoutRejected, build_model, loading_context
 from shardplan.record.configs import hf_view
 from shardplan.record.session import RecordSession
 from shardplan.record.tiny import NoConfigClass, text_decoder_architectures, tiny_config
-from shardplan.record.verify import RankVerdict, compare_models, poison, random_checkpoint
+from shardplan.record.verify import RankVerdict, add_created_params, compare_models, poison, random_checkpoint
 
 __all__ = ["run_architecture", "render", "main"]
 
@@ -94,6 +94,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 replayed = pristine if not plan.fallbacks else build_model(session.vllm_config, layout, rank, "cpu")
                 if plan.fallbacks:
                     poison(replayed)
+                add_created_params(replayed, plan)
                 params = dict(replayed.named_parameters())
                 params.update(dict(replayed.named_buffers()))
                 interp.apply_reference(plan, checkpoint, params)  # the reference interpreter, as verify_rank
