@@ -46,7 +46,10 @@ def composed_loaders_recorded(recorder):
         original = getattr(p, "weight_loader", None)
         parts = composed_parts(original)
         if parts is not None:
-            p.weight_loader = _recording_loader(recorder, *parts)
+            try:
+                p.weight_loader = _recording_loader(recorder, *parts)
+            except AttributeError:   # a read-only property (vLLM parameter classes): recorded as before, a fallback
+                continue
             swapped.append((p, original))
     try:
         yield
