@@ -13,7 +13,9 @@ Verdicts: pass (bitwise equal on every rank, no fallback), fallback (bitwise equ
 the real loader), FAIL (the recorder or the replay is wrong: a shardplan bug), or cannot run here with the exact
 reason (no config class outside remote code, transformers cannot build it, vLLM refuses the config, vLLM's own loader
 fails on this machine, timeout). Results go to a JSON-lines file (one line per architecture, resumable: --resume
-skips architectures already in it) and are rendered to docs/coverage.md.
+skips architectures already in it) and are rendered to docs/coverage.md. docs/coverage-results.jsonl keeps the rows
+behind the current report: re-run some architectures into another file, then
+`--render-only docs/coverage-results.jsonl NEW.jsonl` (later rows replace earlier ones).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from shardplan.record.verify import RankVerdict, add_created_params, compare_mod
 __all__ = ["run_architecture", "render", "main"]
 
 TPS = (1, 2, 4)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent   # the repository root (shardplan/record/coverage.py)
 
 
 def _short(exc: BaseException, limit: int = 600) -> str:
