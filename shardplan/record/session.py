@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence
 
 from shardplan import models
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers
+from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers, layer_split_templates
 from shardplan.plan.extend import body_from_flat, flat_rank
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
@@ -169,7 +169,7 @@ class RecordSession:
                 ranks, progress, "exhaustive (the cut model's checkpoint differs from the full one's first layers)")
         cut_body, plans, stats, ranks_how = self._record_ranks(shrunk, ranks, progress)
         reps = {ms[0]: [m for m in ms[1:2] if m < num_sampled] for ms in members.values()}
-        problem = check_layer_invariance(plans, reps)
+        problem = check_layer_invariance(plans, reps) or layer_split_templates(cut_body, reps)
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (sampling check failed: {problem})")
         full_layers = {ms[0]: ms for ms in members.values()}
