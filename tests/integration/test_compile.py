@@ -154,3 +154,15 @@ def test_sampled_recording_with_a_source_written_twice_into_one_param(model, ove
     exhaustive = RecordSession(model, Layout(tp=1), overrides=overrides)
     direct = exhaustive.record_plans(range(1), exhaustive=True)
     assert exhaustive.encode(got.body) == exhaustive.encode(direct.body)
+
+
+def test_extension_that_drops_writes_falls_back_to_every_layer(monkeypatch):
+    """The post-extension check alone (the sampling guard disabled) catches the qwen3-next bug: a declared param left
+    without writes sends the recording back to every layer, byte-identical to exhaustive."""
+    from shardplan.record import session as session_mod
+
+    monkeypatch.setattr(session_mod, "layer_split_templates", lambda body, classes: None)
+    got = session_mod.RecordSession("qwen3-next-80b-a3b", Layout(tp=2), overrides=_QWEN3_NEXT).record_plans(range(2))
+    assert "extension check failed" in got.how and "conv1d.weight" in got.how, got.how
+    exhaustive = session_mod.RecordSession("qwen3-next-80b-a3b", Layout(tp=2), overrides=_QWEN3_NEXT)
+    assert exhaustive.encode(got.body) == exhaustive.encode(exhaustive.record_plans(range(2), exhaustive=True).body)
