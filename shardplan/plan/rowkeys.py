@@ -87,6 +87,14 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     keyed = row_keys(matrix)
+    if keyed is None and isinstance(matrix, Columns):   # renumber the widest columns densely until the radix fits
+        arrays = list(matrix.arrays)
+        spans = [int(c.max()) - int(c.min()) + 1 for c in arrays]
+        while keyed is None and max(spans) > n:
+            j = spans.index(max(spans))
+            arrays[j] = first_inverse(arrays[j])[1]   # equal values <-> equal ordinals: distinct rows unchanged
+            spans[j] = int(arrays[j].max()) + 1
+            keyed = row_keys(Columns(arrays, n))
     if keyed is not None:
         keys = keyed[0]
         top = int(keys.max()) + 1
