@@ -95,7 +95,9 @@ class TableSourceIds(SourceIds):
             else:
                 order = np.argsort(keyed[0], kind="stable")
                 sorted_keys = keyed[0][order]
-                span = int(sorted_keys[-1]) + 1 if len(rows) else 0
+                # every key of the box [lows, highs] (an in-range query can be any of them, present or not)
+                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), rows.max(axis=0).tolist())],
+                                   dtype=object)) if len(rows) else 0
                 lut = None
                 if span <= 4 * len(rows) + 4096:   # a small key range: position by table lookup, no search
                     lut = np.full(span, -1, dtype=np.int64)

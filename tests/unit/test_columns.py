@@ -128,6 +128,11 @@ def test_source_ids_number_every_name_without_spelling_them():
     assert missing.tolist()[:2] == [-1, -1] and missing[2] == -1 and missing[3] >= 0 and missing[4] == -1
     assert ids.ids("model.other.{}.weight", np.asarray([[0]])).tolist() == [-1]
     assert NameSourceIds(["a", "b"]).ids_of_names(["b", "c"]).tolist() == [1, -1]
+    # a sparse index: a query inside the rows' bounding box that no row has (its key past the largest present one)
+    sparse = table_ids(SourceTable.from_metas([ir.TensorMeta("model.layers.0.x.5.w", (2,), "bfloat16"),
+                                                ir.TensorMeta("model.layers.3.x.0.w", (2,), "bfloat16")]))
+    got = sparse.ids("model.layers.{}.x.{}.w", np.asarray([[3, 5], [0, 5], [3, 0], [0, 0], [1, 1]]))
+    assert got.tolist() == [-1, 0, 1, -1, -1]
 
 
 def _small_plan():
