@@ -20,88 +20,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
+from shardplan.plan.rowkeys import Columns, distinct_rows, expand_trie, row_keys  # noqa: F401 (re-exported)
 from shardplan.plan.template import Filler, split_name
-
-
-# ---- tries -> arrays --------------------------------------------------------------------------------------------
-def expand_trie(node, width: int) -> np.ndarray:
-    """Every tuple of an index trie (template.iter_trie order) as int64 rows [num_tuples, width], with numpy."""
-    if node is None or node == ():
-        return np.zeros((1, 0), dtype=np.int64)
-    cache: dict[int, np.ndarray] = {}
-
-    def rec(node) -> np.ndarray:
-        got = cache.get(id(node))
-        if got is not None:
-            return got
-        parts = []
-        for start, stop, step, child in node:
-            values = np.arange(start, stop, step, dtype=np.int64)
-            if child is None:
-                parts.append(values[:, None])
-            else:
-                sub = rec(child)
-                parts.append(np.concatenate([np.repeat(values, len(sub))[:, None], np.tile(sub, (len(values), 1))],
-                                            axis=1))
-        out = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)
-        cache[id(node)] = out
-        return out
-    rows = rec(node)
-    return rows.reshape(len(rows), width)
-
-
-def row_keys(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """One int64 key per row (mixed radix over each column's [min, max]); equal rows <-> equal keys. Returns
-    (keys, lows, multipliers) or None when the radix product would not fit in 63 bits."""
-    n, k = rows.shape
-    if k == 0:
-        return np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lows = rows.min(axis=0) if n else np.zeros(k, dtype=np.int64)
-    spans = (rows.max(axis=0) - lows + 1) if n else np.ones(k, dtype=np.int64)
-    mults = np.ones(k, dtype=np.int64)
-    total = 1
-    for j in range(k - 1, -1, -1):
-        mults[j] = total
-        total *= int(spans[j])
-        if total >= 1 << 62:
-            return None
-    return (rows - lows) @ mults, lows, mults
-
-
-_HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
-
-
-def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the first row of each distinct row, distinct id per row). Rows become one int64 key each (mixed
-    radix when it fits, else a multiplicative hash checked for collisions); keys of a small range are numbered
-    without sorting."""
-    n = len(matrix)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    keyed = row_keys(matrix)
-    if keyed is not None:
-        keys = keyed[0]
-        top = int(keys.max()) + 1
-        if top <= 4 * n + 4096:
-            present = np.zeros(top, dtype=bool)
-            present[keys] = True
-            dense = np.cumsum(present) - 1
-            inverse = dense[keys]
-            first = np.full(int(dense[-1]) + 1, n, dtype=np.int64)
-            np.minimum.at(first, inverse, np.arange(n, dtype=np.int64))
-            return first, inverse
-    elif matrix.shape[1] <= len(_HASH):
-        with np.errstate(over="ignore"):
-            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
-    else:
-        keys = None
-    if keys is not None:
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        if keyed is not None or (matrix[first][inverse] == matrix).all():
-            return first, inverse
-    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
-    return first, inverse.reshape(-1)
 
 
 # ---- source ids -----------------------------------------------------------------------------------------------
@@ -174,7 +94,15 @@ class TableSourceIds(SourceIds):
                 keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
             else:
                 order = np.argsort(keyed[0], kind="stable")
-                keys = (keyed[0][order], keyed[1], rows.max(axis=0) if len(rows) else keyed[1], keyed[2])
+                sorted_keys = keyed[0][order]
+                # every key of the box [lows, highs] (an in-range query can be any of them, present or not)
+                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), rows.max(axis=0).tolist())],
+                                   dtype=object)) if len(rows) else 0
+                lut = None
+                if span <= 4 * len(rows) + 4096:   # a small key range: position by table lookup, no search
+                    lut = np.full(span, -1, dtype=np.int64)
+                    lut[sorted_keys] = np.arange(len(rows), dtype=np.int64)
+                keys = (sorted_keys, keyed[1], rows.max(axis=0) if len(rows) else keyed[1], keyed[2], lut)
             self._rows.append(rows[order])
             self._keys.append(keys)
             self.texts.append(text)
@@ -189,32 +117,43 @@ class TableSourceIds(SourceIds):
     def ids(self, text: str, holes: np.ndarray) -> np.ndarray:
         return self.ids_numels(text, holes)[0]
 
-    def ids_numels(self, text: str, holes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(id, numel) per row of integers of names of template `text`; id -1 (numel 0) where no name matches."""
-        holes = np.asarray(holes, dtype=np.int64)
-        out = np.full(len(holes), -1, dtype=np.int64)
-        numels = np.zeros(len(holes), dtype=np.int64)
+    def ids_numels(self, text: str, holes) -> tuple[np.ndarray, np.ndarray]:
+        """(id, numel) per row of integers of names of template `text` (a [n, k] matrix or `Columns`); id -1
+        (numel 0) where no name matches."""
+        holes = holes if isinstance(holes, Columns) else Columns.of(holes)
+        n, k = holes.n, len(holes.arrays)
+        out = np.full(n, -1, dtype=np.int64)
+        numels = np.zeros(n, dtype=np.int64)
         for r in self._by_text.get(text, ()):
             todo = out < 0
             if not todo.any():
                 break
             rows, keys = self._rows[r], self._keys[r]
-            query = holes if todo.all() else holes[todo]
-            if query.shape[1] != rows.shape[1]:
+            if k != rows.shape[1] or not len(rows):
                 continue
-            if query.shape[1] == 0:
-                pos = np.zeros(len(query), dtype=np.int64)
-                found = np.full(len(query), len(rows) > 0)
+            query = holes.arrays if todo.all() else [c[todo] for c in holes.arrays]
+            m = len(query[0]) if k else int(todo.sum())
+            if k == 0:
+                pos = np.zeros(m, dtype=np.int64)
+                found = np.full(m, len(rows) > 0)
             elif keys is None:
                 lookup = {tuple(row): j for j, row in enumerate(rows.tolist())}
-                pos = np.asarray([lookup.get(tuple(q), -1) for q in query.tolist()], dtype=np.int64)
+                pos = np.asarray([lookup.get(tuple(q), -1) for q in np.stack(query, axis=1).tolist()], dtype=np.int64)
                 found = pos >= 0
             else:
-                sorted_keys, lows, highs, mults = keys
-                in_range = ((query >= lows) & (query <= highs)).all(axis=1)
-                qkeys = (query - lows) @ mults   # a key is injective only in range: `in_range` guards the rest
-                pos = np.minimum(np.searchsorted(sorted_keys, qkeys), len(sorted_keys) - 1)
-                found = in_range & (sorted_keys[pos] == qkeys)
+                sorted_keys, lows, highs, mults, lut = keys
+                in_range = np.ones(m, dtype=bool)
+                qkeys = np.zeros(m, dtype=np.int64)
+                for c, lo, hi, mult in zip(query, lows.tolist(), highs.tolist(), mults.tolist()):
+                    in_range &= (c >= lo) & (c <= hi)
+                    qkeys += (c - lo) * mult   # a key is injective only in range: `in_range` guards the rest
+                qkeys = np.where(in_range, qkeys, 0)
+                if lut is not None:
+                    pos = lut[qkeys]
+                    found = in_range & (pos >= 0)
+                else:
+                    pos = np.minimum(np.searchsorted(sorted_keys, qkeys), len(sorted_keys) - 1)
+                    found = in_range & (sorted_keys[pos] == qkeys)
             ids = np.where(found, self.bases[r] + pos, -1)
             if todo.all():
                 out, numels = ids, np.where(found, self.row_numels[r], 0)

@@ -23,7 +23,8 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
 from shardplan.plan.overlap import overlapping_params
-from shardplan.plan.template import (Filler, build_trie, flatten_write, trie_node, iter_trie, pure_view_form, pure_view_writes,
+from shardplan.plan.rowkeys import distinct_rows
+from shardplan.plan.template import (Filler, build_trie, flatten_write, trie_from_rows, trie_node, iter_trie, pure_view_form, pure_view_writes,
                                      split_name, trie_child, trie_count, unflatten_write)
 
 
@@ -83,7 +84,7 @@ def _fit(var_rows: np.ndarray, hole_rows: np.ndarray) -> tuple[np.ndarray | None
 
 def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: list[Group]) -> None:
     """Exact duplicates were removed per rank (and rank is a variable), so rows sharing variables differ in holes."""
-    if len(np.unique(var_rows, axis=0)) < len(var_rows):
+    if len(distinct_rows(var_rows)[0]) < len(var_rows):
         # same variables, different holes (one source copied to several places): split by a differing hole
         column = next(c for c in range(hole_rows.shape[1]) if len(np.unique(hole_rows[:, c])) > 1)
         for value in np.unique(hole_rows[:, column]):
@@ -99,8 +100,7 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
                 mask = hole_rows[:, bad] == value
                 _make_groups(skeleton, var_rows[mask], hole_rows[mask], out)
             return
-    tuples = sorted(map(tuple, var_rows.tolist()))
-    out.append(Group(skeleton, coeffs, build_trie(tuples), var_rows.shape[1]))
+    out.append(Group(skeleton, coeffs, trie_from_rows(var_rows), var_rows.shape[1]))   # rows are distinct here
 
 
 # ---- the checkpoint tensor table, templated like writes -----------------------------------------------------

@@ -1,25 +1,27 @@
 """Instantiating one rank of a plan file as columns (plan/columns.py), every bounds check vectorised.
 
 Pure-view templates (`param[box] <- source[box]`: all but a handful of a plan's writes) go from their hole rows
-straight to columns: param names are formatted once per distinct param, checkpoint tensors are found by id
-(`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked on the columns,
-all writes at once; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
-(planbounds.check_bounds), as before. The result equals `compile.instantiate` write for write (tests/unit/test_columns.py).
+straight to columns: only the holes that vary per write are computed per row (param and source name integers, the
+two offsets); a template's box geometry (sizes, strides) rarely varies, so it is kept once per distinct geometry (a
+class) and checked there, and the rank's size and stride matrices are one gather of the class table at the end. Param
+names are formatted once per distinct param, checkpoint tensors are found by id (`TableSourceIds`) without formatting
+their names. The box rules of docs/plan-format.md are checked on the columns; computed and ordered writes (rare) are
+built as `ir.Write` objects and checked one by one (planbounds.check_bounds), as before. The result equals
+`compile.instantiate` write for write (tests/unit/test_columns.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.columns import WriteColumns, distinct_rows, expand_trie, row_keys, table_ids
+from shardplan.plan.columns import WriteColumns, table_ids
 from shardplan.plan.compile import PlanBody
 from shardplan.plan.planbounds import _overlapping, check_bounds
 from shardplan.plan.planerrors import PlanBoundsError, advice
-from shardplan.plan.template import Filler, pure_view_form, trie_child, unflatten_write
+from shardplan.plan.rowkeys import Columns, distinct_rows, expand_trie, stable_argsort
+from shardplan.plan.template import pure_view_form, trie_child, unflatten_write
 
-_FIELDS = ("param", "dst_offset", "dst_ndim", "dst_sizes", "dst_strides", "src", "src_offset", "src_ndim",
-           "src_sizes", "src_strides")
-_CLASSES = ("dst_class", "src_class")
+_ROWS = ("param", "dst_offset", "src", "src_offset")   # per-write columns; geometry is per class
 
 
 def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
@@ -28,6 +30,7 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     param_index = {n: i for i, n in enumerate(names)}
     param_numels = np.asarray([body.params[n].numel for n in names] + [0], dtype=np.int64)
     ids = table_ids(body.sources)
+    name_cache = _name_cache(body)
     blocks: list[dict] = []
     generic: list[ir.Write] = []
     for g in body.groups:
@@ -35,19 +38,19 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
         if child is None:
             continue
         tail = expand_trie(child if child != () else None, g.num_vars - 1)
-        var_rows = np.concatenate([np.full((len(tail), 1), rank, dtype=np.int64), tail], axis=1)
-        holes = g.coeffs[:, :1].T + var_rows @ g.coeffs[:, 1:].T
+        if not len(tail):
+            continue
         form = pure_view_form(g.skeleton)
         if form is None:
+            var_rows = np.concatenate([np.full((len(tail), 1), rank, dtype=np.int64), tail], axis=1)
+            holes = g.coeffs[:, :1].T + var_rows @ g.coeffs[:, 1:].T
             writes = [unflatten_write(g.skeleton, row) for row in holes.tolist()]
             generic += writes
             blocks.append(_object_block(names, writes, ids))
         else:
-            block = _pure_block(form, g.coeffs, holes, param_index, ids, rank, path, _name_cache(body))
+            block = _pure_block(form, g.coeffs, rank, tail, param_index, ids, path, name_cache)
             for side in ("dst", "src"):
                 _check_boxes(block, side, names, param_numels, ids, rank, path)
-                block[f"{side}_class"] = (np.zeros(len(holes), dtype=np.int64) if block["constant"][side]
-                                          else _classes(block, side))
             blocks.append(block)
     ordered = list(body.ordered.get(rank, ()))
     generic += ordered
@@ -55,103 +58,125 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     if generic:
         check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
     num_free = sum(len(b["param"]) for b in blocks)
-    free = _concat(blocks)
-    order = _canonical_order(free, names)
-    free = {k: v[order] for k, v in free.items() if k in _FIELDS + _CLASSES}
-    cols = _concat([free, _object_block(names, ordered, ids)]) if ordered else free
+    parts = blocks + ([_object_block(names, ordered, ids)] if ordered else [])
+    rows, tables = _concat(parts)
+    order = _canonical_order(rows, tables["dst"], names, num_free)
+    if ordered:
+        order = np.concatenate([order, np.arange(num_free, len(rows["param"]), dtype=np.int64)])
+    cols = {k: v[order] for k, v in rows.items()}
     objects = _computed_objects(blocks, order, ordered, num_free) if any(
         b["objects"] for b in blocks) or ordered else {}
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}
-    return WriteColumns(names, *(cols[k] for k in _FIELDS), computed=computed, sources=ids,
+    geometry = []
+    for side in ("dst", "src"):   # the class tables gathered: one pass per matrix
+        ndim, sizes, strides = tables[side]
+        klass = cols[f"{side}_class"]
+        geometry += [ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)]
+    return WriteColumns(names, cols["param"], cols["dst_offset"], *geometry[:3], cols["src"], cols["src_offset"],
+                        *geometry[3:], computed=computed, sources=ids,
                         classes={"dst": cols["dst_class"], "src": cols["src_class"]})
 
 
 def _name_cache(body: PlanBody) -> dict:
-    """(name template, integers) -> name, kept on the body: every rank formats the same param names."""
+    """(name template, integers) -> name, kept on the body: a process that instantiates several ranks formats the
+    same param names."""
     cache = getattr(body, "_shardplan_names", None)
     if cache is None:
         cache = body._shardplan_names = {}
     return cache
 
 
-def _pure_block(form, coeffs: np.ndarray, holes: np.ndarray, param_index: dict, ids, rank: int, path: str,
+def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_index: dict, ids, path: str,
                 names: dict) -> dict:
     ptext, kp, nd, stext, ks, ns = form
     d1 = kp + 1 + 2 * nd
     s0 = d1 + ks
-    param = _param_ids(ptext, holes[:, :kp], param_index, rank, path, names)
-    src, src_numel = ids.ids_numels(stext, holes[:, d1:s0])
+    n = len(tail)
+    base = (coeffs[:, 0] + rank * coeffs[:, 1]).tolist()   # hole = base + var @ tail row (rank: the first var)
+    var = coeffs[:, 2:]
+    tail_t = np.ascontiguousarray(tail.T)
+
+    def holes(lo: int, hi: int) -> Columns:
+        """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (integer matmul is ~15x slower)."""
+        out = []
+        for h in range(lo, hi):
+            col = np.full(n, base[h], dtype=np.int64)
+            for j in np.flatnonzero(var[h]).tolist():
+                col += tail_t[j] * var[h, j]
+            out.append(col)
+        return Columns(out, n)
+
+    param = _param_ids(ptext, holes(0, kp), param_index, rank, path, names)
+    src_holes = holes(d1, s0)
+    src, src_numel = ids.ids_numels(stext, src_holes)
     if (src < 0).any():
         bad = int(np.nonzero(src < 0)[0][0])
-        name = Filler(holes[bad, d1:s0].tolist()).name(stext)
+        name = stext.format(*[int(c[bad]) for c in src_holes.arrays])
         raise PlanBoundsError(f"{path}: rank {rank}: source {name} is not declared for this rank. " + advice(path))
-    n = len(holes)
-    return {"param": param, "dst_offset": holes[:, kp], "dst_ndim": np.full(n, nd, dtype=np.int64),
-            "dst_sizes": holes[:, kp + 1:kp + 1 + nd], "dst_strides": holes[:, kp + 1 + nd:d1],
-            "src": src, "src_offset": holes[:, s0], "src_ndim": np.full(n, ns, dtype=np.int64),
-            "src_sizes": holes[:, s0 + 1:s0 + 1 + ns], "src_strides": holes[:, s0 + 1 + ns:s0 + 1 + 2 * ns],
-            "objects": None, "src_numel": src_numel,
-            "constant": {side: not coeffs[cols, 1:].any() for side, cols in
-                         (("dst", np.r_[kp + 1:d1]), ("src", np.r_[s0 + 1:s0 + 1 + 2 * ns]))}}
+    block = {"param": param, "dst_offset": holes(kp, kp + 1).arrays[0], "src": src,
+             "src_offset": holes(s0, s0 + 1).arrays[0], "objects": None, "src_numel": src_numel}
+    for side, lo, ndim in (("dst", kp + 1, nd), ("src", s0 + 1, ns)):
+        if not var[lo:lo + 2 * ndim].any():   # one geometry for every write of the template
+            table = np.asarray(base[lo:lo + 2 * ndim], dtype=np.int64).reshape(1, 2 * ndim)
+            klass = np.zeros(n, dtype=np.int64)
+        else:
+            geometry = holes(lo, lo + 2 * ndim)
+            first, klass = distinct_rows(geometry)
+            table = np.stack([c[first] for c in geometry.arrays], axis=1)
+        block[f"{side}_class"] = klass
+        block[f"{side}_table"] = (np.full(len(table), ndim, dtype=np.int64), table[:, :ndim], table[:, ndim:])
+    return block
 
 
-def _param_ids(ptext: str, holes: np.ndarray, param_index: dict, rank: int, path: str, names: dict) -> np.ndarray:
-    keyed = row_keys(holes)
-    if keyed is None:
-        uniq, first, inverse = np.unique(holes, axis=0, return_index=True, return_inverse=True)
-    else:
-        uniq, first, inverse = np.unique(keyed[0], return_index=True, return_inverse=True)
+def _param_ids(ptext: str, holes: Columns, param_index: dict, rank: int, path: str, names: dict) -> np.ndarray:
+    first, inverse = distinct_rows(holes)
     out = []
-    for j in first.tolist():
-        key = (ptext, tuple(holes[j].tolist()))
+    for row in (np.stack([c[first] for c in holes.arrays], axis=1).tolist() if holes.arrays
+                else [[]] * len(first)):
+        key = (ptext, tuple(row))
         name = names.get(key)
-        if name is None:
-            name = names[key] = Filler(key[1]).name(ptext)
+        if name is None:   # plancheck admits only `{}` holes as braces: format is Filler.name
+            name = names[key] = ptext.format(*row)
         i = param_index.get(name)
         if i is None:
             raise PlanBoundsError(f"{path}: rank {rank}: destination {name} is not declared for this rank. "
                                   + advice(path))
         out.append(i)
-    return np.asarray(out, dtype=np.int64)[inverse.reshape(-1)]
+    return np.asarray(out, dtype=np.int64)[inverse]
 
 
 def _object_block(names, writes, ids) -> dict:
     cols = WriteColumns.from_writes(names, writes, ids)
-    out = {k: getattr(cols, k) for k in _FIELDS}
+    out = {k: getattr(cols, k) for k in _ROWS}
     out["objects"] = list(writes)
     for side in ("dst", "src"):
-        out[f"{side}_class"] = _classes(out, side)
+        ndim, sizes, strides = (getattr(cols, f"{side}_{k}") for k in ("ndim", "sizes", "strides"))
+        first, out[f"{side}_class"] = distinct_rows(np.concatenate([ndim[:, None], sizes, strides], axis=1))
+        out[f"{side}_table"] = (ndim[first], sizes[first], strides[first])
     return out
 
 
-def _classes(block: dict, side: str) -> np.ndarray:
-    return distinct_rows(np.concatenate([block[f"{side}_ndim"][:, None], block[f"{side}_sizes"],
-                                         block[f"{side}_strides"]], axis=1))[1]
-
-
-def _concat(blocks: list[dict]) -> dict:
-    width = max([b[k].shape[1] for b in blocks for k in ("dst_sizes", "src_sizes")] + [1])
-    n = sum(len(b["param"]) for b in blocks)
-    out = {}
-    for k in _FIELDS:
-        matrix = k.endswith("sizes") or k.endswith("strides")
-        out[k] = (np.full((n, width), 1 if k.endswith("sizes") else 0, dtype=np.int64) if matrix
-                  else np.empty(n, dtype=np.int64))
-    for k in _CLASSES:
-        out[k] = np.empty(n, dtype=np.int64)
-    start, base = 0, {k: 0 for k in _CLASSES}
-    for b in blocks:
-        stop = start + len(b["param"])
-        for k in _CLASSES:
-            out[k][start:stop] = b[k] + base[k]
-            base[k] += int(b[k].max(initial=-1)) + 1
-        for k in _FIELDS:
-            if b[k].ndim == 2:
-                out[k][start:stop, :b[k].shape[1]] = b[k]
-            else:
-                out[k][start:stop] = b[k]
-        start = stop
-    return out
+def _concat(blocks: list[dict]) -> tuple[dict, dict]:
+    """(per-write columns of all blocks, {side: (ndim, sizes, strides) per class}); class ids numbered across blocks,
+    tables padded to the widest box with size 1 / stride 0."""
+    width = max([b[f"{side}_table"][1].shape[1] for b in blocks for side in ("dst", "src")] + [1])
+    rows = {k: np.concatenate([b[k] for b in blocks]) if blocks else np.zeros(0, dtype=np.int64) for k in _ROWS}
+    tables = {}
+    for side in ("dst", "src"):
+        num_classes = [len(b[f"{side}_table"][0]) for b in blocks]
+        bases = np.cumsum([0] + num_classes)
+        rows[f"{side}_class"] = (np.concatenate([b[f"{side}_class"] + base for b, base in zip(blocks, bases.tolist())])
+                                 if blocks else np.zeros(0, dtype=np.int64))
+        ndim = np.zeros(int(bases[-1]), dtype=np.int64)
+        sizes = np.ones((int(bases[-1]), width), dtype=np.int64)
+        strides = np.zeros((int(bases[-1]), width), dtype=np.int64)
+        for b, a, z in zip(blocks, bases[:-1].tolist(), bases[1:].tolist()):
+            t_ndim, t_sizes, t_strides = b[f"{side}_table"]
+            ndim[a:z] = t_ndim
+            sizes[a:z, :t_sizes.shape[1]] = t_sizes
+            strides[a:z, :t_strides.shape[1]] = t_strides
+        tables[side] = (ndim, sizes, strides)
+    return rows, tables
 
 
 def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
@@ -159,7 +184,7 @@ def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
     for b in blocks:
         flat += b["objects"] if b["objects"] is not None else [None] * len(b["param"])
     out = {}
-    for new, old in enumerate(order.tolist()):
+    for new, old in enumerate(order[:num_free].tolist()):
         if flat[old] is not None:
             out[new] = flat[old]
     for j, w in enumerate(ordered):
@@ -167,61 +192,87 @@ def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
     return out
 
 
-def _canonical_order(cols: dict, names) -> np.ndarray:
-    """compile.instantiate's order: (param name, dst offset, dst sizes, dst strides), stable. Regions compare as
-    tuples: a shorter tuple first on a tie, which -1 padding reproduces (sizes >= 1 and strides >= 0 are checked)."""
-    n = len(cols["param"])
-    if n == 0:
+def _canonical_order(rows: dict, dst_table, names, num_free: int) -> np.ndarray:
+    """compile.instantiate's order of the free writes (the first `num_free` rows): (param name, dst offset, dst
+    sizes, dst strides), stable. Regions compare as tuples: a shorter tuple first on a tie, which -1 padding
+    reproduces (sizes >= 1 and strides >= 0 are checked)."""
+    if num_free == 0:
         return np.zeros(0, dtype=np.int64)
+    param, offset = rows["param"][:num_free], rows["dst_offset"][:num_free]
     name_rank = np.empty(len(names), dtype=np.int64)
     name_rank[np.argsort(np.asarray(names, dtype=object), kind="stable")] = np.arange(len(names))
-    param_rank = name_rank[cols["param"]]
-    order = np.lexsort((cols["dst_offset"], param_rank))
-    tied = (np.diff(param_rank[order]) == 0) & (np.diff(cols["dst_offset"][order]) == 0)
+    param_rank = name_rank[param]
+    span = int(offset.max()) - int(offset.min()) + 1
+    if int(offset.min()) >= 0 and span * len(names) < 1 << 62:   # one packed key: one stable sort, not two
+        order = stable_argsort(param_rank * span + (offset - int(offset.min())))
+    else:
+        order = np.lexsort((offset, param_rank))
+    tied = (np.diff(param_rank[order]) == 0) & (np.diff(offset[order]) == 0)
     if not tied.any():   # (param, offset) decides: the usual case, free writes rarely share an offset
         return order
-    real = np.arange(cols["dst_sizes"].shape[1])[None, :] < cols["dst_ndim"][:, None]
-    sizes = np.where(real, cols["dst_sizes"], -1)
-    strides = np.where(real, cols["dst_strides"], -1)
-    keys = [strides[:, j] for j in range(strides.shape[1] - 1, -1, -1)]
-    keys += [sizes[:, j] for j in range(sizes.shape[1] - 1, -1, -1)]
-    keys += [cols["dst_offset"], param_rank]
-    return np.lexsort(keys)
+    # ties (few): rank each geometry class among the distinct (sizes, strides) tuples (a small table) and sort each
+    # tied run by it, stably
+    t_ndim, t_sizes, t_strides = dst_table
+    real = np.arange(t_sizes.shape[1])[None, :] < t_ndim[:, None]
+    table = np.concatenate([np.where(real, t_sizes, -1), np.where(real, t_strides, -1)], axis=1)
+    by_tuple = np.lexsort(table.T[::-1])
+    ranked = table[by_tuple]
+    geo_rank = np.empty(len(table), dtype=np.int64)
+    geo_rank[by_tuple] = np.cumsum(np.concatenate([[True], (ranked[1:] != ranked[:-1]).any(axis=1)])) - 1
+    in_run = np.concatenate([tied, [False]]) | np.concatenate([[False], tied])
+    run_id = np.cumsum(np.concatenate([[True], ~tied]))   # equal along a run of ties
+    where = np.flatnonzero(in_run)
+    sub = order[where]
+    order = order.copy()
+    order[where] = sub[np.lexsort((geo_rank[rows["dst_class"][sub]], run_id[where]))]
+    return order
 
 
 def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, path: str) -> None:
     """planbounds.check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
-    once per distinct geometry, offsets and extents per write."""
-    sizes, strides = block[f"{side}_sizes"], block[f"{side}_strides"]
-    geometry = np.concatenate([sizes, strides], axis=1)
-    keyed = None if block["constant"][side] else row_keys(geometry)
-    if block["constant"][side]:   # sizes and strides do not depend on the variables: one geometry
-        uniq, first, inverse = None, np.zeros(1, dtype=np.int64), np.zeros(len(geometry), dtype=np.int64)
-    elif keyed is None:
-        uniq, first, inverse = np.unique(geometry, axis=0, return_index=True, return_inverse=True)
+    once per class (distinct geometry), offsets and extents per write."""
+    _, t_sizes, t_strides = block[f"{side}_table"]
+    klass = block[f"{side}_class"]
+    numel = param_numels[block["param"]] if side == "dst" else block["src_numel"]
+    offset = block[f"{side}_offset"]
+    if len(t_sizes) == 1:   # one geometry (the usual template): its facts in Python ints, exact; integer compares
+        negative, empty, reach, overlapping = _box_facts(t_sizes[0].tolist(), t_strides[0].tolist())
+        if negative or (side == "dst" and (empty or overlapping)):
+            bad = np.ones(len(offset), dtype=bool)
+        elif empty:
+            bad = offset < 0
+        elif reach >= 1 << 62:   # past any tensor
+            bad = np.ones(len(offset), dtype=bool)
+        else:   # numel >= 0 and 1 <= reach < 2^62: the difference does not wrap
+            bad = (offset < 0) | (offset > numel - reach)
     else:
-        uniq, first, inverse = np.unique(keyed[0], return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
-    u_sizes, u_strides = sizes[first].astype(np.float64), strides[first].astype(np.float64)
-    u_negative = (u_sizes < 0).any(axis=1) | (u_strides < 0).any(axis=1)
-    u_empty = (u_sizes == 0).any(axis=1)
-    u_reach = ((u_sizes - 1) * u_strides).sum(axis=1) + 1
-    if side == "dst":
-        u_bad = u_empty | _overlapping(u_sizes, u_strides)
-        numel = param_numels[block["param"]].astype(np.float64)
-    else:
-        u_bad = np.zeros(len(first), dtype=bool)
-        numel = block["src_numel"].astype(np.float64)
-    offset = block[f"{side}_offset"].astype(np.float64)
-    if len(first) == 1:
-        bad = (offset < 0) | (offset + u_reach[0] > numel) & ~u_empty[0] | (u_negative[0] | u_bad[0])
-    else:
-        bad = (u_negative | u_bad)[inverse] | (offset < 0) | (~u_empty[inverse] & (offset + u_reach[inverse] > numel))
+        # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
+        u_sizes, u_strides = t_sizes.astype(np.float64), t_strides.astype(np.float64)
+        u_negative = (u_sizes < 0).any(axis=1) | (u_strides < 0).any(axis=1)
+        u_empty = (u_sizes == 0).any(axis=1)
+        u_reach = ((u_sizes - 1) * u_strides).sum(axis=1) + 1
+        u_bad = u_empty | _overlapping(u_sizes, u_strides) if side == "dst" else np.zeros(len(t_sizes), dtype=bool)
+        bad = ((u_negative | u_bad)[klass] | (offset < 0)
+               | (~u_empty[klass] & (offset.astype(np.float64) + u_reach[klass] > numel.astype(np.float64))))
     if bad.any():
         j = int(np.nonzero(bad)[0][0])
         what = "destination" if side == "dst" else "source"
         name = names[block["param"][j]] if side == "dst" else ids.name(int(block["src"][j]))
-        raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(offset[j])}, sizes {sizes[j].tolist()}, strides "
-                              f"{strides[j].tolist()}) is negative, {'empty, self-overlapping, ' if side == 'dst' else ''}"
+        sizes, strides = t_sizes[klass[j]], t_strides[klass[j]]
+        raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(offset[j])}, sizes {sizes.tolist()}, strides "
+                              f"{strides.tolist()}) is negative, {'empty, self-overlapping, ' if side == 'dst' else ''}"
                               f"or lies outside {what} {name} ({int(numel[j])} elements). " + advice(path))
+
+
+def _box_facts(sizes: list, strides: list) -> tuple[bool, bool, int, bool]:
+    """(negative, empty, reach, self-overlapping) of one box: planbounds' rules (`_overlapping`: dims of size > 1,
+    sorted by stride, must each step past what the smaller dims reach) in Python ints."""
+    negative = any(v < 0 for v in sizes) or any(v < 0 for v in strides)
+    empty = any(v == 0 for v in sizes)
+    reach = sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1
+    before, overlapping = 0, False
+    for _, k in sorted((strides[k] if sizes[k] > 1 else float("inf"), k) for k in range(len(sizes))):
+        if sizes[k] > 1:
+            overlapping |= strides[k] <= before
+            before += (sizes[k] - 1) * strides[k]
+    return negative, empty, reach, overlapping

@@ -9,7 +9,7 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
 from shardplan.plan.interp import PlanError, resolve_op
-from shardplan.runtime.packcols import extents, geometry_keys, ordinals
+from shardplan.runtime.packcols import class_extents, geometry_keys, ordinals
 
 
 def source_numels(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.TensorMeta]) -> np.ndarray:
@@ -56,9 +56,8 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
             index = int(rows[np.nonzero(numel < 0)[0][0]])
             raise PlanError(f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads "
                             f"{cols.source_name(index)!r}, which the sources table does not describe")
-        sizes = cols.src_sizes[rows]
-        lo, hi = extents(cols.src_offset[rows], sizes, cols.src_strides[rows])
-        bad = ~(sizes == 0).any(axis=1) & ((lo < 0) | (hi > numel))
+        lo, hi, empty = class_extents(cols, "src", rows)
+        bad = ~empty & ((lo < 0) | (hi > numel))
         if bad.any():
             j = int(np.nonzero(bad)[0][0])
             index = int(rows[j])
@@ -111,14 +110,18 @@ def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, i
     live = np.nonzero(pure & (segments.nbytes > 0))[0]
     if not len(live):
         return [], computed
-    keys = np.stack([dtype_ord[key_parts[live, 0]], segments.dtype[live], geo_ord[key_parts[live, 1]],
-                     segments.nbytes[live]], axis=1)
-    starts = np.nonzero(np.concatenate([[True], (keys[1:] != keys[:-1]).any(axis=1)]))[0].tolist() + [len(live)]
+    keys = [dtype_ord[key_parts[live, 0]], segments.dtype[live], geo_ord[key_parts[live, 1]], segments.nbytes[live]]
+    change = np.zeros(len(live), dtype=bool)
+    change[0] = True
+    for k in keys:   # 1-D compares: `.any(axis=1)` over a short axis costs ~10x
+        change[1:] |= k[1:] != k[:-1]
+    starts = np.flatnonzero(change)
+    heads = list(zip(*(k[starts].tolist() for k in keys)))
+    bounds = starts.tolist() + [len(live)]
     runs = []
-    for a, b in zip(starts[:-1], starts[1:]):
-        k = keys[a]
-        sizes, strides = geo_values[k[2]]
-        runs.append(((dtype_names[k[0]], segments.dtypes[k[1]], sizes, strides), live[a:b]))
+    for (src_dtype, dtype, geo, _), a, b in zip(heads, bounds[:-1], bounds[1:]):
+        sizes, strides = geo_values[geo]
+        runs.append(((dtype_names[src_dtype], segments.dtypes[dtype], sizes, strides), live[a:b]))
     return runs, computed
 
 

@@ -128,6 +128,11 @@ def test_source_ids_number_every_name_without_spelling_them():
     assert missing.tolist()[:2] == [-1, -1] and missing[2] == -1 and missing[3] >= 0 and missing[4] == -1
     assert ids.ids("model.other.{}.weight", np.asarray([[0]])).tolist() == [-1]
     assert NameSourceIds(["a", "b"]).ids_of_names(["b", "c"]).tolist() == [1, -1]
+    # a sparse index: a query inside the rows' bounding box that no row has (its key past the largest present one)
+    sparse = table_ids(SourceTable.from_metas([ir.TensorMeta("model.layers.0.x.5.w", (2,), "bfloat16"),
+                                                ir.TensorMeta("model.layers.3.x.0.w", (2,), "bfloat16")]))
+    got = sparse.ids("model.layers.{}.x.{}.w", np.asarray([[3, 5], [0, 5], [3, 0], [0, 0], [1, 1]]))
+    assert got.tolist() == [-1, 0, 1, -1, -1]
 
 
 def _small_plan():
@@ -166,3 +171,32 @@ def test_segment_table_round_trips_segment_objects():
     assert columns_of(plan_file.rank(0)) is plan_file.rank(0).writes.columns
     assert isinstance(WriteColumns.from_writes(plan_file.rank(0).params, list(plan_file.rank(0).writes)),
                       WriteColumns)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 300), st.integers(1, 6), st.booleans())
+def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, num_classes, wide_offsets):
+    """planrank sorts (param, offset) in one packed key and breaks ties by a rank of the geometry classes; the
+    definition is a stable lexsort over (param name, offset, sizes, strides), regions padded with -1."""
+    from shardplan.plan.planrank import _canonical_order
+    rng = np.random.default_rng(seed)
+    names = [f"p{i}" for i in rng.permutation(5)]
+    ndim = rng.integers(1, 4, size=num_classes)
+    sizes = np.ones((num_classes, 3), dtype=np.int64)
+    strides = np.zeros((num_classes, 3), dtype=np.int64)
+    for c in range(num_classes):
+        sizes[c, :ndim[c]] = rng.integers(1, 3, size=ndim[c])
+        strides[c, :ndim[c]] = rng.integers(0, 3, size=ndim[c])
+    if num_classes > 1:   # two classes of one geometry: equal keys, the plan order decides
+        ndim[-1], sizes[-1], strides[-1] = ndim[0], sizes[0], strides[0]
+    offsets = rng.integers(0, 4, size=num_writes) * (1 << 59 if wide_offsets else 1)   # wide: past one packed key
+    rows = {"param": rng.integers(0, len(names), size=num_writes), "dst_offset": offsets,
+            "dst_class": rng.integers(0, num_classes, size=num_writes)}
+    got = _canonical_order(rows, (ndim, sizes, strides), names, num_writes)
+    klass = rows["dst_class"]
+    real = np.arange(3)[None, :] < ndim[klass][:, None]
+    pad_sizes, pad_strides = np.where(real, sizes[klass], -1), np.where(real, strides[klass], -1)
+    name_rank = np.argsort(np.argsort(np.asarray(names, dtype=object), kind="stable"), kind="stable")
+    keys = [pad_strides[:, j] for j in (2, 1, 0)] + [pad_sizes[:, j] for j in (2, 1, 0)]
+    want = np.lexsort(keys + [offsets, name_rank[rows["param"]]])
+    assert got.tolist() == want.tolist()

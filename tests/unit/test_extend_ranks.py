@@ -2,6 +2,7 @@
 the layout and the rank dependence, the extended body encodes to the same bytes as compiling every rank's plan."""
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.plan import ir
@@ -9,6 +10,7 @@ from shardplan.plan.compile import compile_plans
 from shardplan.plan.extend import FlatRank, Line, NotAffine, body_from_flat, flat_rank, sorted_rows
 from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import encode
+from shardplan.plan.template import build_trie, trie_from_rows
 from shardplan.record.ranks import extend_ranks, rank_classes
 
 COLS = 4
@@ -159,3 +161,13 @@ def test_rank_classes_follow_the_layout():
                       (("pp", 0), ("more experts", False)): {2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)}}
     without_ep = rank_classes(Layout(tp=2, dp=2), range(4))   # MoE layers span the DP ranks without EP too
     assert [c.coords for c in without_ep] == [{0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sets(st.tuples(st.integers(0, 5), st.integers(-1, 4), st.sampled_from([0, 1, 2, 3, 5, 8, 9, 12])),
+               min_size=1, max_size=80), st.integers(1, 3))
+def test_trie_from_rows_equals_build_trie(tuples, width):
+    """The numpy trie builder (compile._make_groups on ~10^6 rows of an extended layout) makes build_trie's trie."""
+    rows = sorted({t[:width] for t in tuples})
+    shuffled = np.asarray(rows[::-1], dtype=np.int64)
+    assert trie_from_rows(shuffled) == build_trie(rows)
