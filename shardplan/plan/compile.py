@@ -16,7 +16,7 @@ stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank inst
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 import numpy as np
 
@@ -165,12 +165,20 @@ class PlanBody:
     """Everything a plan file holds after its header: decoded but still templated."""
     ranks: tuple[int, ...]
     sources: "SourceTable"
-    params: dict[str, ir.TensorMeta]        # union over ranks (param metadata is rank independent in vLLM)
+    params: dict[str, ir.TensorMeta]        # union over ranks: one meta per name, the one most ranks have
     rank_params: dict[int, tuple[str, ...]]
     groups: list[Group]
     ordered: dict[int, list[ir.Write]]      # per rank, recording order (overlapping destinations)
     fallbacks: dict[int, list[ir.Fallback]]
     not_needed: dict[int, tuple[str, ...]]
+    # ranks whose param of that name has another shape than `params` says: uneven expert parallelism (384 experts
+    # over 256 EP ranks: ranks 0-127 stack 2 local experts in w13_weight, ranks 128-255 one)
+    rank_metas: dict[int, dict[str, ir.TensorMeta]] = field(default_factory=dict)
+
+    def meta(self, rank: int, name: str) -> ir.TensorMeta:
+        """Param `name` as rank `rank` declares it."""
+        override = self.rank_metas.get(rank)
+        return override[name] if override and name in override else self.params[name]
 
     def num_writes(self, rank: int | None = None) -> int:
         if rank is None:
@@ -184,10 +192,7 @@ class PlanBody:
 def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]) -> PlanBody:
     by_skeleton: dict[tuple, tuple[list, list]] = {}
     ordered: dict[int, list[ir.Write]] = {}
-    params: dict[str, ir.TensorMeta] = {}
     for plan in plans:
-        for p in plan.params:
-            params.setdefault(p.name, p)
         writes = [w for w in plan.writes if w.dst.numel > 0]
         overlapping = overlapping_params(writes)
         seen: set[ir.Write] = set()
@@ -204,8 +209,9 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
             rows[1].append(holes)
     # only the order among writes to one param matters: a stable sort by param makes it canonical
     ordered = {r: sorted(ws, key=lambda w: w.param) for r, ws in ordered.items()}
+    params, rank_metas = split_metas({p.rank: p.params for p in plans})
     return body_from_rows(
-        by_skeleton, ordered, params,
+        by_skeleton, ordered, params, rank_metas=rank_metas,
         rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
         fallbacks={p.rank: list(p.fallbacks) for p in plans if p.fallbacks},
         not_needed={p.rank: tuple(p.not_needed) for p in plans}, sources=sources)
@@ -214,7 +220,8 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
 def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[ir.Write]],
                    params: Mapping[str, ir.TensorMeta], *, rank_params: dict[int, tuple[str, ...]],
                    fallbacks: dict[int, list[ir.Fallback]], not_needed: dict[int, tuple[str, ...]],
-                   sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
+                   sources: Sequence[ir.TensorMeta] | SourceTable,
+                   rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
     """The templating half of compile_plans: `by_skeleton[(skeleton, num_name_vars)] = (var rows, hole rows)`, the
     var rows being [rank, layer, name ints...]. Row order does not matter. plan/extend.py feeds it rows it extended
     to unrecorded ranks, so both paths template through this one function."""
@@ -231,7 +238,34 @@ def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[i
         ordered=ordered,
         fallbacks=fallbacks,
         not_needed=not_needed,
+        rank_metas=rank_metas or {},
     )
+
+
+def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[str, ir.TensorMeta],
+                                                                      dict[int, dict[str, ir.TensorMeta]]]:
+    """(one meta per param name: the one most ranks declare, the smallest on a tie; per rank, the metas that differ
+    from it). Canonical: independent of rank order, so recording and decoding agree."""
+    shared: dict[int, tuple[object, int]] = {}   # ranks of a layout mostly share one list object: count it once
+    for metas in by_rank.values():
+        seen = shared.get(id(metas))
+        shared[id(metas)] = (metas, 1 + (seen[1] if seen else 0))
+    counts: dict[str, dict[ir.TensorMeta, int]] = {}
+    for metas, num_ranks in shared.values():
+        for m in metas:
+            variants = counts.setdefault(m.name, {})
+            variants[m] = variants.get(m, 0) + num_ranks
+    params = {n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype))
+              for n, v in counts.items()}
+    rank_metas: dict[int, dict[str, ir.TensorMeta]] = {}
+    if any(len(v) > 1 for v in counts.values()):
+        differing: dict[int, dict[str, ir.TensorMeta]] = {}
+        for rank, metas in by_rank.items():
+            if id(metas) not in differing:
+                differing[id(metas)] = {m.name: m for m in metas if m != params[m.name]}
+            if differing[id(metas)]:
+                rank_metas[rank] = differing[id(metas)]
+    return params, rank_metas
 
 
 def _write_sort_key(w: ir.Write):
@@ -251,7 +285,7 @@ def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
         writes.extend(g.writes(rank))
     writes.sort(key=_write_sort_key)
     writes.extend(body.ordered.get(rank, ()))
-    return ir.RankPlan(rank=rank, params=tuple(body.params[n] for n in body.rank_params[rank]),
+    return ir.RankPlan(rank=rank, params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
                        writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
                        not_needed=tuple(body.not_needed.get(rank, ())))
 
@@ -355,9 +389,21 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
             for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
                 out_writes.append(rename_layer(w, layer, new) if layer >= 0 else w)
         ordered[rank] = sorted(out_writes, key=lambda w: w.param)
+    rank_metas = {}
+    for rank, overrides in body.rank_metas.items():
+        out_metas = {}
+        for n, meta in overrides.items():
+            layer = layer_of(n)
+            if layer in drop:
+                continue
+            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
+                renamed = n.replace(f"layers.{layer}.", f"layers.{new}.", 1) if layer >= 0 else n
+                out_metas[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
+        if out_metas:
+            rank_metas[rank] = out_metas
     return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
                     params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
-                    fallbacks=body.fallbacks, not_needed={})
+                    fallbacks=body.fallbacks, not_needed={}, rank_metas=rank_metas)
 
 
 def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]):

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody, SourceTable, body_from_rows
+from shardplan.plan.compile import PlanBody, SourceTable, body_from_rows, split_metas
 from shardplan.plan.names import layer_of
 from shardplan.plan.overlap import overlapping_params
 from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
@@ -149,7 +149,7 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
     """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does."""
     parts: dict[tuple, list[np.ndarray]] = {}
     ordered: dict[int, list[ir.Write]] = {}
-    params: dict[str, ir.TensorMeta] = {}
+    rank_metas_of: dict[int, list[ir.TensorMeta]] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
     fallbacks: dict[int, list[ir.Fallback]] = {}
     metas: dict[tuple, list[ir.TensorMeta]] = {}
@@ -173,8 +173,7 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
                 name = filler.name(text)
                 metas[key].append(ir.TensorMeta(name, tuple(filler.take() for _ in range(ndim)), dtype))
             names[key] = tuple(sorted(m.name for m in metas[key]))
-        for meta in metas[key]:
-            params.setdefault(meta.name, meta)
+        rank_metas_of[rank] = metas[key]
         rank_params[rank] = names[key]
         if f.fallbacks:
             fallbacks[rank] = list(f.fallbacks)
@@ -183,5 +182,6 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
         rows = np.unique(np.concatenate(chunks), axis=0)   # a prediction may repeat a row: compile dedupes too
         split = 2 + num_name_vars
         by_skeleton[(skel, num_name_vars)] = (rows[:, :split], rows[:, split:])
+    params, rank_metas = split_metas(rank_metas_of)
     return body_from_rows(by_skeleton, ordered, params, rank_params=rank_params, fallbacks=fallbacks, not_needed={},
-                          sources=sources)
+                          sources=sources, rank_metas=rank_metas)

@@ -121,7 +121,8 @@ def check_group_bounds(group, holes, body: PlanBody, rank_params: set, rank: int
                                   f"{strides[i].astype(np.int64).tolist()}) is negative, "
                                   f"{'empty, self-overlapping, ' if dst else ''}or lies outside {what} {name} "
                                   f"({int(numel[i])} elements). " + advice(path))
-    check(kp, nd, slice(0, kp), ptext, lambda n: body.params[n] if n in rank_params else None, "destination", True)
+    check(kp, nd, slice(0, kp), ptext, lambda n: body.meta(rank, n) if n in rank_params else None, "destination",
+          True)
     first_src = kp + 1 + 2 * nd
     check(first_src + ks, ns, slice(first_src, first_src + ks), stext, lambda n: _lookup(body.sources, n),
           "source", False)

@@ -270,8 +270,10 @@ def check_body(raw, header: dict, c: Checker) -> None:
         c.name(row[0], f"{at}.name")
         numels.append(c.shape(row[1], f"{at}.shape"))
         c.dtype(row[2], f"{at}.dtype")
-    c.increasing([row[0] for row in params], "body.params", "param names")
+    # a name appears once per distinct (shape, dtype) some rank declares it with: entries sorted by all three
+    c.increasing([(row[0], tuple(row[1]), row[2]) for row in params], "body.params", "param entries (name, shape, dtype)")
 
+    repeated_names = len({row[0] for row in params}) != len(params)
     # rank_params: exactly the header's ranks, each with sorted indices into params
     c.array(rank_params, "body.rank_params", len(ranks))
     capacity = {}
@@ -283,6 +285,8 @@ def check_body(raw, header: dict, c: Checker) -> None:
         for j, k in enumerate(idx):
             c.int_(k, f"{at}.params[{j}]", 0, len(params) - 1)
         c.increasing(list(idx), f"{at}.params", "param indices")
+        if repeated_names:
+            c.increasing([params[k][0] for k in idx], f"{at}.params", "param names (one entry per name and rank)")
         capacity[row[0]] = sum(numels[k] for k in idx)
 
     # groups: count writes per rank from the index tries

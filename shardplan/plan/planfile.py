@@ -30,7 +30,7 @@ import numpy as np
 
 from shardplan import __version__
 from shardplan.plan import ir
-from shardplan.plan.compile import Group, PlanBody, SourceTable, instantiate
+from shardplan.plan.compile import Group, PlanBody, SourceTable, instantiate, split_metas
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots
 from shardplan.plan.planbounds import check_bounds, check_group_bounds
@@ -84,12 +84,22 @@ def _checker(path: str) -> Checker:
 
 # ---- body encoding ---------------------------------------------------------------------------------------
 def _encode_body(body: PlanBody) -> list:
-    param_index = {name: i for i, name in enumerate(body.params)}
+    # one entry per distinct (name, shape, dtype): a name has two only where ranks declare it differently
+    entries = sorted({(m.name, m.shape, m.dtype) for m in body.params.values()}
+                     | {(m.name, m.shape, m.dtype) for o in body.rank_metas.values() for m in o.values()})
+    entry_index = {e: i for i, e in enumerate(entries)}
+    param_index = {m.name: entry_index[(m.name, m.shape, m.dtype)] for m in body.params.values()}
+
+    def indices(rank: int) -> list[int]:
+        override = body.rank_metas.get(rank)
+        if not override:
+            return [param_index[n] for n in body.rank_params[rank]]
+        return [entry_index[(m.name, m.shape, m.dtype)] for m in (body.meta(rank, n) for n in body.rank_params[rank])]
     groups = sorted(body.groups, key=lambda g: (repr(g.skeleton), repr(g.index)))
     return [
         [[text, list(shape), dtype, index] for text, shape, dtype, index in body.sources.templates],
-        [[m.name, list(m.shape), m.dtype] for m in body.params.values()],
-        [[r, [param_index[n] for n in body.rank_params[r]]] for r in sorted(body.rank_params)],
+        [[name, list(shape), dtype] for name, shape, dtype in entries],
+        [[r, indices(r)] for r in sorted(body.rank_params)],
         [[g.skeleton, list(g.coeffs.shape), g.coeffs.reshape(-1).tolist(), g.index, g.num_vars] for g in groups],
         [[r, [list(flatten_write(w)[:2]) for w in body.ordered[r]]] for r in sorted(body.ordered)],
         [[r, [[f.source, f.op, f.reason, f.loader] for f in body.fallbacks[r]]] for r in sorted(body.fallbacks)],
@@ -102,9 +112,15 @@ def _decode_body(raw, path: str) -> PlanBody:
     """Builds the body from raw values plancheck.check_body accepted (so nothing here can fail on types)."""
     sources_raw, params_raw, rank_params_raw, groups_raw, ordered_raw, fallbacks_raw, _ = raw
     sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
-    params = {n: ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw}
-    param_names = list(params)
-    rank_params = {r: tuple(param_names[i] for i in idx) for r, idx in rank_params_raw}
+    entries = [ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw]
+    rank_params = {r: tuple(entries[i].name for i in idx) for r, idx in rank_params_raw}
+    if len({m.name for m in entries}) == len(entries):
+        params, rank_metas = {m.name: m for m in entries}, {}
+    else:   # a name declared differently by some ranks (plan-format.md): the one most ranks declare is the default
+        shared: dict[tuple, list] = {}
+        params, rank_metas = split_metas({r: shared.setdefault(tuple(idx), [entries[i] for i in idx])
+                                          for r, idx in rank_params_raw})
+        params = dict(sorted(params.items()))
     groups = [Group(skeleton, np.asarray(flat, dtype=np.int64).reshape(tuple(shape)), index, num_vars)
               for skeleton, shape, flat, index, num_vars in groups_raw]
     ordered = {r: [unflatten_write(skel, holes) for skel, holes in ws] for r, ws in ordered_raw}
@@ -120,7 +136,7 @@ def _decode_body(raw, path: str) -> PlanBody:
                 raise PlanBoundsError(f"{path}: rank {r} has a fallback for {f.source}, which is not a checkpoint "
                                       f"tensor of this plan. " + advice(path))
     return PlanBody(ranks=tuple(rank_params), sources=sources, params=params, rank_params=rank_params,
-                    groups=groups, ordered=ordered, fallbacks=fallbacks, not_needed={})
+                    groups=groups, ordered=ordered, fallbacks=fallbacks, not_needed={}, rank_metas=rank_metas)
 
 
 # ---- write ------------------------------------------------------------------------------------------------
@@ -317,7 +333,7 @@ class PlanFile:
         if rank not in self._cache:
             self.check_rank(rank)
             columns = rank_columns(self.body, rank, self.path)
-            self._cache[rank] = ir.RankPlan(rank=rank, params=tuple(self.body.params[n] for n in
+            self._cache[rank] = ir.RankPlan(rank=rank, params=tuple(self.body.meta(rank, n) for n in
                                                                     self.body.rank_params[rank]),
                                             writes=LazyWrites(columns),
                                             fallbacks=tuple(self.body.fallbacks.get(rank, ())))

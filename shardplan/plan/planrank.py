@@ -28,7 +28,7 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     """Rank `rank`'s writes (canonical order: free writes sorted, then ordered ones), bounds-checked."""
     names = body.rank_params[rank]
     param_index = {n: i for i, n in enumerate(names)}
-    param_numels = np.asarray([body.params[n].numel for n in names] + [0], dtype=np.int64)
+    param_numels = np.asarray([body.meta(rank, n).numel for n in names] + [0], dtype=np.int64)
     ids = table_ids(body.sources)
     name_cache = _name_cache(body)
     blocks: list[dict] = []
@@ -56,7 +56,7 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     generic += ordered
     # object writes first: one may name a param this rank does not declare, which the ordering below cannot index
     if generic:
-        check_bounds(ir.RankPlan(rank, tuple(body.params[n] for n in names), tuple(generic)), body.sources, path)
+        check_bounds(ir.RankPlan(rank, tuple(body.meta(rank, n) for n in names), tuple(generic)), body.sources, path)
     num_free = sum(len(b["param"]) for b in blocks)
     parts = blocks + ([_object_block(names, ordered, ids)] if ordered else [])
     rows, tables = _concat(parts)

@@ -69,3 +69,23 @@ def test_a_wide_layout_records_three_ranks_and_the_rest_is_extended():
     session, extended, exhaustive = _both("llama-3.1-8b", Layout(tp=8))
     assert "check(s) failed" in extended.how, extended.how
     assert session.encode(extended.body) == session.encode(exhaustive.body)
+
+
+def test_uneven_expert_split_keeps_each_ranks_param_shapes():
+    """10 experts over EP 4: ranks 0-1 stack 3 local experts, ranks 2-3 two. The plan file declares each rank's
+    params with the shapes that rank's loader has (one shared shape per name gave ranks 2-3 the 3-expert shape),
+    extended or exhaustive, through encode and decode."""
+    from shardplan.plan.compile import canonical
+    from shardplan.plan.planfile import PlanFile, decode
+
+    session, extended, exhaustive = _both("kimi-k2", Layout(tp=4, ep=True))
+    assert session.encode(extended.body) == session.encode(exhaustive.body), extended.how
+    plan_file = PlanFile(*decode(session.encode(extended.body)))
+    shapes = set()
+    for rank in range(4):
+        recorded = canonical(session.record_rank(rank)[0])
+        got = plan_file.rank(rank)
+        assert got.params == recorded.params, rank
+        assert tuple(got.writes) == recorded.writes, rank
+        shapes |= {p.shape for p in got.params if p.name.endswith("experts.w2_weight")}
+    assert {s[0] for s in shapes} == {2, 3}

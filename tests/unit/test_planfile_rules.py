@@ -340,3 +340,34 @@ def test_the_writer_refuses_what_the_reader_would():
 
 def test_reseal_helper_roundtrip():
     assert reseal(GOOD) == GOOD and copy.copy(GOOD) == GOOD
+
+
+def _uneven_bytes() -> bytes:
+    """rich_plans with rank 1's first layer param declared [2, 4] (rank 0's stays [4, 4]), as uneven EP does."""
+    from planfile_helpers import rich_plans
+    from shardplan.plan import ir
+    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.layout import Layout
+
+    plans, sources = rich_plans()
+    small = ir.TensorMeta("model.layers.0.w.weight", (2, 4), "bfloat16")
+    p1 = plans[1]
+    writes = tuple(ir.Write(w.param, ir.Region(0, (2, 4), (4, 1)), ir.View(w.src.leaf, ir.Region(
+        w.src.region.offset, (2, 4), (4, 1)))) if w.param == small.name else w for w in p1.writes)
+    plans[1] = ir.RankPlan(1, tuple(small if m.name == small.name else m for m in p1.params), writes, p1.fallbacks)
+    return planfile.encode(compile_plans(plans, sources), model="test/model", architecture="TestForCausalLM",
+                           config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+
+
+def test_a_param_declared_differently_by_two_ranks_keeps_both_shapes():
+    data = _uneven_bytes()
+    header, body = raw_parts(data)
+    entries = [i for i, row in enumerate(body[1]) if row[0] == "model.layers.0.w.weight"]
+    assert [body[1][i][1] for i in entries] == [[2, 4], [4, 4]]
+    plan_file = PlanFile(*decode(data))
+    shapes = [{p.name: p.shape for p in plan_file.rank(r).params}["model.layers.0.w.weight"] for r in (0, 1)]
+    assert shapes == [(4, 4), (2, 4)]
+    # a rank indexing both entries of one name: refused by name
+    body[2][1][1] = sorted(set(body[2][1][1]) | set(entries))
+    with pytest.raises(PlanFieldError, match=r"rank_params\[1\]\.params.*one entry per name"):
+        decode(seal(header, body))
