@@ -183,3 +183,18 @@ def test_misaligned_layout_is_named():
     s = RecordSession("deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True), overrides=overrides + ["intermediate_size=256"])
     with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 .* on tp4-ep .*is not divisible by weight quantization block_k = 128"):
         s.record_rank(0)
+
+
+def test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason(tmp_path, capsys):
+    """The real Kimi-K2 FP8 widths at TP32 (2 layers; the meta build fails on rank 0's dense down_proj, 18432 / 32 =
+    576 columns): exit 2, one paragraph that names the model, the layout, vLLM's sentence and what to do."""
+    from shardplan.cli import main
+
+    assert main(["record", "--model", "kimi-k2-fp8", "--tp", "32", "--override", "num_hidden_layers=2",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("shardplan record: error: vLLM refuses block-FP8 kimi-k2-fp8 on tp32 (rank 0): Weight "
+                          "input_size_per_partition = 576 is not divisible by weight quantization block_k = 128."), err
+    assert "choose a smaller TP size" in err
+    assert not list(tmp_path.glob("*.plan"))
