@@ -28,7 +28,7 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.interp import MissingTensorError, ReplayError
-from shardplan.runtime.pack import as_plans
+from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
 from shardplan.runtime.tensors import TensorLayoutError, TensorShapeError
 
@@ -114,6 +114,23 @@ def check_finite(name: str, x: torch.Tensor, box: tuple[tuple[int, int], ...], b
         f"weights (or skip this sync) before packing.")
 
 
+def trainer_name_of(name: str, sources: Mapping[str, ir.TensorMeta]) -> str:
+    """The trainer tensor a block-FP8 plan's checkpoint tensor comes from: a scale `X.weight_scale_inv` of an fp8
+    `X.weight` comes from the weight; anything else from itself."""
+    weight = name.removesuffix(SCALE_SUFFIX)
+    if weight != name and weight in sources and sources[weight].dtype == "float8_e4m3fn":
+        return weight
+    return name
+
+
+def trainer_meta(meta: ir.TensorMeta, sources: Mapping[str, ir.TensorMeta], dtype: str) -> ir.TensorMeta:
+    """What the trainer holds for a plan's checkpoint tensor: a quantized fp8 weight in `dtype` (the plan's model
+    dtype, which the quantizer reads), anything else as the plan says."""
+    if meta.dtype == "float8_e4m3fn" and meta.name + SCALE_SUFFIX in sources:
+        return ir.TensorMeta(meta.name, meta.shape, dtype)
+    return meta
+
+
 # ---- plan geometry -----------------------------------------------------------------------------------------------
 def _row_col(region: ir.Region, cols: int) -> tuple[int, int, list[tuple[int, int]]] | None:
     """A region of a contiguous [rows, cols] tensor as a start (row, col) plus one (row step, col step) per dim,
@@ -192,7 +209,11 @@ class QuantizingReplayer:
         self.boxes = {name: self._box(name) for name in self.weights}
         self.boxes = {name: box for name, box in self.boxes.items() if box is not None}
         rebased, staged = self._rebased()
-        self.inner = Replayer(rebased, staged, **replayer_options)
+        # the bytes sit where the consumer's own layout (of the plans as recorded) puts them: rebased sources can
+        # order a group's segments differently (the layout breaks ties by source geometry)
+        layout = PackLayout.from_plans(self.plans, replayer_options.get("alignment", 256),
+                                       replayer_options.get("max_group_bytes"))
+        self.inner = Replayer(rebased, staged, layout=layout, **replayer_options)
         self.plans = self.inner.plans   # the rebased plans (same params, writes and source names)
         self._groups: dict[str, QuantizingReplayer] = {}
         self._finish()

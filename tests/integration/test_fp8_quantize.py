@@ -24,6 +24,7 @@ from shardplan.record import verify
 from shardplan.record.build import Fp8BlockMisaligned, build_model, loading_context
 from shardplan.record.session import RecordSession
 from shardplan.runtime.apply import Applier
+from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
 
 BLOCK = (128, 128)
@@ -149,7 +150,9 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
     replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
     assert not any(n.endswith("_scale_inv") for n in replayer.sources_read())
     with torch.no_grad():
-        Applier(plan, replayer.layout, params).apply(replayer.pack(trainer))
+        consumer_layout = PackLayout.from_plans(plan, 256, None)   # what the consumer computes from its own plan
+        assert consumer_layout.digest == replayer.layout.digest
+        Applier(plan, consumer_layout, params).apply(replayer.pack(trainer))
     verdict = verify.RankVerdict(rank)
     verify.compare_models(real, replayed, verdict)
     assert verdict.ok, verdict.mismatched
