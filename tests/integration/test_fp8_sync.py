@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from test_sync import PART_BYTES, PlanWorld, _FullSource, ray_session, run_sync  # noqa: F401 - ray_session: fixture
+from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
+from shardplan.sync import SyncConfig
+from shardplan.transport import consumer_name
 from shardplan.plan.compile import compile_plans
 from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
                                         quantize_blocks)
@@ -24,6 +26,8 @@ from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError
 QWEN3_FP8_SHRUNK = ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
                     "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
                     "vocab_size=300"]
+# each decoder layer moves in a few parts (the parts path); every part re-quantizes the weights it reads
+FP8_PART_BYTES = 96 << 10
 
 
 def trainer_tensors(sources, seed: int) -> dict[str, torch.Tensor]:
@@ -65,12 +69,43 @@ class Fp8World(PlanWorld):
         self.plans = [plan_file.rank(r) for r in range(self.num_consumers)]
         self.sources = {n: plan_file.sources[n] for n in plan_file.sources}
         self.tensors = trainer_tensors(self.sources, self.seed)
-        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES,
+        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=FP8_PART_BYTES,
                                     quantizer=plan_file.header.quantizer)
         self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
+        assert any("/" in g for g in self.groups), "the parts path is not exercised"
+
+    def unpacker(self, rank):
+        from shardplan.runtime.apply import params_from_plan
+        from shardplan.sync import ApplyUnpacker
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
 
     def source(self, rank):
         return _FullSource(self.tensors)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).flatten()
+
+
+def received_bytes(engine) -> dict:
+    """A consumer's params as raw bytes (Ray cannot unpickle float8 tensors: torch's legacy storage loader)."""
+    return {n: as_bytes(t) for n, t in engine.unpacker.received.items()}
+
+
+def run_sync(world_factory, transport: str) -> dict:
+    """test_sync.run_sync with a longer per-group deadline: an FP8 expert group is quantized whole on every pack
+    (~1 ms on a quiet core, 100x that on a loaded 2-core box running 6 ranks): a 2 s wait for a group is too
+    tight there."""
+    config = SyncConfig(timeout_s=30.0, announce_timeout_s=60)
+    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory, config)
+    try:
+        results = cluster.sync(1)
+        bad = {n: r for n, r in results.items() if r[0] != "ok"}
+        assert not bad, f"sync failed: {bad}"
+        return {c: cluster.call(consumer_name(c), received_bytes) for c in range(cluster.world.num_consumers)}
+    finally:
+        cluster.close()
 
 
 _RECORDED: dict = {}
@@ -93,8 +128,8 @@ def recorded(tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["nccl", "mooncake:tcp", "rdt:gloo", "rdt:nixl"])
 def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factory, request, transport):
+    from shardplan.record import verify
     from shardplan.record.build import build_model, loading_context
-    from shardplan.record.verify import bits
 
     if transport.startswith("rdt:"):
         request.getfixturevalue("ray_session")
@@ -110,13 +145,16 @@ def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factor
     checkpoint = fp8_checkpoint(world.tensors, world.sources)
     for rank in range(4):
         real = build_model(session.vllm_config, session.layout, rank, "cpu")
+        verify.poison(real)   # a param the loader skipped stays NaN: never equal to the consumer's bytes by chance
         with torch.no_grad(), loading_context(session.vllm_config, session.layout, rank):
             real.load_weights(iter(list(checkpoint.items())))
         real_params = dict(real.named_parameters())
         fp8 = [m.name for m in plans[rank].params if m.dtype == "float8_e4m3fn"]
         assert any("experts" in n for n in fp8) and any(n.endswith("w13_weight_scale_inv") for n in real_params)
         for meta in plans[rank].params:
-            assert torch.equal(bits(got[rank][meta.name]), bits(real_params[meta.name])), f"rank {rank} {meta.name}"
+            assert torch.equal(got[rank][meta.name], as_bytes(real_params[meta.name])), f"rank {rank} {meta.name}"
+        for name in fp8:   # every fp8 byte arrived (no NaN poison left, which both sides would share)
+            assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
 
 
 def test_fp8_packer_names_bad_trainer_input(tmp_path_factory):
