@@ -196,3 +196,31 @@ def test_fp8_packer_names_bad_trainer_input(tmp_path_factory):
     assert writes != plan.writes
     with pytest.raises(BlockAlignmentError, match=rf"rank 1 reads rows/cols \[\[320, 576\], \[0, 256\]\] of '{q}'"):
         ReplayPacker([dataclasses.replace(plan, writes=writes)], world.sources, quantizer=plan_quantizer)
+
+
+def test_engine_trainer_side_quantizes_an_fp8_plan_by_itself(tmp_path_factory):
+    """engine/trainer.py: ModuleSource over fp32 master weights of an FP8 plan asks for no scales and hands each
+    quantized weight in the plan's dtype (bf16); make_packer(quantizer=header.quantizer), as TrainerRank and EngineSync
+    call it, packs the same bytes as replaying the reference FP8 checkpoint."""
+    from shardplan.engine.trainer import ModuleSource
+    from shardplan.plan.planfile import PlanFile
+    from shardplan.runtime.replay import Replayer
+    from shardplan.sync.placement import make_packer
+
+    _, _, path = recorded(tmp_path_factory)
+    plan_file = PlanFile.read(path)
+    world = Fp8World(path=str(path), seed=5)
+    source = ModuleSource({n: t.float() for n, t in world.tensors.items()}, plan_file)
+    metas = source.metadata()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not any(n.endswith("_scale_inv") for n in metas) and metas[q].dtype == "bfloat16"
+    tensors = source.group("layers.0")
+    assert tensors[q].dtype == torch.bfloat16 and torch.equal(tensors[q], world.tensors[q])
+    packer = make_packer([plan_file.rank(1)], plan_file.sources, plan_file.header.eplb, max_group_bytes=None,
+                         quantizer=plan_file.header.quantizer)
+    spans = packer.spans(1, "layers.0")
+    out = torch.zeros(packer.replayers[1].for_group("layers.0").layout.nbytes, dtype=torch.uint8)
+    packer.pack(1, "layers.0", tensors, out, list(range(len(spans))))
+    checkpoint = fp8_checkpoint(world.tensors, world.sources)
+    expected = Replayer(plan_file.rank(1), plan_file.sources).pack_group("layers.0", checkpoint)
+    assert torch.equal(out, expected)
