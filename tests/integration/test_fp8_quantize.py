@@ -1,14 +1,16 @@
-"""Block-FP8 (DeepSeek-V3 / Kimi-K2 style) recording and quantize-on-replay, against vLLM's real loader.
+"""Block-FP8 (DeepSeek-V3 / Kimi-K2 / Qwen3 FP8) recording and quantize-on-replay, against vLLM's real loader.
 
 * `test_reference_quantizer_is_vllms`: `quantize_blocks` is bitwise vLLM's `per_block_cast_to_fp8`.
 * `test_fp8_recording_verifies`: a shrunk block-FP8 config records on this AVX2 box (kernel probes patched for the
   build only, then restored), its plan carries fp8 weights and float32 `*_scale_inv` (MoE `w13/w2_weight_scale_inv`
   included), and replay == the real loader bitwise on random fp8/f32 tensors (`verify.verify_rank`, NaN-poisoned).
-* `test_quantizing_replay_equals_real_loader` (hypothesis: model, TP 1/2/4, EP on/off, rank, seed): vLLM's real loader
+* `test_quantizing_replay_equals_real_loader` (hypothesis: the three FP8 built-ins shrunk, TP 1/2/4, EP on/off, rank, seed): vLLM's real loader
   fed with the reference quantizer's FP8 checkpoint of random BF16 tensors == `QuantizingReplayer` packing the same
   BF16 tensors + `Applier`, bitwise, every param NaN-poisoned beforehand.
+* `test_refined_scale_grid_is_recorded_exactly`: Qwen3-MoE FP8 with 96-row expert partitions at TP4 (vLLM's
+  refined scale grid, its loader upsampling each checkpoint scale): recorded without fallback, bitwise as above.
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
-  repeating vLLM's reason.
+  repeating vLLM's reason; `test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason`: the CLI's one-paragraph error.
 """
 from __future__ import annotations
 
