@@ -68,7 +68,8 @@ def _rank_bytes(body: PlanBody, rank: int, by_layer: bool) -> dict[str, int]:
             label = f"layers.{layer}" if layer >= 0 else group_of(first_name)
             out[label] += int(total) * size
     for w in body.ordered.get(rank, ()):
-        out[group_of(w.param) if by_layer else _kind(body, w.param)] += w.dst.numel * itemsize(body.params[w.param].dtype)
+        key = group_of(w.param) if by_layer else _kind(body, w.param)
+        out[key] += w.dst.numel * itemsize(body.params[w.param].dtype)
     for f in body.fallbacks.get(rank, ()):
         meta = body.sources[f.source]
         kind = "fp8" if meta.dtype.startswith("float8") else "scale" if f.source.endswith("_scale_inv") else "other"

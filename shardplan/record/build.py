@@ -108,7 +108,8 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
         except Exception as e:
             if fp8.misalignment(str(e)):
                 raise Fp8BlockMisaligned(
-                    f"vLLM refuses block-FP8 {vllm_config.model_config.served_model_name} on {layout.tag()} (rank {rank}): "
+                    f"vLLM refuses block-FP8 {vllm_config.model_config.served_model_name} on {layout.tag()} "
+                    f"(rank {rank}): "
                     f"{' '.join(str(e).split())[:400]} Each TP partition of a quantized weight must be whole "
                     f"{list(fp8.vllm_block_size(vllm_config))} blocks: choose a smaller TP size (or EP for the "
                     f"experts).") from e

@@ -34,7 +34,8 @@ def spans_of(packer: Packer) -> dict[int, dict[str, tuple[Span, ...]]]:
 def _segment_sources(replayer: Replayer, seg) -> tuple[str, ...]:
     plan = next(p for p in replayer.plans if p.rank == seg.refs[0].rank)
     names = columns_of(plan).sources_of(seg.refs[0].index)
-    rename = getattr(replayer, "trainer_name", None)   # quantizing: a scale comes from its weight (trainers hold no scales)
+    # quantizing: a scale comes from its weight (trainers hold no scales)
+    rename = getattr(replayer, "trainer_name", None)
     return tuple(dict.fromkeys(map(rename, names))) if rename else names
 
 

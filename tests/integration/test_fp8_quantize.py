@@ -4,9 +4,10 @@
 * `test_fp8_recording_verifies`: a shrunk block-FP8 config records on this AVX2 box (kernel probes patched for the
   build only, then restored), its plan carries fp8 weights and float32 `*_scale_inv` (MoE `w13/w2_weight_scale_inv`
   included), and replay == the real loader bitwise on random fp8/f32 tensors (`verify.verify_rank`, NaN-poisoned).
-* `test_quantizing_replay_equals_real_loader` (hypothesis: the three FP8 built-ins shrunk, TP 1/2/4, EP on/off, rank, seed): vLLM's real loader
-  fed with the reference quantizer's FP8 checkpoint of random BF16 tensors == `QuantizingReplayer` packing the same
-  BF16 tensors + `Applier`, bitwise, every param NaN-poisoned beforehand.
+* `test_quantizing_replay_equals_real_loader` (hypothesis: the three FP8 built-ins shrunk, TP 1/2/4, EP on/off,
+  rank, seed): vLLM's real loader fed with the reference quantizer's FP8 checkpoint of random BF16 tensors ==
+  `QuantizingReplayer` packing the same BF16 tensors + `Applier` in the consumer's own layout, bitwise, every param
+  NaN-poisoned beforehand.
 * `test_refined_scale_grid_is_recorded_exactly`: Qwen3-MoE FP8 with 96-row expert partitions at TP4 (vLLM's
   refined scale grid, its loader upsampling each checkpoint scale): recorded without fallback, bitwise as above.
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
@@ -185,8 +186,10 @@ def test_refined_scale_grid_is_recorded_exactly():
 def test_misaligned_layout_is_named():
     """Dense MLP of 256 at TP4: 64-row partitions of 128-blocks; vLLM's reason is repeated."""
     overrides = [o for o in fp8_overrides("deepseek-v3-fp8") if not o.startswith("intermediate_size")]
-    s = RecordSession("deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True), overrides=overrides + ["intermediate_size=256"])
-    with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 .* on tp4-ep .*is not divisible by weight quantization block_k = 128"):
+    s = RecordSession("deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True),
+                      overrides=overrides + ["intermediate_size=256"])
+    with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 deepseek-v3-fp8 on tp4-ep .*is not "
+                                                 r"divisible by weight quantization block_k = 128"):
         s.record_rank(0)
 
 
