@@ -26,8 +26,8 @@ from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError
 QWEN3_FP8_SHRUNK = ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
                     "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
                     "vocab_size=300"]
-# each decoder layer moves in a few parts (the parts path); every part re-quantizes the weights it reads
-FP8_PART_BYTES = 96 << 10
+# each decoder layer moves in 2-3 parts (the parts path); every part re-quantizes the weights it reads
+FP8_PART_BYTES = 256 << 10
 
 
 def trainer_tensors(sources, seed: int) -> dict[str, torch.Tensor]:
@@ -55,6 +55,12 @@ def fp8_checkpoint(tensors, sources) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_thread() -> None:
+    """In a rank process (packer()/unpacker() run only there): 6 ranks share 2 cores, and torch's default of one
+    intra-op thread per core makes each small quantizing op wait for the others' threads."""
+    torch.set_num_threads(1)
+
+
 @dataclass
 class Fp8World(PlanWorld):
     """A recorded FP8 plan file: 2 replicated BF16 trainers (quantizing packers) -> 4 consumers."""
@@ -74,7 +80,12 @@ class Fp8World(PlanWorld):
         self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
         assert any("/" in g for g in self.groups), "the parts path is not exercised"
 
+    def packer(self, rank):
+        _one_thread()
+        return self._packer
+
     def unpacker(self, rank):
+        _one_thread()
         from shardplan.runtime.apply import params_from_plan
         from shardplan.sync import ApplyUnpacker
         params = params_from_plan(self.plans[rank], fill=float("nan"))
@@ -85,7 +96,7 @@ class Fp8World(PlanWorld):
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8).flatten()
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def received_bytes(engine) -> dict:
@@ -128,9 +139,6 @@ def recorded(tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["nccl", "mooncake:tcp", "rdt:gloo", "rdt:nixl"])
 def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factory, request, transport):
-    from shardplan.record import verify
-    from shardplan.record.build import build_model, loading_context
-
     if transport.startswith("rdt:"):
         request.getfixturevalue("ray_session")
     if transport == "rdt:nixl":
@@ -142,19 +150,33 @@ def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factor
     assert not any(n.endswith("_scale_inv") for s in world.spans.values() for spans in s.values()
                    for span in spans for n in span.sources), "trainers hold no scales"
     got = run_sync(functools.partial(Fp8World, path=str(path), seed=11), transport)
-    checkpoint = fp8_checkpoint(world.tensors, world.sources)
     for rank in range(4):
+        real_params = real_loader_bytes(session, world, rank)
+        fp8 = [m.name for m in plans[rank].params if m.dtype == "float8_e4m3fn"]
+        assert any("experts" in n for n in fp8) and any(n.endswith("w13_weight_scale_inv") for n in real_params)
+        for meta in plans[rank].params:
+            assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
+        for name in fp8:   # every fp8 byte arrived (no NaN poison left, which both sides would share)
+            assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
+
+
+_REAL: dict = {}
+
+
+def real_loader_bytes(session, world, rank: int) -> dict[str, torch.Tensor]:
+    """vLLM's real load_weights of the reference FP8 checkpoint on `rank` (params NaN-poisoned first), as raw bytes;
+    the same for every transport (one seed), so built once per module."""
+    from shardplan.record import verify
+    from shardplan.record.build import build_model, loading_context
+
+    if rank not in _REAL:
+        checkpoint = fp8_checkpoint(world.tensors, world.sources)
         real = build_model(session.vllm_config, session.layout, rank, "cpu")
         verify.poison(real)   # a param the loader skipped stays NaN: never equal to the consumer's bytes by chance
         with torch.no_grad(), loading_context(session.vllm_config, session.layout, rank):
             real.load_weights(iter(list(checkpoint.items())))
-        real_params = dict(real.named_parameters())
-        fp8 = [m.name for m in plans[rank].params if m.dtype == "float8_e4m3fn"]
-        assert any("experts" in n for n in fp8) and any(n.endswith("w13_weight_scale_inv") for n in real_params)
-        for meta in plans[rank].params:
-            assert torch.equal(got[rank][meta.name], as_bytes(real_params[meta.name])), f"rank {rank} {meta.name}"
-        for name in fp8:   # every fp8 byte arrived (no NaN poison left, which both sides would share)
-            assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
+        _REAL[rank] = {n: as_bytes(t) for n, t in real.named_parameters()}
+    return _REAL[rank]
 
 
 def test_fp8_packer_names_bad_trainer_input(tmp_path_factory):
