@@ -304,6 +304,20 @@ def check_layer_invariance(plans: Sequence[ir.RankPlan], classes: dict[int, list
     return None
 
 
+def layer_split_templates(body: PlanBody, classes: dict[int, list[int]]) -> str | None:
+    """None when every group holding a class representative's rows also holds its other sampled layers' rows; else
+    a note naming one that does not. `_make_groups` splits rows that share their variables (one source written to
+    several places of one param) by the first hole that varies, which can be the layer digits of the names: each
+    group then holds one layer, its fit cannot see the layer (a constant), and `extend_layers` would copy the
+    representative's writes to every layer of its class under the representative's own names."""
+    for g in body.groups:
+        layers = {layer for _, _, _, child in g.index for s, e, st, _ in child for layer in range(s, e, st)}
+        for rep, others in classes.items():
+            if rep in layers and others and not layers & set(others):
+                return f"template {g.skeleton[1][1]!r} holds layer {rep} without layer {others[0]}"
+    return None
+
+
 def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[int],
                   sources: Sequence[ir.TensorMeta]) -> PlanBody:
     """`full_layers[rep]`: every layer of rep's class (rep included); layers in `drop` were sampled only to check

@@ -39,7 +39,12 @@ ALLOWED_OPS: frozenset[str] = frozenset({
     "Tensor.zero_", "Tensor.fill_", "Tensor.mul_", "Tensor.add_", "Tensor.div_", "Tensor.sub_", "Tensor.copy_",
     "torch.cat", "torch.concat", "torch.stack", "torch.flatten", "torch.transpose", "torch.narrow",
     "torch.index_select", "torch.chunk", "torch.split", "torch.reshape", "torch.zeros_like", "torch.empty_like",
+    "torch.exp", "Tensor.exp",
 })
+# Elementwise ops that take exactly one tensor (`["a", 0]`) and nothing else: the plan-file check refuses any other
+# argument (an `out=` would write into a trainer tensor). `exp` is here for the Mamba family's A_log loaders, which
+# write `-torch.exp(A_log.float())` (vLLM's mamba_mixer.A_weight_loader and mamba_mixer2's composed_weight_loader).
+UNARY_OPS: frozenset[str] = frozenset({"torch.exp", "Tensor.exp"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from shardplan.plan.ir import UNARY_OPS
 from shardplan.plan.template import HOLE
 
 MAX_DEPTH = 24          # nesting of a write skeleton (legit plans: 4)
@@ -91,6 +92,9 @@ class SkeletonRules:
             holes += sum(self.view(v, f"{where}.inputs[{i}]", depth + 1, ops) for i, v in enumerate(inputs))
             if s[5] is not None:
                 self.int_(s[5], f"{where}.out", 0, MAX_NDIM)
+            if op in UNARY_OPS and (len(inputs) != 1 or s[2] != (("a", 0),) or s[3] or s[5] is not None):
+                self.fail(where, s[1:4], f"{op} takes exactly one tensor: args [[\"a\", 0]], no kwargs, one input, "
+                                         f"out nil")
             return holes
         self.array(s, where, 4)   # "U"
         return (self.leaf(s[1], f"{where}.base", depth + 1, ops) + self.region(s[2], f"{where}.region")

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from shardplan.plan import ir
-from shardplan.record.hooks import ACTIVE, COPY, FACTORIES, ORIGINAL, hooks_installed
+from shardplan.record.hooks import ACTIVE, COPY, FACTORIES, NAN, ORIGINAL, hooks_installed
 from shardplan.record.recording import RankRecording, TensorBase, ValueRead, dtype_name, op_name, region_in, tensor_args
 from shardplan.record.rectensor import (FAST_VIEWS, NO_SUBCLASS_TF, PASSTHROUGH, RecTensor, make_subclass,
                                         storage_key, wrap)
@@ -323,7 +323,7 @@ class Recorder:
         k = storage_key(dst)
         if k not in self.param_of:
             # a scratch tensor of the loader (copied into a parameter later): track it like a loaded tensor
-            base = self.leaf_of.get(k) or ir.Full(float("nan"), (dst.untyped_storage().nbytes() // dst.element_size(),),
+            base = self.leaf_of.get(k) or ir.Full(NAN, (dst.untyped_storage().nbytes() // dst.element_size(),),
                                                  dtype_name(dst.dtype))
             region = ir.Region(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
             self.leaf_of[k] = ir.Update(base, region, self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype),

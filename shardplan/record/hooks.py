@@ -29,9 +29,12 @@ COPY = torch.Tensor.copy_
 TO = torch.Tensor.to
 FILL, ZERO = torch.Tensor.fill_, torch.Tensor.zero_
 EMPTY = torch.empty
+# What the recorder takes unwritten (torch.empty) memory to hold. One object: NaN != NaN, but tuples (so IR records)
+# compare their elements by identity first, so two recordings of the same loader compare equal.
+NAN = float("nan")
 # factories whose meta results the recorder tracks as constants (see full.Recorder._factory); None: fill value argument
-FACTORIES = {torch.zeros: 0, torch.ones: 1, torch.empty: float("nan"), torch.full: None,
-             torch.Tensor.new_zeros: 0, torch.Tensor.new_ones: 1, torch.Tensor.new_empty: float("nan"),
+FACTORIES = {torch.zeros: 0, torch.ones: 1, torch.empty: NAN, torch.full: None,
+             torch.Tensor.new_zeros: 0, torch.Tensor.new_ones: 1, torch.Tensor.new_empty: NAN,
              torch.Tensor.new_full: None}
 
 # Functions whose calls on plain tensors the recorder must see. Wrapped only while a recording runs.

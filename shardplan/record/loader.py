@@ -17,6 +17,7 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.plan import ir
+from shardplan.record.composed import composed_loaders_recorded
 from shardplan.record.fast import FastRecorder
 from shardplan.record.full import Recorder, recording
 from shardplan.record.recording import RankRecording, RecordError, UnsupportedLoaderOp, ValueRead, dtype_name
@@ -59,8 +60,11 @@ def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int
         if tier == "auto":
             fast = FastRecorder(param_of, rank, params)
             if fast.run(model, remaining):
-                fast.rec.seconds = time.perf_counter() - t0
-                return fast.rec
+                created = [n for n, _ in _created_params(model, param_of)]
+                if not created:
+                    fast.rec.seconds = time.perf_counter() - t0
+                    return fast.rec
+                fast.anomaly = f"the loader creates parameters while loading: {', '.join(created)}"
             rec.tier_note = fast.anomaly
             for key, (pname, p) in param_of.items():  # undo `param.data = loaded` before the full tier runs
                 if p.untyped_storage()._cdata != key:
@@ -90,10 +94,11 @@ def _record_all(model, remaining: list, rec: RankRecording, param_of: dict, alia
                 yield name, t
 
         try:
-            with recording(mode):
+            with recording(mode), composed_loaders_recorded(mode):
                 model.load_weights(feed())
                 _check_param_storages(mode, aliases)
             remaining = []
+            _record_created_params(mode, model)
         except ValueRead as e:
             culprits = e.sources or {fed[-1]} if fed else e.sources
             _fallback(rec, culprits, e.op, e.reason, _loader_frame(e.__traceback__), strict)
@@ -123,6 +128,27 @@ def _check_param_storages(mode: "Recorder", aliases: dict) -> None:
             ir.sources(leaf, sources)
             raise ValueRead(sources, "Tensor.data.set", f"the loader replaces the storage of {pname} "
                                                          f"(`param.data = ...`)")
+
+
+def _created_params(model, param_of: dict) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers the model has now and had not when the recording started."""
+    return [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if storage_key(p) not in param_of]
+
+
+def _record_created_params(mode: "Recorder", model) -> None:
+    """A parameter the loader creates while loading (vLLM's Transformers backend registers `lm_head.bias` when the
+    checkpoint has one): the recorder saw its storage as a scratch tensor the loader filled, with that storage's
+    value as its leaf. Record it as a destination: one write of the whole parameter from that leaf (elements the
+    loader never wrote read NaN, so verify would expose them). The consumer is a model vLLM has loaded, which has it."""
+    for pname, p in _created_params(model, mode.param_of):
+        leaf = mode.leaf_of.get(storage_key(p))
+        if leaf is None or pname in mode.rec.params:
+            continue  # created but not loaded from the checkpoint (model-side init), or a name already recorded
+        shape, strides = tuple(p.shape), tuple(p.stride())
+        mode.rec.params[pname] = ir.TensorMeta(pname, shape, dtype_name(p.dtype))
+        mode.rec.writes.append(ir.Write(pname, ir.Region(0, shape, strides),
+                                        ir.View(leaf, ir.Region(p.storage_offset(), shape, strides))))
 
 
 def _unfinished(rec: RankRecording, remaining: list, num_fed: int, culprits: set[str]) -> list:

@@ -8,11 +8,12 @@ from typing import Callable, Iterable, Sequence
 
 from shardplan import models
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers
+from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers, layer_split_templates
 from shardplan.plan.extend import body_from_flat, flat_rank
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.planfile import encode
+from shardplan.plan.planrank import rank_columns
 from shardplan.plan.placement import slot_sources
 from shardplan.record import eplb, fp8
 from shardplan.runtime.quantize import quantizer_id
@@ -169,12 +170,15 @@ class RecordSession:
                 ranks, progress, "exhaustive (the cut model's checkpoint differs from the full one's first layers)")
         cut_body, plans, stats, ranks_how = self._record_ranks(shrunk, ranks, progress)
         reps = {ms[0]: [m for m in ms[1:2] if m < num_sampled] for ms in members.values()}
-        problem = check_layer_invariance(plans, reps)
+        problem = check_layer_invariance(plans, reps) or layer_split_templates(cut_body, reps)
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (sampling check failed: {problem})")
         full_layers = {ms[0]: ms for ms in members.values()}
         drop = {m for ms in members.values() for m in ms[1:2]}
         body = extend_layers(cut_body, full_layers, drop, self.sources)
+        problem = unwritten_after_extension(cut_body, body, sorted({p.rank for p in plans} | {ranks[len(ranks) // 2]}))
+        if problem:
+            return self._record_all_layers(ranks, progress, f"exhaustive (extension check failed: {problem})")
         how = f"sampled: recorded layers {sampled} of {num_layers}, extended to {len(members)} layer classes; {ranks_how}"
         multiplicity = {**{m: 0 for m in drop}, **{rep: len(ms) for rep, ms in full_layers.items()}}
         return Recorded(body, self._stats(cut_body, ranks, stats, multiplicity), how)
@@ -204,6 +208,29 @@ class RecordSession:
         recorded checkpoint is the one the reference quantizer makes, so replaying it from BF16 needs that one."""
         block = fp8.block_size(self.spec.config)
         return quantizer_id(block) if block else ""
+
+
+def unwritten_after_extension(cut_body: PlanBody, body: PlanBody, ranks: Sequence[int]) -> str | None:
+    """None when, on each of `ranks`, every param the extended body declares is written, unless its layer-free name
+    was unwritten on the cut model too (a fallback's loader writes params the plan cannot name); else a note naming
+    one. A second line of defence behind the sampling checks: an extension bug that drops writes (one did: qwen3-next's
+    conv1d.weight of 31 layers) shows as a declared param with no write, which vLLM's strict load would refuse to
+    leave uninitialised. Costs one instantiation per rank checked."""
+    def unwritten(b: PlanBody, rank: int) -> set[str]:
+        return set(b.rank_params.get(rank, ())) - set(rank_columns(b, rank, "<extended plan>").written_params())
+
+    def free(name: str) -> str:
+        return without_layer(name, layer_of(name))
+    for rank in ranks:
+        if rank not in body.rank_params:
+            continue
+        missing = unwritten(body, rank)
+        if missing:
+            expected = {free(n) for n in unwritten(cut_body, rank)} if rank in cut_body.rank_params else set()
+            new = sorted(n for n in missing if free(n) not in expected)
+            if new:
+                return f"rank {rank}: {len(new)} declared param(s) never written after the extension, e.g. {new[0]}"
+    return None
 
 
 def plan_nbytes(plan: ir.RankPlan, sources: dict[str, ir.TensorMeta]) -> int:

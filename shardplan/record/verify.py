@@ -66,6 +66,18 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             verdict.unwritten.append(name)
 
 
+def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:
+    """Register, NaN-filled, the destinations the plan declares that a freshly built `model` lacks: parameters vLLM's
+    loader creates while loading (the Transformers backend's `lm_head.bias`). A consumer is a model vLLM has loaded,
+    which has them; the plan must then write every element (NaN is what an unwritten one would show)."""
+    have = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    for meta in plan.params:
+        if meta.name not in have:
+            owner, _, leaf = meta.name.rpartition(".")
+            data = torch.full(meta.shape, float("nan"), dtype=interp.to_dtype(meta.dtype))
+            model.get_submodule(owner).register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
+
+
 def verify_rank(vllm_config, layout: Layout, rank: int, plan: ir.RankPlan,
                 checkpoint: Mapping[str, torch.Tensor]) -> RankVerdict:
     verdict = RankVerdict(rank)
@@ -76,6 +88,7 @@ def verify_rank(vllm_config, layout: Layout, rank: int, plan: ir.RankPlan,
         real.load_weights(iter(list(checkpoint.items())))
     replayed = build_model(vllm_config, layout, rank, "cpu")
     poison(replayed)
+    add_created_params(replayed, plan)
     params = dict(replayed.named_parameters())
     params.update(dict(replayed.named_buffers()))
     interp.apply_reference(plan, checkpoint, params)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.plan import ir
@@ -128,3 +130,39 @@ def test_sampled_recording_is_byte_identical_to_exhaustive():
         direct = exhaustive.record_plans(range(4), exhaustive=True)
         assert direct.how == "exhaustive (asked)"
         assert sampled.encode(got.body) == exhaustive.encode(direct.body)
+
+
+_QWEN3_NEXT = ["num_hidden_layers=12", "full_attention_interval=4", "hidden_size=128", "num_attention_heads=4",
+               "num_key_value_heads=2", "head_dim=32", "intermediate_size=256", "moe_intermediate_size=64",
+               "shared_expert_intermediate_size=64", "num_experts=4", "num_experts_per_tok=2", "linear_num_key_heads=4",
+               "linear_num_value_heads=8", "linear_key_head_dim=32", "linear_value_head_dim=32", "vocab_size=300"]
+
+
+@pytest.mark.parametrize("model, overrides", [
+    ("qwen3-next-80b-a3b", _QWEN3_NEXT),   # linear_attn.conv1d.weight: three writes of one source into one param
+    (str(Path(__file__).parent / "archs" / "mamba"), ["num_hidden_layers=4"]),   # in_proj.weight: two
+])
+def test_sampled_recording_with_a_source_written_twice_into_one_param(model, overrides):
+    """Writes that share their variables are split into groups by a hole; when that hole was the layer, each group held
+    one layer and extend_layers copied layer 0's writes under layer 0's names to its whole class: the shipped
+    qwen3-next-80b-a3b TP4 plan missed conv1d.weight of 31 of its 36 linear-attention layers. Such a recording is
+    exhaustive now, byte-identical to recording every layer."""
+    from shardplan.record.session import RecordSession
+
+    got = RecordSession(model, Layout(tp=1), overrides=overrides).record_plans(range(1))
+    assert "holds layer 0 without layer" in got.how, got.how
+    exhaustive = RecordSession(model, Layout(tp=1), overrides=overrides)
+    direct = exhaustive.record_plans(range(1), exhaustive=True)
+    assert exhaustive.encode(got.body) == exhaustive.encode(direct.body)
+
+
+def test_extension_that_drops_writes_falls_back_to_every_layer(monkeypatch):
+    """The post-extension check alone (the sampling guard disabled) catches the qwen3-next bug: a declared param left
+    without writes sends the recording back to every layer, byte-identical to exhaustive."""
+    from shardplan.record import session as session_mod
+
+    monkeypatch.setattr(session_mod, "layer_split_templates", lambda body, classes: None)
+    got = session_mod.RecordSession("qwen3-next-80b-a3b", Layout(tp=2), overrides=_QWEN3_NEXT).record_plans(range(2))
+    assert "extension check failed" in got.how and "conv1d.weight" in got.how, got.how
+    exhaustive = session_mod.RecordSession("qwen3-next-80b-a3b", Layout(tp=2), overrides=_QWEN3_NEXT)
+    assert exhaustive.encode(got.body) == exhaustive.encode(exhaustive.record_plans(range(2), exhaustive=True).body)

@@ -1,8 +1,9 @@
 """The coverage sweep (shardplan.record.coverage) on a sample: verdicts, the report, and the per-architecture timeout.
 
 The full sweep (every text decoder vLLM implements, TP 1/2/4, every rank) runs on demand with
-`python -m shardplan.record.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE and an alias-only
-config run at TP 2 with EP, every rank, bitwise."""
+`python -m shardplan.record.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE, an alias-only
+config, a Mamba-2 (A = -exp(A_log) through composed_weight_loader) and Phi (the Transformers backend creates
+lm_head.bias while loading) run at TP 2 (with EP where the model has experts), every rank, bitwise, no fallback."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 from shardplan.record import coverage, tiny
 
 
-@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel", "Mamba2ForCausalLM", "PhiForCausalLM"])
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
     row = coverage.run_architecture(arch, tmp_path, tps=(2,))
     assert row["status"] == "pass", row

@@ -128,3 +128,33 @@ def test_shrunk_builtins_names_equal_save_pretrained(short, tmp_path):
     expected = saved_headers(view.hf_config, spec.architecture, tmp_path)
     derived = {name: (shape, dtype) for name, shape, dtype in checkpoint_tensors(spec, "bfloat16")}
     assert derived == expected
+
+
+# ---- a full-size public checkpoint ---------------------------------------------------------------------------
+def _public_tensors(fixture: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The fixture's rows expanded ({a-b}: every index of the inclusive range)."""
+    data = json.loads((Path(__file__).parent / "fixtures" / fixture).read_text())
+    out = {}
+    for pattern, shape, dtype in data["rows"]:
+        names = [""]
+        for piece in re.split(r"(\{\d+-\d+\})", pattern):
+            m = re.fullmatch(r"\{(\d+)-(\d+)\}", piece)
+            values = [str(i) for i in range(int(m[1]), int(m[2]) + 1)] if m else [piece]
+            names = [n + v for n in names for v in values]
+        out.update((n, (tuple(shape), dtype)) for n in names)
+    assert len(out) == data["num_tensors"]
+    return out
+
+
+@pytest.mark.parametrize("include_mtp", [False, True])
+def test_deepseek_v3_names_equal_the_public_full_size_checkpoint(include_mtp):
+    """The 91,991 tensors of the public DeepSeek-R1 checkpoint (DeepSeek-V3's architecture and config, block FP8):
+    the built-in deepseek-v3 (BF16) lists exactly its tensors in BF16 form (fp8 weights as bfloat16, no
+    weight_scale_inv; the router's e_score_correction_bias stays float32), MTP layer 61 only when asked for."""
+    public = _public_tensors("deepseek-r1-fp8-tensors.json")
+    want = {n: (shape, "bfloat16" if dtype == "float8_e4m3fn" else dtype) for n, (shape, dtype) in public.items()
+            if not n.endswith("_scale_inv") and (include_mtp or not n.startswith("model.layers.61."))}
+    got = {n: (tuple(shape), str(dtype)) for n, shape, dtype in
+           checkpoint_tensors(models.resolve_model("deepseek-v3"), include_mtp=include_mtp)}
+    assert sorted(set(want) - set(got))[:5] == [] and sorted(set(got) - set(want))[:5] == []
+    assert {n: v for n, v in got.items() if v != want[n]} == {}

@@ -486,10 +486,81 @@ def test_strict_raises_naming_tensor_op_and_loader():
 
 
 def test_op_outside_the_allowlist_is_a_fallback():
-    def load_exp(m, name, t):
-        m.w.data.copy_(-torch.exp(t.float()) if name == "A_log" else t)
-    plan, _ = run(lambda: Toy({"w": (4,)}, load_exp), {"A_log": (4,)})
-    assert [(f.source, f.op) for f in plan.fallbacks] == [("A_log", "torch.exp")]
+    def load_log(m, name, t):
+        m.w.data.copy_(-torch.log(t.float()) if name == "A_log" else t)
+    plan, _ = run(lambda: Toy({"w": (4,)}, load_log), {"A_log": (4,)})
+    assert [(f.source, f.op) for f in plan.fallbacks] == [("A_log", "torch.log")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_exp_of_the_loaded_tensor_is_recorded(dtype):
+    # vLLM's mamba_mixer A_weight_loader: `weight_loader(param, -torch.exp(loaded_weight.float()))`, split per TP rank
+    def load_a(m, name, t):
+        m.w.data.copy_((-torch.exp(t.float())).split(4, dim=0)[m.tp_rank])
+    for rank in (0, 1):
+        plan, _ = run(lambda: Toy({"w": (4, 3)}, load_a, tp_rank=rank), {"A_log": ((8, 3), dtype)})
+        # (float() of a float32 tensor returns it: a view, no op)
+        assert not plan.fallbacks and ops(plan) == ["Tensor.neg", "torch.exp"] + ["Tensor.float"] * (
+            dtype != torch.float32)
+
+
+def test_vllm_composed_weight_loader_is_recorded():
+    # vLLM's own helper (Mamba2's A: `-torch.exp(x.float())`; Plamo3's norms: `x + offset`): load, then
+    # `param.data.copy_(fn(param))`. Recorded as one computed write over the loaded value, which replaces the plain one.
+    from vllm.model_executor.model_loader.weight_utils import composed_weight_loader, default_weight_loader
+
+    def make():
+        toy = Toy({"A": (6,), "norm": (6,), "w": (6,)}, None)
+        toy.A.weight_loader = composed_weight_loader(
+            lambda p, t: p.data.copy_(t.narrow(0, 6, 6)), lambda x: -torch.exp(x.float()))
+        toy.norm.weight_loader = composed_weight_loader(default_weight_loader, lambda x: x + 1.0)
+        toy.fn = lambda m, name, t: getattr(getattr(m, name.split("_")[0]), "weight_loader", default_weight_loader)(
+            getattr(m, name.split("_")[0]), t)
+        return toy
+    plan, rec = run(make, {"A_log": ((12,), torch.bfloat16), "norm_weight": ((6,), torch.bfloat16),
+                           "w_weight": (6,)})
+    assert not plan.fallbacks and rec.tier == "full"
+    assert sorted(w.param for w in plan.writes) == ["A", "norm", "w"]   # one write each: the plain loads replaced
+    assert {"torch.exp", "Tensor.neg", "Tensor.add"} <= set(ops(plan)), ops(plan)
+
+
+def test_composed_loader_over_a_partly_written_param_is_a_fallback():
+    # fn reads the whole parameter; elements no write reached would be whatever torch.empty left: not replayable
+    from vllm.model_executor.model_loader.weight_utils import composed_weight_loader
+
+    def make():
+        toy = Toy({"A": (6,)}, lambda m, name, t: m.A.weight_loader(m.A, t))
+        toy.A.weight_loader = composed_weight_loader(lambda p, t: p.data[:3].copy_(t), lambda x: -torch.exp(x))
+        return toy
+    with torch.device("meta"):
+        meta = make()
+    rec = record_loader(meta, [("A_log", (3,), "float32")], rank=0)
+    assert [(f.source, f.op) for f in rec.to_plan().fallbacks] == [("A_log", "composed_weight_loader")]
+    assert not rec.writes
+
+
+def test_param_created_while_loading_is_a_destination():
+    # vLLM's Transformers backend registers `lm_head.bias` only when the checkpoint has one (CausalMixin.load_weights)
+    def load(m, name, t):
+        if name == "bias":
+            m.register_parameter("bias", torch.nn.Parameter(torch.empty(6), requires_grad=False))
+            m.bias.data[:4].copy_(t)
+            m.bias.data[4:].fill_(0)
+        else:
+            m.w.data.copy_(t)
+
+    with torch.device("meta"):
+        meta = Toy({"w": (3,)}, load)
+    rec = record_loader(meta, [("w", (3,), "float32"), ("bias", (4,), "float32")], rank=0)
+    plan = rec.to_plan()
+    assert rec.tier == "full" and not plan.fallbacks and [p.name for p in plan.params] == ["bias", "w"]
+    ckpt = checkpoint({"w": ((3,), torch.float32), "bias": ((4,), torch.float32)})
+    real = Toy({"w": (3,)}, load)
+    real.load_weights(ckpt.items())
+    replayed = Toy({"w": (3,)}, load)
+    replayed.register_parameter("bias", torch.nn.Parameter(torch.full((6,), NAN), requires_grad=False))
+    interp.apply_reference(plan, ckpt, dict(replayed.named_parameters()))
+    assert torch.equal(bits(real.bias), bits(replayed.bias)) and torch.equal(bits(real.w), bits(replayed.w))
 
 
 def test_value_computed_from_a_loaded_parameter_is_a_fallback():

@@ -381,12 +381,23 @@ WITNESSES = {
     "llama4": (Layout(tp=2, ep=True), 1, lambda plan, device: any(
         c.op == "Tensor.__getitem__" and any(isinstance(a, ir.Const) and a.values == (2, 3) for a in c.args)
         for c in _calls(plan))),
-    # composed_weight_loader: A_log must be a fallback, D/dt_bias (sharded_weight_loader) recorded
-    "mamba2": (Layout(tp=2), 1, lambda plan, device: {f.source.rsplit(".", 1)[-1] for f in plan.fallbacks} == {"A_log"}
+    # (8) -exp(A_log): composed_weight_loader (mamba2) over the loaded parameter, A_weight_loader (mamba) over the
+    # loaded tensor; D/dt_bias (sharded_weight_loader) recorded; no fallback
+    "mamba2": (Layout(tp=2), 1, lambda plan, device: not plan.fallbacks and _exp_writes(plan) == 2
                and any(n.endswith("mixer.D") for n in plan.sources_read())),
+    "mamba": (Layout(tp=2), 1, lambda plan, device: not plan.fallbacks and _exp_writes(plan) == 2),
+    # (9) lm_head.bias, created by the loader, declared and written
+    "phi": (Layout(tp=2), 1, lambda plan, device: not plan.fallbacks and "lm_head.bias" in {p.name for p in plan.params}
+            and "lm_head.bias" in plan.sources_read()),
     # multi-output views
     "granitemoe": (Layout(tp=2), 1, lambda plan, device: not _calls(plan) and not plan.fallbacks),
 }
+
+
+def _exp_writes(plan: ir.RankPlan) -> int:
+    """Writes of A computed with torch.exp from an A_log checkpoint tensor."""
+    return sum(w.param.endswith(".A") and "torch.exp" in ir.literal_ops(w.src.leaf)
+               and all(s.endswith(".A_log") for s in ir.sources(w.src.leaf)) for w in plan.writes)
 
 
 @pytest.mark.parametrize("arch", sorted(WITNESSES))

@@ -117,6 +117,49 @@ def test_op_outside_allowlist_is_refused():
         decode(_rewrite_body(data, evil), "x.plan")
 
 
+def _exp_plan_file() -> bytes:
+    """A plan whose write is the Mamba family's `-torch.exp(A_log.float())`."""
+    whole = ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(0, (4, 4), (4, 1)))
+    as_float = ir.View(ir.Call("Tensor.float", (ir.Arg(0),), (), (whole,)), ir.full_region((4, 4)))
+    exp = ir.View(ir.Call("torch.exp", (ir.Arg(0),), (), (as_float,)), ir.full_region((4, 4)))
+    neg = ir.View(ir.Call("Tensor.neg", (ir.Arg(0),), (), (exp,)), ir.full_region((4, 4)))
+    return _encode([_plan(0, [ir.Write("model.layers.0.w.weight", ir.full_region((4, 4)), neg)])])
+
+
+def _exp_node(raw) -> list:
+    found = []
+    def walk(node):
+        if isinstance(node, list):
+            if node[:2] == ["C", "torch.exp"]:
+                found.append(node)
+            for x in node:
+                walk(x)
+    walk(raw)
+    assert len(found) == 1
+    return found[0]
+
+
+def test_exp_roundtrips():
+    data = _exp_plan_file()
+    header, body = decode(data)
+    (w,) = PlanFile(header, body).rank(0).writes
+    assert "torch.exp" in ir.literal_ops(w.src.leaf) and ir.leaf_str(w.src.leaf, {}).startswith("Tensor.neg(torch.exp(")
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda c: c[2].append(["a", 0]), "args"),                       # exp(x, x)
+    (lambda c: c[2].__setitem__(0, ["f", 2.0]), "args"),             # exp(2.0): not the input
+    (lambda c: c[3].append(["out", ["a", 0]]), "kwargs"),            # exp(x, out=x): would write a trainer tensor
+    (lambda c: c.__setitem__(5, 0), "out"),                          # exp(x)[0]
+    (lambda c: c[4].append(c[4][0]), "one input"),                   # a second input
+])
+def test_exp_with_other_arguments_is_refused(mutate, words):
+    data = _rewrite_body(_exp_plan_file(), lambda raw: mutate(_exp_node(raw)))
+    with pytest.raises(planfile.PlanFieldError, match=r"torch\.exp takes exactly one tensor") as info:
+        decode(data, "x.plan")
+    assert "x.plan" in str(info.value) and words in str(info.value)
+
+
 def test_box_outside_source_bounds():
     w = ir.Write("model.layers.0.w.weight", ir.full_region((4, 4)),
                  ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(24, (4, 4), (4, 1))))  # rows 6..9 of 8

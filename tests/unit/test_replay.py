@@ -133,7 +133,7 @@ def _region(t: torch.Tensor) -> ir.Region:
 @st.composite
 def computed_write(draw, world: World) -> None:
     """A write whose source is a Call, Full or Update leaf (goes through the reference interpreter)."""
-    kind = draw(st.sampled_from(["reshape", "cat", "index_select", "to", "update", "full", "chunk"]))
+    kind = draw(st.sampled_from(["reshape", "cat", "index_select", "to", "update", "full", "chunk", "neg_exp"]))
     dtype = draw(st.sampled_from(DTYPES))
     a, b = draw(st.integers(2, 5)), draw(st.integers(2, 5))
     if kind == "full":
@@ -156,6 +156,8 @@ def computed_write(draw, world: World) -> None:
             leaf = ir.Call("Tensor.to", (ir.Arg(0), ir.DType(draw(st.sampled_from(DTYPES)))), (), (transposed,))
         elif kind == "chunk":
             leaf = ir.Call("Tensor.chunk", (ir.Arg(0), 2), (("dim", 1),), (whole,), 1)
+        elif kind == "neg_exp":  # the Mamba family's A: -exp(A_log.float())
+            leaf = _neg_exp(transposed, (b, a))
         else:
             value = ir.View(ir.Full(3.0, (1, b), dtype), ir.full_region((1, b)))
             leaf = ir.Update(ir.Source(x), ir.Region(b * draw(st.integers(0, a - 1)), (1, b), (b, 1)), value)
@@ -164,6 +166,12 @@ def computed_write(draw, world: World) -> None:
     param = world.param(region.sizes or (1,), draw(st.sampled_from(DTYPES)), draw(st.sampled_from(GROUPS)))
     dst = ir.full_region(region.sizes) if region.sizes else ir.Region(0, (), ())
     world.writes.append(ir.Write(param, dst, ir.View(leaf, region)))
+
+
+def _neg_exp(view: ir.View, shape: tuple[int, ...]) -> ir.Call:
+    as_float = ir.View(ir.Call("Tensor.float", (ir.Arg(0),), (), (view,)), ir.full_region(shape))
+    exp = ir.View(ir.Call("torch.exp", (ir.Arg(0),), (), (as_float,)), ir.full_region(shape))
+    return ir.Call("Tensor.neg", (ir.Arg(0),), (), (exp,))
 
 
 def _leaf_shape(leaf, world: World) -> tuple[int, ...]:
@@ -486,6 +494,26 @@ def test_disallowed_op_and_resolution():
         ir.View(ir.Source("layers.0.w"), ir.full_region((4, 6))),)), ir.Region(0, (2, 6), (6, 1))))
     with pytest.raises(DisallowedOpError):
         Replayer(ir.RankPlan(0, plan.params, (bad,)), src)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_exp_replays_as_the_mamba_loader_computes_it(dtype):
+    # what vLLM's A_weight_loader writes, `-torch.exp(A_log.float())`, split per TP rank: the reference interpreter and
+    # the replay runtime (pack + apply) give its bits, special values (inf, -inf, nan, -0.0) included
+    a_log = torch.cat([torch.randn(14, generator=torch.Generator().manual_seed(1)),
+                       torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 100.0])]).to(
+        getattr(torch, dtype)).reshape(4, 5)
+    src = {"A_log": ir.TensorMeta("A_log", (4, 5), dtype)}
+    neg_exp = _neg_exp(ir.View(ir.Source("A_log"), ir.full_region((4, 5))), (4, 5))
+    for rank in (0, 1):
+        want = (-torch.exp(a_log.float())).split(2, dim=0)[rank]
+        plan = ir.RankPlan(rank, (ir.TensorMeta("A", (2, 5), "float32"),), (ir.Write(
+            "A", ir.full_region((2, 5)), ir.View(neg_exp, ir.Region(10 * rank, (2, 5), (5, 1)))),))
+        ref = reference_params(plan, {"A_log": a_log})["A"]
+        replayer = Replayer(plan, src)
+        params = params_from_plan(plan, fill=NAN)
+        Applier(plan, replayer.layout, params).apply(replayer.bind({"A_log": a_log}).pack())
+        assert bits_equal(ref, want) and bits_equal(params["A"], want)
 
 
 def test_plan_errors():

@@ -45,9 +45,13 @@ ARCHS: dict[str, Arch] = {
     "llama4": Arch("(2) q/k rotary permutation view -> transpose -> reshape (copy); (4) with EP, fused experts indexed "
                    "with the model's expert-map indices moved to the loaded tensor's device: a constant index "
                    "tensor whose values are recorded", fused_on_disk=True),
-    "mamba2": Arch("composed_weight_loader writes -exp(A_log) computed from the parameter after loading it: must be a "
-                   "fallback (the IR cannot read parameters), everything else recorded; sharded_weight_loader asks "
-                   "for the TP rank while loading", fallback=r"\.A_log$"),
+    "mamba2": Arch("(8) composed_weight_loader writes -exp(A) computed from the parameter after loading A_log into "
+                   "it: recorded as one computed write over the loaded value (torch.exp); sharded_weight_loader asks "
+                   "for the TP rank while loading"),
+    "mamba": Arch("(8) mamba_mixer's A_weight_loader: -torch.exp(A_log.float()) of the whole loaded tensor, then "
+                  "split per TP rank; tied embeddings"),
+    "phi": Arch("(9) served through vLLM's Transformers backend, which creates lm_head.bias while loading (only when "
+                "the checkpoint has one): a parameter the plan must declare and write whole"),
     "gpt_neox": Arch("(7) served through vLLM's Transformers backend automatically (GPTNeoXForCausalLM maps to "
                      "TransformersForCausalLM); per-head interleaved query_key_value"),
     "llama_transformers": Arch("(7) architectures=[TransformersForCausalLM]: a Llama through the Transformers "
