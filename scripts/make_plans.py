@@ -18,6 +18,12 @@ LAYOUTS = [
     ("qwen3-next-80b-a3b", ["--tp", "4"]),
     ("glm-4.5", ["--tp", "8", "--ep"]),
     ("glm-4.6", ["--tp", "8", "--ep"]),
+    # block-FP8 checkpoints (quantization_config kept; the trainer quantizes on replay, docs/fp8.md)
+    ("kimi-k2-fp8", ["--tp", "16", "--ep"]),
+    ("kimi-k2-fp8", ["--tp", "8", "--ep"]),
+    ("deepseek-v3-fp8", ["--tp", "16", "--ep"]),
+    ("qwen3-30b-a3b-fp8", ["--tp", "4"]),
+    ("qwen3-30b-a3b-fp8", ["--tp", "4", "--ep"]),
 ]
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ config dict, its sha256 (the plan cache key) and, for a local directory, where t
 
 Built-in configs are the public hub config.json files, stored in `shardplan/configs/<short-name>.json` because this
 tool must work without hub access. Each file carries our own bookkeeping under keys starting with "_shardplan"
-(HF id, aliases, a note on what was changed); those keys are stripped before the config is used or written.
+(HF id, aliases, a note on what was changed; "variant_of" for a second built-in of the same hub repo, e.g. its FP8
+checkpoint next to the BF16 one); those keys are stripped before the config is used or written.
 
 This module is the fingerprint side: plain JSON, no torch, transformers or vLLM, so a trainer can find its plan.
 Reading a config the way vLLM does (config classes, aliases, nested text configs) is `shardplan.record.configs`;
@@ -164,8 +165,11 @@ def _builtins() -> tuple[dict[str, _BuiltIn], dict[str, str]]:
         hf_id = meta["hf_id"]
         aliases = tuple(meta.get("aliases", ()))
         by_name[short] = _BuiltIn(short, hf_id, aliases, path, _strip_own_keys(raw))
-        # The hub repo's own name ("Kimi-K2-Instruct") is accepted too: it is what people copy from the hub page.
-        for key in (short, hf_id, hf_id.rsplit("/", 1)[-1], *aliases):
+        # The hub repo's own name ("Kimi-K2-Instruct") is accepted too: it is what people copy from the hub page. A
+        # variant ("variant_of": "kimi-k2", e.g. the FP8 checkpoint of the same hub repo) leaves the HF id's names to
+        # the built-in it is a variant of and answers to its short name and aliases only.
+        hub_names = () if meta.get("variant_of") else (hf_id, hf_id.rsplit("/", 1)[-1])
+        for key in (short, *hub_names, *aliases):
             key = key.lower()
             if lookup.get(key, short) != short:
                 raise ConfigError(f"built-in {short} ({path}): name {key!r} is already used by built-in "

@@ -29,6 +29,7 @@ from shardplan.engine.protocol import EngineInitInfo
 from shardplan.plan.interp import MissingTensorError, to_dtype
 from shardplan.plan.names import group_of
 from shardplan.plan.planfile import PlanFile
+from shardplan.runtime.quantize import trainer_meta, trainer_name_of
 from shardplan.runtime.tensors import TensorShapeError
 from shardplan.sync import PART_BYTES, Coordinator, SyncConfig, SyncReport, TrainerSync, spans_of
 from shardplan.sync.placement import expert_sources, make_packer
@@ -42,7 +43,9 @@ def _plan_file(plan) -> PlanFile:
 class ModuleSource:
     """WeightSource over the trainer's tensors, by checkpoint (HF) name: an nn.Module (its state_dict names, e.g. a
     transformers model), a dict, or a callable returning one. Every tensor is held whole; each group's tensors are
-    converted to the plan's dtype when asked (so fp32 master weights ship as the engine's bf16)."""
+    converted to the plan's dtype when asked (so fp32 master weights ship as the engine's bf16). For a block-FP8
+    plan (header `quantizer`) the trainer holds no fp8 tensors or scales: each quantized `X.weight` is asked for in
+    the plan's dtype (bf16), which the packer quantizes (runtime/quantize.py), and `X.weight_scale_inv` not at all."""
 
     def __init__(self, tensors: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
                  plan):
@@ -56,7 +59,11 @@ class ModuleSource:
         if plan_file.header.eplb is not None:   # EPLB: any expert can move to any slot, so all are needed
             read = expert_sources([plan_file.rank(r) for r in plan_file.ranks], plan_file.header.eplb,
                                   plan_file.sources)
-        self.metas = {n: plan_file.sources[n] for n in sorted(read)}
+        quantizer = plan_file.header.quantizer
+        if quantizer:
+            read = {trainer_name_of(n, plan_file.sources) for n in read}
+        self.metas = {n: trainer_meta(plan_file.sources[n], plan_file.sources, plan_file.header.dtype)
+                      if quantizer else plan_file.sources[n] for n in sorted(read)}
         self.by_group: dict[str, list[str]] = {}
         for n in self.metas:
             self.by_group.setdefault(group_of(n), []).append(n)
@@ -111,7 +118,8 @@ class TrainerRank:
         plans = [plan_file.rank(r) for r in plan_file.ranks]
         config = config or SyncConfig()
         self.packer = make_packer(plans, plan_file.sources, plan_file.header.eplb, control, timeout_s=config.timeout_s,
-                                  device=device, max_group_bytes=max_group_bytes)
+                                  device=device, max_group_bytes=max_group_bytes,
+                                  quantizer=plan_file.header.quantizer)
         options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
         self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)
@@ -176,7 +184,8 @@ class EngineSync:
         self.config = config or SyncConfig()
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
-        packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb, max_group_bytes=max_group_bytes)
+        packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb, max_group_bytes=max_group_bytes,
+                             quantizer=self.plan_file.header.quantizer)
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(

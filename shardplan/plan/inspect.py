@@ -1,7 +1,9 @@
 """`shardplan inspect`: what a plan says, in numbers a person can check.
 
 Bytes are counted in the destination dtype (what a consumer receives). The redundancy factor compares a full
-broadcast (every rank receives every checkpoint tensor it has a stage for) with the plan's bytes for that rank.
+broadcast (every rank receives every checkpoint tensor it has a stage for) with the plan's bytes for that rank. An FP8
+plan (header `quantizer`) also gets its bytes per rank split into fp8 weights, f32 scales and the rest, next to what
+the same layout moves in BF16.
 """
 from __future__ import annotations
 
@@ -30,6 +32,23 @@ def _hole_layout(skeleton) -> dict:
 def group_bytes(body: PlanBody, rank: int) -> dict[str, int]:
     """Bytes per weight group (decoder layer) a rank receives, from the templated body, vectorised: a write's group
     is its param's layer, which is variable 1 of every template."""
+    return _rank_bytes(body, rank, by_layer=True)
+
+
+def kind_bytes(body: PlanBody, rank: int) -> dict[str, int]:
+    """Bytes a rank receives per kind of param: "fp8" (float8 weights), "scale" (their float32 `*_scale_inv`), and
+    "other" (everything else, in its own dtype)."""
+    return _rank_bytes(body, rank, by_layer=False)
+
+
+def _kind(body: PlanBody, param: str) -> str:
+    meta = body.params.get(param)
+    if meta is not None and meta.dtype.startswith("float8"):
+        return "fp8"
+    return "scale" if param.endswith("_scale_inv") else "other"
+
+
+def _rank_bytes(body: PlanBody, rank: int, by_layer: bool) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for g in body.groups:
         var_rows = g.instances(rank)
@@ -40,17 +59,40 @@ def group_bytes(body: PlanBody, rank: int) -> dict[str, int]:
         numel = np.prod(holes[:, info["sizes"]], axis=1) if info["sizes"] else np.ones(len(holes), dtype=np.int64)
         first_name = _fill(info["param_text"], holes[0, :info["num_name"]].tolist())
         size = itemsize(body.params[first_name].dtype) if first_name in body.params else 2
+        if not by_layer:  # a template's params share their name's suffix, hence their kind
+            out[_kind(body, first_name)] += int(numel.sum()) * size
+            continue
         layers, inverse = np.unique(var_rows[:, 1], return_inverse=True)
         sums = np.bincount(inverse.reshape(-1), weights=numel.astype(np.float64))
         for layer, total in zip(layers.tolist(), sums.tolist()):
             label = f"layers.{layer}" if layer >= 0 else group_of(first_name)
             out[label] += int(total) * size
     for w in body.ordered.get(rank, ()):
-        out[group_of(w.param)] += w.dst.numel * itemsize(body.params[w.param].dtype)
+        key = group_of(w.param) if by_layer else _kind(body, w.param)
+        out[key] += w.dst.numel * itemsize(body.params[w.param].dtype)
     for f in body.fallbacks.get(rank, ()):
         meta = body.sources[f.source]
-        out[group_of(f.source)] += meta.numel * itemsize(meta.dtype)
+        kind = "fp8" if meta.dtype.startswith("float8") else "scale" if f.source.endswith("_scale_inv") else "other"
+        out[group_of(f.source) if by_layer else kind] += meta.numel * itemsize(meta.dtype)
     return dict(out)
+
+
+def fp8_vs_bf16(body: PlanBody, ranks) -> list[str]:
+    """Lines comparing an FP8 plan's bytes per rank with what the same layout moves in BF16, from the plan itself:
+    an fp8 element is 2 bytes in BF16, and the scale tensors do not exist there."""
+    lines = [f"{'rank':>5} {'fp8 weights':>12} {'f32 scales':>11} {'other':>11} {'FP8 total':>11} "
+             f"{'BF16 total':>11} {'FP8/BF16':>9}"]
+    total_fp8 = total_bf16 = 0
+    for r in ranks:
+        k = kind_bytes(body, r)
+        fp8, scale, other = k.get("fp8", 0), k.get("scale", 0), k.get("other", 0)
+        as_fp8, as_bf16 = fp8 + scale + other, 2 * fp8 + other
+        total_fp8, total_bf16 = total_fp8 + as_fp8, total_bf16 + as_bf16
+        lines.append(f"{r:>5} {human_bytes(fp8):>12} {human_bytes(scale):>11} {human_bytes(other):>11} "
+                     f"{human_bytes(as_fp8):>11} {human_bytes(as_bf16):>11} {as_fp8 / max(as_bf16, 1):>9.3f}")
+    lines.append(f"  all ranks: {human_bytes(total_fp8)} in FP8 vs {human_bytes(total_bf16)} in BF16 "
+                 f"({total_fp8 / max(total_bf16, 1):.3f}x)")
+    return lines
 
 
 def _fill(text: str, values) -> str:
@@ -123,6 +165,11 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
     total_needed = sum(totals.values())
     lines.append(f"  all ranks: {human_bytes(total_needed)} needed vs {human_bytes(full_bytes * len(body.ranks))} broadcast: "
                  f"{full_bytes * len(body.ranks) / max(total_needed, 1):.1f}x redundancy")
+    if h.quantizer:
+        lines.append("")
+        lines.append(f"FP8 plan (quantizer {h.quantizer}): bytes per rank, and the same layout in BF16 (fp8 weights "
+                     f"at 2 bytes/element, no scales):")
+        lines.extend(fp8_vs_bf16(body, body.ranks))
     show = rank if rank is not None else body.ranks[0]
     lines.append("")
     lines.append(f"bytes per weight group, rank {show}:")

@@ -57,8 +57,9 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
     try:
         # max_model_len=None: vLLM derives it from the config (max_position_embeddings, n_positions, ...) as it does
         # when serving; a constant would be refused by models whose config allows fewer positions.
+        # served_model_name: only what messages call the model (a built-in's short name, not its cached config dir)
         model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=None,
-                                   enforce_eager=True)
+                                   enforce_eager=True, served_model_name=model_name or None)
         parallel_config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
                                          data_parallel_size=layout.dp, enable_expert_parallel=layout.ep)
         vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel_config,
@@ -107,7 +108,8 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
         except Exception as e:
             if fp8.misalignment(str(e)):
                 raise Fp8BlockMisaligned(
-                    f"vLLM refuses block-FP8 {vllm_config.model_config.model} on {layout.tag()} (rank {rank}): "
+                    f"vLLM refuses block-FP8 {vllm_config.model_config.served_model_name} on {layout.tag()} "
+                    f"(rank {rank}): "
                     f"{' '.join(str(e).split())[:400]} Each TP partition of a quantized weight must be whole "
                     f"{list(fp8.vllm_block_size(vllm_config))} blocks: choose a smaller TP size (or EP for the "
                     f"experts).") from e

@@ -57,9 +57,11 @@ def not_converted(config: Mapping[str, Any]) -> tuple[str, ...]:
 
 def is_quantized(name: str, shape, config: Mapping[str, Any]) -> bool:
     """Whether the FP8 checkpoint stores `name` in fp8 with a block scale: the 2-D weights of a decoder layer's linear
-    projections (`*_proj.weight`: attention, dense MLP, shared and routed experts), as in DeepSeek-V3's and
-    Kimi-K2's hub checkpoints; embeddings, norms, the router (`mlp.gate`) and the LM head stay in the model dtype."""
-    if len(shape) != 2 or not name.endswith("_proj.weight") or ".layers." not in name:
+    projections (`*_proj.weight`, and MLA's `kv_a_proj_with_mqa.weight`: attention, dense MLP, shared and routed
+    experts), as in DeepSeek-V3's, DeepSeek-R1's and Kimi-K2's hub checkpoints (tests/integration/test_names.py checks
+    the R1 checkpoint's 91,991 tensors); embeddings, norms, the router (`mlp.gate`) and the LM head stay in the model
+    dtype."""
+    if len(shape) != 2 or not name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or ".layers." not in name:
         return False
     module = name.removesuffix(".weight")
     return not any(skip and (module == skip or module.startswith(skip + ".") or f".{skip}." in f".{module}.")

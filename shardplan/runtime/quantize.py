@@ -28,7 +28,7 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.interp import MissingTensorError, ReplayError
-from shardplan.runtime.pack import as_plans
+from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
 from shardplan.runtime.tensors import TensorLayoutError, TensorShapeError
 
@@ -114,6 +114,23 @@ def check_finite(name: str, x: torch.Tensor, box: tuple[tuple[int, int], ...], b
         f"weights (or skip this sync) before packing.")
 
 
+def trainer_name_of(name: str, sources: Mapping[str, ir.TensorMeta]) -> str:
+    """The trainer tensor a block-FP8 plan's checkpoint tensor comes from: a scale `X.weight_scale_inv` of an fp8
+    `X.weight` comes from the weight; anything else from itself."""
+    weight = name.removesuffix(SCALE_SUFFIX)
+    if weight != name and weight in sources and sources[weight].dtype == "float8_e4m3fn":
+        return weight
+    return name
+
+
+def trainer_meta(meta: ir.TensorMeta, sources: Mapping[str, ir.TensorMeta], dtype: str) -> ir.TensorMeta:
+    """What the trainer holds for a plan's checkpoint tensor: a quantized fp8 weight in `dtype` (the plan's model
+    dtype, which the quantizer reads), anything else as the plan says."""
+    if meta.dtype == "float8_e4m3fn" and meta.name + SCALE_SUFFIX in sources:
+        return ir.TensorMeta(meta.name, meta.shape, dtype)
+    return meta
+
+
 # ---- plan geometry -----------------------------------------------------------------------------------------------
 def _row_col(region: ir.Region, cols: int) -> tuple[int, int, list[tuple[int, int]]] | None:
     """A region of a contiguous [rows, cols] tensor as a start (row, col) plus one (row step, col step) per dim,
@@ -141,6 +158,27 @@ def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, i
     row_hi = row0 + sum((n - 1) * r for n, (r, _) in zip(region.sizes, steps))
     col_hi = col0 + sum((n - 1) * c for n, (_, c) in zip(region.sizes, steps))
     return (row0, row_hi + 1), (col0, col_hi + 1)
+
+
+def _source_views(view: ir.View, name: str) -> list[ir.View] | None:
+    """Every View of source `name` in a write's source tree (through the inputs of computed writes), or None when
+    the tree reads it some other way (an Update's base): such a read needs the whole tensor."""
+    leaf = view.leaf
+    if isinstance(leaf, ir.Source):
+        return [view] if leaf.name == name else []
+    if isinstance(leaf, ir.Call):
+        out: list[ir.View] = []
+        for v in leaf.inputs:
+            got = _source_views(v, name)
+            if got is None:
+                return None
+            out += got
+        return out
+    if isinstance(leaf, ir.Update):
+        if name in ir.sources(leaf.base):
+            return None
+        return _source_views(leaf.value, name)
+    return []
 
 
 def _rebase(region: ir.Region, shape, box) -> ir.Region:
@@ -171,8 +209,14 @@ class QuantizingReplayer:
         self.boxes = {name: self._box(name) for name in self.weights}
         self.boxes = {name: box for name, box in self.boxes.items() if box is not None}
         rebased, staged = self._rebased()
-        self.inner = Replayer(rebased, staged, **replayer_options)
-        self.layout = self.inner.layout
+        # the bytes sit where the consumer's own layout (of the plans as recorded) puts them: rebased sources can
+        # order a group's segments differently (the layout breaks ties by source geometry)
+        layout = PackLayout.from_plans(self.plans, replayer_options.get("alignment", 256),
+                                       replayer_options.get("max_group_bytes"))
+        self.inner = Replayer(rebased, staged, layout=layout, **replayer_options)
+        self.plans = self.inner.plans   # the rebased plans (same params, writes and source names)
+        self._groups: dict[str, QuantizingReplayer] = {}
+        self._finish()
 
     def _reads(self, name: str):
         if not hasattr(self, "_readers"):  # name -> (rank, write) for every write reading it: one pass over the plans
@@ -185,31 +229,50 @@ class QuantizingReplayer:
 
     def _box(self, weight: str):
         """The element box of `weight` one pack quantizes: the union of what the plans read of it and of its scale
-        (in elements), block-aligned; the whole tensor when a read is not a plain box (a computed write)."""
+        (in elements, through the inputs of computed writes too: a refined scale grid reads checkpoint scales and
+        upsamples them), widened to whole blocks; the whole tensor when a read is not a plain box."""
         shape, (bn, bk) = self.sources[weight].shape, self.block
         full = ((0, shape[0]), (0, shape[1]))
         lo, hi, used = [shape[0], shape[1]], [0, 0], False
+        weight_boxes: dict[int, list] = {}
+        scale_boxes: dict[int, list] = {}
         for name, scale in ((weight, (1, 1)), (weight + SCALE_SUFFIX, (bn, bk))):
             for rank, w in self._reads(name):
-                used = True
-                box = _region_box(w.src.region, self.sources[name].shape) if ir.is_pure_view(w) else None
-                if box is None:
+                views = _source_views(w.src, name)
+                if views is None:
                     return full
-                for d in (0, 1):
-                    lo[d] = min(lo[d], box[d][0] * scale[d])
-                    hi[d] = max(hi[d], min(box[d][1] * scale[d], shape[d]))
-                if name == weight:
-                    self._check_aligned(weight, rank, box)
-        return ((lo[0], hi[0]), (lo[1], hi[1])) if used else None
+                for view in views:
+                    used = True
+                    box = _region_box(view.region, self.sources[name].shape)
+                    if box is None:
+                        return full
+                    (weight_boxes if name == weight else scale_boxes).setdefault(rank, []).append(box)
+                    for d in (0, 1):
+                        lo[d] = min(lo[d], box[d][0] * scale[d])
+                        hi[d] = max(hi[d], min(box[d][1] * scale[d], shape[d]))
+        for rank, boxes in weight_boxes.items():
+            for box in boxes:
+                self._check_covered(weight, rank, box, scale_boxes.get(rank, ()))
+        if not used:
+            return None
+        return tuple((start // b * b, min(math.ceil(stop / b) * b, dim))
+                     for start, stop, b, dim in zip(lo, hi, self.block, shape))
 
-    def _check_aligned(self, weight: str, rank: int, box) -> None:
+    def _check_covered(self, weight: str, rank: int, box, scale_boxes) -> None:
+        """The fp8 elements a rank reads are whole blocks, or lie in scale blocks the same rank reads (a refined
+        scale grid: vLLM's loader upsamples those scales); otherwise the plan is not one for this block size."""
         shape = self.sources[weight].shape
-        for d, ((start, stop), size, dim) in enumerate(zip(box, self.block, shape)):
-            if start % size or (stop % size and stop != dim):
-                raise BlockAlignmentError(
-                    f"rank {rank} reads rows/cols {[list(b) for b in box]} of {weight!r} ({list(shape)}): dim {d} "
-                    f"[{start}, {stop}) is not whole {size}-blocks, so its scales would depend on elements outside "
-                    f"the rank's box. The plan's layout is not block-aligned for block {list(self.block)}.")
+        aligned = all(start % size == 0 and (stop % size == 0 or stop == dim)
+                      for (start, stop), size, dim in zip(box, self.block, shape))
+        covered = any(all(s_lo * size <= start and stop <= min(s_hi * size, dim)
+                          for (start, stop), (s_lo, s_hi), size, dim in zip(box, sbox, self.block, shape))
+                      for sbox in scale_boxes)
+        if not (aligned or covered):
+            raise BlockAlignmentError(
+                f"rank {rank} reads rows/cols {[list(b) for b in box]} of {weight!r} ({list(shape)}), which are not "
+                f"whole {list(self.block)}-blocks and not within the scale blocks it reads, so its fp8 bytes would "
+                f"depend on scales it never receives. The plan's layout is not block-aligned for block "
+                f"{list(self.block)} (record it from a config with this weight_block_size).")
 
     def _rebased(self):
         staged = dict(self.sources)
@@ -221,29 +284,72 @@ class QuantizingReplayer:
                                                   math.ceil((c1 - c0) / self.block[1])), "float32")
         plans = []
         for plan in self.plans:
-            writes = [self._rebase_write(w) for w in plan.writes]
+            writes = [ir.Write(w.param, w.dst, self._rebase_view(w.src)) for w in plan.writes]
             plans.append(dataclasses.replace(plan, writes=tuple(writes)))
         return plans, staged
 
-    def _rebase_write(self, w: ir.Write) -> ir.Write:
-        if not ir.is_pure_view(w):
-            return w
-        name = w.src.leaf.name
+    def _rebase_leaf(self, leaf):
+        if isinstance(leaf, ir.Call):
+            inputs = tuple(self._rebase_view(v) for v in leaf.inputs)
+            return leaf if inputs == leaf.inputs else dataclasses.replace(leaf, inputs=inputs)
+        if isinstance(leaf, ir.Update):  # a Source base is read whole (_box gave it the whole tensor)
+            base, value = self._rebase_leaf(leaf.base), self._rebase_view(leaf.value)
+            return leaf if (base, value) == (leaf.base, leaf.value) else ir.Update(base, leaf.region, value)
+        return leaf
+
+    def _rebase_view(self, view: ir.View) -> ir.View:
+        """`view` with every read of a quantized weight or scale re-expressed in its staged box."""
+        leaf = view.leaf
+        if not isinstance(leaf, ir.Source):
+            new = self._rebase_leaf(leaf)
+            return view if new is leaf else ir.View(new, view.region)
+        name = leaf.name
         weight = name.removesuffix(SCALE_SUFFIX)
         if weight not in self.boxes:
-            return w
+            return view
         box = self.boxes[weight]
         shape = self.sources[name].shape
         if name != weight:
             box = tuple((lo // b, math.ceil(hi / b)) for (lo, hi), b in zip(box, self.block))
         if box == ((0, shape[0]), (0, shape[1])):
-            return w
-        return ir.Write(w.param, w.dst, ir.View(w.src.leaf, _rebase(w.src.region, shape, box)))
+            return view
+        return ir.View(leaf, _rebase(view.region, shape, box))
+
+    # -- the Replayer surface the sync's packers use (sync/adapters.py ReplayPacker) --
+    def _finish(self) -> None:
+        self.layout = self.inner.layout
+        read = self.inner.sources_read()
+        self.quantized = tuple(w for w in self.boxes if w in read or w + SCALE_SUFFIX in read)
+
+    def _derived(self, inner: Replayer) -> "QuantizingReplayer":
+        sub = object.__new__(QuantizingReplayer)
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_groups", "_readers")})
+        sub.inner, sub._groups = inner, {}
+        sub._finish()
+        return sub
+
+    def for_group(self, group: str) -> "QuantizingReplayer":
+        """One weight group (as Replayer.for_group); a pack quantizes only the group's weights."""
+        if group not in self._groups:
+            self._groups[group] = self._derived(self.inner.for_group(group))
+        return self._groups[group]
+
+    def subset(self, segments: Sequence[int]) -> "QuantizingReplayer":
+        """Only the listed segments (as Replayer.subset)."""
+        return self._derived(self.inner.subset(segments))
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def trainer_name(self, name: str) -> str:
+        """The trainer tensor a checkpoint tensor of the plan comes from: a quantized weight's scale from the weight."""
+        weight = name.removesuffix(SCALE_SUFFIX)
+        return weight if name != weight and weight in self.boxes else name
 
     def sources_read(self) -> set[str]:
         """Trainer tensors a pack reads (weight names for quantized tensors; no scales)."""
-        return {n for n in self.inner.sources_read() if not (n.endswith(SCALE_SUFFIX) and
-                                                              n.removesuffix(SCALE_SUFFIX) in self.boxes)}
+        return {self.trainer_name(n) for n in self.inner.sources_read()}
 
     def bind(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, **options
              ) -> "QuantizingBoundReplay":
@@ -261,7 +367,8 @@ class QuantizingBoundReplay:
         self.replayer = replayer
         self.sources: dict[str, tuple[torch.Tensor, tuple]] = {}
         device = None
-        for weight, box in replayer.boxes.items():
+        for weight in replayer.quantized:
+            box = replayer.boxes[weight]
             t = tensors.get(weight)
             meta = replayer.sources[weight]
             if t is None:
@@ -280,7 +387,7 @@ class QuantizingBoundReplay:
             self.sources[weight] = (t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box)
         device = device or replayer.inner.device or torch.device("cpu")
         self.staged = {}
-        for weight in replayer.boxes:
+        for weight in replayer.quantized:
             scale = weight + SCALE_SUFFIX
             for name in (weight, scale):
                 meta = replayer.inner.sources[name]
@@ -288,13 +395,18 @@ class QuantizingBoundReplay:
         others = {n: t for n, t in tensors.items() if n not in self.staged}
         self.inner: BoundReplay = replayer.inner.bind({**others, **self.staged}, out, **options)
         self.out = self.inner.out
+        # what the trainer bound (the sync's binding cache compares these with the tensors of the next sync)
+        self.tensors = {n: tensors[n] for n in replayer.sources_read() if n in tensors}
 
     def quantize(self) -> None:
         block = self.replayer.block
         with torch.no_grad():
             for weight, (view, box) in self.sources.items():
-                check_finite(weight, view, box, block)
                 fp8, scale = quantize_blocks(view, block)
+                # a block's amax (hence its scale) is inf/NaN exactly when the block holds one: one check on the small
+                # scale tensor, and the element-wise search only to name the culprit
+                if not bool(torch.isfinite(scale).all()):
+                    check_finite(weight, view, box, block)
                 self.staged[weight].copy_(fp8)
                 self.staged[weight + SCALE_SUFFIX].copy_(scale)
 

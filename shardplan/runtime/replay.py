@@ -56,12 +56,15 @@ class Replayer:
     """
 
     def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
-                 alignment: int = 256, device: torch.device | str | None = None, max_group_bytes: int | None = None):
+                 alignment: int = 256, device: torch.device | str | None = None, max_group_bytes: int | None = None,
+                 layout: PackLayout | None = None):
+        # `layout`: the byte arrangement of other plans with the same writes and destinations (QuantizingReplayer:
+        # the plans before their sources were rebased into staging boxes), so that the consumer's own layout matches
         self.plans = as_plans(plans)
         # a plan file's source table stays templated (a dict of it would spell out ~70k names)
         self.sources = dict(sources) if isinstance(sources, dict) else sources
         self.device = torch.device(device) if device is not None else None
-        self.layout = PackLayout.from_plans(self.plans, alignment, max_group_bytes)
+        self.layout = layout if layout is not None else PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
         check_plans(self.plans, self.sources)
         self._runs, self._computed = self._plan_batches()

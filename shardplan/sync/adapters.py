@@ -2,6 +2,7 @@
 sharded planner (trainers holding shards)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Mapping, Sequence
 
@@ -13,6 +14,7 @@ from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_order
 from shardplan.runtime.apply import Applier, FallbackRequiredError
 from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, sharded_bases
+from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Span
@@ -31,7 +33,10 @@ def spans_of(packer: Packer) -> dict[int, dict[str, tuple[Span, ...]]]:
 
 def _segment_sources(replayer: Replayer, seg) -> tuple[str, ...]:
     plan = next(p for p in replayer.plans if p.rank == seg.refs[0].rank)
-    return columns_of(plan).sources_of(seg.refs[0].index)
+    names = columns_of(plan).sources_of(seg.refs[0].index)
+    # quantizing: a scale comes from its weight (trainers hold no scales)
+    rename = getattr(replayer, "trainer_name", None)
+    return tuple(dict.fromkeys(map(rename, names))) if rename else names
 
 
 def _ordered_groups(pack_layouts) -> tuple[str, ...]:
@@ -102,14 +107,19 @@ class ReplayPacker:
     """Packer over shardplan.runtime.replay for trainers that hold checkpoint tensors whole (replicated, or gathered per
     group by the WeightSource): one Replayer per consumer plan; any trainer holding a segment's sources may serve it.
     Fallback tensors of a plan travel whole, after their layer's replayed bytes (`fallback_slots`).
-    `cache_bindings`: see _Packs (None: cache while the source hands the same tensors every sync)."""
+    `cache_bindings`: see _Packs (None: cache while the source hands the same tensors every sync).
+    `quantizer`: for a block-FP8 plan whose trainer holds high-precision weights, the plan header's `quantizer` id:
+    each consumer's bytes are packed by a QuantizingReplayer (fp8 weights and scales made from the trainer's
+    bfloat16/float16/float32 `X.weight` at every pack; no scale tensors on the trainer). "" (default): the trainer
+    holds the plan's tensors as they are (an FP8 plan then needs fp8 weights and scales, like a checkpoint)."""
 
     def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
                  device: torch.device | str | None = None, max_group_bytes: int | None = PART_BYTES,
-                 cache_bindings: bool | None = None):
+                 cache_bindings: bool | None = None, quantizer: str = ""):
         self.sources = dict(sources)
-        self.replayers = {p.rank: Replayer(p, sources, alignment=alignment, device=device,
-                                           max_group_bytes=max_group_bytes) for p in plans}
+        make = functools.partial(QuantizingReplayer, quantizer=quantizer) if quantizer else Replayer
+        self.replayers = {p.rank: make(p, sources, alignment=alignment, device=device,
+                                       max_group_bytes=max_group_bytes) for p in plans}
         self.fallbacks = {p.rank: fallback_slots(p, self.replayers[p.rank].layout, self.sources) for p in plans}
         groups = set(_ordered_groups(r.layout for r in self.replayers.values()))
         groups.update(g for slots in self.fallbacks.values() for g in slots)

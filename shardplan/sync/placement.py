@@ -136,7 +136,8 @@ class EplbPacker:
 
 def make_packer(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], slots: EplbSlots | None,
                 control: Control | None = None, *, timeout_s: float = 60.0, **packer_options):
-    """The trainer's Packer for a plan file: EplbPacker when it has EPLB slots (`header.eplb`), else ReplayPacker."""
+    """The trainer's Packer for a plan file: EplbPacker when it has EPLB slots (`header.eplb`), else ReplayPacker.
+    `quantizer=header.quantizer` (a block-FP8 plan) makes ReplayPacker quantize the trainer's BF16 weights."""
     if slots is None:
         return ReplayPacker(plans, sources, **packer_options)
     return EplbPacker(plans, sources, slots, control, timeout_s=timeout_s, **packer_options)

@@ -1,23 +1,25 @@
-"""Block-FP8 (DeepSeek-V3 / Kimi-K2 style) recording and quantize-on-replay, against vLLM's real loader.
+"""Block-FP8 (DeepSeek-V3 / Kimi-K2 / Qwen3 FP8) recording and quantize-on-replay, against vLLM's real loader.
 
 * `test_reference_quantizer_is_vllms`: `quantize_blocks` is bitwise vLLM's `per_block_cast_to_fp8`.
 * `test_fp8_recording_verifies`: a shrunk block-FP8 config records on this AVX2 box (kernel probes patched for the
   build only, then restored), its plan carries fp8 weights and float32 `*_scale_inv` (MoE `w13/w2_weight_scale_inv`
   included), and replay == the real loader bitwise on random fp8/f32 tensors (`verify.verify_rank`, NaN-poisoned).
-* `test_quantizing_replay_equals_real_loader` (hypothesis: model, TP 1/2/4, EP on/off, rank, seed): vLLM's real loader
-  fed with the reference quantizer's FP8 checkpoint of random BF16 tensors == `QuantizingReplayer` packing the same
-  BF16 tensors + `Applier`, bitwise, every param NaN-poisoned beforehand.
+* `test_quantizing_replay_equals_real_loader` (hypothesis: the three FP8 built-ins shrunk, TP 1/2/4, EP on/off,
+  rank, seed): vLLM's real loader fed with the reference quantizer's FP8 checkpoint of random BF16 tensors ==
+  `QuantizingReplayer` packing the same BF16 tensors + `Applier` in the consumer's own layout, bitwise, every param
+  NaN-poisoned beforehand.
+* `test_refined_scale_grid_is_recorded_exactly`: Qwen3-MoE FP8 with 96-row expert partitions at TP4 (vLLM's
+  refined scale grid, its loader upsampling each checkpoint scale): recorded without fallback, bitwise as above.
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
-  repeating vLLM's reason.
+  repeating vLLM's reason; `test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason`: the CLI's one-paragraph error.
 """
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from shardplan.plan import ir
 from shardplan.plan.compile import compile_plans
 from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import PlanFile, decode
@@ -25,23 +27,30 @@ from shardplan.record import verify
 from shardplan.record.build import Fp8BlockMisaligned, build_model, loading_context
 from shardplan.record.session import RecordSession
 from shardplan.runtime.apply import Applier
+from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
 
 BLOCK = (128, 128)
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-MODELS = ("deepseek-v3", "kimi-k2")
+MODELS = ("deepseek-v3-fp8", "kimi-k2-fp8", "qwen3-30b-a3b-fp8")
 
 
-def fp8_overrides(tp_max: int = 4) -> list[str]:
-    """2 layers (one dense, one MoE), sized so that every TP partition up to `tp_max` is whole 128-blocks: 8 heads
-    with 128-wide q/k heads and v heads, dense and expert MLPs of 128 * tp_max, 4 routed + 1 shared expert. The
-    replicated fused q_a/kv_a projection (128 + 64 + 128 rows) keeps a partial block, as the real models do."""
+def fp8_overrides(model: str, tp_max: int = 4) -> list[str]:
+    """The FP8 built-ins shrunk (their quantization_config kept). DeepSeek-V3 / Kimi-K2: 2 layers (one dense, one
+    MoE), sized so that every TP partition up to `tp_max` is whole 128-blocks: 8 heads with 128-wide q/k heads and v
+    heads, dense and expert MLPs of 128 * tp_max, 4 routed + 1 shared expert; the replicated fused q_a/kv_a projection
+    (128 + 64 + 128 rows) keeps a partial block, as the real models do. Qwen3-30B-A3B-FP8: 2 MoE layers, 4 experts of
+    384 rows, so that TP2 and TP4 give 192- and 96-row expert partitions: not whole 128-blocks, the refined scale grid
+    (vLLM: blocks of gcd(128, rows per rank, hidden) = 64 and 32) that the real model has at TP4 (768 / 4 = 192)."""
+    if model.startswith("qwen3"):
+        return ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
+                "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
+                "vocab_size=300"]
     inter = 128 * tp_max
     return ["num_hidden_layers=2", "first_k_dense_replace=1", "hidden_size=256", "num_attention_heads=8",
             "num_key_value_heads=8", f"intermediate_size={inter}", f"moe_intermediate_size={inter}",
             "n_routed_experts=4", "num_experts_per_tok=2", "n_group=1", "topk_group=1", "n_shared_experts=1",
             "q_lora_rank=128", "kv_lora_rank=128", "qk_nope_head_dim=64", "qk_rope_head_dim=64", "v_head_dim=128",
-            "vocab_size=300", f"quantization_config={json.dumps(QUANT)}"]
+            "vocab_size=300"]
 
 
 _SESSIONS: dict = {}
@@ -51,7 +60,7 @@ _PLANS: dict = {}
 def session(model: str, tp: int, ep: bool) -> RecordSession:
     key = (model, tp, ep)
     if key not in _SESSIONS:
-        _SESSIONS[key] = RecordSession(model, Layout(tp=tp, pp=1, dp=1, ep=ep), overrides=fp8_overrides())
+        _SESSIONS[key] = RecordSession(model, Layout(tp=tp, pp=1, dp=1, ep=ep), overrides=fp8_overrides(model))
     return _SESSIONS[key]
 
 
@@ -79,7 +88,7 @@ def test_fp8_recording_verifies():
     import vllm._custom_ops as ops
 
     amx, w8a16 = torch.cpu._is_amx_tile_supported, ops._supports_cpu_fp8_w8a16
-    s = session("kimi-k2", 2, True)
+    s = session("kimi-k2-fp8", 2, True)
     dtypes = {n: d for n, _, d in s.tensors}
     assert dtypes["model.layers.1.mlp.experts.3.down_proj.weight"] == "float8_e4m3fn"
     assert dtypes["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"] == "float32"
@@ -117,14 +126,20 @@ def bf16_and_fp8_checkpoints(s: RecordSession, seed: int):
     return trainer, fp8_checkpoint
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 4]), ep=st.booleans(), data=st.data())
 def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
-    s = session(model, tp, ep)
     rank = data.draw(st.integers(0, tp - 1), label="rank")
+    check_rank(model, tp, ep, rank, data.draw(st.integers(0, 2 ** 16), label="seed"))
+
+
+def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
+    """vLLM's real loader fed the reference quantizer's FP8 checkpoint == the quantizing replay of the BF16 tensors,
+    every param bitwise (NaN-poisoned first); returns the plan and the replayer."""
+    s = session(model, tp, ep)
     plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, rank)], s.sources))))
     plan = plan_file.rank(rank)
-    trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, data.draw(st.integers(0, 2 ** 16), label="seed"))
+    trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, seed)
 
     real = build_model(s.vllm_config, s.layout, rank, "cpu")
     verify.poison(real)
@@ -138,7 +153,9 @@ def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
     assert not any(n.endswith("_scale_inv") for n in replayer.sources_read())
     with torch.no_grad():
-        Applier(plan, replayer.layout, params).apply(replayer.pack(trainer))
+        consumer_layout = PackLayout.from_plans(plan, 256, None)   # what the consumer computes from its own plan
+        assert consumer_layout.digest == replayer.layout.digest
+        Applier(plan, consumer_layout, params).apply(replayer.pack(trainer))
     verdict = verify.RankVerdict(rank)
     verify.compare_models(real, replayed, verdict)
     assert verdict.ok, verdict.mismatched
@@ -146,11 +163,46 @@ def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     assert len(fp8_params) >= 6
     for name in fp8_params:  # every fp8 byte the plan covers was written (NaN poison gone)
         assert not torch.isnan(params[name].float()).any(), name
+    return plan, replayer
+
+
+def test_refined_scale_grid_is_recorded_exactly():
+    """Qwen3-30B-A3B-FP8 shape at TP4: 96-row expert partitions of 128-row blocks. vLLM's loader upsamples each
+    checkpoint scale onto its 32-row grid (one scale value feeds several param elements, on several ranks); the
+    recorder records those ops (no fallback), the quantizing replay quantizes each block whole (rows that other ranks
+    also receive) and then runs the same ops: bitwise the real loader, on a rank whose rows start mid-block."""
+    plan, replayer = check_rank("qwen3-30b-a3b-fp8", 4, False, 1, 5)
+    assert not plan.fallbacks
+    scale_writes = [w for w in plan.writes if w.param.endswith("experts.w13_weight_scale_inv")]
+    assert scale_writes and not any(ir.is_pure_view(w) for w in scale_writes)
+    refined = {m.name: m.shape for m in plan.params}["model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv"]
+    assert refined == (4, 2 * 96 // 32, 256 // 32), refined  # experts, gate + up rows / 32, hidden / 32
+    # vLLM upsamples an expert's whole checkpoint scale, then slices the rank's rows [96, 192) out of it: the scale
+    # reads cover every block, so each rank quantizes the whole expert weight (4x its share of the work at TP4)
+    assert replayer.boxes["model.layers.0.mlp.experts.2.up_proj.weight"] == ((0, 384), (0, 256))
+    assert replayer.boxes["model.layers.0.self_attn.q_proj.weight"] == ((256, 512), (0, 256))  # aligned: own rows
 
 
 def test_misaligned_layout_is_named():
     """Dense MLP of 256 at TP4: 64-row partitions of 128-blocks; vLLM's reason is repeated."""
-    overrides = [o for o in fp8_overrides() if not o.startswith("intermediate_size")] + ["intermediate_size=256"]
-    s = RecordSession("deepseek-v3", Layout(tp=4, pp=1, dp=1, ep=True), overrides=overrides)
-    with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 .* on tp4-ep .*is not divisible by weight quantization block_k = 128"):
+    overrides = [o for o in fp8_overrides("deepseek-v3-fp8") if not o.startswith("intermediate_size")]
+    s = RecordSession("deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True),
+                      overrides=overrides + ["intermediate_size=256"])
+    with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 deepseek-v3-fp8 on tp4-ep .*is not "
+                                                 r"divisible by weight quantization block_k = 128"):
         s.record_rank(0)
+
+
+def test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason(tmp_path, capsys):
+    """The real Kimi-K2 FP8 widths at TP32 (2 layers; the meta build fails on rank 0's dense down_proj, 18432 / 32 =
+    576 columns): exit 2, one paragraph that names the model, the layout, vLLM's sentence and what to do."""
+    from shardplan.cli import main
+
+    assert main(["record", "--model", "kimi-k2-fp8", "--tp", "32", "--override", "num_hidden_layers=2",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("shardplan record: error: vLLM refuses block-FP8 kimi-k2-fp8 on tp32 (rank 0): Weight "
+                          "input_size_per_partition = 576 is not divisible by weight quantization block_k = 128."), err
+    assert "choose a smaller TP size" in err
+    assert not list(tmp_path.glob("*.plan"))

@@ -32,7 +32,12 @@ BUILTINS = {
     "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
     "glm-4.5": "zai-org/GLM-4.5",
     "glm-4.6": "zai-org/GLM-4.6",
+    # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
+    "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
+    "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
+    "qwen3-30b-a3b-fp8": "Qwen/Qwen3-30B-A3B-FP8",
 }
+VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}   # their HF id names resolve to the BF16 one
 
 # Public facts about each model (from the hub config.json files and model cards).
 KNOWN_FACTS = {
@@ -189,6 +194,9 @@ def test_builtin_resolves_by_every_name(short):
     assert reference.name == short and reference.hf_id == hf_id and reference.source_dir is None
     for spelling in (short.upper(), hf_id, hf_id.lower(), hf_id.upper(), hf_id.split("/")[1], f"  {short}  "):
         spec = resolve_model(spelling)
+        if short in VARIANTS and spelling.strip().lower() != short:
+            assert spec.name == VARIANTS[short] and spec.config_sha256 != reference.config_sha256, spelling
+            continue
         assert (spec.name, spec.hf_id, spec.config_sha256) == (short, hf_id, reference.config_sha256), spelling
     assert not any(key.startswith("_shardplan") for key in reference.config)
     assert reference.config_sha256 == config_sha256(reference.config)
@@ -209,6 +217,20 @@ def test_deepseek_family_describes_bf16_checkpoint_without_remote_code(short):
     assert "quantization_config" not in config and "auto_map" not in config
     assert config["model_type"] == "deepseek_v3"  # Kimi's hub "kimi_k2" is unknown to transformers AutoConfig
     assert config["rope_scaling"]["type"] == "yarn"
+
+
+@pytest.mark.parametrize("short,bf16", [("kimi-k2-fp8", "kimi-k2"), ("deepseek-v3-fp8", "deepseek-v3"),
+                                        ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b")])
+def test_fp8_builtins_are_the_bf16_config_plus_the_public_quantization_config(short, bf16):
+    fp8, base = resolve_model(short).config, resolve_model(bf16).config
+    quant = fp8.pop("quantization_config")
+    assert fp8 == base
+    assert {k: quant[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if short.startswith("qwen3"):  # the LM head and every layer's router stay in BF16, as in the hub config
+        assert quant["modules_to_not_convert"] == ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(48)]
+    else:
+        assert set(quant) == {"quant_method", "fmt", "activation_scheme", "weight_block_size"}
 
 
 def test_aliases_are_case_insensitive():

@@ -158,3 +158,18 @@ def test_deepseek_v3_names_equal_the_public_full_size_checkpoint(include_mtp):
            checkpoint_tensors(models.resolve_model("deepseek-v3"), include_mtp=include_mtp)}
     assert sorted(set(want) - set(got))[:5] == [] and sorted(set(got) - set(want))[:5] == []
     assert {n: v for n, v in got.items() if v != want[n]} == {}
+
+
+def test_deepseek_v3_fp8_lists_the_public_fp8_checkpoint_exactly():
+    """The built-in deepseek-v3-fp8 as the recorder lists it (record/fp8.py: which weights are float8_e4m3fn, each
+    with a float32 weight_scale_inv of ceil(rows/128) x ceil(cols/128)) == the public DeepSeek-R1 FP8 checkpoint's
+    tensors, names, shapes and dtypes (MTP layer 61 left out, as vLLM's DeepseekV3ForCausalLM does not load it)."""
+    from shardplan.record.fp8 import fp8_checkpoint_tensors
+
+    public = {n: v for n, v in _public_tensors("deepseek-r1-fp8-tensors.json").items()
+              if not n.startswith("model.layers.61.")}
+    spec = models.resolve_model("deepseek-v3-fp8")
+    got = {n: (tuple(shape), str(dtype)) for n, shape, dtype in
+           fp8_checkpoint_tensors(checkpoint_tensors(spec, include_mtp=False), spec.config)}
+    assert sorted(set(public) - set(got))[:5] == [] and sorted(set(got) - set(public))[:5] == []
+    assert {n: v for n, v in got.items() if v != public[n]} == {}

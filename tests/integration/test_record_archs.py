@@ -39,7 +39,8 @@ from shardplan.record.build import LayoutRejected
 from shardplan.plan.layout import Layout
 from shardplan.record.session import RecordSession
 
-BUILTINS = [short for short, _, _ in models.list_models()]
+# the block-FP8 built-ins need 128-aligned shrinks and their own checkpoint: tests/integration/test_fp8_quantize.py
+BUILTINS = [short for short, _, _ in models.list_models() if not short.endswith("-fp8")]
 EXTRAS = archs.extra_names()
 ALL_ARCHS = BUILTINS + EXTRAS
 

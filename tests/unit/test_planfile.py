@@ -276,6 +276,29 @@ def test_inspect_shipped_kimi_plan():
                                                "--max-lines", "0", timeout=60).stdout
 
 
+@pytest.mark.parametrize("fp8,bf16", [("kimi-k2-fp8--tp16-ep", "kimi-k2--tp16-ep"),
+                                      ("qwen3-30b-a3b-fp8--tp4", "qwen3-30b-a3b--tp4")])
+def test_inspect_fp8_plan_next_to_bf16(fp8, bf16):
+    """An FP8 plan's inspect shows fp8 + scale bytes per rank and what the same layout moves in BF16, computed from
+    the FP8 plan alone: that BF16 figure is exactly the shipped BF16 plan's bytes per rank; the IR still prints."""
+    from shardplan.plan.inspect import group_bytes, human_bytes, inspect_plan, kind_bytes
+
+    fp8_file = PlanFile.read(f"plans/{fp8}--bfloat16.plan")
+    bf16_file = PlanFile.read(f"plans/{bf16}--bfloat16.plan")
+    assert fp8_file.header.quantizer == "fp8-e4m3-block-amax448-v1/128x128" and not bf16_file.header.quantizer
+    text = inspect_plan(f"plans/{fp8}--bfloat16.plan", rank=1, max_lines=3)
+    assert "FP8 plan (quantizer fp8-e4m3-block-amax448-v1/128x128)" in text and "IR of rank 1" in text
+    for r in (0, 1, fp8_file.body.ranks[-1]):
+        kinds = kind_bytes(fp8_file.body, r)
+        assert sum(kinds.values()) == sum(group_bytes(fp8_file.body, r).values())
+        assert kinds["scale"] > 0 and kinds["fp8"] > 20 * kinds["other"]
+        in_bf16 = 2 * kinds["fp8"] + kinds["other"]
+        assert in_bf16 == sum(group_bytes(bf16_file.body, r).values())
+        row = [line for line in text.splitlines() if line.split()[:1] == [str(r)] and "x" not in line][0]
+        assert human_bytes(sum(kinds.values())) in row and human_bytes(in_bf16) in row, row
+    assert "BF16" not in inspect_plan(f"plans/{bf16}--bfloat16.plan")
+
+
 def test_cli_errors_are_clean():
     out = _cli("record", "--model", "no-such-model", "--tp", "2")
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -19,10 +19,11 @@ SOURCES = {W: ir.TensorMeta(W, SHAPE, "float8_e4m3fn"), S: ir.TensorMeta(S, (2, 
            "norm": ir.TensorMeta("norm", (384,), "bfloat16")}
 
 
-def rows_plan(rank: int, lo: int, hi: int) -> ir.RankPlan:
-    """Rank reads rows [lo, hi) of the weight, their scale rows, and the whole norm (a copied bf16 tensor)."""
+def rows_plan(rank: int, lo: int, hi: int, scale_rows: tuple[int, int] | None = None) -> ir.RankPlan:
+    """Rank reads rows [lo, hi) of the weight, their scale rows (or `scale_rows`), and the whole norm (a copied bf16
+    tensor)."""
     cols, rows = SHAPE[1], hi - lo
-    s_lo, s_hi = lo // BLOCK[0], -(-hi // BLOCK[0])
+    s_lo, s_hi = scale_rows or (lo // BLOCK[0], -(-hi // BLOCK[0]))
     params = (ir.TensorMeta("w", (rows, cols), "float8_e4m3fn"), ir.TensorMeta("s", (s_hi - s_lo, 3), "float32"),
               ir.TensorMeta("n", (384,), "bfloat16"))
     writes = (ir.Write("w", ir.full_region((rows, cols)), ir.View(ir.Source(W), ir.Region(lo * cols, (rows, cols), (cols, 1)))),
@@ -74,9 +75,22 @@ def test_quantizer_mismatch_refused():
             QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=bad)
 
 
+def test_rows_within_the_scale_blocks_read_are_quantized_whole():
+    """A rank reading fp8 rows [64, 192) and the scale rows of both blocks they touch (what a refined scale grid
+    does, e.g. Qwen3-30B-A3B-FP8 at TP4): both blocks are quantized whole, bytes == the reference checkpoint's."""
+    plan = rows_plan(3, 64, 192)
+    replayer = QuantizingReplayer(plan, SOURCES, quantizer=QID)
+    assert replayer.boxes[W] == ((0, 256), (0, 384))
+    tensors = trainer_tensors(7)
+    fp8, scale = quantize_blocks(tensors[W], BLOCK)
+    assert torch.equal(replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
+
+
 def test_misaligned_box_refused():
+    """fp8 rows [64, 192) with only the second block's scales: the first block's bytes would need a scale the rank
+    never receives (a plan recorded for another block size)."""
     with pytest.raises(BlockAlignmentError, match=r"rank 3 reads rows/cols \[\[64, 192\], \[0, 384\]\] of 'layer.proj"):
-        QuantizingReplayer(rows_plan(3, 64, 192), SOURCES, quantizer=QID)
+        QuantizingReplayer(rows_plan(3, 64, 192, scale_rows=(1, 2)), SOURCES, quantizer=QID)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.float64])

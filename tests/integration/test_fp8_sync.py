@@ -1,0 +1,248 @@
+"""The sync engine ships block-FP8 plans over every CPU transport like BF16 ones, quantizing on the trainer side.
+
+A shrunk Qwen3-30B-A3B-FP8 is recorded at TP4 (its routed-expert partitions are 96 rows: vLLM refines the expert
+scale grid and upsamples each checkpoint scale, so this covers computed scale writes as well as plain fp8 boxes). Two
+replicated trainers hold BF16 tensors under the BF16 checkpoint's names (no scales) and pack with
+`ReplayPacker(..., quantizer=header.quantizer)`; four consumers apply into NaN-poisoned params. Each consumer's params
+== vLLM's real `load_weights` fed the reference quantizer's FP8 checkpoint of the same BF16 tensors, bitwise, over the
+nccl adapter (gloo), Mooncake TCP, Ray RDT over gloo and over NIXL, all on loopback. Then the trainer side's named
+errors: a tensor the quantizer cannot take, an inf/NaN source, a misaligned box.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
+from shardplan.sync import SyncConfig
+from shardplan.transport import consumer_name
+from shardplan.plan.compile import compile_plans
+from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
+                                        quantize_blocks)
+
+QWEN3_FP8_SHRUNK = ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
+                    "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
+                    "vocab_size=300"]
+# each decoder layer moves in 2-3 parts (the parts path); every part re-quantizes the weights it reads
+FP8_PART_BYTES = 256 << 10
+
+
+def trainer_tensors(sources, seed: int) -> dict[str, torch.Tensor]:
+    """Random trainer tensors for an FP8 plan's source table: bf16 for every quantized weight (its scale is not a
+    trainer tensor), the plan's dtype for the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(sources):
+        meta = sources[name]
+        if name.endswith("_scale_inv") and sources.get(name.removesuffix("_scale_inv")) is not None:
+            continue
+        x = torch.randn(meta.shape, generator=gen) * (0.01 + 2 * torch.rand((), generator=gen))
+        out[name] = x.to(torch.bfloat16 if meta.dtype == "float8_e4m3fn" else getattr(torch, meta.dtype))
+    return out
+
+
+def fp8_checkpoint(tensors, sources) -> dict[str, torch.Tensor]:
+    """The reference quantizer's FP8 checkpoint of the trainer's tensors (what a real FP8 engine would load)."""
+    out = {}
+    for name, t in tensors.items():
+        if sources[name].dtype == "float8_e4m3fn":
+            out[name], out[name + "_scale_inv"] = quantize_blocks(t, (128, 128))
+        else:
+            out[name] = t
+    return out
+
+
+def _one_thread() -> None:
+    """In a rank process (packer()/unpacker() run only there): 6 ranks share 2 cores, and torch's default of one
+    intra-op thread per core makes each small quantizing op wait for the others' threads."""
+    torch.set_num_threads(1)
+
+
+@dataclass
+class Fp8World(PlanWorld):
+    """A recorded FP8 plan file: 2 replicated BF16 trainers (quantizing packers) -> 4 consumers."""
+    path: str = ""
+    seed: int = 0
+    num_consumers: int = 4
+
+    def __post_init__(self):
+        from shardplan.plan.planfile import PlanFile
+        from shardplan.sync import ReplayPacker, spans_of
+        plan_file = PlanFile.read(self.path)
+        self.plans = [plan_file.rank(r) for r in range(self.num_consumers)]
+        self.sources = {n: plan_file.sources[n] for n in plan_file.sources}
+        self.tensors = trainer_tensors(self.sources, self.seed)
+        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=FP8_PART_BYTES,
+                                    quantizer=plan_file.header.quantizer)
+        self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
+        assert any("/" in g for g in self.groups), "the parts path is not exercised"
+
+    def packer(self, rank):
+        _one_thread()
+        return self._packer
+
+    def unpacker(self, rank):
+        _one_thread()
+        from shardplan.runtime.apply import params_from_plan
+        from shardplan.sync import ApplyUnpacker
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
+
+    def source(self, rank):
+        return _FullSource(self.tensors)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def received_bytes(engine) -> dict:
+    """A consumer's params as raw bytes (Ray cannot unpickle float8 tensors: torch's legacy storage loader)."""
+    return {n: as_bytes(t) for n, t in engine.unpacker.received.items()}
+
+
+def run_sync(world_factory, transport: str) -> dict:
+    """test_sync.run_sync with a longer per-group deadline: an FP8 expert group is quantized whole on every pack
+    (~1 ms on a quiet core, 100x that on a loaded 2-core box running 6 ranks): a 2 s wait for a group is too
+    tight there."""
+    config = SyncConfig(timeout_s=30.0, announce_timeout_s=60)
+    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory, config)
+    try:
+        results = cluster.sync(1)
+        bad = {n: r for n, r in results.items() if r[0] != "ok"}
+        assert not bad, f"sync failed: {bad}"
+        return {c: cluster.call(consumer_name(c), received_bytes) for c in range(cluster.world.num_consumers)}
+    finally:
+        cluster.close()
+
+
+_RECORDED: dict = {}
+
+
+def recorded(tmp_path_factory):
+    """(session, plans, plan file path) of the shrunk Qwen3-30B-A3B-FP8 at TP4, recorded once per module."""
+    from shardplan.plan.layout import Layout
+    from shardplan.plan.planfile import write_plan
+    from shardplan.record.session import RecordSession
+
+    if not _RECORDED:
+        session = RecordSession("qwen3-30b-a3b-fp8", Layout(tp=4), overrides=QWEN3_FP8_SHRUNK)
+        plans = [session.record_rank(r)[0] for r in range(4)]
+        path = tmp_path_factory.mktemp("plans") / "qwen3-fp8-tp4.plan"
+        write_plan(path, session.encode(compile_plans(plans, session.sources)))
+        _RECORDED.update(session=session, plans=plans, path=path)
+    return _RECORDED["session"], _RECORDED["plans"], _RECORDED["path"]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "mooncake:tcp", "rdt:gloo", "rdt:nixl"])
+def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factory, request, transport):
+    if transport.startswith("rdt:"):
+        request.getfixturevalue("ray_session")
+    if transport == "rdt:nixl":
+        pytest.importorskip("nixl")
+    if transport.startswith("mooncake"):
+        pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    session, plans, path = recorded(tmp_path_factory)
+    world = Fp8World(path=str(path), seed=11)
+    assert not any(n.endswith("_scale_inv") for s in world.spans.values() for spans in s.values()
+                   for span in spans for n in span.sources), "trainers hold no scales"
+    got = run_sync(functools.partial(Fp8World, path=str(path), seed=11), transport)
+    for rank in range(4):
+        real_params = real_loader_bytes(session, world, rank)
+        fp8 = [m.name for m in plans[rank].params if m.dtype == "float8_e4m3fn"]
+        assert any("experts" in n for n in fp8) and any(n.endswith("w13_weight_scale_inv") for n in real_params)
+        for meta in plans[rank].params:
+            assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
+        for name in fp8:   # every fp8 byte arrived (no NaN poison left, which both sides would share)
+            assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
+
+
+_REAL: dict = {}
+
+
+def real_loader_bytes(session, world, rank: int) -> dict[str, torch.Tensor]:
+    """vLLM's real load_weights of the reference FP8 checkpoint on `rank` (params NaN-poisoned first), as raw bytes;
+    the same for every transport (one seed), so built once per module."""
+    from shardplan.record import verify
+    from shardplan.record.build import build_model, loading_context
+
+    if rank not in _REAL:
+        checkpoint = fp8_checkpoint(world.tensors, world.sources)
+        real = build_model(session.vllm_config, session.layout, rank, "cpu")
+        verify.poison(real)   # a param the loader skipped stays NaN: never equal to the consumer's bytes by chance
+        with torch.no_grad(), loading_context(session.vllm_config, session.layout, rank):
+            real.load_weights(iter(list(checkpoint.items())))
+        _REAL[rank] = {n: as_bytes(t) for n, t in real.named_parameters()}
+    return _REAL[rank]
+
+
+def test_fp8_packer_names_bad_trainer_input(tmp_path_factory):
+    """In the sync's packer: an fp8 (already quantized) trainer tensor, an inf in a block the consumer needs, and a
+    plan whose fp8 rows lie outside the scale blocks it reads are named errors; nothing is packed silently."""
+    import dataclasses
+
+    from shardplan.plan import ir
+    from shardplan.sync import ReplayPacker
+
+    _, _, path = recorded(tmp_path_factory)
+    world = Fp8World(path=str(path), seed=3)
+    plan_quantizer = "fp8-e4m3-block-amax448-v1/128x128"
+    packer = ReplayPacker(world.plans, world.sources, max_group_bytes=None, quantizer=plan_quantizer)
+    group = "layers.0"
+    spans = packer.spans(1, group)
+    out = torch.zeros(packer.replayers[1].for_group(group).layout.nbytes, dtype=torch.uint8)
+    every = list(range(len(spans)))
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    bad = dict(world.tensors, **{name: world.tensors[name].to(torch.float8_e4m3fn)})
+    with pytest.raises(QuantizerDTypeError, match=f"'{name}' is float8_e4m3fn"):
+        packer.pack(1, group, bad, out, every)
+    bad = dict(world.tensors, **{name: world.tensors[name].clone()})
+    bad[name][3, 200] = float("inf")
+    with pytest.raises(NonFiniteBlockError, match=rf"'{name}' holds inf at \[3, 200\] \(block \[0, 1\]"):
+        packer.pack(1, group, bad, out, every)
+    packer.pack(1, group, world.tensors, out, every)  # the good tensors still pack
+
+    # rank 1's q_proj rows [256, 512) read 64 rows lower, with its own scale rows (blocks 2, 3): not a 128-block plan
+    plan = world.plans[1]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    hidden = world.sources[q].shape[1]
+
+    def shifted(w):
+        region = w.src.region
+        return dataclasses.replace(w, src=ir.View(w.src.leaf, ir.Region(region.offset + 64 * hidden, region.sizes,
+                                                                         region.strides)))
+    writes = tuple(shifted(w) if ir.is_pure_view(w) and w.src.leaf == ir.Source(q) else w for w in plan.writes)
+    assert writes != plan.writes
+    with pytest.raises(BlockAlignmentError, match=rf"rank 1 reads rows/cols \[\[320, 576\], \[0, 256\]\] of '{q}'"):
+        ReplayPacker([dataclasses.replace(plan, writes=writes)], world.sources, quantizer=plan_quantizer)
+
+
+def test_engine_trainer_side_quantizes_an_fp8_plan_by_itself(tmp_path_factory):
+    """engine/trainer.py: ModuleSource over fp32 master weights of an FP8 plan asks for no scales and hands each
+    quantized weight in the plan's dtype (bf16); make_packer(quantizer=header.quantizer), as TrainerRank and EngineSync
+    call it, packs the same bytes as replaying the reference FP8 checkpoint."""
+    from shardplan.engine.trainer import ModuleSource
+    from shardplan.plan.planfile import PlanFile
+    from shardplan.runtime.replay import Replayer
+    from shardplan.sync.placement import make_packer
+
+    _, _, path = recorded(tmp_path_factory)
+    plan_file = PlanFile.read(path)
+    world = Fp8World(path=str(path), seed=5)
+    source = ModuleSource({n: t.float() for n, t in world.tensors.items()}, plan_file)
+    metas = source.metadata()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not any(n.endswith("_scale_inv") for n in metas) and metas[q].dtype == "bfloat16"
+    tensors = source.group("layers.0")
+    assert tensors[q].dtype == torch.bfloat16 and torch.equal(tensors[q], world.tensors[q])
+    packer = make_packer([plan_file.rank(1)], plan_file.sources, plan_file.header.eplb, max_group_bytes=None,
+                         quantizer=plan_file.header.quantizer)
+    spans = packer.spans(1, "layers.0")
+    out = torch.zeros(packer.replayers[1].for_group("layers.0").layout.nbytes, dtype=torch.uint8)
+    packer.pack(1, "layers.0", tensors, out, list(range(len(spans))))
+    checkpoint = fp8_checkpoint(world.tensors, world.sources)
+    expected = Replayer(plan_file.rank(1), plan_file.sources).pack_group("layers.0", checkpoint)
+    assert torch.equal(out, expected)
