@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardplan.engine.clients import EngineClient, as_client
-from shardplan.engine.errors import EngineError, SyncIncomplete
+from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.plan.interp import MissingTensorError, to_dtype
@@ -256,8 +256,17 @@ class EngineSync:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
         its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
         info = self.init_info.to_dict()
+        served: dict[int, str] = {}
         for engine in self.engines:
             engine.init_weight_transfer_engine(info)
+            for state in engine.worker_states() or ():
+                rank = state.get("rank")
+                if rank in served:   # its join replaced the other engine's consumer<rank>
+                    raise EnginePlanMismatch(
+                        f"{engine.name} and {served[rank]} both serve plan rank {rank} of {self.plan_file.path}: one "
+                        f"EngineSync drives engines that together form the plan's layout (e.g. the DP ranks of a "
+                        f"dp=N plan); independent replicas of one layout need one EngineSync each")
+                served[rank] = engine.name
         self.initialized = True
 
     def sync(self, version: int | None = None, *, trainer: TrainerRank | None = None,

@@ -1,9 +1,10 @@
 """The other engine handles of shardplan.engine.clients, with real vLLM CPU engines: an in-process AsyncLLM serving on
-an asyncio event loop (AsyncLLMClient), and an LLM hosted by a Ray actor (RayClient, Ray pinned to 127.0.0.1). One
-EngineSync drives both engines in every sync; one trainer process (transformers, AdamW, no vLLM). After each of two
-versions both engines' greedy tokens changed and equal a fresh TP=1 engine's from the saved checkpoint.
+an asyncio event loop (AsyncLLMClient), and an LLM hosted by a Ray actor (RayClient, Ray pinned to 127.0.0.1), started
+once for the module. Per engine a trainer process (transformers, AdamW, no vLLM): after each of two versions the
+engine's greedy tokens changed and equal a fresh TP=1 engine's from the saved checkpoint.
 
-The trainer takes the same steps from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in
+Each engine has its own EngineSync: two independent TP=1 engines are both plan rank 0, which one EngineSync refuses
+(its consumers are the plan's ranks; engines that together form a DP layout share one). The trainer takes the same steps from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in
 one pytest session the fresh engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint bytes).
 """
 from __future__ import annotations
@@ -57,8 +58,11 @@ class AsyncEngine:
         return self.run(every())
 
     def stop(self):
+        import gc
         try:
             self.engine.shutdown()
+            self.engine = None
+            gc.collect()   # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
@@ -107,43 +111,58 @@ def engines(tmp_path_factory):
     ray.shutdown()
 
 
-def test_one_sync_updates_an_async_llm_and_a_ray_hosted_llm(engines):
-    import ray
-    root, model, plan, async_engine, actor = engines
-    clients = [as_client(async_engine.engine), as_client(actor)]
-    assert isinstance(clients[0], AsyncLLMClient) and clients[0].loop is async_engine.loop
-    assert isinstance(clients[1], RayClient)
-    driver = EngineSync(clients, plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
-    trainer = Trainer(model, plan, driver.control, root / "ckpt")
+def _two_versions(root, model, plan, engine, greedy):
+    """Two AdamW versions through one EngineSync of `engine`: tokens change, state reads are right, and each version's
+    tokens equal a fresh engine's from the saved checkpoint."""
+    client = as_client(engine)
+    driver = EngineSync([client], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
+    trainer = Trainer(model, plan, driver.control, root / f"ckpt-{client.name}")
     try:
-        before = (async_engine.greedy(), _ray_greedy(actor))
-        assert before[0] == before[1]
-        steps = []
+        before, steps = greedy(), []
         for version in (1, 2):
             checkpoint, _ = trainer.call("step", version)
             trainer.send("sync", version)
             report = driver.sync(version)
             trainer.result()
-            assert report.complete, str(report)
-            for engine in report.engines:
-                assert (engine.weight_version, engine.paused) == (str(version), False), str(report)
-                assert [(s["version"], s["complete"]) for s in engine.workers] == [(version, True)]
-            got = (async_engine.greedy(), _ray_greedy(actor))
-            assert got[0] == got[1] and got[0] != before[0], f"version {version}"
-            steps.append((checkpoint, got[0]))
+            engine_report = report.engines[0]
+            assert report.complete and (engine_report.weight_version, engine_report.paused) == (str(version), False)
+            assert [(s["version"], s["complete"]) for s in engine_report.workers] == [(version, True)], str(report)
+            got = greedy()
+            assert got != before, f"version {version} did not change the tokens"
+            steps.append((checkpoint, got))
             before = got
-        # the state reads go through each handle: AsyncLLM's is_paused, the Ray actor's llm_engine via __ray_call__
-        clients[0].pause()
-        clients[1].pause()
-        assert clients[0].is_paused() and clients[1].is_paused()
-        clients[0].resume()
-        clients[1].resume()
-        assert not clients[0].is_paused() and not clients[1].is_paused()
-        assert ray.get(actor.get_weight_version.remote()) == "2"
+        client.pause()
+        assert client.is_paused()
+        client.resume()
+        assert not client.is_paused() and client.get_weight_version() == "2"
         for version, (checkpoint, got) in enumerate(steps, 1):
-            assert fresh_tokens(checkpoint, 1) == got, f"version {version}: engines != a fresh engine"
+            assert fresh_tokens(checkpoint, 1) == got, f"version {version}: {client.name} != a fresh engine"
     finally:
         trainer.stop()
+        driver.close()
+    return client
+
+
+def test_async_llm_in_process_takes_two_versions(engines):
+    root, model, plan, async_engine, _ = engines
+    client = _two_versions(root, model, plan, async_engine.engine, async_engine.greedy)
+    assert isinstance(client, AsyncLLMClient) and client.loop is async_engine.loop
+
+
+def test_ray_hosted_llm_takes_two_versions(engines):
+    root, model, plan, _, actor = engines
+    client = _two_versions(root, model, plan, actor, lambda: _ray_greedy(actor))
+    assert isinstance(client, RayClient)
+
+
+def test_two_engines_serving_the_same_plan_rank_are_refused_by_name(engines):
+    """Independent engines of one layout are each plan rank 0: one EngineSync cannot drive them (its consumers are the
+    plan's ranks); init says so instead of letting the second join replace the first."""
+    from shardplan.engine.errors import EnginePlanMismatch
+    root, model, plan, async_engine, actor = engines
+    driver = EngineSync([async_engine.engine, actor], plan, config=SyncConfig(timeout_s=TIMEOUT_S))
+    with pytest.raises(EnginePlanMismatch, match="plan rank 0"):
+        driver.init()
 
 
 def test_async_client_refuses_the_loops_own_thread(engines):
