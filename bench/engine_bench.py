@@ -1,7 +1,8 @@
 """One weight update of a live vLLM CPU engine: through shardplan next to vLLM's own way, same engine, same run.
 
     python bench/engine_bench.py                                  # tiny Qwen3 TP1, tiny Qwen3-MoE TP2
-    python bench/engine_bench.py --cases qwen3-30b-a3b --layers 2 # Qwen3-30B-A3B cut to 2 layers, TP2
+    python bench/engine_bench.py --cases qwen3-30b-a3b --layers 2 # Qwen3-30B-A3B cut to 2 layers, TP2 (~3.6 GB bf16)
+    ... --override num_experts=64                                 # cut further (fewer experts) for a small box
 
 shardplan: `EngineSync.sync` with the trainer in this process (ModuleSource over the new checkpoint's tensors):
 pause, announce, start, per group pack -> gloo (the `nccl` adapter on CPU) -> apply into the pre-processing params
@@ -45,14 +46,14 @@ TINY_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_m
 PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44]]
 
 
-def case_config(name: str, layers: int) -> tuple[dict, int]:
+def case_config(name: str, layers: int, overrides: list[str] = ()) -> tuple[dict, int]:
     if name == "tiny-dense":
         return TINY, 1
     if name == "tiny-moe":
         return TINY_MOE, 2
     if name == "qwen3-30b-a3b":
         from shardplan.models import resolve_model
-        cfg = dict(resolve_model("qwen3-30b-a3b", [f"num_hidden_layers={layers}"]).config)
+        cfg = dict(resolve_model("qwen3-30b-a3b", [f"num_hidden_layers={layers}", *overrides]).config)
         cfg["max_position_embeddings"] = 2048
         return cfg, 2
     raise SystemExit(f"unknown case {name!r}: tiny-dense, tiny-moe, qwen3-30b-a3b")
@@ -85,14 +86,14 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
     return dirs, tensors_b, plan
 
 
-def run_case(name: str, layers: int, iters: int) -> dict:
+def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
     from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.sync import SyncConfig
 
-    cfg, tp = case_config(name, layers)
+    cfg, tp = case_config(name, layers, overrides)
     root = Path(tempfile.mkdtemp(prefix=f"engine-bench-{name}-"))
     t0 = time.perf_counter()
     (a, b), tensors_b, plan = write_checkpoints(root, cfg, tp)
@@ -131,7 +132,7 @@ def run_case(name: str, layers: int, iters: int) -> dict:
         pass
     del llm
     gc.collect()
-    return dict(case=name, tp=tp, layers=cfg["num_hidden_layers"], setup_s=setup_s, shipped_bytes=nbytes,
+    return dict(case=name, tp=tp, layers=cfg["num_hidden_layers"], overrides=list(overrides), setup_s=setup_s, shipped_bytes=nbytes,
                 checkpoint_bytes=full_bytes, shardplan_s=statistics.median(shardplan_s),
                 shardplan_update_s=statistics.median(update_s), vllm_reload_s=statistics.median(vllm_s),
                 tokens_equal=tokens_shardplan == tokens_vllm, runs=dict(shardplan=shardplan_s, vllm=vllm_s))
@@ -142,9 +143,11 @@ def main() -> None:
     parser.add_argument("--cases", default="tiny-dense,tiny-moe")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the cut qwen3-30b-a3b")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--override", action="append", default=[],
+                        help="KEY=VALUE on the cut qwen3-30b-a3b's config (e.g. num_experts=64 to fit a smaller box)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = [run_case(c, args.layers, args.iters) for c in args.cases.split(",")]
+    results = [run_case(c, args.layers, args.iters, args.override) for c in args.cases.split(",")]
     from rich.console import Console
     from rich.table import Table
     table = Table(title="one update of a live vLLM CPU engine (median)")
@@ -152,7 +155,7 @@ def main() -> None:
                 "vLLM reload_weights s", "vLLM / shardplan", "same tokens"):
         table.add_column(col)
     for r in results:
-        table.add_row(f"{r['case']} ({r['layers']} layers)", str(r["tp"]),
+        table.add_row(f"{r['case']} ({r['layers']} layers{''.join(', ' + o for o in r['overrides'])})", str(r["tp"]),
                       f"{r['shipped_bytes'] / 2**20:.1f} / {r['checkpoint_bytes'] / 2**20:.1f} MiB",
                       f"{r['shardplan_s']:.3f}", f"{r['shardplan_update_s']:.3f}", f"{r['vllm_reload_s']:.3f}",
                       f"{r['vllm_reload_s'] / r['shardplan_s']:.2f}x", str(r["tokens_equal"]))
