@@ -211,3 +211,27 @@ def test_errors_cross_the_rpc_boundary_by_name():
                                  "engine runs tp1'"), "llm: init_weight_transfer_engine")
     with pytest.raises(EngineCallFailed, match="llm: update_weights failed: RuntimeError: boom"):
         raise_named(RuntimeError("boom"), "llm: update_weights")
+
+
+def test_a_dead_ranks_wait_does_not_drop_a_live_ranks_result(monkeypatch):
+    """The announcement after a failed version takes the members from their results. A killed trainer (listed first)
+    uses up the wait; the live consumer's result, already there, must still count (it was read with the ~0 s left,
+    which on a loaded box timed out: the engine then missed the repair version, NotAMember)."""
+    import json
+
+    from shardplan.sync import Coordinator
+    from shardplan.sync.control import result_key
+    from shardplan.transport import PeerTimeout
+
+    control = Control.serve("127.0.0.1", 0)
+    coordinator = Coordinator(control, {0: {}}, [], 1, SyncConfig(timeout_s=0.2))
+    coordinator.members = {"trainer0": 1, "consumer0": 1}
+    control.set(result_key(4, "consumer0"), json.dumps({"ok": False, "epoch": 3, "errors": {}}))
+    get = control.get
+
+    def loaded_get(key, timeout_s, peer, what=""):   # a store round trip takes longer than a few ms here
+        if timeout_s < 0.05:
+            raise PeerTimeout(peer, "no answer within 0.0 s")
+        return get(key, timeout_s, peer, what)
+    monkeypatch.setattr(control, "get", loaded_get)
+    assert coordinator.results(4, 0.2) == {"consumer0": {"ok": False, "epoch": 3, "errors": {}}}

@@ -14,7 +14,7 @@ from blocked_imports import run_without_vllm
 def test_trainer_side_imports_without_vllm_transformers_safetensors():
     out = run_without_vllm("""
         import shardplan.engine, shardplan.engine.trainer, shardplan.engine.clients
-        import shardplan.engine.protocol, shardplan.engine.errors
+        import shardplan.engine.protocol, shardplan.engine.errors, shardplan.engine.sharding
         print('ok')
     """)
     assert out.strip() == "ok"
