@@ -15,7 +15,9 @@ process to one process per worker over gloo TCP on 127.0.0.1, all at once, one m
 
 Both update the same engine from checkpoint A to checkpoint B (random bf16 weights); the greedy tokens after each
 way are printed side by side (equal for the dense model; for the MoE model vLLM 0.32's own reload skips the CPU
-experts' prepack, docs/engine.md, so its tokens differ). Median of --iters updates each, alternating.
+experts' prepack, docs/engine.md, so its tokens differ; MoE cases also time a shardplan sync without the prepack
+re-run, the same work as vLLM's reload, whose tokens must then equal vLLM's). Median of --iters updates each,
+alternating.
 """
 from __future__ import annotations
 
@@ -168,11 +170,16 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> d
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     shardplan_s, update_s, vllm_s = [], [], []
     tokens_shardplan = tokens_vllm = None
+    moe = "num_experts" in cfg
+    skip_s, tokens_skip = [], None   # MoE: shardplan without the CPU prepack re-run (the step vLLM 0.32's reload skips)
     for _ in range(iters):
         report = sync.sync(trainer=trainer)
         shardplan_s.append(report.seconds)
         update_s.append(report.phases["update"])
         tokens_shardplan = tokens()
+        if moe:
+            skip_s.append(sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds)
+            tokens_skip = tokens()
         t = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
         llm.reset_prefix_cache()
@@ -192,7 +199,9 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> d
                 checkpoint_bytes=full_bytes, shardplan_s=statistics.median(shardplan_s),
                 shardplan_update_s=statistics.median(update_s), vllm_reload_s=statistics.median(vllm_s),
                 tokens_equal=tokens_shardplan == tokens_vllm,
-                runs=dict(shardplan=shardplan_s, vllm=vllm_s, gloo=ceiling_s))
+                shardplan_skip_prepack_s=statistics.median(skip_s) if skip_s else None,
+                tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm,
+                runs=dict(shardplan=shardplan_s, vllm=vllm_s, gloo=ceiling_s, shardplan_skip_prepack=skip_s))
 
 
 def main() -> None:
@@ -218,6 +227,10 @@ def main() -> None:
                       f"{r['vllm_reload_s']:.3f}",
                       f"{r['vllm_reload_s'] / r['shardplan_s']:.2f}x", str(r["tokens_equal"]))
     Console(width=160).print(table)
+    for r in results:
+        if r["shardplan_skip_prepack_s"] is not None:
+            print(f"{r['case']}: shardplan sync without the MoE prepack re-run (what vLLM's own reload does): "
+                  f"{r['shardplan_skip_prepack_s']:.3f} s; its tokens == vLLM reload's: {r['tokens_equal_skip_prepack']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -185,6 +185,8 @@ def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
     from shardplan.engine.sharding import shards_from_json
 
     w = world
+    # a generate on a paused LLM waits for its resume: fail by name if an earlier test left the engine paused
+    assert not w.llm.llm_engine.is_sleeping(), f"the engine was left paused at {w.llm.get_weight_version()!r}"
     trainers = FsdpTrainers(w.model, w.plan, w.root / "ckpt-fsdp")
     try:
         layouts = trainers.call("shards")
