@@ -30,11 +30,13 @@ from shardplan.engine.eplb import EngineEplb
 from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
 from shardplan.engine.reload import ReloadUnpacker
+from shardplan.engine.sharding import sharded_plan, shards_from_json
 from shardplan.models import resolve_model
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.plan.planfile import PlanFile
 from shardplan.plan.store import load_plan
+from shardplan.runtime.shards import ShardError
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
 from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
@@ -105,9 +107,17 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.eplb = self._check_eplb(plan_file)
         rank = worker_plan_rank(pc, layout)
         plan = plan_file.rank(rank)
+        sharded = None
+        if init_info.trainer_shards:   # sharded trainers: re-plan the writes against their boxes, as they do
+            try:
+                sharded = sharded_plan(plan_file, shards_from_json(init_info.trainer_shards))
+            except ShardError as e:   # the driver planned the same boxes first, so this is a disagreement
+                raise EnginePlanMismatch(f"the trainers' shards cannot serve {plan_file.path}: "
+                                         f"{type(e).__name__}: {e}") from None
         if self.consumer is not None:   # init again (a new trainer run): leave the old sync cleanly
             self.shutdown()
-        self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes)
+        self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes,
+                                       sharded=sharded)
         control = Control(init_info.control_host, int(init_info.control_port))
         name = f"consumer{rank}"
         options = dict(init_info.transport_options)
@@ -117,8 +127,9 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                             announce_timeout_s=init_info.announce_timeout_s)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
-        logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s", rank,
-                    plan_file.path, layout.tag(), name, init_info.transport)
+        logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s", rank,
+                    plan_file.path, layout.tag(), name, init_info.transport,
+                    "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks")
 
     def _check_eplb(self, plan_file) -> EngineEplb | None:
         """EnginePlanMismatch unless the plan's EPLB slots are the engine's (docs/eplb.md); the worker's EPLB reader."""

@@ -35,6 +35,11 @@ class EngineInitInfo:
     """Compare the plan's config sha256 with the engine's model config (turn off only for a model whose config the
     engine reads from somewhere shardplan cannot, e.g. a hub id not cached here)."""
 
+    trainer_shards: dict[str, list] = field(default_factory=dict)
+    """Sharded trainers: every trainer rank's box of each checkpoint tensor ({name: [[rank, [start, stop, ...]]]},
+    shardplan.engine.sharding.shards_to_json); the workers re-plan their writes against them as the trainers do.
+    Empty: the trainers hold whole tensors."""
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -33,8 +33,8 @@ from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.runtime.apply import Applier, params_from_plan
-from shardplan.runtime.pack import PackLayout, fallback_slots
-from shardplan.sync.adapters import layout_stamp
+from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
+from shardplan.sync.adapters import ShardedUnpacker, layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -51,14 +51,29 @@ class ReloadUnpacker:
     Built once per engine (init_transfer_engine); `begin()` / `end()` bracket every sync."""
 
     def __init__(self, model: torch.nn.Module, plan, sources: Mapping, *, alignment: int = 256,
-                 max_group_bytes: int | None = None):
+                 max_group_bytes: int | None = None, sharded=None):
+        """`sharded`: the ShardedPlan of sharded trainers (engine.sharding.sharded_plan): each group's buffer is
+        then every trainer's part of it, one after the other (shardplan.runtime.pack.sharded_bases)."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         # a plan file's source table stays templated (a dict of it would spell out every checkpoint name)
         self.model, self.plan, self.sources = model, plan, dict(sources) if isinstance(sources, dict) else sources
-        self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
-        self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
+        self.alignment = alignment
+        self._meta_params = params_from_plan(plan, device="meta")
+        if sharded is None:
+            self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
+            self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
+            self.parts = {0: self.layout}   # one part per trainer that sends into a group; here: all from one
+            self.appliers = {0: Applier(plan, self.layout, self._meta_params, fallback_loader=self._load_fallback)}
+            self._stamp = layout_stamp((plan.rank,), self.layout.digest, self.fallbacks)
+            self._sizes = {g.name: g.nbytes for g in self.layout.groups}
+            for group, slots in self.fallbacks.items():
+                self._sizes[group] = slots[-1].offset + slots[-1].nbytes
+        else:   # the same parts, appliers, sizes and stamp as sync.ShardedUnpacker's, bound to meta stand-ins
+            inner = ShardedUnpacker(sharded, plan.rank, self._meta_params, alignment=alignment)
+            self.fallbacks, self.parts, self.appliers = {}, inner.parts, inner.appliers
+            self._stamp, self._sizes = inner.stamp(), inner.sizes()
         metas = {p.name: p for p in plan.params}
         self.targets: dict[str, tuple[torch.nn.Module, str]] = {}
         for name in columns_of(plan).written_params():
@@ -86,22 +101,19 @@ class ReloadUnpacker:
             self.targets[name] = (module, attr)
         # which modules each group (or part of a group) writes, and which groups write each module
         self.group_modules: dict[str, list[torch.nn.Module]] = {}
-        self.group_params: dict[str, list[str]] = {}
+        self.group_params: dict[tuple[int, str], list[str]] = {}   # (part, group) -> params
         self.module_groups: dict[torch.nn.Module, set[str]] = {}
-        for g in self.layout.groups:
-            names = list(self.layout.group(g.name).segments.params())
-            self.group_params[g.name] = names
-            modules = []
-            for n in names:
-                module = self.targets[n][0]
-                if all(module is not m for m in modules):
-                    modules.append(module)
-                self.module_groups.setdefault(module, set()).add(g.name)
-            self.group_modules[g.name] = modules
+        for t, layout in self.parts.items():
+            for g in layout.groups:
+                names = list(layout.group(g.name).segments.params())
+                self.group_params[t, g.name] = names
+                modules = self.group_modules.setdefault(g.name, [])
+                for n in names:
+                    module = self.targets[n][0]
+                    if all(module is not m for m in modules):
+                        modules.append(module)
+                    self.module_groups.setdefault(module, set()).add(g.name)
         self._unwritten_warning()
-        # one Applier per group, bound to meta stand-ins until a sync rebinds it to the materialized params
-        self._meta_params = params_from_plan(plan, device="meta")
-        self.applier = Applier(plan, self.layout, self._meta_params, fallback_loader=self._load_fallback)
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
         self.active = False
@@ -121,24 +133,25 @@ class ReloadUnpacker:
 
     # -- Unpacker protocol --
     def stamp(self) -> str:
-        """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's)."""
-        return layout_stamp((self.plan.rank,), self.layout.digest, self.fallbacks)
+        """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's, or
+        ShardedUnpacker's for sharded trainers)."""
+        return self._stamp
 
     def sizes(self) -> dict[str, int]:
-        sizes = {g.name: g.nbytes for g in self.layout.groups}
-        for group, slots in self.fallbacks.items():
-            sizes[group] = slots[-1].offset + slots[-1].nbytes
-        return sizes
+        return dict(self._sizes)
 
     def apply(self, group: str, buffer: torch.Tensor) -> None:
         if not self.active:
             raise EngineUnsupported("bytes arrived outside a weight update (start_weight_update not called)")
-        if group in self.layout.group_names:
+        if group in self.group_modules:
             self._materialize(group)
-            sub = self.applier.for_group(group)
-            sub.rebind({n: getattr(*self.targets[n]) for n in self.group_params[group]})
-            sub.apply(buffer[:self.layout.group(group).nbytes])
-            sub.rebind({n: self._meta_params[n] for n in self.group_params[group]})   # drop views of them
+        # the appliers are bound to meta stand-ins except while they write the materialized params
+        for t, base in sharded_bases(self.parts, group, self.alignment).items():
+            names = self.group_params[t, group]
+            sub = self.appliers[t].for_group(group)
+            sub.rebind({n: getattr(*self.targets[n]) for n in names})
+            sub.apply(buffer[base:base + self.parts[t].group(group).nbytes])
+            sub.rebind({n: self._meta_params[n] for n in names})   # drop views of them
         for f in self.fallbacks.get(group, ()):
             meta = self.sources[f.name]
             tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
@@ -164,8 +177,8 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
-        for group in self.group_params:   # no view of a materialized param may outlive the sync
-            self.applier.for_group(group).rebind({n: self._meta_params[n] for n in self.group_params[group]})
+        for (t, group), names in self.group_params.items():   # no view of a materialized param may outlive the sync
+            self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
         finalize_layerwise_reload(self.model, model_config)
 
     def _materialize(self, group: str) -> None:

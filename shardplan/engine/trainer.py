@@ -10,6 +10,10 @@
 With several trainer ranks (or a trainer in another process), each rank builds its own TrainerRank with the driver's
 `sync.control` and calls `rank.sync(version)` while the driver calls `sync.sync(version)`.
 
+Sharded trainers (FSDP2 / DTensor, or boxes; shardplan.engine.sharding) send their local shards: the driver gets every
+rank's boxes (`EngineSync(..., shards=dtensor_shards(model.state_dict()))` or `placement_shards(...)`) and passes
+them to the engines at init; each rank's `ModuleSource(fsdp_model, plan)` finds its DTensors' boxes itself.
+
 Failure semantics (docs/engine.md): an engine whose update did not complete raises SyncIncomplete here, keeps its
 weight version "<v>:incomplete" and stays paused; every layer holds one version (v or the one before). The next
 complete sync repairs it and resumes it; `resume(force=True)` serves the mixed weights knowingly.
@@ -22,16 +26,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardplan.engine.clients import EngineClient, as_client
-from shardplan.engine.errors import EngineError, SyncIncomplete
+from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete
 from shardplan.engine.protocol import EngineInitInfo
+from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.plan.interp import MissingTensorError, to_dtype
 from shardplan.plan.names import group_of
 from shardplan.plan.planfile import PlanFile
 from shardplan.runtime.quantize import trainer_meta, trainer_name_of
+from shardplan.runtime.shards import ShardLayoutError, TrainerShard
 from shardplan.runtime.tensors import TensorShapeError
-from shardplan.sync import PART_BYTES, Coordinator, SyncConfig, SyncReport, TrainerSync, spans_of
+from shardplan.sync import PART_BYTES, Coordinator, ShardedPacker, SyncConfig, SyncReport, TrainerSync, spans_of
 from shardplan.sync.placement import expert_sources, make_packer
 from shardplan.transport import Control, create, trainer_name
 
@@ -42,13 +49,17 @@ def _plan_file(plan) -> PlanFile:
 
 class ModuleSource:
     """WeightSource over the trainer's tensors, by checkpoint (HF) name: an nn.Module (its state_dict names, e.g. a
-    transformers model), a dict, or a callable returning one. Every tensor is held whole; each group's tensors are
-    converted to the plan's dtype when asked (so fp32 master weights ship as the engine's bf16). For a block-FP8
-    plan (header `quantizer`) the trainer holds no fp8 tensors or scales: each quantized `X.weight` is asked for in
-    the plan's dtype (bf16), which the packer quantizes (runtime/quantize.py), and `X.weight_scale_inv` not at all."""
+    transformers model), a dict, or a callable returning one. Each group's tensors are converted to the plan's dtype
+    when asked (so fp32 master weights ship as the engine's bf16). For a block-FP8 plan (header `quantizer`) the
+    trainer holds no fp8 tensors or scales: each quantized `X.weight` is asked for in the plan's dtype (bf16), which
+    the packer quantizes (runtime/quantize.py), and `X.weight_scale_inv` not at all.
+
+    Whole tensors by default. Sharded: DTensors (an FSDP2 model's state_dict; Shard/Replicate placements) are found
+    by themselves, and every rank's box comes from their placements (`self.shards`); plain local shards need
+    `shards=` (every rank's TrainerShard boxes, e.g. shardplan.runtime.shards.tp_shards) and this process's `rank`."""
 
     def __init__(self, tensors: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
-                 plan):
+                 plan, *, shards: Sequence[TrainerShard] | None = None, rank: int | None = None):
         plan_file = _plan_file(plan)
         self._tensors = tensors
         self._staged: dict[str, torch.Tensor] = {}
@@ -64,18 +75,42 @@ class ModuleSource:
             read = {trainer_name_of(n, plan_file.sources) for n in read}
         self.metas = {n: trainer_meta(plan_file.sources[n], plan_file.sources, plan_file.header.dtype)
                       if quantizer else plan_file.sources[n] for n in sorted(read)}
-        self.by_group: dict[str, list[str]] = {}
-        for n in self.metas:
-            self.by_group.setdefault(group_of(n), []).append(n)
         have = self._all()
-        missing = [n for n in self.metas if n not in have]
+        if shards is None and any(isinstance(t, DTensor) for t in have.values()):
+            shards = dtensor_shards({n: t for n, t in have.items() if n in self.metas})
+            if rank is None:
+                rank = torch.distributed.get_rank()
+        self.shards = None if shards is None else list(shards)
+        self.rank = rank
+        if self.shards is not None and rank is None:
+            raise ShardLayoutError("ModuleSource(shards=...) needs this trainer's rank=")
+        # name -> the box this rank holds (all of it, when whole)
+        self._boxes = ({n: tuple((0, s) for s in m.shape) for n, m in self.metas.items()} if self.shards is None else
+                       {s.name: s.box for s in self.shards if s.rank == rank and s.name in self.metas
+                        and all(a < b for a, b in s.box)})
+        self.by_group: dict[str, list[str]] = {}
+        for n in self._boxes:
+            self.by_group.setdefault(group_of(n), []).append(n)
+        missing = [n for n in self._boxes if n not in have]
         if missing:
-            raise MissingTensorError(f"the trainer's tensors lack {len(missing)} that the engines need: "
+            raise MissingTensorError(f"the trainer's tensors lack {len(missing)} that the engines need"
+                                     f"{'' if self.shards is None else f' from rank {rank}'}: "
                                      f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (names as in the checkpoint)")
-        for n, meta in self.metas.items():
-            if tuple(have[n].shape) != tuple(meta.shape):
-                raise TensorShapeError(f"trainer tensor {n!r} has shape {list(have[n].shape)}, the plan expects "
-                                       f"{list(meta.shape)}: the plan was recorded for another model")
+        for n, box in self._boxes.items():
+            self._check(n, have[n], box)
+
+    def _check(self, name: str, tensor: torch.Tensor, box) -> None:
+        whole_shape = self.shards is None or isinstance(tensor, DTensor)   # a plain shard has its box's shape
+        if whole_shape and tuple(tensor.shape) != tuple(self.metas[name].shape):
+            raise TensorShapeError(f"trainer tensor {name!r} has shape {list(tensor.shape)}, the plan expects "
+                                   f"{list(self.metas[name].shape)}: the plan was recorded for another model")
+        local, held = local_box(tensor)
+        if held is not None and held != tuple(box):
+            raise ShardLayoutError(f"trainer rank {self.rank}'s DTensor {name!r} holds box {list(held)}, the sync's "
+                                   f"layout says {list(box)}: pass the same shards to every rank and the driver")
+        if tuple(local.shape) != tuple(b - a for a, b in box):
+            raise TensorShapeError(f"trainer rank {self.rank}'s shard of {name!r} has shape {list(local.shape)}, its "
+                                   f"box {list(box)} needs {[b - a for a, b in box]}")
 
     def _all(self) -> Mapping[str, torch.Tensor]:
         t = self._tensors
@@ -87,7 +122,7 @@ class ModuleSource:
         return self.metas
 
     def boxes(self):
-        return {n: tuple((0, s) for s in m.shape) for n, m in self.metas.items()}
+        return dict(self._boxes)
 
     def group(self, group: str):
         """The group's tensors in the plan's dtype. A tensor of another dtype (or not contiguous) is copied into a
@@ -97,7 +132,7 @@ class ModuleSource:
         out = {}
         with torch.no_grad():
             for n in self.by_group.get(group, ()):
-                t, dtype = have[n].detach(), to_dtype(self.metas[n].dtype)
+                t, dtype = local_box(have[n].detach())[0], to_dtype(self.metas[n].dtype)
                 if t.dtype == dtype and t.is_contiguous():
                     out[n] = t
                     continue
@@ -109,17 +144,26 @@ class ModuleSource:
 
 
 class TrainerRank:
-    """One trainer rank of the sync (shardplan.sync.TrainerSync over a ReplayPacker of every engine rank's plan)."""
+    """One trainer rank of the sync (shardplan.sync.TrainerSync over a ReplayPacker of every engine rank's plan, or,
+    for sharded trainers, a ShardedPacker of the pieces plan_shards gives this rank). `shards`: every trainer rank's
+    boxes (default: the source's own, e.g. from its DTensors); the driver must get the same (EngineSync(shards=))."""
 
     def __init__(self, plan, source, control: Control, *, rank: int = 0, transport: str = "nccl",
                  transport_options: Mapping | None = None, config: SyncConfig | None = None,
-                 device: torch.device | str = "cpu", max_group_bytes: int = PART_BYTES):
+                 device: torch.device | str = "cpu", max_group_bytes: int = PART_BYTES,
+                 shards: Sequence[TrainerShard] | None = None):
         plan_file = _plan_file(plan)
         plans = [plan_file.rank(r) for r in plan_file.ranks]
         config = config or SyncConfig()
-        self.packer = make_packer(plans, plan_file.sources, plan_file.header.eplb, control, timeout_s=config.timeout_s,
-                                  device=device, max_group_bytes=max_group_bytes,
-                                  quantizer=plan_file.header.quantizer)
+        shards = getattr(source, "shards", None) if shards is None else shards
+        if shards is not None and getattr(source, "rank", rank) not in (None, rank):
+            raise ShardLayoutError(f"TrainerRank rank={rank} is given the source of trainer rank {source.rank}")
+        if shards is None:
+            self.packer = make_packer(plans, plan_file.sources, plan_file.header.eplb, control,
+                                      timeout_s=config.timeout_s, device=device, max_group_bytes=max_group_bytes,
+                                      quantizer=plan_file.header.quantizer)
+        else:   # sharded groups are not cut into parts (max_group_bytes): every trainer's part of a group is whole
+            self.packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device)
         options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
         self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)
@@ -176,16 +220,25 @@ class EngineSync:
     """The driver of live-engine syncs (one per RL job; the trainer's rank 0, or the controller): hosts the control
     channel and the coordinator, and drives the engines' weight-transfer calls around each version."""
 
-    def __init__(self, engines: Sequence, plan, *, num_trainers: int = 1, transport: str = "nccl",
+    def __init__(self, engines: Sequence, plan, *, num_trainers: int | None = None, transport: str = "nccl",
                  transport_options: Mapping | None = None, config: SyncConfig | None = None, host: str = "127.0.0.1",
                  port: int = 0, engine_plan_path: str | None = None, max_group_bytes: int = PART_BYTES,
-                 check_config: bool = True):
+                 check_config: bool = True, shards: Sequence[TrainerShard] | None = None):
+        """`shards`: the trainer ranks' boxes when they hold shards (sharding.dtensor_shards / placement_shards, or
+        TrainerShard lists); None: every trainer rank holds whole tensors. `num_trainers` defaults to the ranks in
+        `shards` (1 without)."""
         self.plan_file = _plan_file(plan)
         self.config = config or SyncConfig()
+        self.shards = None if shards is None else list(shards)
+        if num_trainers is None:
+            num_trainers = 1 if self.shards is None else len({s.rank for s in self.shards})
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
-        packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb, max_group_bytes=max_group_bytes,
-                             quantizer=self.plan_file.header.quantizer)
+        if self.shards is None:
+            packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb,
+                                 max_group_bytes=max_group_bytes, quantizer=self.plan_file.header.quantizer)
+        else:
+            packer = ShardedPacker(sharded_plan(self.plan_file, self.shards), min(s.rank for s in self.shards))
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(
@@ -194,7 +247,8 @@ class EngineSync:
             plan_path=self.plan_file.path if engine_plan_path is None else engine_plan_path,
             plan_sha256=self.plan_file.digest, timeout_s=self.config.timeout_s,
             announce_timeout_s=self.config.announce_timeout_s, verify=self.config.verify,
-            max_group_bytes=max_group_bytes, check_config=check_config)
+            max_group_bytes=max_group_bytes, check_config=check_config,
+            trainer_shards=shards_to_json(self.shards) if self.shards is not None else {})
         self.transport, self.transport_options = transport, dict(transport_options or {})
         self.initialized = False
         self.version = 0
@@ -204,14 +258,23 @@ class EngineSync:
         """A TrainerRank of this sync in this process (same plan, control channel, transport and part size)."""
         return TrainerRank(self.plan_file, source, self.control, rank=rank, transport=self.transport,
                            transport_options=self.transport_options, config=self.config, device=device,
-                           max_group_bytes=self.init_info.max_group_bytes)
+                           max_group_bytes=self.init_info.max_group_bytes, shards=self.shards)
 
     def init(self) -> None:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
         its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
         info = self.init_info.to_dict()
+        served: dict[int, str] = {}
         for engine in self.engines:
             engine.init_weight_transfer_engine(info)
+            for state in engine.worker_states() or ():
+                rank = state.get("rank")
+                if rank in served:   # its join replaced the other engine's consumer<rank>
+                    raise EnginePlanMismatch(
+                        f"{engine.name} and {served[rank]} both serve plan rank {rank} of {self.plan_file.path}: one "
+                        f"EngineSync drives engines that together form the plan's layout (e.g. the DP ranks of a "
+                        f"dp=N plan); independent replicas of one layout need one EngineSync each")
+                served[rank] = engine.name
         self.initialized = True
 
     def sync(self, version: int | None = None, *, trainer: TrainerRank | None = None,

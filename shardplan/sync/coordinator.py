@@ -41,13 +41,22 @@ class Coordinator:
         return [trainer_name(t) for t in self.trainers] + [consumer_name(c) for c in self.consumers]
 
     def results(self, version: int, timeout_s: float) -> dict[str, dict]:
-        """Results of `version` from its members, waiting at most `timeout_s` in all; missing ranks are left out."""
+        """Results of `version` from its members, waiting at most `timeout_s` in all; missing ranks are left out.
+        Results already there are read first, and again after the waits: a dead rank's wait uses up the deadline, and
+        a live rank read after it with the ~0 s left could time out on a loaded box and be dropped (it then missed
+        the next version: the engine's repair sync after a killed trainer failed that way)."""
         out, deadline = {}, deadline_after(timeout_s)
-        for name in self.members:
-            try:
-                out[name] = json.loads(self.control.get(result_key(version, name), left(deadline), name, "result"))
-            except PeerError:
-                pass
+        for attempt in ("present", "wait", "present"):
+            for name in self.members:
+                if name in out:
+                    continue
+                try:
+                    text = (self.control.try_get(result_key(version, name)) if attempt == "present" else
+                            self.control.get(result_key(version, name), left(deadline), name, "result"))
+                except PeerError:
+                    continue
+                if text is not None:
+                    out[name] = json.loads(text)
         return out
 
     def announce(self, version: int, wait_for_joins_s: float | None = None) -> Announcement:

@@ -267,3 +267,128 @@ class Trainer:
 def copy_model(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+# ---- sharded trainers: FSDP2 over a gloo group, each rank holding half of every tensor (DTensor Shard(0)) ----------
+def _fsdp_trainer_main(rank: int, world: int, pg_port: int, model_dir: str, plan_path: str, out_dir: str, conn,
+                       lr: float):
+    """One FSDP2 trainer rank (transformers model, fp32, fully_shard per decoder layer and at the root, AdamW, its own
+    micro-batch). Commands: ("shards", None) -> every rank's boxes (from its DTensors' placements, JSON);
+    ("join", (host, port)) -> its TrainerRank of the driver's sync, from its local shards only; ("step", k) -> a
+    data-parallel step, the full bf16 checkpoint k written by rank 0; ("sync", v); ("stop", None)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from shardplan.engine.sharding import shards_to_json
+    from shardplan.engine.trainer import ModuleSource, TrainerRank
+    from shardplan.sync import SyncConfig
+    from shardplan.transport import Control
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(100 + rank))
+    source = ModuleSource(model, plan_path)   # finds its DTensors: every rank's boxes from their placements
+    assert source.rank == rank and source.shards is not None
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    trainer = None
+    conn.send(("ready", None))
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "stop":
+                if trainer is not None:
+                    trainer.close()
+                dist.destroy_process_group()
+                conn.send(("ok", None))
+                return
+            if cmd == "shards":
+                conn.send(("ok", shards_to_json(source.shards)))
+            elif cmd == "join":
+                trainer = TrainerRank(plan_path, source, Control(*arg), rank=rank,
+                                      config=SyncConfig(timeout_s=TIMEOUT_S))
+                conn.send(("ok", None))
+            elif cmd == "step":
+                loss = model(input_ids=batch, labels=batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                # the full checkpoint (a collective: every rank gathers), written once
+                state = {k: v.full_tensor().detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+                path = Path(out_dir) / f"step{arg}"
+                if rank == 0:
+                    write_checkpoint(path, cfg, state)
+                dist.barrier()
+                local = {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}
+                conn.send(("ok", (str(path), local)))
+            elif cmd == "sync":
+                conn.send(("ok", trainer.sync(arg)))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            conn.send(("error", e))
+
+
+class FsdpTrainers:
+    """`world` FSDP2 trainer processes, each driven over its own pipe (the same commands on all of them)."""
+
+    def __init__(self, model_dir: Path, plan_path: Path, out_dir: Path, *, world: int = 2, lr: float = 2e-2):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        self.ranks = []
+        for rank in range(world):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_fsdp_trainer_main, daemon=True,
+                               args=(rank, world, port, str(model_dir), str(plan_path), str(out_dir), child, lr))
+            proc.start()
+            self.ranks.append(_Pipe(conn, proc))
+        for r in self.ranks:
+            tag, err = r.recv(240)
+            if tag != "ready":
+                raise err
+
+    def send(self, cmd: str, arg=None) -> None:
+        for r in self.ranks:
+            r.conn.send((cmd, arg))
+
+    def results(self, timeout_s: float = 180) -> list:
+        out = []
+        for r in self.ranks:
+            tag, value = r.recv(timeout_s)
+            if tag == "error":
+                raise value
+            out.append(value)
+        return out
+
+    def call(self, cmd: str, arg=None, timeout_s: float = 180) -> list:
+        self.send(cmd, arg)
+        return self.results(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self.call("stop", timeout_s=30)
+        except Exception:  # noqa: BLE001 - teardown
+            pass
+        for r in self.ranks:
+            r.proc.join(10)
+            if r.proc.is_alive():
+                r.proc.kill()
+
+
+class _Pipe:
+    def __init__(self, conn, proc):
+        self.conn, self.proc = conn, proc
+
+    def recv(self, timeout_s: float):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("a trainer process did not answer")
+        return self.conn.recv()

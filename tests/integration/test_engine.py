@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_support import (TIMEOUT_S, Trainer, fresh_tokens, greedy, make_model, record_plan,
-                                              start_llm, stop_llm)
+from engine_support import (TIMEOUT_S, FsdpTrainers, Trainer, fresh_tokens, greedy, make_model, record_plan,
+                            start_llm, stop_llm)
 
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
@@ -175,3 +175,43 @@ def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
         got = greedy(w.llm)
         assert (got == tokens) is rerun, f"version {version}, prepack re-run {rerun}"
     w.version += 3
+
+
+@pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
+def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
+    """Two FSDP2 trainer processes (a gloo group), each holding half of every tensor (DTensor Shard(0)) and taking a
+    data-parallel AdamW step on its own micro-batch, each sending only its local shards: the engine's tokens change
+    and equal a fresh engine's from the gathered checkpoint. The driver learns the boxes from the trainers."""
+    from shardplan.engine.sharding import shards_from_json
+
+    w = world
+    # a generate on a paused LLM waits for its resume: fail by name if an earlier test left the engine paused
+    assert not w.llm.llm_engine.is_sleeping(), f"the engine was left paused at {w.llm.get_weight_version()!r}"
+    trainers = FsdpTrainers(w.model, w.plan, w.root / "ckpt-fsdp")
+    try:
+        layouts = trainers.call("shards")
+        assert layouts[0] == layouts[1]
+        shards = shards_from_json(layouts[0])
+        halves = {s.name: s.box[0] for s in shards if s.rank == 1}
+        assert halves and all(box[1] - box[0] > 0 for box in halves.values())
+        driver = EngineSync([w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120),
+                            shards=shards)
+        trainers.call("join", (driver.control.host, driver.control.port))
+        (checkpoint, local), _ = trainers.call("step", 1)
+        name = "model.layers.0.mlp.gate_proj.weight"
+        assert local[name] == (256, 256) and halves[name] == (256, 512)   # the rank holds half of the rows
+        before = greedy(w.llm)
+        version = w.version + 1
+        trainers.send("sync", version)
+        report = driver.sync(version)
+        sent = trainers.results()
+        assert report.complete and report.engines[0].weight_version == str(version), str(report)
+        assert [(s["version"], s["complete"]) for s in report.engines[0].workers] == [(version, True)] * w.tp
+        assert all(s.nbytes > 0 for s in sent)
+        tokens = greedy(w.llm)
+        assert tokens != before, "the sharded trainers' step did not change the engine's tokens"
+        w.version = version
+        assert fresh_tokens(checkpoint, w.tp) == tokens
+    finally:
+        trainers.stop()
+        w.driver.initialized = False   # the engine now follows the sharded driver: re-init at the next sync

@@ -13,13 +13,15 @@ import torch
 from test_sync import full_tensors, tiny_llama_plans
 
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.sharding import placement_shards, shards_from_json, sharded_plan
 from shardplan.engine.trainer import EngineSync, ModuleSource
 from shardplan.plan.compile import compile_plans
 from shardplan.plan.interp import apply_reference
 from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import PlanFile, encode, write_plan
 from shardplan.runtime.apply import params_from_plan
-from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig
+from shardplan.runtime.shards import local_tensors
+from shardplan.sync import ApplyUnpacker, ConsumerSync, ShardedUnpacker, SyncConfig
 from shardplan.transport import Control, create
 
 TIMEOUT_S = 5.0
@@ -47,8 +49,14 @@ class StandInEngine:
         if self.refuse_init:
             raise_named(RuntimeError(f"Worker failed with error 'EnginePlanMismatch: {self.refuse_init}'"), self.name)
         control = Control(info["control_host"], info["control_port"])
+        sharded = None
+        if info["trainer_shards"]:   # what the backend does for sharded trainers (engine.backend)
+            sharded = sharded_plan(PlanFile.read(info["plan_path"]), shards_from_json(info["trainer_shards"]))
         for r in self.ranks:
-            unpacker = FlakyUnpacker(self.plans[r], self.params[r], max_group_bytes=info["max_group_bytes"])
+            if sharded is not None:
+                unpacker = ShardedUnpacker(sharded, r, self.params[r])
+            else:
+                unpacker = FlakyUnpacker(self.plans[r], self.params[r], max_group_bytes=info["max_group_bytes"])
             transport = create(info["transport"], me=f"consumer{r}", control=control, timeout_s=TIMEOUT_S)
             self.consumers[r] = ConsumerSync(r, unpacker, transport, control, SyncConfig(timeout_s=TIMEOUT_S))
 
@@ -129,6 +137,38 @@ def test_complete_syncs_reach_every_engine_and_resume_them(world):
             check_params(e, plans, tensors)
 
 
+def test_sharded_trainers_send_their_local_shards_by_dtensor_placements(world):
+    """Two trainer ranks, each holding only its boxes of every tensor as DTensor placements put them (Shard(0) rows,
+    Shard(1) columns, Replicate), each sending from its local shards alone: every engine param is bitwise what the
+    plan's reference writes from the full tensors, for two versions."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    plans, sources, engines, unsharded = world
+    columns = {"model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.q_proj.weight"}
+    shards = placement_shards(sources, [0, 1], lambda n: [Replicate()] if len(sources[n].shape) == 1
+                              else [Shard(1)] if n in columns else [Shard(0)])
+    boxes = {(s.name, s.rank): s.box for s in shards}
+    assert boxes["lm_head.weight", 1] == ((48, 96), (0, 64))
+    assert boxes["model.layers.0.self_attn.o_proj.weight", 0] == ((0, 64), (0, 32))
+    assert boxes["model.layers.0.input_layernorm.weight", 1] == ((0, 64),)
+    sync = EngineSync(engines, unsharded.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), shards=shards)
+    for version, seed in ((1, 4), (2, 5)):
+        tensors = full_tensors(sources, seed)
+        ranks = [sync.trainer_rank(ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards,
+                                                rank=t), rank=t) for t in (0, 1)]
+        out = []
+        sender = threading.Thread(target=lambda: out.append(ranks[1].sync(version)))
+        sender.start()
+        report = sync.sync(trainer=ranks[0])
+        sender.join()
+        for r in ranks:
+            r.close()
+        assert report.complete and report.trainer.nbytes > 0 and out[0].nbytes > 0
+        for e in engines:
+            assert (e.version, e.paused) == (str(version), False)
+            check_params(e, plans, tensors)
+
+
 def test_a_failed_update_keeps_that_engine_paused_and_incomplete_until_a_complete_sync(world):
     plans, sources, engines, sync = world
     tensors = full_tensors(sources, 1)
@@ -171,3 +211,27 @@ def test_errors_cross_the_rpc_boundary_by_name():
                                  "engine runs tp1'"), "llm: init_weight_transfer_engine")
     with pytest.raises(EngineCallFailed, match="llm: update_weights failed: RuntimeError: boom"):
         raise_named(RuntimeError("boom"), "llm: update_weights")
+
+
+def test_a_dead_ranks_wait_does_not_drop_a_live_ranks_result(monkeypatch):
+    """The announcement after a failed version takes the members from their results. A killed trainer (listed first)
+    uses up the wait; the live consumer's result, already there, must still count (it was read with the ~0 s left,
+    which on a loaded box timed out: the engine then missed the repair version, NotAMember)."""
+    import json
+
+    from shardplan.sync import Coordinator
+    from shardplan.sync.control import result_key
+    from shardplan.transport import PeerTimeout
+
+    control = Control.serve("127.0.0.1", 0)
+    coordinator = Coordinator(control, {0: {}}, [], 1, SyncConfig(timeout_s=0.2))
+    coordinator.members = {"trainer0": 1, "consumer0": 1}
+    control.set(result_key(4, "consumer0"), json.dumps({"ok": False, "epoch": 3, "errors": {}}))
+    get = control.get
+
+    def loaded_get(key, timeout_s, peer, what=""):   # a store round trip takes longer than a few ms here
+        if timeout_s < 0.05:
+            raise PeerTimeout(peer, "no answer within 0.0 s")
+        return get(key, timeout_s, peer, what)
+    monkeypatch.setattr(control, "get", loaded_get)
+    assert coordinator.results(4, 0.2) == {"consumer0": {"ok": False, "epoch": 3, "errors": {}}}

