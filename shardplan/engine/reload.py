@@ -113,23 +113,39 @@ class ReloadUnpacker:
                     if all(module is not m for m in modules):
                         modules.append(module)
                     self.module_groups.setdefault(module, set()).add(g.name)
-        self._unwritten_warning()
+        self._refuse_unwritten_params()
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
         self.active = False
         self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
 
-    def _unwritten_warning(self) -> None:
+    def _refuse_unwritten_params(self) -> None:
+        """Every loadable param of the live model must be written by the plan. One the plan never writes would keep
+        its old weights through the update if its module is untouched (finalize_layerwise_reload restores unwritten
+        layers), or be uninitialised at processing if its module is written: either way the version would read
+        complete over wrong weights. vLLM's own strict load refuses the same ("weights were not initialized from
+        checkpoint"). Tied params (the same tensor as a written one) are written through it; a plan with fallback
+        tensors may write any param through vLLM's loaders, so it only warns."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
         written = {(id(m), a) for m, a in self.targets.values()}
-        for module in self.module_groups:
-            restore_params, restore_buffers = get_layerwise_info(module).restore_metadata
-            missing = [a for a in (*restore_params, *restore_buffers)
-                       if a not in SKIP_TENSORS and (id(module), a) not in written]
-            if missing:
-                logger.warning("shardplan: rank %d writes %s but not its %s: these are uninitialised at processing "
-                               "(as in vLLM's own reload)", self.plan.rank, type(module).__name__, missing)
+        written_tensors = {id(getattr(m, a, None)) for m, a in self.targets.values()}
+        missing = []
+        for module_name, module in self.model.named_modules():
+            restore_params, _ = get_layerwise_info(module).restore_metadata
+            for attr in restore_params:
+                if attr in SKIP_TENSORS or (id(module), attr) in written:
+                    continue
+                if id(getattr(module, attr, None)) not in written_tensors:
+                    missing.append(f"{module_name}.{attr}" if module_name else attr)
+        if not missing:
+            return
+        text = (f"rank {self.plan.rank}: the plan never writes {len(missing)} param(s) of the live model, e.g. "
+                f"{missing[:4]}: the update would report a complete version over their old or uninitialised values")
+        if self.plan.fallbacks:
+            logger.warning("shardplan: %s (unless the plan's fallback tensors load them)", text)
+            return
+        raise EnginePlanMismatch(text + "; the plan was recorded for another model or is incomplete: re-record it")
 
     # -- Unpacker protocol --
     def stamp(self) -> str:

@@ -15,14 +15,17 @@ def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
     """Each write (default: all of the plan's): destination box non-empty, not self-overlapping and inside its
     parameter; every region non-negative; every source view inside its checkpoint tensor."""
     params = {p.name: p for p in plan.params}
+    overlapping: dict[tuple, bool] = {}   # per geometry: computed writes of one template share a few
     for w in plan.writes if writes is None else writes:
         param = params.get(w.param)
         if param is None:
             raise PlanBoundsError(f"{path}: rank {plan.rank} writes to {w.param}, which is not one of its params. "
                                   + advice(path))
         d = w.dst
-        bad = (d.offset < 0 or min(d.sizes, default=1) < 1 or min(d.strides, default=0) < 0
-               or _overlapping([d.sizes], [d.strides])[0])
+        geometry = (d.sizes, d.strides)
+        if geometry not in overlapping:
+            overlapping[geometry] = bool(_overlapping([d.sizes], [d.strides])[0])
+        bad = (d.offset < 0 or min(d.sizes, default=1) < 1 or min(d.strides, default=0) < 0 or overlapping[geometry])
         if bad:
             raise PlanBoundsError(f"{path}: rank {plan.rank}: destination box {d} of {w.param} is empty, negative or "
                                   f"self-overlapping (a stride 0 over more than one element). " + advice(path))
