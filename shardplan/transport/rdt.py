@@ -25,6 +25,7 @@ a NIXL agent (~1-6 s on CPU); a driver that `ray.get`s a NIXL object can segfaul
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -191,6 +192,9 @@ def sync_actor():
     return SyncActor
 
 
+_PAIR_WAIT_S = 120.0   # the router holds a pair's next transfer at most this long behind a stalled one
+
+
 def router_actor():
     """The Ray actor class that owns the collective group of rdt:gloo / rdt:nccl and starts each transfer."""
     if "Router" in _classes:
@@ -201,6 +205,8 @@ def router_actor():
     class Router:
         def __init__(self):
             self.group, self.members, self.backend = None, [], None
+            self._pair_locks: dict[tuple, threading.Lock] = {}
+            self._locks_lock = threading.Lock()
 
         def regroup(self, actors: list, backend: str) -> float:
             """(Re)build the collective group over `actors` (call between versions when membership changed)."""
@@ -232,8 +238,18 @@ def router_actor():
             return time.monotonic() - start
 
         def route(self, src, key: str, dst, sender: str, tag: Tag, backend: str):
+            """Start one transfer, after the previous one between the same two actors has finished: Ray's collective
+            transport posts a send on `src` and a receive on `dst` per transfer, untagged, so two transfers of one pair
+            in flight together can be matched crosswise (seen: gloo aborting on "16384 vs 896" bytes under load;
+            over NCCL the bytes could land in the other transfer's buffer). Different pairs still overlap."""
+            pair = (sender, dst._actor_id.hex())
+            with self._locks_lock:
+                lock = self._pair_locks.setdefault(pair, threading.Lock())
             out = src._out_gloo if backend == "gloo" else src._out_nccl
-            return dst._in.remote(out.remote(key), sender, tag)
+            with lock:
+                ref = dst._in.remote(out.remote(key), sender, tag)
+                ray.wait([ref], timeout=_PAIR_WAIT_S)   # ready on success or error; a hang is the lane's to time out
+            return ref
 
     _classes["Router"] = Router
     return Router

@@ -25,4 +25,7 @@ def test_real_recordings_pass_the_strict_reader(arch, layout, arch_root):  # noq
     plan_file = PlanFile(*decode(session.encode(compile_plans(plans, session.sources)), arch))
     for plan in plans:
         got, want = plan_file.rank(plan.rank), canonical(plan)
-        assert got.writes == want.writes and got.params == want.params and got.fallbacks == want.fallbacks
+        # by repr: a NaN constant (unwritten memory of a param created while loading, Phi's lm_head.bias) decodes as a
+        # new float object, and nan != nan, while its repr is exact
+        assert [repr(w) for w in got.writes] == [repr(w) for w in want.writes]
+        assert got.params == want.params and got.fallbacks == want.fallbacks
