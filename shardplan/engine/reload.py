@@ -129,7 +129,7 @@ class ReloadUnpacker:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
         written = {(id(m), a) for m, a in self.targets.values()}
-        written_tensors = {id(getattr(m, a, None)) for m, a in self.targets.values()}
+        written_tensors = {id(t) for m, a in self.targets.values() if (t := getattr(m, a, None)) is not None}
         missing = []
         for module_name, module in self.model.named_modules():
             restore_params, _ = get_layerwise_info(module).restore_metadata

@@ -370,12 +370,8 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
             continue
         out = set()
         for n in names:
-            layer = layer_of(n)
-            if layer in drop:
-                continue
-            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
-                renamed = n.replace(f"layers.{layer}.", f"layers.{new}.", 1) if layer >= 0 else n
-                meta = body.params[n]
+            meta = body.params[n]
+            for renamed in _layer_copies(n, full_layers, drop):
                 params[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
                 out.add(renamed)
         rank_params[rank] = extended[names] = tuple(sorted(out))
@@ -391,19 +387,23 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
         ordered[rank] = sorted(out_writes, key=lambda w: w.param)
     rank_metas = {}
     for rank, overrides in body.rank_metas.items():
-        out_metas = {}
-        for n, meta in overrides.items():
-            layer = layer_of(n)
-            if layer in drop:
-                continue
-            for new in full_layers.get(layer, [layer]) if layer >= 0 else [layer]:
-                renamed = n.replace(f"layers.{layer}.", f"layers.{new}.", 1) if layer >= 0 else n
-                out_metas[renamed] = ir.TensorMeta(renamed, meta.shape, meta.dtype)
+        out_metas = {renamed: ir.TensorMeta(renamed, meta.shape, meta.dtype)
+                     for n, meta in overrides.items() for renamed in _layer_copies(n, full_layers, drop)}
         if out_metas:
             rank_metas[rank] = out_metas
     return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
                     params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
                     fallbacks=body.fallbacks, not_needed={}, rank_metas=rank_metas)
+
+
+def _layer_copies(name: str, full_layers: dict[int, list[int]], drop: set[int]) -> list[str]:
+    """`name` renamed to every layer of its layer's class (itself outside the layers; none for a dropped layer)."""
+    layer = layer_of(name)
+    if layer < 0:
+        return [name]
+    if layer in drop:
+        return []
+    return [name.replace(f"layers.{layer}.", f"layers.{new}.", 1) for new in full_layers.get(layer, [layer])]
 
 
 def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]):
