@@ -229,6 +229,15 @@ def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[i
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
         _make_groups(skel, np.asarray(var_rows, dtype=np.int64),
                      np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1), groups)
+    return body_from_groups(groups, ordered, params, rank_params=rank_params, fallbacks=fallbacks,
+                            not_needed=not_needed, sources=sources, rank_metas=rank_metas)
+
+
+def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], params: Mapping[str, ir.TensorMeta], *,
+                     rank_params: dict[int, tuple[str, ...]], fallbacks: dict[int, list[ir.Fallback]],
+                     not_needed: dict[int, tuple[str, ...]], sources: Sequence[ir.TensorMeta] | SourceTable,
+                     rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
+    """The PlanBody of templated groups (body_from_rows' groups, or plan/rankblocks.py's from rank classes)."""
     return PlanBody(
         ranks=tuple(sorted(rank_params)),
         sources=sources if isinstance(sources, SourceTable) else SourceTable.from_metas(sources),

@@ -12,8 +12,10 @@ fallbacks. `Line` is the affine function through two recorded ranks: every integ
 be divisible by their coordinate distance, and the two must have the same templates, the same number of rows in each,
 the same ordered-write skeletons, parameters and fallbacks; otherwise there is no line. `Line.at(u)` predicts a rank;
 record/ranks.py accepts a line only after a third recorded rank equals its prediction exactly, and records more ranks
-otherwise. `body_from_flat` builds the plan body of every rank from recorded and predicted FlatRanks through the same
-templating function as `compile_plans`, so a correct prediction gives the same bytes as recording every rank.
+otherwise. A predicted rank is kept as `Predicted` (its line and coordinate, its rows not made): `body_from_flat` builds
+the plan body of every rank from recorded FlatRanks and predictions, templating the ranks of one line as one block per
+template (plan/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a correct
+prediction gives the same bytes as recording every rank, at a cost that does not grow with the number of ranks.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody, SourceTable, body_from_rows, split_metas
+from shardplan.plan.compile import Group, PlanBody, SourceTable, body_from_groups, split_metas
 from shardplan.plan.names import layer_of
 from shardplan.plan.overlap import overlapping_params
+from shardplan.plan.rankblocks import Block, groups_of_blocks, line_block, literal
 from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
 
 
@@ -119,15 +122,46 @@ class Line:
                               _slope(a.param_ints, b.param_ints, span, "params")))
 
     def at(self, u) -> FlatRank:
-        a = self.base
-        rows, ordered_ints, param_ints = dict(a.rows), a.ordered_ints, a.param_ints
-        for axis, slopes, ordered_slope, param_slope in self.axes:
+        rows = dict(self.base.rows)
+        for axis, slopes, _, _ in self.axes:
             k = u[axis] - self.u_a[axis]
             if k:
                 rows = {key: r + k * slopes[key] for key, r in rows.items()}
+        return self._flat(rows, u)
+
+    def predict(self, u) -> "Predicted":
+        """Rank u's plan without its rows: body_from_flat makes the rank level of the templates from the line."""
+        return Predicted(self, tuple(u), self._flat({}, u))
+
+    def offsets(self, u) -> list[int]:
+        """u minus the base rank's coordinate, per axis (in self.axes order)."""
+        return [u[axis] - self.u_a[axis] for axis, _, _, _ in self.axes]
+
+    def _flat(self, rows: dict, u) -> FlatRank:
+        a = self.base
+        ordered_ints, param_ints = a.ordered_ints, a.param_ints
+        for axis, _, ordered_slope, param_slope in self.axes:
+            k = u[axis] - self.u_a[axis]
+            if k:
                 ordered_ints = ordered_ints + k * ordered_slope
                 param_ints = param_ints + k * param_slope
         return FlatRank(rows, a.ordered, ordered_ints, a.ordered_counts, a.params, param_ints, a.fallbacks)
+
+
+@dataclass(frozen=True, eq=False)
+class Predicted:
+    """A rank predicted on a line, its rows not made: `rest` is its plan without rows (ordered writes, params,
+    fallbacks); `flat()` makes the rows too (to check a prediction against a recording)."""
+    line: Line
+    u: tuple
+    rest: FlatRank
+
+    def flat(self) -> FlatRank:
+        return self.line.at(self.u)
+
+
+def as_flat(f: FlatRank | Predicted) -> FlatRank:
+    return f.flat() if isinstance(f, Predicted) else f
 
 
 def _slope(a: np.ndarray, b: np.ndarray, span: int, what: str) -> np.ndarray:
@@ -139,15 +173,19 @@ def _slope(a: np.ndarray, b: np.ndarray, span: int, what: str) -> np.ndarray:
     return diff // span
 
 
-def sorted_rows(f: FlatRank) -> FlatRank:
+def sorted_rows(f: FlatRank | Predicted) -> FlatRank:
     """A prediction with its rows sorted and unique, as flat_rank makes a recording (to compare the two)."""
+    f = as_flat(f)
     return FlatRank({k: np.unique(v, axis=0) for k, v in f.rows.items()}, f.ordered, f.ordered_ints,
                     f.ordered_counts, f.params, f.param_ints, f.fallbacks)
 
 
-def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
-    """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does."""
-    parts: dict[tuple, list[np.ndarray]] = {}
+def body_from_flat(flats: Mapping[int, FlatRank | Predicted],
+                   sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
+    """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does.
+    The rows of the ranks predicted on one line are one block per template (plan/rankblocks.py), not N copies."""
+    blocks: dict[tuple, list[Block]] = {}
+    on_line: dict[int, tuple[Line, list[int], list[list[int]]]] = {}   # id(line) -> (line, ranks, offsets)
     ordered: dict[int, list[ir.Write]] = {}
     rank_metas_of: dict[int, list[ir.TensorMeta]] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
@@ -156,9 +194,13 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
     names: dict[tuple, tuple[str, ...]] = {}
     for rank in sorted(flats):
         f = flats[rank]
+        if isinstance(f, Predicted):
+            line, ranks, offsets = on_line.setdefault(id(f.line), (f.line, [], []))
+            ranks.append(rank)
+            offsets.append(line.offsets(f.u))
+            f = f.rest
         for key, rows in f.rows.items():
-            parts.setdefault(key, []).append(
-                np.concatenate([np.full((len(rows), 1), rank, dtype=np.int64), rows], axis=1))
+            blocks.setdefault(key, []).append(literal(rank, rows, 1 + key[1]))
         if f.ordered:
             writes, pos = [], 0
             for skel, count in zip(f.ordered, f.ordered_counts):
@@ -177,11 +219,13 @@ def body_from_flat(flats: Mapping[int, FlatRank], sources: Sequence[ir.TensorMet
         rank_params[rank] = names[key]
         if f.fallbacks:
             fallbacks[rank] = list(f.fallbacks)
-    by_skeleton = {}
-    for (skel, num_name_vars), chunks in parts.items():
-        rows = np.unique(np.concatenate(chunks), axis=0)   # a prediction may repeat a row: compile dedupes too
-        split = 2 + num_name_vars
-        by_skeleton[(skel, num_name_vars)] = (rows[:, :split], rows[:, split:])
+    for line, ranks, offsets in on_line.values():
+        for key, base in line.base.rows.items():
+            slopes = np.stack([axis_slopes[key] for _, axis_slopes, _, _ in line.axes])
+            blocks.setdefault(key, []).extend(line_block(ranks, offsets, base, slopes, 1 + key[1]))
+    groups: list[Group] = []
+    for (skel, num_name_vars), key_blocks in sorted(blocks.items(), key=lambda kv: repr(kv[0])):
+        groups_of_blocks(skel, key_blocks, 1 + num_name_vars, groups)
     params, rank_metas = split_metas(rank_metas_of)
-    return body_from_rows(by_skeleton, ordered, params, rank_params=rank_params, fallbacks=fallbacks, not_needed={},
-                          sources=sources, rank_metas=rank_metas)
+    return body_from_groups(groups, ordered, params, rank_params=rank_params, fallbacks=fallbacks, not_needed={},
+                            sources=sources, rank_metas=rank_metas)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from shardplan.plan.extend import FlatRank, Line, NotAffine, sorted_rows
+from shardplan.plan.extend import FlatRank, Line, NotAffine, Predicted, sorted_rows
 from shardplan.plan.layout import Layout
 
 
@@ -50,7 +50,7 @@ def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> 
 
 @dataclass
 class Extension:
-    flats: dict[int, FlatRank]        # every rank asked for: recorded or predicted
+    flats: dict[int, FlatRank | Predicted]   # every rank asked for: recorded, or predicted (rows not made)
     recorded: list[int]               # the ranks actually recorded, in recording order
     notes: list[str]                  # why extra ranks were recorded
 
@@ -104,7 +104,7 @@ def _plane(cls: RankClass, get, out: Extension) -> bool:
         out.notes.append(f"{_describe(cls.key)} not affine in (TP rank, DP rank): {problem}; one class per DP replica")
         return False
     for rank, u in cls.coords.items():
-        out.flats[rank] = plane.at(u)
+        out.flats[rank] = plane.predict(u)
     for rank in out.recorded:
         if rank in cls.coords:
             out.flats[rank] = get(rank)
@@ -117,7 +117,7 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
         by_u.setdefault(u, []).append(rank)
     us = sorted(by_u)
     first = {u: by_u[u][0] for u in us}
-    predicted: dict[tuple, FlatRank] = {}     # u -> FlatRank of first[u]
+    predicted: dict[tuple, FlatRank | Predicted] = {}     # u -> the plan of first[u]
     segments = [(0, len(us) - 1)]
     while segments:
         lo, hi = segments.pop()
@@ -134,7 +134,7 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
             problem = str(e)
         if problem is None:
             for i in range(lo, hi + 1):
-                predicted[us[i]] = line.at(us[i])
+                predicted[us[i]] = line.predict(us[i])
             continue
         out.notes.append(f"ranks {first[us[lo]]}..{first[us[hi]]} {_describe(cls.key)}: {problem}")
         mid = (lo + hi) // 2

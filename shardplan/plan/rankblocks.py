@@ -1,0 +1,172 @@
+"""Templating an extended layout without its N copies of rows: the groups `compile._make_groups` makes of every
+rank's rows, made from the rank classes (plan/extend.py's lines) instead.
+
+A *block* is the rows of one template on a set of ranks: rank j's rows are `base + offsets[j] @ slopes`, row i of
+every rank from row i of the base (a line's prediction moves every row of a template by the same per-axis slope); a
+recorded rank is a block of one rank without axes. The templating needs three things of all rows, and none needs
+them all:
+
+* The exact affine fit of the holes on the variables (rank, layer, name ints). Each design row and each residual is
+  linear in (1, rank, offsets): the rows of the ranks whose (1, rank, offsets) span the block's (at most 2 + number
+  of axes) span every row of the block, so the fit on those ranks' rows is the fit on all of them, and it is exact on
+  those iff it is exact on all (same columns kept, same coefficients, same first failing hole).
+* A split by the value of a failing hole: a hole that does not move with the rank on any row of a block (slope 0)
+  splits the block's rows and keeps its ranks; a block whose hole does move is expanded to one block per rank (a
+  TP offset over DP replicas: a few rows per rank).
+* The index trie: its rank level is one child trie per rank; the ranks of a block whose variables do not move share
+  one child, and variables that move by the same amount on every row (EP: expert indices) shift that child.
+
+Rows sharing their variables within a rank (one source copied to several places, or two predicted rows that meet)
+are what `_make_groups` splits first; a set of blocks holding some is handed to `_make_groups` as rows, so it splits
+them exactly as compiling every rank does. Every path gives the groups `_make_groups` makes of the materialised rows,
+in the same order (tests/unit/test_extend_ranks.py compares the bytes on synthetic layouts, bench/compile_bench.py on
+real ones).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardplan.plan.compile import Group, _fit, _make_groups
+from shardplan.plan.rowkeys import distinct_rows
+from shardplan.plan.template import trie_from_rows, trie_node
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Rows of one template on `ranks`, without the rank column: [layer, name ints | holes]."""
+    ranks: np.ndarray     # int64 [m]
+    offsets: np.ndarray   # int64 [m, num_axes]: each rank's coordinate minus the line's base coordinate, per axis
+    base: np.ndarray      # int64 [n, width]
+    slopes: np.ndarray    # int64 [num_axes, n, width]
+    distinct: bool        # the variables of each rank's rows are distinct (checked for every rank)
+
+    def rows(self, j: int) -> np.ndarray:
+        """Rank `self.ranks[j]`'s rows."""
+        if not len(self.slopes):
+            return self.base
+        return self.base + np.tensordot(self.offsets[j], self.slopes, axes=1)
+
+    def take(self, mask: np.ndarray) -> "Block":
+        return Block(self.ranks, self.offsets, self.base[mask], self.slopes[:, mask], self.distinct)
+
+
+def literal(rank: int, rows: np.ndarray, num_vars: int) -> Block:
+    """A recorded rank's rows (sorted, unique) as a block of one rank."""
+    rows = np.asarray(rows, dtype=np.int64)
+    return Block(np.asarray([rank], dtype=np.int64), np.zeros((1, 0), dtype=np.int64), rows,
+                 np.zeros((0,) + rows.shape, dtype=np.int64), _distinct(rows[:, :num_vars]))
+
+
+def line_block(ranks, offsets, base: np.ndarray, slopes: np.ndarray, num_vars: int) -> list[Block]:
+    """The ranks predicted on one line, as one block; or one block per rank (rows made unique, as compile dedupes)
+    where a prediction repeats variables on some rank."""
+    block = Block(np.asarray(ranks, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(len(ranks), -1),
+                  base, slopes.reshape(-1, *base.shape), True)
+    if len(block.slopes) == 0 or not _uniform(block.slopes[:, :, :num_vars]):
+        if all(_distinct(block.rows(j)[:, :num_vars]) for j in range(len(block.ranks))):
+            return [block]
+    elif _distinct(base[:, :num_vars]):   # variables translated alike on every row: distinct on one rank, on all
+        return [block]
+    return [literal(int(r), np.unique(block.rows(j), axis=0), num_vars) for j, r in enumerate(block.ranks.tolist())]
+
+
+def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Group]) -> None:
+    """`_make_groups(skeleton, var rows, hole rows, out)` on the rows of `blocks` (rank first), every block's ranks
+    its own. `num_vars` counts the variables without the rank."""
+    if not all(b.distinct for b in blocks):
+        var_rows, hole_rows = _materialise(blocks, num_vars)
+        _make_groups(skeleton, var_rows, hole_rows, out)
+        return
+    num_holes = blocks[0].base.shape[1] - num_vars
+    if num_holes == 0:
+        out.append(Group(skeleton, np.zeros((0, num_vars + 2), dtype=np.int64), _trie(blocks, num_vars), num_vars + 1))
+        return
+    coeffs, bad = _fit(*_materialise([_spanning(b) for b in blocks], num_vars))
+    if coeffs is not None:
+        out.append(Group(skeleton, coeffs, _trie(blocks, num_vars), num_vars + 1))
+        return
+    column = num_vars + bad
+    fixed: list[Block] = []
+    for b in blocks:   # split by the hole's value: where it moves with the rank, one block per rank first
+        if len(b.slopes) and b.slopes[:, :, column].any():
+            fixed.extend(literal(int(r), b.rows(j), num_vars) for j, r in enumerate(b.ranks.tolist()))
+        else:
+            fixed.append(b)
+    for value in np.unique(np.concatenate([b.base[:, column] for b in fixed])).tolist():
+        parts = [b.take(mask) for b in fixed if (mask := b.base[:, column] == value).any()]
+        groups_of_blocks(skeleton, parts, num_vars, out)
+
+
+def _distinct(var_rows: np.ndarray) -> bool:
+    return len(distinct_rows(var_rows)[0]) == len(var_rows)
+
+
+def _uniform(slopes: np.ndarray) -> bool:
+    """Every row moves by the same amount (per axis)."""
+    return bool((slopes == slopes[:, :1]).all())
+
+
+def _spanning(b: Block) -> Block:
+    """The block on the fewest of its ranks whose (1, rank, offsets) span those of all its ranks."""
+    if len(b.ranks) <= 1:
+        return b
+    points = np.concatenate([np.ones((len(b.ranks), 1)), b.ranks[:, None], b.offsets], axis=1).astype(np.float64)
+    full = np.linalg.matrix_rank(points)
+    keep: list[int] = []
+    for j in range(len(b.ranks)):
+        if np.linalg.matrix_rank(points[keep + [j]]) == len(keep) + 1:
+            keep.append(j)
+            if len(keep) == full:
+                break
+    return Block(b.ranks[keep], b.offsets[keep], b.base, b.slopes, b.distinct)
+
+
+def _materialise(blocks: list[Block], num_vars: int) -> tuple[np.ndarray, np.ndarray]:
+    """(var rows with the rank first, hole rows) of every rank of every block."""
+    parts = []
+    for b in blocks:
+        for j, rank in enumerate(b.ranks.tolist()):
+            rows = b.rows(j)
+            parts.append(np.concatenate([np.full((len(rows), 1), rank, dtype=np.int64), rows], axis=1))
+    rows = np.concatenate(parts)
+    return rows[:, :num_vars + 1], rows[:, num_vars + 1:]
+
+
+def _trie(blocks: list[Block], num_vars: int):
+    """`trie_from_rows` of the blocks' variable rows (rank first), one child trie per rank built once per block
+    where the block's variables do not move with the rank, or move alike on every row."""
+    pairs = []
+    for b in blocks:
+        var_slopes = b.slopes[:, :, :num_vars]
+        if len(b.ranks) == 1 or not var_slopes.any():
+            child = trie_from_rows(b.rows(0)[:, :num_vars])
+            pairs.extend((rank, child) for rank in b.ranks.tolist())
+        elif _uniform(var_slopes):
+            first = trie_from_rows(b.rows(0)[:, :num_vars])
+            moves = (b.offsets - b.offsets[:1]) @ var_slopes[:, 0, :]
+            pairs.extend((rank, shift_trie(first, move)) for rank, move in zip(b.ranks.tolist(), moves.tolist()))
+        else:
+            pairs.extend((rank, trie_from_rows(b.rows(j)[:, :num_vars])) for j, rank in enumerate(b.ranks.tolist()))
+    pairs.sort(key=lambda p: p[0])
+    return trie_node(pairs)
+
+
+def shift_trie(node, move: list[int]):
+    """The trie of the same tuples with `move[d]` added to variable d: the same runs, moved (sorting and the equal
+    children that runs merge do not change under a translation)."""
+    if not any(move):
+        return node
+    done: dict[tuple[int, int], tuple] = {}
+
+    def rec(node, depth: int):
+        if node is None:
+            return None
+        got = done.get((id(node), depth))
+        if got is None:
+            d = move[depth]
+            got = done[(id(node), depth)] = tuple((start + d, stop + d, step, rec(child, depth + 1))
+                                                  for start, stop, step, child in node)
+        return got
+    return rec(node, 0)
