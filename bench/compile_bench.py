@@ -2,12 +2,15 @@
 
     python bench/compile_bench.py [--model kimi-k2] [--curve 8,16,32,64,128,256] [--families tp-ep,tp,dp-ep]
                                   [--exhaustive-ranks 2] [--skip-exhaustive] [--seed 0] [--repeat 1]
+                                  [--baseline-src DIR]
 
 1. The fixed part: `import vllm` alone in a fresh interpreter (vLLM's share), next to the one-rank command.
 2. The curve: for each layout family and rank count N, `shardplan record` of the whole layout (a child process,
    imports included) next to the same command with `--ranks 0`, run right before it: wall time, the ratio (bar:
    <= 1.3x, flat in N), peak RSS of each (os.wait4, per child). Families: tp-ep = `--tp N --ep` up to TP 64, then
-   `--tp 32 --dp N/32 --ep`; tp = the same without --ep; dp-ep = `--tp 1 --dp N --ep`.
+   `--tp 32 --dp N/32 --ep`; tp = the same without --ep; dp-ep = `--tp 1 --dp N --ep`. With `--baseline-src DIR`
+   each point is also run (alternated with this tree's) by a child whose `shardplan` is DIR's (e.g. the tree before
+   a change: `git archive REV shardplan | tar -x -C DIR`), printed on the next row as "baseline".
 3. The proof, same invocation: the whole-layout plans of Kimi-K2 TP32+EP and TP32 are cmp'd against plans/ (recorded
    exhaustively when shipped); for TP32+EP, TP32 and DP128+EP, `--exhaustive` (every rank and layer recorded) runs on
    a random subset of ranks, because a full exhaustive run takes minutes per layout, and each of those ranks'
@@ -29,10 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_record(model: str, flags: list[str], out: Path) -> tuple[float, float, str, Path]:
+def run_record(model: str, flags: list[str], out: Path, src: str | None = None) -> tuple[float, float, str, Path]:
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     stdout = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)   # the child's own peak RSS, not the max over all children
     wall = time.perf_counter() - t0
@@ -120,6 +124,7 @@ def main() -> None:
                     help="prove every measured point against --exhaustive (default: the headline layouts only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="alternated runs per point; the fastest of each is kept")
+    ap.add_argument("--baseline-src", default=None, help="a tree whose shardplan runs each point too (baseline row)")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rows = [("import vllm alone (vLLM's fixed share), fresh interpreter", f"{import_vllm_seconds():.1f} s", "")]
@@ -136,15 +141,25 @@ def main() -> None:
                 if flags is None or (n not in map(int, args.curve.split(",")) and (family, n) not in headline):
                     continue
                 tag = f"{family}-{n}"
-                ones, everys = [], []
+                trees = [None] + ([args.baseline_src] if args.baseline_src else [])
+                runs: dict = {src: ([], []) for src in trees}
                 for i in range(args.repeat):   # alternated, the fastest of each: the box's load swings within minutes
-                    ones.append(run_record(args.model, [*flags, "--ranks", "0"], tmp / f"{tag}-one-{i}"))
-                    everys.append(run_record(args.model, flags, tmp / f"{tag}-{i}"))
-                one, rss_one, _, _ = min(ones)
-                every, rss_all, how, plan = min(everys)
-                recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
-                print(f"{' '.join(flags):<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
-                      f"{rss_one:>7.0f} / {rss_all:<7.0f} {recorded[:90]}", flush=True)
+                    for src in trees:
+                        where = "" if src is None else "base-"
+                        runs[src][0].append(run_record(args.model, [*flags, "--ranks", "0"],
+                                                       tmp / f"{where}{tag}-one-{i}", src))
+                        runs[src][1].append(run_record(args.model, flags, tmp / f"{where}{tag}-{i}", src))
+                for src in reversed(trees):   # the baseline's row first, this tree's under it
+                    one, rss_one, _, _ = min(runs[src][0])
+                    every, rss_all, how, plan = min(runs[src][1])
+                    recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
+                    label = ' '.join(flags) if src is None else f"{' '.join(flags)} baseline"
+                    print(f"{label:<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
+                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {recorded[:90]}", flush=True)
+                if args.baseline_src:
+                    base_plan = min(runs[args.baseline_src][1])[3]
+                    rows.append((f"record {' '.join(flags)} (N={n}): same bytes as the baseline tree's",
+                                 str(base_plan.read_bytes() == plan.read_bytes()), "True"))
                 rows.append((f"record {' '.join(flags)} (N={n}) / --ranks 0", f"{every / one:.2f}x", "<= 1.3x"))
                 if (family, n) in headline:
                     kept[headline[(family, n)]] = (flags, plan)

@@ -41,6 +41,7 @@ class Block:
     base: np.ndarray      # int64 [n, width]
     slopes: np.ndarray    # int64 [num_axes, n, width]
     distinct: bool        # the variables of each rank's rows are distinct (checked for every rank)
+    spanning: np.ndarray  # indices of the fewest ranks whose (1, rank, offsets) span those of all the block's ranks
 
     def rows(self, j: int) -> np.ndarray:
         """Rank `self.ranks[j]`'s rows."""
@@ -49,21 +50,23 @@ class Block:
         return self.base + np.tensordot(self.offsets[j], self.slopes, axes=1)
 
     def take(self, mask: np.ndarray) -> "Block":
-        return Block(self.ranks, self.offsets, self.base[mask], self.slopes[:, mask], self.distinct)
+        return Block(self.ranks, self.offsets, self.base[mask], self.slopes[:, mask], self.distinct, self.spanning)
 
 
 def literal(rank: int, rows: np.ndarray, num_vars: int) -> Block:
     """A recorded rank's rows (sorted, unique) as a block of one rank."""
     rows = np.asarray(rows, dtype=np.int64)
     return Block(np.asarray([rank], dtype=np.int64), np.zeros((1, 0), dtype=np.int64), rows,
-                 np.zeros((0,) + rows.shape, dtype=np.int64), _distinct(rows[:, :num_vars]))
+                 np.zeros((0,) + rows.shape, dtype=np.int64), _distinct(rows[:, :num_vars]),
+                 np.zeros(1, dtype=np.int64))
 
 
 def line_block(ranks, offsets, base: np.ndarray, slopes: np.ndarray, num_vars: int) -> list[Block]:
     """The ranks predicted on one line, as one block; or one block per rank (rows made unique, as compile dedupes)
     where a prediction repeats variables on some rank."""
-    block = Block(np.asarray(ranks, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(len(ranks), -1),
-                  base, slopes.reshape(-1, *base.shape), True)
+    ranks = np.asarray(ranks, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(len(ranks), -1)
+    block = Block(ranks, offsets, base, slopes.reshape(-1, *base.shape), True, _spanning(ranks, offsets))
     if len(block.slopes) == 0 or not _uniform(block.slopes[:, :, :num_vars]):
         if all(_distinct(block.rows(j)[:, :num_vars]) for j in range(len(block.ranks))):
             return [block]
@@ -83,7 +86,7 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
     if num_holes == 0:
         out.append(Group(skeleton, np.zeros((0, num_vars + 2), dtype=np.int64), _trie(blocks, num_vars), num_vars + 1))
         return
-    coeffs, bad = _fit(*_materialise([_spanning(b) for b in blocks], num_vars))
+    coeffs, bad = _fit(*_materialise(blocks, num_vars, spanning=True))
     if coeffs is not None:
         out.append(Group(skeleton, coeffs, _trie(blocks, num_vars), num_vars + 1))
         return
@@ -108,27 +111,25 @@ def _uniform(slopes: np.ndarray) -> bool:
     return bool((slopes == slopes[:, :1]).all())
 
 
-def _spanning(b: Block) -> Block:
-    """The block on the fewest of its ranks whose (1, rank, offsets) span those of all its ranks."""
-    if len(b.ranks) <= 1:
-        return b
-    points = np.concatenate([np.ones((len(b.ranks), 1)), b.ranks[:, None], b.offsets], axis=1).astype(np.float64)
+def _spanning(ranks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Indices of the fewest ranks whose points (1, rank, offsets) span all the ranks' points (greedy, in order)."""
+    points = np.concatenate([np.ones((len(ranks), 1)), ranks[:, None], offsets], axis=1).astype(np.float64)
     full = np.linalg.matrix_rank(points)
     keep: list[int] = []
-    for j in range(len(b.ranks)):
+    for j in range(len(ranks)):
         if np.linalg.matrix_rank(points[keep + [j]]) == len(keep) + 1:
             keep.append(j)
             if len(keep) == full:
                 break
-    return Block(b.ranks[keep], b.offsets[keep], b.base, b.slopes, b.distinct)
+    return np.asarray(keep, dtype=np.int64)
 
 
-def _materialise(blocks: list[Block], num_vars: int) -> tuple[np.ndarray, np.ndarray]:
-    """(var rows with the rank first, hole rows) of every rank of every block."""
+def _materialise(blocks: list[Block], num_vars: int, spanning: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(var rows with the rank first, hole rows) of every rank of every block (of its spanning ranks only)."""
     parts = []
     for b in blocks:
-        for j, rank in enumerate(b.ranks.tolist()):
-            rows = b.rows(j)
+        for j in b.spanning.tolist() if spanning else range(len(b.ranks)):
+            rank, rows = int(b.ranks[j]), b.rows(j)
             parts.append(np.concatenate([np.full((len(rows), 1), rank, dtype=np.int64), rows], axis=1))
     rows = np.concatenate(parts)
     return rows[:, :num_vars + 1], rows[:, num_vars + 1:]
