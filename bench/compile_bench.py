@@ -34,9 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_record(model: str, flags: list[str], out: Path, src: str | None = None) -> tuple[float, float, str, Path]:
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
+    # `python -m` puts the working directory first on sys.path: the baseline's child runs in its tree
     env = None if src is None else {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+    cwd = None if src is None else str(Path(src).resolve())
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd)
     stdout = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)   # the child's own peak RSS, not the max over all children
     wall = time.perf_counter() - t0
