@@ -7,7 +7,8 @@
 1. The fixed part: `import vllm` alone in a fresh interpreter (vLLM's share), next to the one-rank command.
 2. The curve: for each layout family and rank count N, `shardplan record` of the whole layout (a child process,
    imports included) next to the same command with `--ranks 0`, run right before it: wall time, the ratio (bar:
-   <= 1.3x, flat in N), peak RSS of each (os.wait4, per child). Families: tp-ep = `--tp N --ep` up to TP 64, then
+   <= 1.3x, flat in N), peak RSS of each (os.wait4, per child), and their CPU time (which a loaded box disturbs
+   less than the wall time). Families: tp-ep = `--tp N --ep` up to TP 64, then
    `--tp 32 --dp N/32 --ep`; tp = the same without --ep; dp-ep = `--tp 1 --dp N --ep`. With `--baseline-src DIR`
    each point is also run (alternated with this tree's) by a child whose `shardplan` is DIR's (e.g. the tree before
    a change: `git archive REV shardplan | tar -x -C DIR`), printed on the next row as "baseline".
@@ -32,7 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_record(model: str, flags: list[str], out: Path, src: str | None = None) -> tuple[float, float, str, Path]:
+def run_record(model: str, flags: list[str], out: Path,
+               src: str | None = None) -> tuple[float, float, str, Path, float]:
+    """(wall s, peak RSS MiB, the `recording:` line, the plan, CPU s of the child): CPU time reads through a loaded box."""
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
     # `python -m` puts the working directory first on sys.path: the baseline's child runs in its tree
     env = None if src is None else {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
@@ -46,7 +49,7 @@ def run_record(model: str, flags: list[str], out: Path, src: str | None = None) 
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{stdout[-3000:]}")
     how = next((line[len("recording: "):] for line in stdout.splitlines() if line.startswith("recording:")), "")
-    return wall, usage.ru_maxrss / 1024, how, next(out.glob("*.plan"))
+    return wall, usage.ru_maxrss / 1024, how, next(out.glob("*.plan")), usage.ru_utime + usage.ru_stime
 
 
 def import_vllm_seconds() -> float:
@@ -136,7 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         print(f"\n{'layout':<28} {'N':>4} {'one rank s':>10} {'all ranks s':>11} {'ratio':>6} {'RSS 1 / all MiB':>16}"
-              f"  how", flush=True)
+              f" {'CPU 1 / all s':>14} {'ratio':>6}  how", flush=True)
         for family in args.families.split(","):
             for n in counts:
                 flags = family_flags(family, n)
@@ -152,12 +155,13 @@ def main() -> None:
                                                        tmp / f"{where}{tag}-one-{i}", src))
                         runs[src][1].append(run_record(args.model, flags, tmp / f"{where}{tag}-{i}", src))
                 for src in reversed(trees):   # the baseline's row first, this tree's under it
-                    one, rss_one, _, _ = min(runs[src][0])
-                    every, rss_all, how, plan = min(runs[src][1])
+                    one, rss_one, _, _, cpu_one = min(runs[src][0])
+                    every, rss_all, how, plan, cpu_all = min(runs[src][1])
                     recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
                     label = ' '.join(flags) if src is None else f"{' '.join(flags)} baseline"
                     print(f"{label:<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
-                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {recorded[:90]}", flush=True)
+                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {cpu_one:>6.1f} / {cpu_all:<5.1f} {cpu_all / cpu_one:>5.2f}x "
+                          f"{recorded[:90]}", flush=True)
                 if args.baseline_src:
                     base_plan = min(runs[args.baseline_src][1])[3]
                     rows.append((f"record {' '.join(flags)} (N={n}): same bytes as the baseline tree's",
@@ -179,7 +183,7 @@ def main() -> None:
                                         f"print(len(PlanFile.read({str(plan)!r}).ranks))"],
                                        capture_output=True, text=True, check=True).stdout)
             subset = sorted(random.Random(args.seed).sample(range(world), min(args.exhaustive_ranks, world)))
-            wall, _, _, exhaustive = run_record(args.model, [*flags, "--exhaustive", "--ranks",
+            wall, _, _, exhaustive, _ = run_record(args.model, [*flags, "--exhaustive", "--ranks",
                                                              ",".join(map(str, subset))], tmp / f"{name}-ex")
             rows.append((f"{name}: ranks {subset} equal to --exhaustive (random subset; a full exhaustive run takes "
                          f"~{wall / len(subset) * world / 60:.0f} min)",
