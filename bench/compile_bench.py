@@ -11,7 +11,7 @@
    less than the wall time). Families: tp-ep = `--tp N --ep` up to TP 64, then
    `--tp 32 --dp N/32 --ep`; tp = the same without --ep; dp-ep = `--tp 1 --dp N --ep`. With `--baseline-src DIR`
    each point is also run (alternated with this tree's) by a child whose `shardplan` is DIR's (e.g. the tree before
-   a change: `git archive REV shardplan | tar -x -C DIR`), printed on the next row as "baseline".
+   a change: `git archive REV shardplan | tar -x -C DIR`), printed on the row above as "baseline".
 3. The proof, same invocation: the whole-layout plans of Kimi-K2 TP32+EP and TP32 are cmp'd against plans/ (recorded
    exhaustively when shipped); for TP32+EP, TP32 and DP128+EP, `--exhaustive` (every rank and layer recorded) runs on
    a random subset of ranks, because a full exhaustive run takes minutes per layout, and each of those ranks'

@@ -53,12 +53,12 @@ class Block:
         return Block(self.ranks, self.offsets, self.base[mask], self.slopes[:, mask], self.distinct, self.spanning)
 
 
-def literal(rank: int, rows: np.ndarray, num_vars: int) -> Block:
-    """A recorded rank's rows (sorted, unique) as a block of one rank."""
+def literal(rank: int, rows: np.ndarray, num_vars: int, distinct: bool | None = None) -> Block:
+    """A recorded rank's rows (sorted, unique) as a block of one rank (`distinct`: known, else checked)."""
     rows = np.asarray(rows, dtype=np.int64)
     return Block(np.asarray([rank], dtype=np.int64), np.zeros((1, 0), dtype=np.int64), rows,
-                 np.zeros((0,) + rows.shape, dtype=np.int64), _distinct(rows[:, :num_vars]),
-                 np.zeros(1, dtype=np.int64))
+                 np.zeros((0,) + rows.shape, dtype=np.int64),
+                 _distinct(rows[:, :num_vars]) if distinct is None else distinct, np.zeros(1, dtype=np.int64))
 
 
 def line_block(ranks, offsets, base: np.ndarray, slopes: np.ndarray, num_vars: int) -> list[Block]:
@@ -91,15 +91,21 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
         out.append(Group(skeleton, coeffs, _trie(blocks, num_vars), num_vars + 1))
         return
     column = num_vars + bad
-    fixed: list[Block] = []
-    for b in blocks:   # split by the hole's value: where it moves with the rank, one block per rank first
-        if len(b.slopes) and b.slopes[:, :, column].any():
-            fixed.extend(literal(int(r), b.rows(j), num_vars) for j, r in enumerate(b.ranks.tolist()))
+    by_value: dict[int, list[Block]] = {}   # split by the hole's value, in block order within each part
+    for b in blocks:
+        if len(b.slopes) and b.slopes[:, :, column].any():   # the hole moves with the rank: one block per rank
+            parts = [literal(int(r), b.rows(j), num_vars, b.distinct) for j, r in enumerate(b.ranks.tolist())]
         else:
-            fixed.append(b)
-    for value in np.unique(np.concatenate([b.base[:, column] for b in fixed])).tolist():
-        parts = [b.take(mask) for b in fixed if (mask := b.base[:, column] == value).any()]
-        groups_of_blocks(skeleton, parts, num_vars, out)
+            parts = [b]
+        for part in parts:
+            values, inverse = np.unique(part.base[:, column], return_inverse=True)
+            if len(values) == 1:
+                by_value.setdefault(int(values[0]), []).append(part)
+                continue
+            for i, value in enumerate(values.tolist()):
+                by_value.setdefault(value, []).append(part.take(inverse.reshape(-1) == i))
+    for value in sorted(by_value):
+        groups_of_blocks(skeleton, by_value[value], num_vars, out)
 
 
 def _distinct(var_rows: np.ndarray) -> bool:

@@ -125,6 +125,12 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
             for i in range(lo, hi + 1):
                 predicted[us[i]] = get(first[us[i]])
             continue
+        if us[lo + 1][0] != us[lo][0] + 1:
+            # not neighbours (a subset of ranks): their chord of a staircase can meet the far end with ranks between
+            # off it (kv heads over TP 8 = 4 heads: TP ranks 0, 2, 4 on a line, 3 not); halve until they are
+            mid = (lo + hi) // 2
+            segments += [(lo, mid), (mid, hi)]
+            continue
         # the first two determine the line (their difference is the slope per rank), the last checks it
         a, next_a, last = get(first[us[lo]]), get(first[us[lo + 1]]), get(first[us[hi]])
         try:

@@ -15,8 +15,9 @@ from shardplan.plan.template import trie_from_rows
 @st.composite
 def blocks_and_rows(draw):
     num_vars, num_holes = draw(st.integers(1, 3)), draw(st.integers(0, 3))
-    coeffs = np.asarray(draw(st.lists(st.integers(-2, 2), min_size=num_holes * (num_vars + 2),
-                                      max_size=num_holes * (num_vars + 2)))).reshape(num_holes, num_vars + 2)
+    num_coeffs = num_holes * (num_vars + 2)
+    coeffs = np.asarray(draw(st.lists(st.integers(-2, 2), min_size=num_coeffs, max_size=num_coeffs)),
+                        dtype=np.int64).reshape(num_holes, num_vars + 2)
     var_range = draw(st.sampled_from([2, 4, 50]))   # small: rows of a rank share their variables
     noise = draw(st.sampled_from(["none", "fixed", "moving"]))   # holes off the affine map: splits
 
@@ -42,7 +43,7 @@ def blocks_and_rows(draw):
             materialised.append((rank, rows))
             continue
         num_axes = draw(st.integers(1, 2))
-        per_axis = np.asarray([draw(st.integers(1, 3)), draw(st.integers(10, 20))][:num_axes])   # rank per axis step
+        per_axis = np.asarray([draw(st.integers(1, 3)), draw(st.integers(13, 20))][:num_axes])   # distinct ranks
         points = sorted(draw(st.sets(st.tuples(st.integers(0, 4), st.integers(0, 2)), min_size=1, max_size=8)))
         offsets = np.asarray([p[:num_axes] for p in points], dtype=np.int64)
         offsets = np.unique(offsets, axis=0)
