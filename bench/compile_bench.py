@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_record(model: str, flags: list[str], out: Path,
                src: str | None = None) -> tuple[float, float, str, Path, float]:
-    """(wall s, peak RSS MiB, the `recording:` line, the plan, CPU s of the child): CPU time reads through a loaded box."""
+    """(wall s, peak RSS MiB, the `recording:` line, the plan, CPU s of the child: less disturbed by a loaded box)."""
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
     # `python -m` puts the working directory first on sys.path: the baseline's child runs in its tree
     env = None if src is None else {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
@@ -160,7 +160,8 @@ def main() -> None:
                     recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
                     label = ' '.join(flags) if src is None else f"{' '.join(flags)} baseline"
                     print(f"{label:<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
-                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {cpu_one:>6.1f} / {cpu_all:<5.1f} {cpu_all / cpu_one:>5.2f}x "
+                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {cpu_one:>6.1f} / {cpu_all:<5.1f} "
+                          f"{cpu_all / cpu_one:>5.2f}x "
                           f"{recorded[:90]}", flush=True)
                 if args.baseline_src:
                     base_plan = min(runs[args.baseline_src][1])[3]

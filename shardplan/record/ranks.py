@@ -7,15 +7,16 @@ the rank within the stage's DP x TP ranks (vLLM's MoE layers span the DP ranks w
 sliced over DP x TP). With both TP > 1 and DP > 1, u = (TP rank, DP rank): experts follow DP rank x TP + TP rank,
 the rest the TP rank, both affine in u.
 
-One coordinate: the first two ranks of a class determine the line (their difference is the exact change per rank;
-they must be neighbours, else the segment is halved), the last rank checks it; equal, every rank of the class is predicted. A loader's offsets are products of the rank
-(affine), floor divisions of it (kv heads replicated over TP ranks: a staircase, whose step between neighbours is 0
-or a whole head, never what the far end needs) and boundaries (padding rows on the last ranks, uneven experts: the
-far end is off the line unless two such breaks cancel there). Not equal, or no line at all (other templates, row
-counts, indivisible offsets): split at the middle and do the same on both halves, recording more ranks, at worst every
-one. Ranks that share a coordinate (DP replicas) are predicted from the first; the class's last rank is recorded to
-check that, and if it differs every rank of the class is recorded. Two coordinates: the first rank and its next along
-each axis determine the plane, the far corner checks it; otherwise one 1-D class per DP replica.
+One coordinate: the first two ranks of a class determine the line (their difference is the exact change per rank; they
+must be neighbours, else the segment is halved), the last rank checks it; equal, every rank of the class is predicted. A
+loader's offsets are products of the rank (affine), floor divisions of it (kv heads replicated over TP ranks: a
+staircase, whose step between neighbours is 0 or a whole head, never what the far end needs) and boundaries (padding
+rows on the last ranks, uneven experts: the far end is off the line unless two such breaks cancel there). Not equal, or
+no line at all (other templates, row counts, indivisible offsets): split at the middle and do the same on both halves,
+recording more ranks, at worst every one. Ranks that share a coordinate (DP replicas) are predicted from the first; the
+class's last rank is recorded to check that, and if it differs every rank of the class is recorded. Two coordinates: the
+first rank and its next along each axis determine the plane, the far corner checks it; otherwise one 1-D class per DP
+replica.
 """
 
 from __future__ import annotations
