@@ -123,7 +123,8 @@ def _lower(view: ir.View) -> _Tiled | None:
     if not -ndim <= dim < ndim:
         return None
     dim %= ndim
-    # the call's value: contiguous (repeat_interleave is an index_select), dim `dim` r times longer
+    # the call's value: a fresh contiguous tensor, dim `dim` r times longer (torch returns one for any input:
+    # tests/unit/test_simplify.py checks it), so the view's region addresses it as the recorder saw it
     shape = tuple(s * repeats if d == dim else s for d, s in enumerate(inner.shape))
     pieces = tuple(_Piece(tuple(p * repeats if d == dim else p for d, p in enumerate(piece.pos)),
                           tuple(_normal(digits + ((repeats, 0),)) if d == dim else digits

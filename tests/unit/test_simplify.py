@@ -124,3 +124,19 @@ def test_other_calls_are_kept():
     # a broadcasting copy (source sizes differ from the destination's): kept
     w = ir.Write("p", ir.full_region((2, 8, 6)), ir.View(call, ir.full_region((8, 6))))
     assert simplify_write(w) == [w]
+
+
+def test_repeat_interleave_returns_a_fresh_contiguous_tensor():
+    """The pass reads a view of a call's value as a box of a contiguous tensor (as the recorder saw its strides):
+    torch's repeat_interleave must return one for strided, transposed, expanded and size-1 inputs alike (on the meta
+    device, where the recorder runs, and on CPU)."""
+    base = torch.randn(4, 6, 5)
+    views = [base, base.transpose(0, 2), base[:, ::2], base.permute(1, 2, 0), base[1:2], base[..., :1],
+             base.as_strided((3, 4), (0, 1))]
+    for v in views:
+        for repeats in (1, 2, 3):
+            for dim in range(-v.dim(), v.dim()):
+                for t in (v, torch.empty_strided(v.shape, v.stride(), device="meta")):
+                    out = t.repeat_interleave(repeats, dim=dim)
+                    assert out.is_contiguous() and out.storage_offset() == 0, (v.stride(), repeats, dim, t.device)
+                    assert t.device.type == "meta" or out.data_ptr() != t.data_ptr()
