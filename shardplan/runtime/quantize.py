@@ -162,15 +162,20 @@ def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, i
 
 def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
     """Every block that element `box` touches lies in one of `scale_boxes` (in blocks): one scale read may cover
-    them, or several (the compiler splits an upsampled scale into pure views: plan/simplify.py)."""
+    them, or several (the compiler splits an upsampled scale into pure views: plan/simplify.py). Checked on the
+    grid the boxes' edges cut the touched blocks into (a few cells), not block by block."""
     (r0, r1), (c0, c1) = box
-    rows = range(r0 // block[0], math.ceil(r1 / block[0]))
-    cols = range(c0 // block[1], math.ceil(c1 / block[1]))
-    if any(s_r0 <= rows.start and rows.stop <= s_r1 and s_c0 <= cols.start and cols.stop <= s_c1
+    rows = (r0 // block[0], math.ceil(r1 / block[0]))
+    cols = (c0 // block[1], math.ceil(c1 / block[1]))
+    if any(s_r0 <= rows[0] and rows[1] <= s_r1 and s_c0 <= cols[0] and cols[1] <= s_c1
            for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes):
         return True
+
+    def cuts(lo: int, hi: int, dim: int) -> list[int]:
+        return sorted({lo, hi} | {e for sbox in scale_boxes for e in sbox[dim] if lo < e < hi})
+    row_cuts, col_cuts = cuts(*rows, 0), cuts(*cols, 1)
     return all(any(s_r0 <= i < s_r1 and s_c0 <= j < s_c1 for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes)
-               for i in rows for j in cols)
+               for i in row_cuts[:-1] for j in col_cuts[:-1])   # each cell by its first block
 
 
 def _source_views(view: ir.View, name: str) -> list[ir.View] | None:
