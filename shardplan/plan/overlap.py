@@ -17,6 +17,7 @@ from typing import Hashable, Iterable, Iterator, Sequence, TypeVar
 import numpy as np
 
 from shardplan.plan import ir
+from shardplan.plan.rowkeys import distinct_rows
 
 K = TypeVar("K", bound=Hashable)
 
@@ -112,27 +113,26 @@ def overlapping_writes(param: np.ndarray, offset: np.ndarray, sizes: np.ndarray,
     if not len(met):
         return out
     box_lo, box_hi, known = _boxes(offset[met], sizes[met], strides[met], shapes[met])
-    position = {int(w): k for k, w in enumerate(met.tolist())}
+    met_shapes = shapes[met]
     run_of = run[counts[run] > 1]
     starts = np.flatnonzero(np.concatenate([[True], run_of[1:] != run_of[:-1]]))
-    bounds = starts.tolist() + [len(met)]
-    same_shape = {}
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        members = [position[int(w)] for w in met[a:b].tolist()]
-        if b - a > MAX_BOX_RUN or not known[members].all():
-            out[met[a:b]] = True
+    lengths = counts[run_of[starts]]
+    # runs of two (one upsampled scale's head and whole blocks: nearly all of them), vectorised
+    a = starts[lengths == 2]
+    b = a + 1
+    apart = ((box_hi[a] <= box_lo[b]) | (box_hi[b] <= box_lo[a])).any(axis=1)
+    clear = known[a] & known[b] & (met_shapes[a] == met_shapes[b]).all(axis=1) & apart
+    out[met[a]] = ~clear
+    out[met[b]] = ~clear
+    for first, length in zip(starts[lengths > 2].tolist(), lengths[lengths > 2].tolist()):   # pairwise, in Python
+        members = np.arange(first, first + length)
+        if length > MAX_BOX_RUN or not known[members].all() or not (met_shapes[members] == met_shapes[first]).all():
+            out[met[members]] = True
             continue
-        key = tuple(map(tuple, shapes[met[a:b]].tolist()))
-        if key not in same_shape:
-            same_shape[key] = len(set(key)) == 1
-        if not same_shape[key]:
-            out[met[a:b]] = True
-            continue
-        l, h = box_lo[members], box_hi[members]   # [k, dims]
-        apart = (h[:, None, :] <= l[None, :, :]) | (h[None, :, :] <= l[:, None, :])
-        clash = ~apart.any(axis=2)
+        lo_m, hi_m = box_lo[members], box_hi[members]   # [k, dims]
+        clash = ~((hi_m[:, None, :] <= lo_m[None, :, :]) | (hi_m[None, :, :] <= lo_m[:, None, :])).any(axis=2)
         np.fill_diagonal(clash, False)
-        out[met[a:b]] = clash.any(axis=1)
+        out[met[members]] = clash.any(axis=1)
     return out
 
 
@@ -148,10 +148,9 @@ def _boxes(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: n
     box_hi = np.ones((num, dims), dtype=np.int64)
     known = np.zeros(num, dtype=bool)
     geometry = np.concatenate([sizes, strides, shapes], axis=1)
-    classes, inverse = np.unique(geometry, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
+    first, inverse = distinct_rows(geometry)
     width = sizes.shape[1]
-    for c, row in enumerate(classes.tolist()):
+    for c, row in enumerate(geometry[first].tolist()):
         rows = np.flatnonzero(inverse == c)
         shape = row[2 * width:]
         lengths = _box_lengths(row[:width], row[width:2 * width], shape)
