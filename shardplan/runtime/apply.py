@@ -87,7 +87,7 @@ class Applier:
                                         f"(recording fell back for them): {names}; pass fallback_loader=, e.g. "
                                         f"lambda n, t: model.load_weights([(n, t)])")
         self.fallback_loader = fallback_loader
-        metas = {p.name: p for p in plan.params}
+        self._metas = metas = {p.name: p for p in plan.params}
         self._columns = cols = columns_of(plan)
         self.params = {}
         for name in cols.written_params():
@@ -127,7 +127,7 @@ class Applier:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
         steps = self.__dict__.get("_step_lists")
         if steps is None:
-            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed).tolist()))
+            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed, self._metas).tolist()))
             steps = [[] for _ in range(1 + max(levels.values(), default=-1))]
             for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
                 runs = steps[levels[item.write]]

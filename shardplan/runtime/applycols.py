@@ -8,7 +8,7 @@ from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import base_group
-from shardplan.plan.overlap import overlap_levels
+from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
 from shardplan.runtime.packcols import class_extents, group_cached, region_tuples
 from shardplan.runtime.tensors import collapse
 
@@ -84,29 +84,21 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
                      table.dtype[seg], table.dtypes, seen)
 
 
-def overlap_steps(cols: WriteColumns, placed: Placement) -> np.ndarray:
+def overlap_steps(cols: WriteColumns, placed: Placement, metas) -> np.ndarray:
     """Overlap level per placed write (a write comes after every earlier-in-plan write whose destination overlaps
-    it). Writes overlapping none are level 0; the few that do (a rank's ordered writes) go through
-    overlap.overlap_levels."""
+    it). Writes overlapping none are level 0 (overlap.overlapping_writes: extents, then boxes where extents meet);
+    the few that may (a rank's ordered writes) go through overlap.overlap_levels. `metas`: the plan's params."""
     index = placed.write
+    levels = np.zeros(len(index), dtype=np.int64)
+    if len(index) < 2:
+        return levels
     lo, hi, _ = class_extents(cols, "dst", index)
     param = cols.param[index]
-    keep = np.nonzero(hi > lo)[0]
-    levels = np.zeros(len(index), dtype=np.int64)
-    if len(keep) < 2:
+    may = overlapping_writes(param, cols.dst_offset[index], np.take(cols.dst_sizes, index, axis=0),
+                             np.take(cols.dst_strides, index, axis=0), param_shapes(cols.param_names, metas)[param])
+    rows = np.nonzero(may & (hi > lo))[0]
+    if not len(rows):
         return levels
-    order = keep[np.lexsort((hi[keep], lo[keep], param[keep]))]
-    _, ranked = np.unique(np.concatenate([lo[order], hi[order]]), return_inverse=True)
-    ranked = ranked.reshape(-1)
-    span = len(ranked) + 1
-    p = param[order]
-    lo_r, hi_r = ranked[:len(order)] + p * span, ranked[len(order):] + p * span
-    reach = np.maximum.accumulate(hi_r)[:-1]
-    hit = (p[1:] == p[:-1]) & (lo_r[1:] < reach)
-    involved_params = np.unique(p[1:][hit])
-    if not len(involved_params):
-        return levels
-    rows = np.nonzero(np.isin(param, involved_params) & (hi > lo))[0]
     got = overlap_levels((int(param[j]), int(lo[j]), int(hi[j]), int(index[j])) for j in rows.tolist())
     levels[rows] = [got[int(index[j])] for j in rows.tolist()]
     return levels

@@ -13,6 +13,7 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.interp import PlanError
+from shardplan.plan.overlap import overlapping_writes, param_shapes
 from shardplan.plan.names import group_of, group_order
 from shardplan.plan.rowkeys import Columns, distinct_rows, row_keys, stable_argsort
 from shardplan.runtime.tensors import broadcast_region, collapse
@@ -182,7 +183,9 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     if max_group_bytes is not None:
         if max_group_bytes <= 0:
             raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-        keep_whole = _overlapping_groups(gp, _gather_dst(all_cols, w["rank_pos"], w["index"]), group_ord, group_names)
+        keep_whole = _overlapping_groups(gp, _gather_dst(all_cols, w["rank_pos"], w["index"]),
+                                         _gather_shapes(plans, all_cols, w["rank_pos"], w["index"]), group_ord,
+                                         group_names)
         spans, out["group"], out["group_names"] = _split(spans, out, max_group_bytes, keep_whole)
     out["spans"] = spans
     return out
@@ -279,6 +282,17 @@ def _gather_dst(all_cols, rank_pos, index) -> dict:
     return out
 
 
+def _gather_shapes(plans, all_cols, rank_pos, index) -> np.ndarray:
+    """Per write: its param's shape as its plan declares it (padded with trailing 1s)."""
+    tables = [param_shapes(c.param_names, {p.name: p for p in plan.params}) for plan, c in zip(plans, all_cols)]
+    width = max([t.shape[1] for t in tables] + [1])
+    out = np.ones((len(index), width), dtype=np.int64)
+    for pos, (cols, table) in enumerate(zip(all_cols, tables)):
+        mask = rank_pos == pos
+        out[mask, :table.shape[1]] = table[cols.param[index[mask]]]
+    return out
+
+
 def _group_spans(seg_group: np.ndarray, offset: np.ndarray, total: int) -> list[list]:
     """[group ordinal, start, stop, first, last] per run of segments of one group."""
     if len(seg_group) == 0:
@@ -318,24 +332,11 @@ def class_extents(cols: WriteColumns, side: str, rows: np.ndarray) -> tuple[np.n
     return np.where(empty, offset, offset + c_lo[klass]), np.where(empty, offset, offset + c_hi[klass]), empty
 
 
-def _overlapping_groups(gp, cols_dst, group_ord, group_names) -> set[str]:
-    """Groups in which two writes (of any of the plans' ranks) to one param name have intersecting extents."""
-    lo, hi = extents(cols_dst["offset"], cols_dst["sizes"], cols_dst["strides"])
-    keep = hi > lo
-    gp, lo, hi = gp[keep], lo[keep], hi[keep]
-    if len(gp) < 2:
-        return set()
-    order = np.lexsort((hi, lo, gp))
-    gp, lo, hi = gp[order], lo[order], hi[order]
-    # dense ranks of the bounds keep `param * span + bound` small: later params start above every earlier hi, so
-    # one running max serves all params
-    _, ranked = np.unique(np.concatenate([lo, hi]), return_inverse=True)
-    ranked = ranked.reshape(-1)
-    span = len(ranked) + 1
-    lo_r, hi_r = ranked[:len(lo)] + gp * span, ranked[len(lo):] + gp * span
-    reach = np.maximum.accumulate(hi_r)[:-1]
-    hit = (gp[1:] == gp[:-1]) & (lo_r[1:] < reach)
-    return {group_names[group_ord[p]] for p in np.unique(gp[1:][hit]).tolist()}
+def _overlapping_groups(gp, cols_dst, shapes, group_ord, group_names) -> set[str]:
+    """Groups in which two writes (of any of the plans' ranks) to one param name may share an element
+    (overlap.overlapping_writes: extents, then boxes of the param where extents meet)."""
+    may = overlapping_writes(gp, cols_dst["offset"], cols_dst["sizes"], cols_dst["strides"], shapes)
+    return {group_names[group_ord[p]] for p in np.unique(gp[may]).tolist()}
 
 
 def _split(spans, out, max_bytes, keep_whole) -> tuple[list, np.ndarray, tuple]:
