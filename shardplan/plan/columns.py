@@ -206,18 +206,53 @@ class WriteColumns:
 
     def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
                  src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,
-                 classes: Mapping[str, np.ndarray] | None = None):
+                 classes: Mapping[str, np.ndarray] | None = None,
+                 tables: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None):
+        # `tables` (with `classes`): a side's geometry as (ndim, sizes, strides) per class, its per-write
+        # `*_ndim/_sizes/_strides` left None: gathered only when asked (the hot consumers read classes)
         self.param_names = tuple(param_names)
         self.param = np.asarray(param, dtype=np.int64)
-        self.dst_offset, self.dst_ndim = np.asarray(dst_offset, dtype=np.int64), np.asarray(dst_ndim, dtype=np.int64)
-        self.dst_sizes, self.dst_strides = _matrix(dst_sizes, 1), _matrix(dst_strides, 0)
+        self.dst_offset = np.asarray(dst_offset, dtype=np.int64)
         self.src = np.asarray(src, dtype=np.int64)
-        self.src_offset, self.src_ndim = np.asarray(src_offset, dtype=np.int64), np.asarray(src_ndim, dtype=np.int64)
-        self.src_sizes, self.src_strides = _matrix(src_sizes, 1), _matrix(src_strides, 0)
+        self.src_offset = np.asarray(src_offset, dtype=np.int64)
+        self._geometry: dict[tuple[str, int], np.ndarray] = {}
+        self._tables = dict(tables or {})
+        for side, ndim, sizes, strides in (("dst", dst_ndim, dst_sizes, dst_strides),
+                                           ("src", src_ndim, src_sizes, src_strides)):
+            if side not in self._tables:
+                self._geometry.update({(side, 0): np.asarray(ndim, dtype=np.int64), (side, 1): _matrix(sizes, 1),
+                                       (side, 2): _matrix(strides, 0)})
         self.computed = dict(computed)
         self.sources = sources
         self._cache: dict = {}
         self._classes = dict(classes or {})
+
+    def _side(self, side: str, k: int) -> np.ndarray:
+        got = self._geometry.get((side, k))
+        if got is None:
+            got = self._geometry[(side, k)] = np.take(self._tables[side][k], self._classes[side], axis=0)
+        return got
+
+    dst_ndim = property(lambda self: self._side("dst", 0))
+    dst_sizes = property(lambda self: self._side("dst", 1))
+    dst_strides = property(lambda self: self._side("dst", 2))
+    src_ndim = property(lambda self: self._side("src", 0))
+    src_sizes = property(lambda self: self._side("src", 1))
+    src_strides = property(lambda self: self._side("src", 2))
+
+    def geometry_rows(self, side: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ndim, sizes, strides) of the `side` regions of the given writes (from the class tables when the columns
+        have them: no per-write matrix is built)."""
+        if (side, 1) not in self._geometry:
+            ndim, sizes, strides = self._tables[side]
+            klass = self._classes[side][rows]
+            return ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)
+        return self._side(side, 0)[rows], np.take(self._side(side, 1), rows, axis=0), np.take(self._side(side, 2), rows,
+                                                                                             axis=0)
+
+    def geometry_width(self, side: str) -> int:
+        """Columns of the `side` sizes/strides matrices (the widest region, padded)."""
+        return (self._tables[side][1] if (side, 1) not in self._geometry else self._geometry[(side, 1)]).shape[1]
 
     def region_classes(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(class per write, a representative write per class) of the `side` ("dst"/"src") region geometry (ndim,
@@ -246,7 +281,8 @@ class WriteColumns:
 
     def written_params(self) -> tuple[str, ...]:
         """Names of the params the writes write, sorted."""
-        return tuple(sorted(self.param_names[i] for i in np.unique(self.param).tolist()))
+        written = np.flatnonzero(np.bincount(self.param, minlength=len(self.param_names)))   # no sort: O(writes)
+        return tuple(sorted(self.param_names[i] for i in written.tolist()))
 
     def sources_of(self, i: int) -> tuple[str, ...]:
         """Names of the checkpoint tensors write i reads, sorted."""
@@ -294,9 +330,17 @@ class WriteColumns:
 
     # -- one write back as objects (cached: regions and names repeat) --
     def _region(self, side: str, i: int) -> ir.Region:
-        ndim = int(getattr(self, f"{side}_ndim")[i])
-        key = (side, int(getattr(self, f"{side}_offset")[i]), tuple(getattr(self, f"{side}_sizes")[i, :ndim].tolist()),
-               tuple(getattr(self, f"{side}_strides")[i, :ndim].tolist()))
+        if (side, 1) in self._geometry:
+            ndim = int(self._geometry[(side, 0)][i])
+            geometry = (tuple(self._geometry[(side, 1)][i, :ndim].tolist()),
+                        tuple(self._geometry[(side, 2)][i, :ndim].tolist()))
+        else:   # per class, kept
+            klass = ("class", side, int(self._classes[side][i]))
+            geometry = self._cache.get(klass)
+            if geometry is None:
+                ndim, sizes, strides = (t[klass[2]] for t in self._tables[side])
+                geometry = self._cache[klass] = (tuple(sizes[:int(ndim)].tolist()), tuple(strides[:int(ndim)].tolist()))
+        key = (side, int(getattr(self, f"{side}_offset")[i])) + geometry
         region = self._cache.get(key)
         if region is None:
             region = self._cache[key] = ir.Region(key[1], key[2], key[3])

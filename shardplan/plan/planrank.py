@@ -81,14 +81,9 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     objects = _computed_objects(blocks, order, ordered, num_free) if any(
         b["objects"] for b in blocks) or ordered else {}
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}
-    geometry = []
-    for side in ("dst", "src"):   # the class tables gathered: one pass per matrix
-        ndim, sizes, strides = tables[side]
-        klass = cols[f"{side}_class"]
-        geometry += [ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)]
-    return WriteColumns(names, cols["param"], cols["dst_offset"], *geometry[:3], cols["src"], cols["src_offset"],
-                        *geometry[3:], computed=computed, sources=ids,
-                        classes={"dst": cols["dst_class"], "src": cols["src_class"]})
+    return WriteColumns(names, cols["param"], cols["dst_offset"], None, None, None, cols["src"], cols["src_offset"],
+                        None, None, None, computed=computed, sources=ids,
+                        classes={"dst": cols["dst_class"], "src": cols["src_class"]}, tables=tables)
 
 
 def _name_cache(body: PlanBody) -> dict:

@@ -31,9 +31,9 @@ def real_dims(ndim: np.ndarray, width: int) -> np.ndarray:
 
 def region_tuples(cols: WriteColumns, side: str, rows: np.ndarray) -> list[tuple]:
     """(sizes, strides) tuples of the given rows (call on distinct rows only)."""
-    ndim = getattr(cols, f"{side}_ndim")
-    sizes, strides = getattr(cols, f"{side}_sizes"), getattr(cols, f"{side}_strides")
-    return [(tuple(sizes[i, :ndim[i]].tolist()), tuple(strides[i, :ndim[i]].tolist())) for i in rows.tolist()]
+    ndim, sizes, strides = cols.geometry_rows(side, rows)
+    return [(tuple(size[:k]), tuple(stride[:k])) for k, size, stride in zip(ndim.tolist(), sizes.tolist(),
+                                                                              strides.tolist())]
 
 
 def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
@@ -47,10 +47,9 @@ def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
     pair = np.where(cols.src < 0, -1, src_class * (int(dst_class.max(initial=0)) + 1) + dst_class)
     first, inverse = distinct_rows(pair[:, None])   # computed writes: one shared id (their geometry is unused)
     out = []
-    for i in first.tolist():
-        n_src, n_dst = int(cols.src_ndim[i]), int(cols.dst_ndim[i])
-        region = ir.Region(0, tuple(cols.src_sizes[i, :n_src].tolist()), tuple(cols.src_strides[i, :n_src].tolist()))
-        dst_sizes = tuple(cols.dst_sizes[i, :n_dst].tolist())
+    for (src_sizes, src_strides), (dst_sizes, _) in zip(region_tuples(cols, "src", first),
+                                                        region_tuples(cols, "dst", first)):
+        region = ir.Region(0, src_sizes, src_strides)
         src = broadcast_region(region, dst_sizes)
         out.append((src, collapse(*((src or region).sizes, (src or region).strides))))
     cols._cache["geometry_keys"] = inverse, out
@@ -149,19 +148,32 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     # dedup: identical bytes = same source view, same destination dtype and shape, same group
     key = Columns([group_ord[gp], w["src"], w["src_offset"], src_geo[order], w["dtype"], dsz_ord], len(gp))
     first, inverse = distinct_rows(key)
-    seg_of_distinct = np.empty(len(first), dtype=np.int64)
-    seg_of_distinct[np.argsort(first)] = np.arange(len(first))   # first indices are distinct
-    seg = seg_of_distinct[inverse]
-    by_seg = stable_argsort(seg)   # refs of a segment in layout order
     num_segments = len(first)
-    rep = np.sort(first)                      # each segment's first write (layout order)
-    counts = np.bincount(seg, minlength=num_segments)
-    ref_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    one_per_write = num_segments == len(gp)   # no two writes of identical bytes (one rank's plan, usually)
+    if one_per_write:
+        def by_seg(a):
+            return a
+        ref_start = np.arange(num_segments + 1, dtype=np.int64)
+        rep = slice(None)
+    else:
+        # segments numbered in layout order of their first write (first indices are distinct: no sort needed)
+        is_first = np.zeros(len(gp), dtype=bool)
+        is_first[first] = True
+        seg = (np.cumsum(is_first) - 1)[first][inverse]
+        refs = stable_argsort(seg)   # refs of a segment in layout order
+
+        def by_seg(a):
+            return a[refs]
+        ref_start = np.concatenate([[0], np.cumsum(np.bincount(seg, minlength=num_segments))]).astype(np.int64)
+        rep = np.flatnonzero(is_first)   # each segment's first write (layout order)
     # per ref: its destination region; per segment: dtype, shape (its first ref's destination sizes), group, bytes,
-    # offset (a segment's first ref is its first write in layout order: by_seg is stable)
-    ref_dst = _gather_dst(all_cols, w["rank_pos"][by_seg], w["index"][by_seg])
+    # offset (a segment's first ref is its first write in layout order: the refs' order is stable)
+    ref_dst = _gather_dst(all_cols, by_seg(w["rank_pos"]), by_seg(w["index"]))
     seg_dtype = w["dtype"][rep]
-    seg_ndim, seg_shape = ref_dst["ndim"][ref_start[:-1]], np.take(ref_dst["sizes"], ref_start[:-1], axis=0)
+    if one_per_write:
+        seg_ndim, seg_shape = ref_dst["ndim"], ref_dst["sizes"]
+    else:
+        seg_ndim, seg_shape = ref_dst["ndim"][ref_start[:-1]], np.take(ref_dst["sizes"], ref_start[:-1], axis=0)
     numel = np.ones(num_segments, dtype=np.int64)
     for j in range(seg_shape.shape[1]):   # dims past ndim count 1
         numel *= np.where(seg_ndim > j, seg_shape[:, j], 1)
@@ -173,8 +185,8 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     seg_group = group_ord[gp[rep]]
     out = {"offset": offset, "nbytes": nbytes, "dtype": seg_dtype, "dtypes": tuple(dtype_names),
            "shape_ndim": seg_ndim, "shape": seg_shape, "group": seg_group, "group_names": tuple(group_names),
-           "ref_start": ref_start, "ref_rank": w["rank"][by_seg], "ref_index": w["index"][by_seg],
-           "ref_param": gp[by_seg], "param_names": tuple(param_names),
+           "ref_start": ref_start, "ref_rank": by_seg(w["rank"]), "ref_index": by_seg(w["index"]),
+           "ref_param": by_seg(gp), "param_names": tuple(param_names),
            "ref_dst_offset": ref_dst["offset"], "ref_dst_ndim": ref_dst["ndim"],
            "ref_dst_sizes": ref_dst["sizes"], "ref_dst_strides": ref_dst["strides"],
            "nbytes_total": total}
@@ -261,21 +273,22 @@ def _break_ties(order, w, prefix_keys, all_cols) -> np.ndarray:
 
 
 def _gather_dst(all_cols, rank_pos, index) -> dict:
-    width = max(c.dst_sizes.shape[1] for c in all_cols) if all_cols else 1
-    if len(all_cols) == 1 and all_cols[0].dst_sizes.shape[1] == width:   # one plan: plain gathers
+    width = max(c.geometry_width("dst") for c in all_cols) if all_cols else 1
+    if len(all_cols) == 1 and all_cols[0].geometry_width("dst") == width:   # one plan: plain gathers
         cols = all_cols[0]
-        return {"offset": cols.dst_offset[index], "ndim": cols.dst_ndim[index],
-                "sizes": np.take(cols.dst_sizes, index, axis=0), "strides": np.take(cols.dst_strides, index, axis=0)}
+        ndim, sizes, strides = cols.geometry_rows("dst", index)
+        return {"offset": cols.dst_offset[index], "ndim": ndim, "sizes": sizes, "strides": strides}
     n = len(index)
     out = {"offset": np.empty(n, dtype=np.int64), "ndim": np.empty(n, dtype=np.int64),
            "sizes": np.ones((n, width), dtype=np.int64), "strides": np.zeros((n, width), dtype=np.int64)}
     for pos, cols in enumerate(all_cols):
         mask = rank_pos == pos
         rows = index[mask]
+        ndim, sizes, strides = cols.geometry_rows("dst", rows)
         out["offset"][mask] = cols.dst_offset[rows]
-        out["ndim"][mask] = cols.dst_ndim[rows]
-        out["sizes"][mask, :cols.dst_sizes.shape[1]] = cols.dst_sizes[rows]
-        out["strides"][mask, :cols.dst_strides.shape[1]] = cols.dst_strides[rows]
+        out["ndim"][mask] = ndim
+        out["sizes"][mask, :sizes.shape[1]] = sizes
+        out["strides"][mask, :strides.shape[1]] = strides
     return out
 
 
@@ -309,9 +322,9 @@ def class_extents(cols: WriteColumns, side: str, rows: np.ndarray) -> tuple[np.n
     """(lo, hi, empty) of the `side` regions of the given writes, as `extents` gives them, computed once per
     geometry class (a template's writes share one) and gathered."""
     classes, first = cols.region_classes(side)
-    c_lo, c_hi = extents(np.zeros(len(first), dtype=np.int64), getattr(cols, f"{side}_sizes")[first],
-                         getattr(cols, f"{side}_strides")[first])
-    c_empty = (getattr(cols, f"{side}_sizes")[first] == 0).any(axis=1)
+    _, sizes, strides = cols.geometry_rows(side, first)
+    c_lo, c_hi = extents(np.zeros(len(first), dtype=np.int64), sizes, strides)
+    c_empty = (sizes == 0).any(axis=1)
     klass = classes[rows]
     offset = getattr(cols, f"{side}_offset")[rows]
     empty = c_empty[klass]
