@@ -41,11 +41,13 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     plan_param = {name: i for i, name in enumerate(cols.param_names)}
     layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
     ok &= layout_to_plan[table.ref_param[mine]] == cols.param[safe]
-    dst_ndim, dst_sizes, _ = cols.geometry_rows("dst", safe)
-    ok &= table.shape_ndim[seg] == dst_ndim
-    width = min(table.shape.shape[1], dst_sizes.shape[1])
-    for j in range(width):   # 1-D passes: `.all(axis=1)` over a short axis costs ~10x
-        ok &= table.shape[:, j][seg] == dst_sizes[:, j]
+    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis costs ~10x
+    dst_class, reps = cols.region_classes("dst")
+    c_ndim, c_sizes, _ = cols.geometry_rows("dst", reps)
+    klass = dst_class[safe]
+    ok &= table.shape_ndim[seg] == c_ndim[klass]
+    for j in range(min(table.shape.shape[1], c_sizes.shape[1])):
+        ok &= table.shape[:, j][seg] == c_sizes[:, j][klass]
     dtype_id = {d: i for i, d in enumerate(table.dtypes)}
     param_dtype = np.asarray([dtype_id.get(p.dtype, -1) for p in plan.params] + [-1], dtype=np.int64)
     ok &= param_dtype[np.minimum(cols.param[safe], len(plan.params))] == table.dtype[seg]

@@ -145,21 +145,27 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
              else w[k][order]) for k in ("rank_pos", "dtype", "rank", "index", "param", "src", "src_offset")}
     dsz_ord = dsz_ord[order]
     gp = w["param"]
-    # dedup: identical bytes = same source view, same destination dtype and shape, same group
-    key = Columns([group_ord[gp], w["src"], w["src_offset"], src_geo[order], w["dtype"], dsz_ord], len(gp))
-    first, inverse = distinct_rows(key)
-    num_segments = len(first)
-    one_per_write = num_segments == len(gp)   # no two writes of identical bytes (one rank's plan, usually)
+    # dedup: identical bytes = same source view, same destination dtype and shape, same group; only writes that share
+    # their source tensor (or computed view) with another can be one (a rank reads most tensors once): the key rows
+    # are numbered among those alone
+    src = w["src"]
+    first_of = np.arange(len(gp), dtype=np.int64)   # the first write (layout order) of each write's bytes
+    shared = np.flatnonzero(np.bincount(src - int(src.min()))[src - int(src.min())] > 1) if len(gp) else first_of
+    if len(shared):
+        key = Columns([a[shared] for a in (group_ord[gp], src, w["src_offset"], src_geo[order], w["dtype"], dsz_ord)],
+                      len(shared))
+        first, inverse = distinct_rows(key)
+        first_of[shared] = shared[first[inverse]]
+    is_first = first_of == np.arange(len(gp))
+    num_segments = int(is_first.sum())
+    one_per_write = num_segments == len(gp)
     if one_per_write:
         def by_seg(a):
             return a
         ref_start = np.arange(num_segments + 1, dtype=np.int64)
         rep = slice(None)
     else:
-        # segments numbered in layout order of their first write (first indices are distinct: no sort needed)
-        is_first = np.zeros(len(gp), dtype=bool)
-        is_first[first] = True
-        seg = (np.cumsum(is_first) - 1)[first][inverse]
+        seg = (np.cumsum(is_first) - 1)[first_of]   # segments numbered in layout order of their first write
         refs = stable_argsort(seg)   # refs of a segment in layout order
 
         def by_seg(a):
