@@ -124,15 +124,20 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     w = {k: (v[0] if len(v) == 1 else np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
          for k, v in parts.items()}
     # tuples -> global ordinals (the sort compares tuples as Python does)
-    geo_ord = _global_ordinals(w["geometry"], [[g[1] for g in t] for t in geometry_tables], w["kind"])
     dsz_ord = _global_ordinals(w["dsizes"], [[d[0] for d in t] for t in dst_tables])
-    dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
     src_geo = _global_ordinals(w["srcgeo"], src_tables)
     gp = w["param"]
-    prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
-    packed = row_keys(Columns(prefix, len(gp))) if len(gp) else None   # mixed radix keeps lexicographic order
-    if packed is not None:
-        prefix = [packed[0]]
+    key = _one_plan_key(all_cols[0], group_ord, name_ord, plan_dtypes[0], geometry_tables[0], dst_tables[0]) if (
+        len(plans) == 1 and len(gp)) else None
+    if key is not None:
+        packed = prefix = [key]
+    else:
+        geo_ord = _global_ordinals(w["geometry"], [[g[1] for g in t] for t in geometry_tables], w["kind"])
+        dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
+        prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
+        packed = row_keys(Columns(prefix, len(gp))) if len(gp) else None   # mixed radix keeps lexicographic order
+        if packed is not None:
+            prefix = [packed[0]]
     offset_lo = int(w["dst_offset"].min()) if len(gp) else 0
     offset_span = int(w["dst_offset"].max()) - offset_lo + 1 if len(gp) else 1
     if packed is not None and (int(packed[0].max()) + 1) * offset_span < 1 << 62:   # one key: one stable sort
@@ -204,6 +209,32 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
         spans, out["group"], out["group_names"] = _split(spans, out, max_group_bytes, keep_whole)
     out["spans"] = spans
     return out
+
+
+def _one_plan_key(cols: WriteColumns, group_ord, name_ord, param_dtypes, geometry_table, dst_table) -> np.ndarray | None:
+    """One plan's sort prefix (group, kind, dtype, geometry, name, destination sizes, destination strides; the rank
+    position is constant) as one mixed-radix key per write, summed from a per-param, a per-geometry and a
+    per-destination-class table: three gathers instead of a pass per key. None when the radix needs over 62 bits."""
+    geo_id, _ = geometry_keys(cols)
+    dst_id, _ = cols.region_classes("dst")
+    geo, _ = ordinals([g[1] for g in geometry_table])
+    kind = np.zeros(len(geo), dtype=np.int64)
+    kind[geo_id[cols.src < 0]] = 1   # computed writes have geometry ids of their own
+    geo = np.where(kind > 0, 0, geo)   # computed writes: geometry ((), ()) in the reference key, after `kind`
+    dsz, _ = ordinals([d[0] for d in dst_table])
+    dst, _ = ordinals([d[1] for d in dst_table])
+    num_params = len(name_ord)
+    tables = {"param": np.zeros(num_params, dtype=np.int64), "geo": np.zeros(len(geo), dtype=np.int64),
+              "dst": np.zeros(len(dsz), dtype=np.int64)}
+    digits = [("param", group_ord), ("geo", kind), ("param", param_dtypes[:num_params]), ("geo", geo),
+              ("param", name_ord), ("dst", dsz), ("dst", dst)]
+    mult = 1
+    for part, values in reversed(digits):   # the last key varies fastest
+        tables[part] += values * mult
+        mult *= int(values.max(initial=0)) + 1
+        if mult >= 1 << 62:
+            return None
+    return tables["param"][cols.param] + tables["geo"][geo_id] + tables["dst"][dst_id]
 
 
 _GROUPS: dict[str, str] = {}
