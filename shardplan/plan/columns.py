@@ -5,7 +5,8 @@ A non-EP Kimi-K2 TP32 rank has ~70k writes; as Python objects they cost ~1 s to 
 region (`dst_offset`, `dst_ndim`, `dst_sizes`, `dst_strides`), and for a pure view `param[box] <- source[box]` the
 checkpoint tensor (`src[i]`, an id in `sources`, a `SourceIds`) and the source region (`src_*`). Region rows are
 padded to the widest region of the rank with size 1 / stride 0 (neutral for numel and extent); `*_ndim` says how many
-dims are real. Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
+dims are real. Columns of a plan file's rank hold the region geometry per class instead (a template's writes share
+one): the per-write matrices are gathered on first access, `geometry_rows` reads only the rows it is asked for. Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
 
 `LazyWrites` is the `RankPlan.writes` of a columnar plan: a sequence that builds `ir.Write` objects only when asked
 (printing, tests); `columns_of(plan)` gives the columns of any plan (built from objects when the plan has none).
