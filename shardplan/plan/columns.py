@@ -6,7 +6,8 @@ region (`dst_offset`, `dst_ndim`, `dst_sizes`, `dst_strides`), and for a pure vi
 checkpoint tensor (`src[i]`, an id in `sources`, a `SourceIds`) and the source region (`src_*`). Region rows are
 padded to the widest region of the rank with size 1 / stride 0 (neutral for numel and extent); `*_ndim` says how many
 dims are real. Columns of a plan file's rank hold the region geometry per class instead (a template's writes share
-one): the per-write matrices are gathered on first access, `geometry_rows` reads only the rows it is asked for. Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
+one): the per-write matrices are gathered on first access, `geometry_rows` reads only the rows it is asked for.
+Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
 
 `LazyWrites` is the `RankPlan.writes` of a columnar plan: a sequence that builds `ir.Write` objects only when asked
 (printing, tests); `columns_of(plan)` gives the columns of any plan (built from objects when the plan has none).
@@ -94,16 +95,19 @@ class TableSourceIds(SourceIds):
             if keyed is None:   # a radix too wide for int64 keys: plancheck's hole limits make this unreachable
                 keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
             else:
-                order = np.argsort(keyed[0], kind="stable")
+                # an index trie expands in lexicographic order (its runs are sorted and disjoint): no sort then
+                in_order = bool((keyed[0][1:] > keyed[0][:-1]).all())
+                order = slice(None) if in_order else np.argsort(keyed[0], kind="stable")
                 sorted_keys = keyed[0][order]
+                highs = rows.max(axis=0) if len(rows) else keyed[1]
                 # every key of the box [lows, highs] (an in-range query can be any of them, present or not)
-                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), rows.max(axis=0).tolist())],
+                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), highs.tolist())],
                                    dtype=object)) if len(rows) else 0
                 lut = None
                 if span <= 4 * len(rows) + 4096:   # a small key range: position by table lookup, no search
                     lut = np.full(span, -1, dtype=np.int64)
                     lut[sorted_keys] = np.arange(len(rows), dtype=np.int64)
-                keys = (sorted_keys, keyed[1], rows.max(axis=0) if len(rows) else keyed[1], keyed[2], lut)
+                keys = (sorted_keys, keyed[1], highs, keyed[2], lut)
             self._rows.append(rows[order])
             self._keys.append(keys)
             self.texts.append(text)

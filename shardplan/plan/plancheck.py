@@ -15,6 +15,7 @@ import re
 import reprlib
 from bisect import bisect_left, bisect_right
 from itertools import chain
+from math import prod
 
 import numpy as np
 
@@ -266,13 +267,15 @@ def check_body(raw, header: dict, c: Checker) -> None:
         c.fail("header.num_sources", header["num_sources"], f"the source table holds {num_sources} names")
 
     # params
-    numels = []
-    for i, row in enumerate(c.array(params, "body.params")):
-        at = f"body.params[{i}]"
-        c.array(row, at, 3)
-        c.name(row[0], f"{at}.name")
-        numels.append(c.shape(row[1], f"{at}.shape"))
-        c.dtype(row[2], f"{at}.dtype")
+    numels = _param_numels(c.array(params, "body.params"))
+    if numels is None:   # a rule is broken: the per-entry checks name it
+        numels = []
+        for i, row in enumerate(params):
+            at = f"body.params[{i}]"
+            c.array(row, at, 3)
+            c.name(row[0], f"{at}.name")
+            numels.append(c.shape(row[1], f"{at}.shape"))
+            c.dtype(row[2], f"{at}.dtype")
     # a name appears once per distinct (shape, dtype) some rank declares it with: entries sorted by all three
     c.increasing([(row[0], tuple(row[1]), row[2]) for row in params], "body.params", "param entries (name, shape, dtype)")
 
@@ -310,8 +313,9 @@ def check_body(raw, header: dict, c: Checker) -> None:
             c.fail(f"{at}.coeff_shape", cshape, f"must be [{num_holes}, {1 + num_vars}] (holes of the skeleton, "
                                                 f"1 + num_vars)")
         coeffs = c.array(row[2], f"{at}.coeff_values", num_holes * (1 + num_vars))
-        for j, v in enumerate(coeffs):
-            c.int_(v, f"{at}.coeff_values[{j}]")
+        if set(map(type, coeffs)) - {int} or (coeffs and not INT64_MIN <= min(coeffs) <= max(coeffs) <= INT64_MAX):
+            for j, v in enumerate(coeffs):   # one is not an int64: name it
+                c.int_(v, f"{at}.coeff_values[{j}]")
         stats = [[None, None] for _ in range(num_vars)]
         c.trie(row[3], f"{at}.index", 0, (0,) + (-1,) * (num_vars - 1), stats)
         _check_hole_range(coeffs, num_holes, num_vars, stats, at, c)
@@ -354,6 +358,28 @@ def check_body(raw, header: dict, c: Checker) -> None:
         if per_rank[rank] > capacity[rank]:
             c.limit(f"body.groups (rank {rank})", f"{per_rank[rank]} writes, more than the {capacity[rank]} "
                                                   f"elements of the rank's params can hold")
+
+
+def _param_numels(params: tuple) -> list[int] | None:
+    """The elements of each param entry's shape when every entry is [name, shape, dtype] by the rules of
+    `Checker.name`, `Checker.shape` and `Checker.dtype`; None when one is not. C-level passes over all entries (a
+    plan declares ~700-1300), not a check call per value."""
+    if set(map(type, params)) - {tuple} or set(map(len, params)) - {3}:
+        return None
+    names, shapes, dtypes = zip(*params) if params else ((), (), ())
+    if set(map(type, names)) - {str} or set(map(type, shapes)) - {tuple} or set(map(type, dtypes)) - {str}:
+        return None
+    text = "".join(names)   # a control character or a brace in the concatenation is one in a name
+    if names and (min(map(len, names)) == 0 or max(map(len, names)) > MAX_TEXT or _CONTROL.search(text)
+                  or "{" in text or "}" in text):
+        return None
+    if not set(dtypes) <= TENSOR_DTYPES or (shapes and max(map(len, shapes)) > MAX_NDIM):
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if set(map(type, dims)) - {int} or (dims and (min(dims) < 0 or max(dims) > MAX_NUMEL)):
+        return None
+    numels = list(map(prod, shapes))
+    return None if numels and max(numels) > MAX_NUMEL else numels
 
 
 def _rank_capacities(rank_params, params, numels: list[int], repeated_names: bool) -> dict[int, int] | None:

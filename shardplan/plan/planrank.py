@@ -6,9 +6,10 @@ two offsets); a template's box geometry (sizes, strides) rarely varies, so it is
 class) and checked there; the columns keep the class tables (per-write size and stride matrices are gathered only
 when asked). Templates of a few writes on the rank (qwen3-next: 111 of its 133 hold one) are computed together, one
 numpy pass per hole layout, not per template. Param names are formatted once per distinct param, checkpoint tensors
-are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked on the columns; computed and ordered writes (rare) are
-built as `ir.Write` objects and checked one by one (planbounds.check_bounds), as before. The result equals
-`compile.instantiate` write for write (tests/unit/test_columns.py).
+are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked
+on the columns; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
+(planbounds.check_bounds), as before. The result equals `compile.instantiate` write for write
+(tests/unit/test_columns.py).
 """
 from __future__ import annotations
 

@@ -211,7 +211,8 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     return out
 
 
-def _one_plan_key(cols: WriteColumns, group_ord, name_ord, param_dtypes, geometry_table, dst_table) -> np.ndarray | None:
+def _one_plan_key(cols: WriteColumns, group_ord, name_ord, param_dtypes, geometry_table,
+                  dst_table) -> np.ndarray | None:
     """One plan's sort prefix (group, kind, dtype, geometry, name, destination sizes, destination strides; the rank
     position is constant) as one mixed-radix key per write, summed from a per-param, a per-geometry and a
     per-destination-class table: three gathers instead of a pass per key. None when the radix needs over 62 bits."""
