@@ -115,6 +115,13 @@ CASES = {
     "body.params.dtype": (_set(("b", 1, 0, 2, "torch.bfloat16")), PlanFieldError, "dtype"),
     "body.params.name": (_set(("b", 1, 0, 0, "")), PlanFieldError, "name"),
     "body.params.unsorted": (lambda h, b: b[1].reverse(), PlanFieldError, "strictly increasing"),
+    # param entries are checked by passes over all of them; a broken rule is then named entry by entry
+    "body.params.control": (_set(("b", 1, 1, 0, "a.\x1b[2J")), PlanFieldError, r"params\[1\].name.*control"),
+    "body.params.brace": (_set(("b", 1, 1, 0, "a.{}")), PlanFieldError, r"params\[1\].name.*braces"),
+    "body.params.bool_dim": (_set(("b", 1, 1, 1, [True, 4])), PlanFieldError, r"params\[1\].shape\[0\]"),
+    "body.params.negative_dim": (_set(("b", 1, 1, 1, [4, -1])), PlanFieldError, r"params\[1\].shape\[1\]"),
+    "body.params.huge_shape": (_set(("b", 1, 1, 1, [1 << 30, 1 << 30])), PlanLimitError, r"params\[1\].shape"),
+    "body.params.row": (_set(("b", 1, 1, ["a", [4]])), PlanFieldError, r"params\[1\].*exactly 3"),
     "body.rank_params.negative_index": (_set(("b", 2, 0, 1, [-1, 1, 2, 3, 4])), PlanFieldError,
                                         r"rank_params\[0\].params\[0\]"),
     "body.rank_params.index_outside": (_set(("b", 2, 0, 1, [0, 1, 2, 3, 5])), PlanFieldError, "params"),
