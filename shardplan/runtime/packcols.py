@@ -155,7 +155,11 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     # are numbered among those alone
     src = w["src"]
     first_of = np.arange(len(gp), dtype=np.int64)   # the first write (layout order) of each write's bytes
-    shared = np.flatnonzero(np.bincount(src - int(src.min()))[src - int(src.min())] > 1) if len(gp) else first_of
+    if len(gp):
+        shifted = src - int(src.min())
+        shared = np.flatnonzero(np.bincount(shifted)[shifted] > 1)
+    else:
+        shared = first_of
     if len(shared):
         key = Columns([a[shared] for a in (group_ord[gp], src, w["src_offset"], src_geo[order], w["dtype"], dsz_ord)],
                       len(shared))
