@@ -106,14 +106,20 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
     base = (coeffs[:, 0] + rank * coeffs[:, 1]).tolist()   # hole = base + var @ tail row (rank: the first var)
     var = coeffs[:, 2:]
     tail_t = np.ascontiguousarray(tail.T)
+    scratch = np.empty(n, dtype=np.int64)
 
     def holes(lo: int, hi: int) -> Columns:
         """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (integer matmul is ~15x slower)."""
         out = []
         for h in range(lo, hi):
+            terms = np.flatnonzero(var[h]).tolist()
+            if len(terms) == 1 and var[h, terms[0]] == 1:   # hole = base + a variable (an expert, a layer)
+                out.append(tail_t[terms[0]] + base[h])
+                continue
             col = np.full(n, base[h], dtype=np.int64)
-            for j in np.flatnonzero(var[h]).tolist():
-                col += tail_t[j] * var[h, j]
+            for j in terms:   # in place, one scratch column: fresh temporaries cost page faults
+                np.multiply(tail_t[j], var[h, j], out=scratch)
+                col += scratch
             out.append(col)
         return Columns(out, n)
 
