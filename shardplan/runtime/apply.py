@@ -96,7 +96,8 @@ class Applier:
         self._placed = place(plan, cols, layout, LayoutMismatchError)
         self._bound: dict[tuple, list[Callable]] = {}
         # the params this Applier's layout writes
-        self._touched = sorted({cols.param_names[i] for i in np.unique(self._placed.param).tolist()})
+        touched = np.flatnonzero(np.bincount(self._placed.param, minlength=len(cols.param_names)))
+        self._touched = sorted(cols.param_names[i] for i in touched.tolist())
         self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()

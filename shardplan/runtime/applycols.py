@@ -31,20 +31,29 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     rank = plan.rank
     if rank not in layout.ranks:
         raise mismatch(f"the layout was computed for consumer ranks {list(layout.ranks)}, not rank {rank}")
-    seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
-    mine = np.nonzero(table.ref_rank == rank)[0]
-    seg, index = seg_of_ref[mine], table.ref_index[mine]
+    one_ref_each = len(table.ref_rank) == len(table) and (np.diff(table.ref_start) == 1).all()
+    if one_ref_each and (table.ref_rank == rank).all():   # this rank's own layout (the usual): no gathers
+        seg, index = np.arange(len(table)), table.ref_index
+        refs_param = table.ref_param
+    else:
+        seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
+        mine = np.nonzero(table.ref_rank == rank)[0]
+        seg, index = seg_of_ref[mine], table.ref_index[mine]
+        refs_param = table.ref_param[mine]
     n = len(cols)
     ok = (index >= 0) & (index < n)
     safe = np.where(ok, index, 0)
     # the layout's param name for each ref, as an id among this plan's params (-1: not one of them)
     plan_param = {name: i for i, name in enumerate(cols.param_names)}
     layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
-    ok &= layout_to_plan[table.ref_param[mine]] == cols.param[safe]
-    ok &= table.shape_ndim[seg] == cols.dst_ndim[safe]
-    width = min(table.shape.shape[1], cols.dst_sizes.shape[1])
-    for j in range(width):   # 1-D passes: `.all(axis=1)` over a short axis costs ~10x
-        ok &= table.shape[:, j][seg] == cols.dst_sizes[:, j][safe]
+    ok &= layout_to_plan[refs_param] == cols.param[safe]
+    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis costs ~10x
+    dst_class, reps = cols.region_classes("dst")
+    c_ndim, c_sizes, _ = cols.geometry_rows("dst", reps)
+    klass = dst_class[safe]
+    ok &= table.shape_ndim[seg] == c_ndim[klass]
+    for j in range(min(table.shape.shape[1], c_sizes.shape[1])):
+        ok &= table.shape[:, j][seg] == c_sizes[:, j][klass]
     dtype_id = {d: i for i, d in enumerate(table.dtypes)}
     param_dtype = np.asarray([dtype_id.get(p.dtype, -1) for p in plan.params] + [-1], dtype=np.int64)
     ok &= param_dtype[np.minimum(cols.param[safe], len(plan.params))] == table.dtype[seg]
