@@ -9,6 +9,12 @@ build the trainer side (`Replayer(plan, sources)`: its PackLayout, checks and ba
 (`Applier(plan, layout, params)`, params on the meta device, built before the clock starts). Medians over the sampled ranks (decode: over --repeat runs). Bar: instantiate +
 Replayer + Applier <= 50 ms per rank.
 
+The garbage collector runs (`gc.collect()`, untimed) before each timed part: in a process that imported torch a full
+collection takes ~100-190 ms, and one falls due every ~100k surviving allocations, so without it a part's figure
+said mostly whether the harness (the object-path baseline allocates ~1M objects per rank) had left one due there
+(a qwen3-next decode read 15 ms or 88 ms from run to run). The collector stays on inside the parts: collections
+that the part's own allocations make due still count.
+
 Baseline, same invocation: `--baseline-src DIR` runs the same measurement in a child process whose `shardplan` is the
 tree at DIR, e.g. the pre-columnar code: `git -C . worktree add /tmp/base <commit>` or `git archive <commit> shardplan
 | tar -x -C DIR`. Without it the baseline is the object path still reachable in this tree: `PlanFile.rank_objects`
@@ -20,6 +26,7 @@ then (printed as "-").
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import os
@@ -45,6 +52,7 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
 
     reads, decodes = [], []
     for _ in range(repeat):
+        gc.collect()
         t0 = clock()
         data = read_plan_bytes(path)
         t1 = clock()
@@ -63,11 +71,13 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
         header, body = _decode(data, path)
         _clear_module_caches()
         plan_file = PlanFile(header, body, path)
+        gc.collect()
         t0 = clock()
         plan = plan_file.rank_objects(rank) if objects else plan_file.rank(rank)
         t1 = clock()
         num_writes = len(plan.writes)
         params = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in plan.params}
+        gc.collect()
         if objects:
             from shardplan.runtime.packref import reference_layout
             t2 = clock()
@@ -78,9 +88,11 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
             t2 = clock()
             replayer = Replayer(plan, plan_file.sources)
             t3 = clock()
+            gc.collect()
+            t_applier = clock()
             Applier(plan, replayer.layout, params)
             t4 = clock()
-            times["applier"].append(t4 - t3)
+            times["applier"].append(t4 - t_applier)
         times["instantiate"].append(t1 - t0)
         times["replayer"].append(t3 - t2)
     row = {"plan": os.path.basename(path), "ranks": sample, "writes": num_writes,
@@ -167,7 +179,8 @@ def main() -> None:
     global clock
     clock = CLOCK[args.clock]
     os.environ["SHARDPLAN_BENCH_CLOCK"] = args.clock   # the baseline child process uses the same clock
-    print(f"# {args.clock} time; load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs; baseline: "
+    print(f"# {args.clock} time, gc.collect() before each timed part; load average {os.getloadavg()[0]:.1f}, "
+          f"{os.cpu_count()} CPUs; baseline: "
           f"{args.baseline_src or 'in-tree object path (rank_objects + packref.reference_layout)'}", flush=True)
     rows = instantiation_table(args.plans, args.ranks, args.repeat, args.baseline_src)
     worst = max(r["new"]["instantiate"] + r["new"]["replayer"] + r["new"]["applier"] for r in rows)

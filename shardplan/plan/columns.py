@@ -5,7 +5,9 @@ A non-EP Kimi-K2 TP32 rank has ~70k writes; as Python objects they cost ~1 s to 
 region (`dst_offset`, `dst_ndim`, `dst_sizes`, `dst_strides`), and for a pure view `param[box] <- source[box]` the
 checkpoint tensor (`src[i]`, an id in `sources`, a `SourceIds`) and the source region (`src_*`). Region rows are
 padded to the widest region of the rank with size 1 / stride 0 (neutral for numel and extent); `*_ndim` says how many
-dims are real. Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
+dims are real. Columns of a plan file's rank hold the region geometry per class instead (a template's writes share
+one): the per-write matrices are gathered on first access, `geometry_rows` reads only the rows it is asked for.
+Computed writes (Call/Full/Update leaves: rare) keep their `ir.Write` in `computed` and `src[i] == -1`.
 
 `LazyWrites` is the `RankPlan.writes` of a columnar plan: a sequence that builds `ir.Write` objects only when asked
 (printing, tests); `columns_of(plan)` gives the columns of any plan (built from objects when the plan has none).
@@ -93,16 +95,19 @@ class TableSourceIds(SourceIds):
             if keyed is None:   # a radix too wide for int64 keys: plancheck's hole limits make this unreachable
                 keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
             else:
-                order = np.argsort(keyed[0], kind="stable")
+                # an index trie expands in lexicographic order (its runs are sorted and disjoint): no sort then
+                in_order = bool((keyed[0][1:] > keyed[0][:-1]).all())
+                order = slice(None) if in_order else np.argsort(keyed[0], kind="stable")
                 sorted_keys = keyed[0][order]
+                highs = rows.max(axis=0) if len(rows) else keyed[1]
                 # every key of the box [lows, highs] (an in-range query can be any of them, present or not)
-                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), rows.max(axis=0).tolist())],
+                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), highs.tolist())],
                                    dtype=object)) if len(rows) else 0
                 lut = None
                 if span <= 4 * len(rows) + 4096:   # a small key range: position by table lookup, no search
                     lut = np.full(span, -1, dtype=np.int64)
                     lut[sorted_keys] = np.arange(len(rows), dtype=np.int64)
-                keys = (sorted_keys, keyed[1], rows.max(axis=0) if len(rows) else keyed[1], keyed[2], lut)
+                keys = (sorted_keys, keyed[1], highs, keyed[2], lut)
             self._rows.append(rows[order])
             self._keys.append(keys)
             self.texts.append(text)
@@ -206,18 +211,53 @@ class WriteColumns:
 
     def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
                  src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,
-                 classes: Mapping[str, np.ndarray] | None = None):
+                 classes: Mapping[str, np.ndarray] | None = None,
+                 tables: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None):
+        # `tables` (with `classes`): a side's geometry as (ndim, sizes, strides) per class, its per-write
+        # `*_ndim/_sizes/_strides` left None: gathered only when asked (the hot consumers read classes)
         self.param_names = tuple(param_names)
         self.param = np.asarray(param, dtype=np.int64)
-        self.dst_offset, self.dst_ndim = np.asarray(dst_offset, dtype=np.int64), np.asarray(dst_ndim, dtype=np.int64)
-        self.dst_sizes, self.dst_strides = _matrix(dst_sizes, 1), _matrix(dst_strides, 0)
+        self.dst_offset = np.asarray(dst_offset, dtype=np.int64)
         self.src = np.asarray(src, dtype=np.int64)
-        self.src_offset, self.src_ndim = np.asarray(src_offset, dtype=np.int64), np.asarray(src_ndim, dtype=np.int64)
-        self.src_sizes, self.src_strides = _matrix(src_sizes, 1), _matrix(src_strides, 0)
+        self.src_offset = np.asarray(src_offset, dtype=np.int64)
+        self._geometry: dict[tuple[str, int], np.ndarray] = {}
+        self._tables = dict(tables or {})
+        for side, ndim, sizes, strides in (("dst", dst_ndim, dst_sizes, dst_strides),
+                                           ("src", src_ndim, src_sizes, src_strides)):
+            if side not in self._tables:
+                self._geometry.update({(side, 0): np.asarray(ndim, dtype=np.int64), (side, 1): _matrix(sizes, 1),
+                                       (side, 2): _matrix(strides, 0)})
         self.computed = dict(computed)
         self.sources = sources
         self._cache: dict = {}
         self._classes = dict(classes or {})
+
+    def _side(self, side: str, k: int) -> np.ndarray:
+        got = self._geometry.get((side, k))
+        if got is None:
+            got = self._geometry[(side, k)] = np.take(self._tables[side][k], self._classes[side], axis=0)
+        return got
+
+    dst_ndim = property(lambda self: self._side("dst", 0))
+    dst_sizes = property(lambda self: self._side("dst", 1))
+    dst_strides = property(lambda self: self._side("dst", 2))
+    src_ndim = property(lambda self: self._side("src", 0))
+    src_sizes = property(lambda self: self._side("src", 1))
+    src_strides = property(lambda self: self._side("src", 2))
+
+    def geometry_rows(self, side: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ndim, sizes, strides) of the `side` regions of the given writes (from the class tables when the columns
+        have them: no per-write matrix is built)."""
+        if (side, 1) not in self._geometry:
+            ndim, sizes, strides = self._tables[side]
+            klass = self._classes[side][rows]
+            return ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)
+        return self._side(side, 0)[rows], np.take(self._side(side, 1), rows, axis=0), np.take(self._side(side, 2), rows,
+                                                                                             axis=0)
+
+    def geometry_width(self, side: str) -> int:
+        """Columns of the `side` sizes/strides matrices (the widest region, padded)."""
+        return (self._tables[side][1] if (side, 1) not in self._geometry else self._geometry[(side, 1)]).shape[1]
 
     def region_classes(self, side: str) -> tuple[np.ndarray, np.ndarray]:
         """(class per write, a representative write per class) of the `side` ("dst"/"src") region geometry (ndim,
@@ -246,7 +286,8 @@ class WriteColumns:
 
     def written_params(self) -> tuple[str, ...]:
         """Names of the params the writes write, sorted."""
-        return tuple(sorted(self.param_names[i] for i in np.unique(self.param).tolist()))
+        written = np.flatnonzero(np.bincount(self.param, minlength=len(self.param_names)))   # no sort: O(writes)
+        return tuple(sorted(self.param_names[i] for i in written.tolist()))
 
     def sources_of(self, i: int) -> tuple[str, ...]:
         """Names of the checkpoint tensors write i reads, sorted."""
@@ -294,9 +335,17 @@ class WriteColumns:
 
     # -- one write back as objects (cached: regions and names repeat) --
     def _region(self, side: str, i: int) -> ir.Region:
-        ndim = int(getattr(self, f"{side}_ndim")[i])
-        key = (side, int(getattr(self, f"{side}_offset")[i]), tuple(getattr(self, f"{side}_sizes")[i, :ndim].tolist()),
-               tuple(getattr(self, f"{side}_strides")[i, :ndim].tolist()))
+        if (side, 1) in self._geometry:
+            ndim = int(self._geometry[(side, 0)][i])
+            geometry = (tuple(self._geometry[(side, 1)][i, :ndim].tolist()),
+                        tuple(self._geometry[(side, 2)][i, :ndim].tolist()))
+        else:   # per class, kept
+            klass = ("class", side, int(self._classes[side][i]))
+            geometry = self._cache.get(klass)
+            if geometry is None:
+                ndim, sizes, strides = (t[klass[2]] for t in self._tables[side])
+                geometry = self._cache[klass] = (tuple(sizes[:int(ndim)].tolist()), tuple(strides[:int(ndim)].tolist()))
+        key = (side, int(getattr(self, f"{side}_offset")[i])) + geometry
         region = self._cache.get(key)
         if region is None:
             region = self._cache[key] = ir.Region(key[1], key[2], key[3])

@@ -3,13 +3,15 @@
 Canonicalisation. The recorder already folds pure view chains into one `View(Source, Region)`; here we drop empty
 writes, merge exact duplicates, and sort writes into a canonical order. Writes into a parameter whose destinations
 overlap (last write wins in the real loader) keep their recording order instead: they go to the rank's `ordered` list.
+Computed writes that only repeat elements of a checkpoint view (`repeat_interleave` chains: block-FP8 scale grids that
+vLLM refines) become the pure-view writes they equal (plan/simplify.py), so they template like every other view.
 
 Templating. A Kimi-K2 rank has ~70k writes, but they are a few dozen *shapes* repeated over layers, experts and ranks.
 Every write is flattened into a skeleton (its structure, with each integer replaced by a hole, and each digit group of
 a dotted name replaced by `{}`) plus the vector of those integers. Writes with the same skeleton form a group; the
 group's variables are (consumer rank, layer of the destination param or -1, the integers of its checkpoint names). Each hole is
 fitted as an exact integer affine function of the variables. A hole that does not fit splits the group by that hole's
-value, so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
+value (or by rank, when the rank takes fewer values), so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
 stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank instantiates without touching the others.
 
 `instantiate(body, rank)` rebuilds the rank's `ir.RankPlan`, equal to the direct recording (tests/test_compile.py).
@@ -22,8 +24,8 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
-from shardplan.plan.overlap import overlapping_params
 from shardplan.plan.rowkeys import distinct_rows
+from shardplan.plan.simplify import compile_writes
 from shardplan.plan.template import (Filler, build_trie, flatten_write, trie_from_rows, trie_node, iter_trie, pure_view_form, pure_view_writes,
                                      split_name, trie_child, trie_count, unflatten_write)
 
@@ -96,8 +98,14 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
     else:
         coeffs, bad = _fit(var_rows, hole_rows)
         if coeffs is None:
-            for value in np.unique(hole_rows[:, bad]):
-                mask = hole_rows[:, bad] == value
+            # split by the failing hole's value, or by rank when that makes fewer parts: pieces of a refined FP8
+            # scale alternate between ranks (head block, tail block) while their offsets move with every expert
+            split = hole_rows[:, bad]
+            num_ranks = len(np.unique(var_rows[:, 0]))
+            if 1 < num_ranks < len(np.unique(split)):
+                split = var_rows[:, 0]
+            for value in np.unique(split):
+                mask = split == value
                 _make_groups(skeleton, var_rows[mask], hole_rows[mask], out)
             return
     out.append(Group(skeleton, coeffs, trie_from_rows(var_rows), var_rows.shape[1]))   # rows are distinct here
@@ -193,13 +201,11 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
     by_skeleton: dict[tuple, tuple[list, list]] = {}
     ordered: dict[int, list[ir.Write]] = {}
     for plan in plans:
-        writes = [w for w in plan.writes if w.dst.numel > 0]
-        overlapping = overlapping_params(writes)
+        free, kept = compile_writes(plan.writes)
+        if kept:
+            ordered.setdefault(plan.rank, []).extend(kept)
         seen: set[ir.Write] = set()
-        for w in writes:
-            if w.param in overlapping:
-                ordered.setdefault(plan.rank, []).append(w)
-                continue
+        for w in free:
             if w in seen:
                 continue
             seen.add(w)
@@ -301,10 +307,9 @@ def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
 
 def canonical(plan: ir.RankPlan) -> ir.RankPlan:
     """What instantiate() returns for a directly recorded plan: the reference for equality tests."""
-    writes = [w for w in plan.writes if w.dst.numel > 0]
-    overlapping = overlapping_params(writes)
-    free = sorted(set(w for w in writes if w.param not in overlapping), key=_write_sort_key)
-    kept = sorted((w for w in writes if w.param in overlapping), key=lambda w: w.param)
+    free, kept = compile_writes(plan.writes)
+    free = sorted(set(free), key=_write_sort_key)
+    kept = sorted(kept, key=lambda w: w.param)
     return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
                        writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
 

@@ -27,8 +27,8 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.compile import Group, PlanBody, SourceTable, body_from_groups, split_metas
 from shardplan.plan.names import layer_of
-from shardplan.plan.overlap import overlapping_params
 from shardplan.plan.rankblocks import Block, groups_of_blocks, line_block, literal
+from shardplan.plan.simplify import compile_writes
 from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
 
 
@@ -73,14 +73,9 @@ def _ints(values: list[int]) -> np.ndarray:
 
 
 def flat_rank(plan: ir.RankPlan) -> FlatRank:
-    writes = [w for w in plan.writes if w.dst.numel > 0]
-    overlapping = overlapping_params(writes)
+    free, ordered = compile_writes(plan.writes)   # as compile_plans splits and rewrites them
     rows: dict[tuple, list] = {}
-    ordered = []
-    for w in writes:
-        if w.param in overlapping:
-            ordered.append(w)
-            continue
+    for w in free:
         skel, holes, var_values = flatten_write(w)
         rows.setdefault((skel, len(var_values)), []).append([layer_of(w.param)] + var_values + holes)
     # compile_plans drops exact duplicates and keeps the recording order of ordered writes within a param

@@ -14,6 +14,10 @@ from __future__ import annotations
 import re
 import reprlib
 from bisect import bisect_left, bisect_right
+from itertools import chain
+from math import prod
+
+import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.placement import EplbSlots, PlacementError
@@ -263,31 +267,38 @@ def check_body(raw, header: dict, c: Checker) -> None:
         c.fail("header.num_sources", header["num_sources"], f"the source table holds {num_sources} names")
 
     # params
-    numels = []
-    for i, row in enumerate(c.array(params, "body.params")):
-        at = f"body.params[{i}]"
-        c.array(row, at, 3)
-        c.name(row[0], f"{at}.name")
-        numels.append(c.shape(row[1], f"{at}.shape"))
-        c.dtype(row[2], f"{at}.dtype")
+    numels = _param_numels(c.array(params, "body.params"))
+    if numels is None:   # a rule is broken: the per-entry checks name it
+        numels = []
+        for i, row in enumerate(params):
+            at = f"body.params[{i}]"
+            c.array(row, at, 3)
+            c.name(row[0], f"{at}.name")
+            numels.append(c.shape(row[1], f"{at}.shape"))
+            c.dtype(row[2], f"{at}.dtype")
     # a name appears once per distinct (shape, dtype) some rank declares it with: entries sorted by all three
     c.increasing([(row[0], tuple(row[1]), row[2]) for row in params], "body.params", "param entries (name, shape, dtype)")
 
     repeated_names = len({row[0] for row in params}) != len(params)
     # rank_params: exactly the header's ranks, each with sorted indices into params
     c.array(rank_params, "body.rank_params", len(ranks))
-    capacity = {}
     for i, row in enumerate(rank_params):
         at = f"body.rank_params[{i}]"
         c.array(row, at, 2)
         c.int_(row[0], f"{at}.rank", ranks[i], ranks[i])
-        idx = c.array(row[1], f"{at}.params")
-        for j, k in enumerate(idx):
-            c.int_(k, f"{at}.params[{j}]", 0, len(params) - 1)
-        c.increasing(list(idx), f"{at}.params", "param indices")
-        if repeated_names:
-            c.increasing([params[k][0] for k in idx], f"{at}.params", "param names (one entry per name and rank)")
-        capacity[row[0]] = sum(numels[k] for k in idx)
+        c.array(row[1], f"{at}.params")
+    capacity = _rank_capacities(rank_params, params, numels, repeated_names)
+    if capacity is None:   # a rule is broken: the per-index checks below name it
+        capacity = {}
+        for i, (rank, idx) in enumerate(rank_params):
+            at = f"body.rank_params[{i}]"
+            for j, k in enumerate(idx):
+                c.int_(k, f"{at}.params[{j}]", 0, len(params) - 1)
+            c.increasing(list(idx), f"{at}.params", "param indices")
+            if repeated_names:
+                c.increasing([params[k][0] for k in idx], f"{at}.params",
+                             "param names (one entry per name and rank)")
+            capacity[rank] = sum(numels[k] for k in idx)
 
     # groups: count writes per rank from the index tries
     per_rank = dict.fromkeys(ranks, 0)
@@ -302,8 +313,9 @@ def check_body(raw, header: dict, c: Checker) -> None:
             c.fail(f"{at}.coeff_shape", cshape, f"must be [{num_holes}, {1 + num_vars}] (holes of the skeleton, "
                                                 f"1 + num_vars)")
         coeffs = c.array(row[2], f"{at}.coeff_values", num_holes * (1 + num_vars))
-        for j, v in enumerate(coeffs):
-            c.int_(v, f"{at}.coeff_values[{j}]")
+        if set(map(type, coeffs)) - {int} or (coeffs and not INT64_MIN <= min(coeffs) <= max(coeffs) <= INT64_MAX):
+            for j, v in enumerate(coeffs):   # one is not an int64: name it
+                c.int_(v, f"{at}.coeff_values[{j}]")
         stats = [[None, None] for _ in range(num_vars)]
         c.trie(row[3], f"{at}.index", 0, (0,) + (-1,) * (num_vars - 1), stats)
         _check_hole_range(coeffs, num_holes, num_vars, stats, at, c)
@@ -346,6 +358,60 @@ def check_body(raw, header: dict, c: Checker) -> None:
         if per_rank[rank] > capacity[rank]:
             c.limit(f"body.groups (rank {rank})", f"{per_rank[rank]} writes, more than the {capacity[rank]} "
                                                   f"elements of the rank's params can hold")
+
+
+def _param_numels(params: tuple) -> list[int] | None:
+    """The elements of each param entry's shape when every entry is [name, shape, dtype] by the rules of
+    `Checker.name`, `Checker.shape` and `Checker.dtype`; None when one is not. C-level passes over all entries (a
+    plan declares ~700-1300), not a check call per value."""
+    if set(map(type, params)) - {tuple} or set(map(len, params)) - {3}:
+        return None
+    names, shapes, dtypes = zip(*params) if params else ((), (), ())
+    if set(map(type, names)) - {str} or set(map(type, shapes)) - {tuple} or set(map(type, dtypes)) - {str}:
+        return None
+    text = "".join(names)   # a control character or a brace in the concatenation is one in a name
+    if names and (min(map(len, names)) == 0 or max(map(len, names)) > MAX_TEXT or _CONTROL.search(text)
+                  or "{" in text or "}" in text):
+        return None
+    if not set(dtypes) <= TENSOR_DTYPES or (shapes and max(map(len, shapes)) > MAX_NDIM):
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if set(map(type, dims)) - {int} or (dims and (min(dims) < 0 or max(dims) > MAX_NUMEL)):
+        return None
+    numels = list(map(prod, shapes))
+    return None if numels and max(numels) > MAX_NUMEL else numels
+
+
+def _rank_capacities(rank_params, params, numels: list[int], repeated_names: bool) -> dict[int, int] | None:
+    """{rank: elements its params hold} when every rank's param indices are integers into `params`, strictly
+    increasing, of strictly increasing names where names repeat; None when one is not (the caller then checks index
+    by index, for the error). With numpy over all ranks at once: a DP256 layout lists ~220k indices."""
+    lists = [idx for _, idx in rank_params]
+    total = sum(map(len, lists))
+    if not set(map(type, chain.from_iterable(lists))) <= {int}:   # exactly int: a bool is not an index
+        return None
+    try:
+        flat = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=total)
+    except OverflowError:
+        return None
+    if total and (int(flat.min()) < 0 or int(flat.max()) >= len(params)):
+        return None
+    ends = np.cumsum([len(idx) for idx in lists], dtype=np.int64)
+    starts = ends - np.asarray([len(idx) for idx in lists], dtype=np.int64)
+    step = np.diff(flat)
+    inner = np.ones(len(step), dtype=bool)   # steps inside one rank's list (not across two ranks' lists)
+    inner[(ends[:-1] - 1)[(ends[:-1] > 0) & (ends[:-1] < total)]] = False
+    if (inner & (step <= 0)).any():
+        return None
+    if repeated_names:   # entries are sorted by name (checked above): distinct names <-> a name ordinal that steps
+        names = [row[0] for row in params]
+        ordinal = np.cumsum([0] + [a != b for a, b in zip(names[1:], names[:-1])], dtype=np.int64)
+        if (inner & (np.diff(ordinal[flat]) <= 0)).any():
+            return None
+    if total and max(numels) * total >= 1 << 62:   # int64 sums could wrap: Python ints
+        return {rank: sum(numels[k] for k in idx) for rank, idx in rank_params}
+    sums = np.concatenate([[0], np.cumsum(np.asarray(numels, dtype=np.int64)[flat])])
+    return {rank: int(sums[e] - sums[s]) for (rank, _), s, e in zip(rank_params, starts.tolist(), ends.tolist())}
 
 
 def _rank_of(v, ranks: list[int], where: str, c: Checker) -> int:

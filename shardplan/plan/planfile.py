@@ -91,10 +91,16 @@ def _encode_body(body: PlanBody) -> list:
     param_index = {m.name: entry_index[(m.name, m.shape, m.dtype)] for m in body.params.values()}
 
     def indices(rank: int) -> list[int]:
+        names = body.rank_params[rank]
+        out = list(map(param_index.__getitem__, names))   # C-level: a DP256 layout lists ~220k params
         override = body.rank_metas.get(rank)
-        if not override:
-            return [param_index[n] for n in body.rank_params[rank]]
-        return [entry_index[(m.name, m.shape, m.dtype)] for m in (body.meta(rank, n) for n in body.rank_params[rank])]
+        if override:   # the names this rank declares differently (few: found by a C-level search each)
+            at = dict(zip(names, range(len(names)))) if len(override) > 8 else None
+            for n, m in override.items():
+                j = at.get(n) if at is not None else names.index(n) if n in names else None
+                if j is not None:
+                    out[j] = entry_index[(m.name, m.shape, m.dtype)]
+        return out
     groups = sorted(body.groups, key=lambda g: (repr(g.skeleton), repr(g.index)))
     return [
         [[text, list(shape), dtype, index] for text, shape, dtype, index in body.sources.templates],
@@ -113,13 +119,16 @@ def _decode_body(raw, path: str) -> PlanBody:
     sources_raw, params_raw, rank_params_raw, groups_raw, ordered_raw, fallbacks_raw, _ = raw
     sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
     entries = [ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw]
-    rank_params = {r: tuple(entries[i].name for i in idx) for r, idx in rank_params_raw}
-    if len({m.name for m in entries}) == len(entries):
+    entry_names = [m.name for m in entries]
+    rank_params = {r: tuple(map(entry_names.__getitem__, idx)) for r, idx in rank_params_raw}   # C-level maps
+    if len(set(entry_names)) == len(entries):
         params, rank_metas = {m.name: m for m in entries}, {}
     else:   # a name declared differently by some ranks (plan-format.md): the one most ranks declare is the default
-        shared: dict[tuple, list] = {}
-        params, rank_metas = split_metas({r: shared.setdefault(tuple(idx), [entries[i] for i in idx])
-                                          for r, idx in rank_params_raw})
+        shared: dict[tuple, list] = {}   # ranks with equal lists share one (split_metas counts it once)
+        for _, idx in rank_params_raw:
+            if idx not in shared:
+                shared[idx] = list(map(entries.__getitem__, idx))
+        params, rank_metas = split_metas({r: shared[idx] for r, idx in rank_params_raw})
         params = dict(sorted(params.items()))
     groups = [Group(skeleton, np.asarray(flat, dtype=np.int64).reshape(tuple(shape)), index, num_vars)
               for skeleton, shape, flat, index, num_vars in groups_raw]

@@ -3,11 +3,13 @@
 Pure-view templates (`param[box] <- source[box]`: all but a handful of a plan's writes) go from their hole rows
 straight to columns: only the holes that vary per write are computed per row (param and source name integers, the
 two offsets); a template's box geometry (sizes, strides) rarely varies, so it is kept once per distinct geometry (a
-class) and checked there, and the rank's size and stride matrices are one gather of the class table at the end. Param
-names are formatted once per distinct param, checkpoint tensors are found by id (`TableSourceIds`) without formatting
-their names. The box rules of docs/plan-format.md are checked on the columns; computed and ordered writes (rare) are
-built as `ir.Write` objects and checked one by one (planbounds.check_bounds), as before. The result equals
-`compile.instantiate` write for write (tests/unit/test_columns.py).
+class) and checked there; the columns keep the class tables (per-write size and stride matrices are gathered only
+when asked). Templates of a few writes on the rank (qwen3-next: 111 of its 133 hold one) are computed together, one
+numpy pass per hole layout, not per template. Param names are formatted once per distinct param, checkpoint tensors
+are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked
+on the columns; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
+(planbounds.check_bounds), as before. The result equals `compile.instantiate` write for write
+(tests/unit/test_columns.py).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     name_cache = _name_cache(body)
     blocks: list[dict] = []
     generic: list[ir.Write] = []
+    small: dict[tuple, list] = {}   # hole layout -> [(form, coeffs, tail, position of its first write)]
+    position = 0   # of a template's first write among the free writes, in template order (the stable sort's ties)
     for g in body.groups:
         child = trie_child(g.index, rank)
         if child is None:
@@ -47,11 +51,19 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
             writes = [unflatten_write(g.skeleton, row) for row in holes.tolist()]
             generic += writes
             blocks.append(_object_block(names, writes, ids))
+            blocks[-1]["position"] = position
+        elif len(tail) <= _SMALL:
+            small.setdefault((form[1], form[2], form[4], form[5], g.coeffs.shape), []).append(
+                (form, g.coeffs, tail, position))
         else:
-            block = _pure_block(form, g.coeffs, rank, tail, param_index, ids, path, name_cache)
+            blocks.append(_pure_block(form, g.coeffs, rank, tail, param_index, ids, path, name_cache))
+            blocks[-1]["position"] = position
+        position += len(tail)
+    blocks += [_small_block(items, rank, param_index, ids, path, name_cache) for items in small.values()]
+    for block in blocks:
+        if block["objects"] is None:
             for side in ("dst", "src"):
                 _check_boxes(block, side, names, param_numels, ids, rank, path)
-            blocks.append(block)
     ordered = list(body.ordered.get(rank, ()))
     generic += ordered
     # object writes first: one may name a param this rank does not declare, which the ordering below cannot index
@@ -60,21 +72,20 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     num_free = sum(len(b["param"]) for b in blocks)
     parts = blocks + ([_object_block(names, ordered, ids)] if ordered else [])
     rows, tables = _concat(parts)
-    order = _canonical_order(rows, tables["dst"], names, num_free)
+    # the free writes' positions in template order, where small templates were batched out of it
+    positions = np.concatenate([b["position"] if isinstance(b["position"], np.ndarray) else
+                                np.arange(b["position"], b["position"] + len(b["param"])) for b in blocks]
+                               ) if small else None
+    order = _canonical_order(rows, tables["dst"], names, num_free, positions)
     if ordered:
         order = np.concatenate([order, np.arange(num_free, len(rows["param"]), dtype=np.int64)])
     cols = {k: v[order] for k, v in rows.items()}
     objects = _computed_objects(blocks, order, ordered, num_free) if any(
         b["objects"] for b in blocks) or ordered else {}
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}
-    geometry = []
-    for side in ("dst", "src"):   # the class tables gathered: one pass per matrix
-        ndim, sizes, strides = tables[side]
-        klass = cols[f"{side}_class"]
-        geometry += [ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)]
-    return WriteColumns(names, cols["param"], cols["dst_offset"], *geometry[:3], cols["src"], cols["src_offset"],
-                        *geometry[3:], computed=computed, sources=ids,
-                        classes={"dst": cols["dst_class"], "src": cols["src_class"]})
+    return WriteColumns(names, cols["param"], cols["dst_offset"], None, None, None, cols["src"], cols["src_offset"],
+                        None, None, None, computed=computed, sources=ids,
+                        classes={"dst": cols["dst_class"], "src": cols["src_class"]}, tables=tables)
 
 
 def _name_cache(body: PlanBody) -> dict:
@@ -95,14 +106,20 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
     base = (coeffs[:, 0] + rank * coeffs[:, 1]).tolist()   # hole = base + var @ tail row (rank: the first var)
     var = coeffs[:, 2:]
     tail_t = np.ascontiguousarray(tail.T)
+    scratch = np.empty(n, dtype=np.int64)
 
     def holes(lo: int, hi: int) -> Columns:
         """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (integer matmul is ~15x slower)."""
         out = []
         for h in range(lo, hi):
+            terms = np.flatnonzero(var[h]).tolist()
+            if len(terms) == 1 and var[h, terms[0]] == 1:   # hole = base + a variable (an expert, a layer)
+                out.append(tail_t[terms[0]] + base[h])
+                continue
             col = np.full(n, base[h], dtype=np.int64)
-            for j in np.flatnonzero(var[h]).tolist():
-                col += tail_t[j] * var[h, j]
+            for j in terms:   # in place, one scratch column: fresh temporaries cost page faults
+                np.multiply(tail_t[j], var[h, j], out=scratch)
+                col += scratch
             out.append(col)
         return Columns(out, n)
 
@@ -124,6 +141,56 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
             first, klass = distinct_rows(geometry)
             table = np.stack([c[first] for c in geometry.arrays], axis=1)
         block[f"{side}_class"] = klass
+        block[f"{side}_table"] = (np.full(len(table), ndim, dtype=np.int64), table[:, :ndim], table[:, ndim:])
+    return block
+
+
+_SMALL = 64   # templates of at most this many writes on this rank are instantiated together (_small_block)
+
+
+def _small_block(items: list, rank: int, param_index: dict, ids, path: str, names: dict) -> dict:
+    """`_pure_block` for several small templates of one hole layout at once: a template's fixed numpy costs would
+    otherwise be paid per write where fitting left one template per write (qwen3-next's conv1d boxes: 108 of them).
+    Rows are in `items` order; "position" says where each sits among the free writes in template order."""
+    ptext, kp, nd, stext, ks, ns = items[0][0]
+    d1 = kp + 1 + 2 * nd
+    s0 = d1 + ks
+    counts = [len(tail) for _, _, tail, _ in items]
+    tid = np.repeat(np.arange(len(items)), counts)
+    coeffs = np.stack([c for _, c, _, _ in items])   # [templates, holes, 2 + tail vars]
+    tail = np.concatenate([t for _, _, t, _ in items])
+    holes = (coeffs[:, :, 0] + rank * coeffs[:, :, 1])[tid]
+    for j in range(tail.shape[1]):
+        holes += coeffs[:, :, 2 + j][tid] * tail[:, j:j + 1]
+    n = len(holes)
+    first, inverse = distinct_rows(Columns([tid] + [holes[:, h] for h in range(kp)], n))
+    param = np.empty(len(first), dtype=np.int64)
+    for k, (t, row) in enumerate(zip(tid[first].tolist(), holes[first, :kp].tolist())):
+        text = items[t][0][0]
+        name = names.get((text, tuple(row)))
+        if name is None:
+            name = names[(text, tuple(row))] = text.format(*row)
+        i = param_index.get(name)
+        if i is None:
+            raise PlanBoundsError(f"{path}: rank {rank}: destination {name} is not declared for this rank. "
+                                  + advice(path))
+        param[k] = i
+    src = np.empty(n, dtype=np.int64)
+    src_numel = np.empty(n, dtype=np.int64)
+    texts = [form[3] for form, _, _, _ in items]
+    for text in sorted(set(texts)):
+        rows = np.flatnonzero(np.asarray([t == text for t in texts])[tid])
+        src[rows], src_numel[rows] = ids.ids_numels(text, Columns([holes[rows, h] for h in range(d1, s0)], len(rows)))
+    if (src < 0).any():
+        bad = int(np.nonzero(src < 0)[0][0])
+        name = texts[tid[bad]].format(*holes[bad, d1:s0].tolist())
+        raise PlanBoundsError(f"{path}: rank {rank}: source {name} is not declared for this rank. " + advice(path))
+    block = {"param": param[inverse], "dst_offset": holes[:, kp].copy(), "src": src,
+             "src_offset": holes[:, s0].copy(), "objects": None, "src_numel": src_numel,
+             "position": np.concatenate([np.arange(p, p + c) for (_, _, _, p), c in zip(items, counts)])}
+    for side, lo, ndim in (("dst", kp + 1, nd), ("src", s0 + 1, ns)):
+        first, block[f"{side}_class"] = distinct_rows(Columns([holes[:, h] for h in range(lo, lo + 2 * ndim)], n))
+        table = holes[first, lo:lo + 2 * ndim]
         block[f"{side}_table"] = (np.full(len(table), ndim, dtype=np.int64), table[:, :ndim], table[:, ndim:])
     return block
 
@@ -192,10 +259,11 @@ def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
     return out
 
 
-def _canonical_order(rows: dict, dst_table, names, num_free: int) -> np.ndarray:
+def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.ndarray | None = None) -> np.ndarray:
     """compile.instantiate's order of the free writes (the first `num_free` rows): (param name, dst offset, dst
-    sizes, dst strides), stable. Regions compare as tuples: a shorter tuple first on a tie, which -1 padding
-    reproduces (sizes >= 1 and strides >= 0 are checked)."""
+    sizes, dst strides), stable: ties keep template order (`positions`: each row's place in it, where the rows are
+    not in that order). Regions compare as tuples: a shorter tuple first on a tie, which -1 padding reproduces
+    (sizes >= 1 and strides >= 0 are checked)."""
     if num_free == 0:
         return np.zeros(0, dtype=np.int64)
     param, offset = rows["param"][:num_free], rows["dst_offset"][:num_free]
@@ -224,7 +292,8 @@ def _canonical_order(rows: dict, dst_table, names, num_free: int) -> np.ndarray:
     where = np.flatnonzero(in_run)
     sub = order[where]
     order = order.copy()
-    order[where] = sub[np.lexsort((geo_rank[rows["dst_class"][sub]], run_id[where]))]
+    keys = (geo_rank[rows["dst_class"][sub]], run_id[where])
+    order[where] = sub[np.lexsort(keys if positions is None else (positions[sub],) + keys)]
     return order
 
 

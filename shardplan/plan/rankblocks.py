@@ -12,7 +12,8 @@ them all:
   those iff it is exact on all (same columns kept, same coefficients, same first failing hole).
 * A split by the value of a failing hole: a hole that does not move with the rank on any row of a block (slope 0)
   splits the block's rows and keeps its ranks; a block whose hole does move is expanded to one block per rank (a
-  TP offset over DP replicas: a few rows per rank).
+  TP offset over DP replicas: a few rows per rank). Where the ranks are fewer than the hole's values, `_make_groups`
+  splits by rank instead, and so does this (one block per rank).
 * The index trie: its rank level is one child trie per rank; the ranks of a block whose variables do not move share
   one child, and variables that move by the same amount on every row (EP: expert indices) shift that child.
 
@@ -91,6 +92,12 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
         out.append(Group(skeleton, coeffs, _trie(blocks, num_vars), num_vars + 1))
         return
     column = num_vars + bad
+    num_ranks = sum(len(b.ranks) for b in blocks)
+    if 1 < num_ranks < _num_values(blocks, column):   # _make_groups splits by rank when that makes fewer parts
+        for rank, b, j in sorted(((r, b, j) for b in blocks for j, r in enumerate(b.ranks.tolist())),
+                                 key=lambda t: t[0]):
+            groups_of_blocks(skeleton, [literal(rank, b.rows(j), num_vars, b.distinct)], num_vars, out)
+        return
     by_value: dict[int, list[Block]] = {}   # split by the hole's value, in block order within each part
     for b in blocks:
         if len(b.slopes) and b.slopes[:, :, column].any():   # the hole moves with the rank: one block per rank
@@ -106,6 +113,17 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
                 by_value.setdefault(value, []).append(part.take(inverse.reshape(-1) == i))
     for value in sorted(by_value):
         groups_of_blocks(skeleton, by_value[value], num_vars, out)
+
+
+def _num_values(blocks: list[Block], column: int) -> int:
+    """How many values the column takes over every rank's rows (a moving column: one [ranks, rows] matrix of it)."""
+    parts = []
+    for b in blocks:
+        if len(b.slopes) and b.slopes[:, :, column].any():
+            parts.append((b.base[:, column][None, :] + b.offsets @ b.slopes[:, :, column]).reshape(-1))
+        else:
+            parts.append(b.base[:, column])
+    return len(np.unique(np.concatenate(parts)))
 
 
 def _distinct(var_rows: np.ndarray) -> bool:

@@ -55,9 +55,13 @@ def row_keys(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if total >= 1 << 62:
             return None
     keys = np.zeros(n, dtype=np.int64)
+    term = np.empty(n, dtype=np.int64)   # one scratch column, in place: fresh temporaries cost page faults
     for c, lo, m, span in zip(rows.arrays, lows.tolist(), mults.tolist(), spans.tolist()):
         if span > 1:   # a constant column adds nothing
-            keys += (c - lo) * m
+            np.subtract(c, lo, out=term)
+            if m != 1:
+                term *= m
+            keys += term
     return keys, lows, mults
 
 

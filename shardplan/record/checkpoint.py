@@ -17,10 +17,12 @@ e_score_correction_bias in float32 in the released checkpoints too.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
 import struct
+import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -29,7 +31,8 @@ from typing import Any
 import torch
 
 from shardplan.errors import ShardplanError
-from shardplan.models import ConfigError, ModelSpec, _read_json_object, config_sha256
+from shardplan.models import ConfigError, ModelSpec, _cache_root, _read_json_object, config_sha256
+from shardplan.record import configs
 from shardplan.record.configs import hf_view
 
 __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", "read_safetensors_header"]
@@ -320,4 +323,69 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
 
 
 def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
-    return on_disk_tensors(hf_view(spec), include_mtp)
+    """From the on-disk names cache when it holds this exact list, else built (and stored there)."""
+    path = _names_cache_path(spec, include_mtp)
+    cached = _read_names_cache(path) if path is not None else None
+    if cached is not None:
+        return cached
+    result = on_disk_tensors(hf_view(spec), include_mtp)
+    if path is not None:
+        _write_names_cache(path, result)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ on-disk names cache
+# Building the list is the part of a recording's fixed cost that is shardplan's own (Kimi-K2: ~0.9 s of a meta build,
+# transformers' weight-conversion revert and a natural sort, paid by every `shardplan record`), so the result is kept
+# in $XDG_CACHE_HOME/shardplan/names/ as JSON (never pickle: a cache file is data). The key is everything the list
+# depends on: the config (after overrides), include_mtp, the transformers and torch versions, and the source of this
+# module and record/configs.py (a change to how names are derived invalidates every entry). An unreadable or
+# malformed entry is rebuilt and rewritten; a cache that cannot be written costs only the rebuild.
+# SHARDPLAN_NAMES_CACHE=0 turns it off.
+_NAMES_CACHE_FORMAT = 1
+
+
+def _names_cache_path(spec: ModelSpec, include_mtp: bool) -> Path | None:
+    if os.environ.get("SHARDPLAN_NAMES_CACHE", "1") == "0":
+        return None
+    import transformers
+
+    h = hashlib.sha256()
+    for part in (_NAMES_CACHE_FORMAT, config_sha256(spec.config), repr(spec.overrides), include_mtp,
+                 spec.architecture, transformers.__version__, torch.__version__):
+        h.update(repr(part).encode() + b"\0")
+    for module_file in (__file__, configs.__file__):
+        h.update(Path(module_file).read_bytes())
+    return _cache_root() / "names" / f"{h.hexdigest()[:32]}.json"
+
+
+def _read_names_cache(path: Path) -> tuple[MetaTensor, ...] | None:
+    """The cached list, or None when absent or not exactly the shape this module writes (then it is rebuilt)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rows = raw.get("tensors") if isinstance(raw, dict) and raw.get("format") == _NAMES_CACHE_FORMAT else None
+    if not isinstance(rows, list) or not rows:
+        return None
+    out = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1])
+                and (row[2] is None or isinstance(row[2], str))):
+            return None
+        out.append((row[0], tuple(row[1]), row[2]))
+    return tuple(out)
+
+
+def _write_names_cache(path: Path, tensors: tuple[MetaTensor, ...]) -> None:
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": _NAMES_CACHE_FORMAT, "tensors": [[n, list(s), d] for n, s, d in tensors]}, f)
+        os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the whole new one
+    except OSError:   # read-only or full cache directory: the list was built anyway
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -87,7 +87,7 @@ class Applier:
                                         f"(recording fell back for them): {names}; pass fallback_loader=, e.g. "
                                         f"lambda n, t: model.load_weights([(n, t)])")
         self.fallback_loader = fallback_loader
-        metas = {p.name: p for p in plan.params}
+        self._metas = metas = {p.name: p for p in plan.params}
         self._columns = cols = columns_of(plan)
         self.params = {}
         for name in cols.written_params():
@@ -96,7 +96,8 @@ class Applier:
         self._placed = place(plan, cols, layout, LayoutMismatchError)
         self._bound: dict[tuple, list[Callable]] = {}
         # the params this Applier's layout writes
-        self._touched = sorted({cols.param_names[i] for i in np.unique(self._placed.param).tolist()})
+        touched = np.flatnonzero(np.bincount(self._placed.param, minlength=len(cols.param_names)))
+        self._touched = sorted(cols.param_names[i] for i in touched.tolist())
         self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()
@@ -127,7 +128,7 @@ class Applier:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
         steps = self.__dict__.get("_step_lists")
         if steps is None:
-            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed).tolist()))
+            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed, self._metas).tolist()))
             steps = [[] for _ in range(1 + max(levels.values(), default=-1))]
             for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
                 runs = steps[levels[item.write]]

@@ -8,7 +8,7 @@ from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import base_group
-from shardplan.plan.overlap import overlap_levels
+from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
 from shardplan.runtime.packcols import class_extents, group_cached, region_tuples
 from shardplan.runtime.tensors import collapse
 
@@ -31,20 +31,29 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     rank = plan.rank
     if rank not in layout.ranks:
         raise mismatch(f"the layout was computed for consumer ranks {list(layout.ranks)}, not rank {rank}")
-    seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
-    mine = np.nonzero(table.ref_rank == rank)[0]
-    seg, index = seg_of_ref[mine], table.ref_index[mine]
+    one_ref_each = len(table.ref_rank) == len(table) and (np.diff(table.ref_start) == 1).all()
+    if one_ref_each and (table.ref_rank == rank).all():   # this rank's own layout (the usual): no gathers
+        seg, index = np.arange(len(table)), table.ref_index
+        refs_param = table.ref_param
+    else:
+        seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
+        mine = np.nonzero(table.ref_rank == rank)[0]
+        seg, index = seg_of_ref[mine], table.ref_index[mine]
+        refs_param = table.ref_param[mine]
     n = len(cols)
     ok = (index >= 0) & (index < n)
     safe = np.where(ok, index, 0)
     # the layout's param name for each ref, as an id among this plan's params (-1: not one of them)
     plan_param = {name: i for i, name in enumerate(cols.param_names)}
     layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
-    ok &= layout_to_plan[table.ref_param[mine]] == cols.param[safe]
-    ok &= table.shape_ndim[seg] == cols.dst_ndim[safe]
-    width = min(table.shape.shape[1], cols.dst_sizes.shape[1])
-    for j in range(width):   # 1-D passes: `.all(axis=1)` over a short axis costs ~10x
-        ok &= table.shape[:, j][seg] == cols.dst_sizes[:, j][safe]
+    ok &= layout_to_plan[refs_param] == cols.param[safe]
+    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis costs ~10x
+    dst_class, reps = cols.region_classes("dst")
+    c_ndim, c_sizes, _ = cols.geometry_rows("dst", reps)
+    klass = dst_class[safe]
+    ok &= table.shape_ndim[seg] == c_ndim[klass]
+    for j in range(min(table.shape.shape[1], c_sizes.shape[1])):
+        ok &= table.shape[:, j][seg] == c_sizes[:, j][klass]
     dtype_id = {d: i for i, d in enumerate(table.dtypes)}
     param_dtype = np.asarray([dtype_id.get(p.dtype, -1) for p in plan.params] + [-1], dtype=np.int64)
     ok &= param_dtype[np.minimum(cols.param[safe], len(plan.params))] == table.dtype[seg]
@@ -84,29 +93,21 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
                      table.dtype[seg], table.dtypes, seen)
 
 
-def overlap_steps(cols: WriteColumns, placed: Placement) -> np.ndarray:
+def overlap_steps(cols: WriteColumns, placed: Placement, metas) -> np.ndarray:
     """Overlap level per placed write (a write comes after every earlier-in-plan write whose destination overlaps
-    it). Writes overlapping none are level 0; the few that do (a rank's ordered writes) go through
-    overlap.overlap_levels."""
+    it). Writes overlapping none are level 0 (overlap.overlapping_writes: extents, then boxes where extents meet);
+    the few that may (a rank's ordered writes) go through overlap.overlap_levels. `metas`: the plan's params."""
     index = placed.write
+    levels = np.zeros(len(index), dtype=np.int64)
+    if len(index) < 2:
+        return levels
     lo, hi, _ = class_extents(cols, "dst", index)
     param = cols.param[index]
-    keep = np.nonzero(hi > lo)[0]
-    levels = np.zeros(len(index), dtype=np.int64)
-    if len(keep) < 2:
+    may = overlapping_writes(param, cols.dst_offset[index], np.take(cols.dst_sizes, index, axis=0),
+                             np.take(cols.dst_strides, index, axis=0), param_shapes(cols.param_names, metas)[param])
+    rows = np.nonzero(may & (hi > lo))[0]
+    if not len(rows):
         return levels
-    order = keep[np.lexsort((hi[keep], lo[keep], param[keep]))]
-    _, ranked = np.unique(np.concatenate([lo[order], hi[order]]), return_inverse=True)
-    ranked = ranked.reshape(-1)
-    span = len(ranked) + 1
-    p = param[order]
-    lo_r, hi_r = ranked[:len(order)] + p * span, ranked[len(order):] + p * span
-    reach = np.maximum.accumulate(hi_r)[:-1]
-    hit = (p[1:] == p[:-1]) & (lo_r[1:] < reach)
-    involved_params = np.unique(p[1:][hit])
-    if not len(involved_params):
-        return levels
-    rows = np.nonzero(np.isin(param, involved_params) & (hi > lo))[0]
     got = overlap_levels((int(param[j]), int(lo[j]), int(hi[j]), int(index[j])) for j in rows.tolist())
     levels[rows] = [got[int(index[j])] for j in rows.tolist()]
     return levels

@@ -13,6 +13,7 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.interp import PlanError
+from shardplan.plan.overlap import overlapping_writes, param_shapes
 from shardplan.plan.names import group_of, group_order
 from shardplan.plan.rowkeys import Columns, distinct_rows, row_keys, stable_argsort
 from shardplan.runtime.tensors import broadcast_region, collapse
@@ -31,9 +32,9 @@ def real_dims(ndim: np.ndarray, width: int) -> np.ndarray:
 
 def region_tuples(cols: WriteColumns, side: str, rows: np.ndarray) -> list[tuple]:
     """(sizes, strides) tuples of the given rows (call on distinct rows only)."""
-    ndim = getattr(cols, f"{side}_ndim")
-    sizes, strides = getattr(cols, f"{side}_sizes"), getattr(cols, f"{side}_strides")
-    return [(tuple(sizes[i, :ndim[i]].tolist()), tuple(strides[i, :ndim[i]].tolist())) for i in rows.tolist()]
+    ndim, sizes, strides = cols.geometry_rows(side, rows)
+    return [(tuple(size[:k]), tuple(stride[:k])) for k, size, stride in zip(ndim.tolist(), sizes.tolist(),
+                                                                              strides.tolist())]
 
 
 def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
@@ -47,10 +48,9 @@ def geometry_keys(cols: WriteColumns) -> tuple[np.ndarray, list]:
     pair = np.where(cols.src < 0, -1, src_class * (int(dst_class.max(initial=0)) + 1) + dst_class)
     first, inverse = distinct_rows(pair[:, None])   # computed writes: one shared id (their geometry is unused)
     out = []
-    for i in first.tolist():
-        n_src, n_dst = int(cols.src_ndim[i]), int(cols.dst_ndim[i])
-        region = ir.Region(0, tuple(cols.src_sizes[i, :n_src].tolist()), tuple(cols.src_strides[i, :n_src].tolist()))
-        dst_sizes = tuple(cols.dst_sizes[i, :n_dst].tolist())
+    for (src_sizes, src_strides), (dst_sizes, _) in zip(region_tuples(cols, "src", first),
+                                                        region_tuples(cols, "dst", first)):
+        region = ir.Region(0, src_sizes, src_strides)
         src = broadcast_region(region, dst_sizes)
         out.append((src, collapse(*((src or region).sizes, (src or region).strides))))
     cols._cache["geometry_keys"] = inverse, out
@@ -125,15 +125,20 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     w = {k: (v[0] if len(v) == 1 else np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
          for k, v in parts.items()}
     # tuples -> global ordinals (the sort compares tuples as Python does)
-    geo_ord = _global_ordinals(w["geometry"], [[g[1] for g in t] for t in geometry_tables], w["kind"])
     dsz_ord = _global_ordinals(w["dsizes"], [[d[0] for d in t] for t in dst_tables])
-    dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
     src_geo = _global_ordinals(w["srcgeo"], src_tables)
     gp = w["param"]
-    prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
-    packed = row_keys(Columns(prefix, len(gp))) if len(gp) else None   # mixed radix keeps lexicographic order
-    if packed is not None:
-        prefix = [packed[0]]
+    key = _one_plan_key(all_cols[0], group_ord, name_ord, plan_dtypes[0], geometry_tables[0], dst_tables[0]) if (
+        len(plans) == 1 and len(gp)) else None
+    if key is not None:
+        packed = prefix = [key]
+    else:
+        geo_ord = _global_ordinals(w["geometry"], [[g[1] for g in t] for t in geometry_tables], w["kind"])
+        dst_ord = _global_ordinals(w["dsizes"], [[d[1] for d in t] for t in dst_tables])
+        prefix = [group_ord[gp], w["rank_pos"], w["kind"], w["dtype"], geo_ord, name_ord[gp], dsz_ord, dst_ord]
+        packed = row_keys(Columns(prefix, len(gp))) if len(gp) else None   # mixed radix keeps lexicographic order
+        if packed is not None:
+            prefix = [packed[0]]
     offset_lo = int(w["dst_offset"].min()) if len(gp) else 0
     offset_span = int(w["dst_offset"].max()) - offset_lo + 1 if len(gp) else 1
     if packed is not None and (int(packed[0].max()) + 1) * offset_span < 1 << 62:   # one key: one stable sort
@@ -146,22 +151,45 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
              else w[k][order]) for k in ("rank_pos", "dtype", "rank", "index", "param", "src", "src_offset")}
     dsz_ord = dsz_ord[order]
     gp = w["param"]
-    # dedup: identical bytes = same source view, same destination dtype and shape, same group
-    key = Columns([group_ord[gp], w["src"], w["src_offset"], src_geo[order], w["dtype"], dsz_ord], len(gp))
-    first, inverse = distinct_rows(key)
-    seg_of_distinct = np.empty(len(first), dtype=np.int64)
-    seg_of_distinct[np.argsort(first)] = np.arange(len(first))   # first indices are distinct
-    seg = seg_of_distinct[inverse]
-    by_seg = stable_argsort(seg)   # refs of a segment in layout order
-    num_segments = len(first)
-    rep = np.sort(first)                      # each segment's first write (layout order)
-    counts = np.bincount(seg, minlength=num_segments)
-    ref_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    # dedup: identical bytes = same source view, same destination dtype and shape, same group; only writes that share
+    # their source tensor (or computed view) with another can be one (a rank reads most tensors once): the key rows
+    # are numbered among those alone
+    src = w["src"]
+    first_of = np.arange(len(gp), dtype=np.int64)   # the first write (layout order) of each write's bytes
+    if len(gp):
+        shifted = src - int(src.min())
+        shared = np.flatnonzero(np.bincount(shifted)[shifted] > 1)
+    else:
+        shared = first_of
+    if len(shared):
+        key = Columns([a[shared] for a in (group_ord[gp], src, w["src_offset"], src_geo[order], w["dtype"], dsz_ord)],
+                      len(shared))
+        first, inverse = distinct_rows(key)
+        first_of[shared] = shared[first[inverse]]
+    is_first = first_of == np.arange(len(gp))
+    num_segments = int(is_first.sum())
+    one_per_write = num_segments == len(gp)
+    if one_per_write:
+        def by_seg(a):
+            return a
+        ref_start = np.arange(num_segments + 1, dtype=np.int64)
+        rep = slice(None)
+    else:
+        seg = (np.cumsum(is_first) - 1)[first_of]   # segments numbered in layout order of their first write
+        refs = stable_argsort(seg)   # refs of a segment in layout order
+
+        def by_seg(a):
+            return a[refs]
+        ref_start = np.concatenate([[0], np.cumsum(np.bincount(seg, minlength=num_segments))]).astype(np.int64)
+        rep = np.flatnonzero(is_first)   # each segment's first write (layout order)
     # per ref: its destination region; per segment: dtype, shape (its first ref's destination sizes), group, bytes,
-    # offset (a segment's first ref is its first write in layout order: by_seg is stable)
-    ref_dst = _gather_dst(all_cols, w["rank_pos"][by_seg], w["index"][by_seg])
+    # offset (a segment's first ref is its first write in layout order: the refs' order is stable)
+    ref_dst = _gather_dst(all_cols, by_seg(w["rank_pos"]), by_seg(w["index"]))
     seg_dtype = w["dtype"][rep]
-    seg_ndim, seg_shape = ref_dst["ndim"][ref_start[:-1]], np.take(ref_dst["sizes"], ref_start[:-1], axis=0)
+    if one_per_write:
+        seg_ndim, seg_shape = ref_dst["ndim"], ref_dst["sizes"]
+    else:
+        seg_ndim, seg_shape = ref_dst["ndim"][ref_start[:-1]], np.take(ref_dst["sizes"], ref_start[:-1], axis=0)
     numel = np.ones(num_segments, dtype=np.int64)
     for j in range(seg_shape.shape[1]):   # dims past ndim count 1
         numel *= np.where(seg_ndim > j, seg_shape[:, j], 1)
@@ -173,8 +201,8 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     seg_group = group_ord[gp[rep]]
     out = {"offset": offset, "nbytes": nbytes, "dtype": seg_dtype, "dtypes": tuple(dtype_names),
            "shape_ndim": seg_ndim, "shape": seg_shape, "group": seg_group, "group_names": tuple(group_names),
-           "ref_start": ref_start, "ref_rank": w["rank"][by_seg], "ref_index": w["index"][by_seg],
-           "ref_param": gp[by_seg], "param_names": tuple(param_names),
+           "ref_start": ref_start, "ref_rank": by_seg(w["rank"]), "ref_index": by_seg(w["index"]),
+           "ref_param": by_seg(gp), "param_names": tuple(param_names),
            "ref_dst_offset": ref_dst["offset"], "ref_dst_ndim": ref_dst["ndim"],
            "ref_dst_sizes": ref_dst["sizes"], "ref_dst_strides": ref_dst["strides"],
            "nbytes_total": total}
@@ -182,10 +210,39 @@ def layout_arrays(plans: Sequence[ir.RankPlan], alignment: int, max_group_bytes:
     if max_group_bytes is not None:
         if max_group_bytes <= 0:
             raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-        keep_whole = _overlapping_groups(gp, _gather_dst(all_cols, w["rank_pos"], w["index"]), group_ord, group_names)
+        keep_whole = _overlapping_groups(gp, _gather_dst(all_cols, w["rank_pos"], w["index"]),
+                                         _gather_shapes(plans, all_cols, w["rank_pos"], w["index"]), group_ord,
+                                         group_names)
         spans, out["group"], out["group_names"] = _split(spans, out, max_group_bytes, keep_whole)
     out["spans"] = spans
     return out
+
+
+def _one_plan_key(cols: WriteColumns, group_ord, name_ord, param_dtypes, geometry_table,
+                  dst_table) -> np.ndarray | None:
+    """One plan's sort prefix (group, kind, dtype, geometry, name, destination sizes, destination strides; the rank
+    position is constant) as one mixed-radix key per write, summed from a per-param, a per-geometry and a
+    per-destination-class table: three gathers instead of a pass per key. None when the radix needs over 62 bits."""
+    geo_id, _ = geometry_keys(cols)
+    dst_id, _ = cols.region_classes("dst")
+    geo, _ = ordinals([g[1] for g in geometry_table])
+    kind = np.zeros(len(geo), dtype=np.int64)
+    kind[geo_id[cols.src < 0]] = 1   # computed writes have geometry ids of their own
+    geo = np.where(kind > 0, 0, geo)   # computed writes: geometry ((), ()) in the reference key, after `kind`
+    dsz, _ = ordinals([d[0] for d in dst_table])
+    dst, _ = ordinals([d[1] for d in dst_table])
+    num_params = len(name_ord)
+    tables = {"param": np.zeros(num_params, dtype=np.int64), "geo": np.zeros(len(geo), dtype=np.int64),
+              "dst": np.zeros(len(dsz), dtype=np.int64)}
+    digits = [("param", group_ord), ("geo", kind), ("param", param_dtypes[:num_params]), ("geo", geo),
+              ("param", name_ord), ("dst", dsz), ("dst", dst)]
+    mult = 1
+    for part, values in reversed(digits):   # the last key varies fastest
+        tables[part] += values * mult
+        mult *= int(values.max(initial=0)) + 1
+        if mult >= 1 << 62:
+            return None
+    return tables["param"][cols.param] + tables["geo"][geo_id] + tables["dst"][dst_id]
 
 
 _GROUPS: dict[str, str] = {}
@@ -261,21 +318,33 @@ def _break_ties(order, w, prefix_keys, all_cols) -> np.ndarray:
 
 
 def _gather_dst(all_cols, rank_pos, index) -> dict:
-    width = max(c.dst_sizes.shape[1] for c in all_cols) if all_cols else 1
-    if len(all_cols) == 1 and all_cols[0].dst_sizes.shape[1] == width:   # one plan: plain gathers
+    width = max(c.geometry_width("dst") for c in all_cols) if all_cols else 1
+    if len(all_cols) == 1 and all_cols[0].geometry_width("dst") == width:   # one plan: plain gathers
         cols = all_cols[0]
-        return {"offset": cols.dst_offset[index], "ndim": cols.dst_ndim[index],
-                "sizes": np.take(cols.dst_sizes, index, axis=0), "strides": np.take(cols.dst_strides, index, axis=0)}
+        ndim, sizes, strides = cols.geometry_rows("dst", index)
+        return {"offset": cols.dst_offset[index], "ndim": ndim, "sizes": sizes, "strides": strides}
     n = len(index)
     out = {"offset": np.empty(n, dtype=np.int64), "ndim": np.empty(n, dtype=np.int64),
            "sizes": np.ones((n, width), dtype=np.int64), "strides": np.zeros((n, width), dtype=np.int64)}
     for pos, cols in enumerate(all_cols):
         mask = rank_pos == pos
         rows = index[mask]
+        ndim, sizes, strides = cols.geometry_rows("dst", rows)
         out["offset"][mask] = cols.dst_offset[rows]
-        out["ndim"][mask] = cols.dst_ndim[rows]
-        out["sizes"][mask, :cols.dst_sizes.shape[1]] = cols.dst_sizes[rows]
-        out["strides"][mask, :cols.dst_strides.shape[1]] = cols.dst_strides[rows]
+        out["ndim"][mask] = ndim
+        out["sizes"][mask, :sizes.shape[1]] = sizes
+        out["strides"][mask, :strides.shape[1]] = strides
+    return out
+
+
+def _gather_shapes(plans, all_cols, rank_pos, index) -> np.ndarray:
+    """Per write: its param's shape as its plan declares it (padded with trailing 1s)."""
+    tables = [param_shapes(c.param_names, {p.name: p for p in plan.params}) for plan, c in zip(plans, all_cols)]
+    width = max([t.shape[1] for t in tables] + [1])
+    out = np.ones((len(index), width), dtype=np.int64)
+    for pos, (cols, table) in enumerate(zip(all_cols, tables)):
+        mask = rank_pos == pos
+        out[mask, :table.shape[1]] = table[cols.param[index[mask]]]
     return out
 
 
@@ -309,33 +378,20 @@ def class_extents(cols: WriteColumns, side: str, rows: np.ndarray) -> tuple[np.n
     """(lo, hi, empty) of the `side` regions of the given writes, as `extents` gives them, computed once per
     geometry class (a template's writes share one) and gathered."""
     classes, first = cols.region_classes(side)
-    c_lo, c_hi = extents(np.zeros(len(first), dtype=np.int64), getattr(cols, f"{side}_sizes")[first],
-                         getattr(cols, f"{side}_strides")[first])
-    c_empty = (getattr(cols, f"{side}_sizes")[first] == 0).any(axis=1)
+    _, sizes, strides = cols.geometry_rows(side, first)
+    c_lo, c_hi = extents(np.zeros(len(first), dtype=np.int64), sizes, strides)
+    c_empty = (sizes == 0).any(axis=1)
     klass = classes[rows]
     offset = getattr(cols, f"{side}_offset")[rows]
     empty = c_empty[klass]
     return np.where(empty, offset, offset + c_lo[klass]), np.where(empty, offset, offset + c_hi[klass]), empty
 
 
-def _overlapping_groups(gp, cols_dst, group_ord, group_names) -> set[str]:
-    """Groups in which two writes (of any of the plans' ranks) to one param name have intersecting extents."""
-    lo, hi = extents(cols_dst["offset"], cols_dst["sizes"], cols_dst["strides"])
-    keep = hi > lo
-    gp, lo, hi = gp[keep], lo[keep], hi[keep]
-    if len(gp) < 2:
-        return set()
-    order = np.lexsort((hi, lo, gp))
-    gp, lo, hi = gp[order], lo[order], hi[order]
-    # dense ranks of the bounds keep `param * span + bound` small: later params start above every earlier hi, so
-    # one running max serves all params
-    _, ranked = np.unique(np.concatenate([lo, hi]), return_inverse=True)
-    ranked = ranked.reshape(-1)
-    span = len(ranked) + 1
-    lo_r, hi_r = ranked[:len(lo)] + gp * span, ranked[len(lo):] + gp * span
-    reach = np.maximum.accumulate(hi_r)[:-1]
-    hit = (gp[1:] == gp[:-1]) & (lo_r[1:] < reach)
-    return {group_names[group_ord[p]] for p in np.unique(gp[1:][hit]).tolist()}
+def _overlapping_groups(gp, cols_dst, shapes, group_ord, group_names) -> set[str]:
+    """Groups in which two writes (of any of the plans' ranks) to one param name may share an element
+    (overlap.overlapping_writes: extents, then boxes of the param where extents meet)."""
+    may = overlapping_writes(gp, cols_dst["offset"], cols_dst["sizes"], cols_dst["strides"], shapes)
+    return {group_names[group_ord[p]] for p in np.unique(gp[may]).tolist()}
 
 
 def _split(spans, out, max_bytes, keep_whole) -> tuple[list, np.ndarray, tuple]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from shardplan.plan import ir
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import group_of, group_order
-from shardplan.plan.overlap import overlapping_pairs
+from shardplan.plan.overlap import overlapping_writes
 from shardplan.runtime.pack import Segment, WriteRef, as_plans
 from shardplan.runtime.tensors import align_up, broadcast_region, collapse
 
@@ -65,6 +67,24 @@ def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
     return out, segments
 
 
+def _overlapping_groups(writes: list[tuple[ir.Write, tuple]]) -> set[str]:
+    """Groups in which two writes to one param name may share an element (overlap.overlapping_writes on each write's
+    destination and its param's shape)."""
+    if not writes:
+        return set()
+    names = sorted({w.param for w, _ in writes})
+    ids = {n: i for i, n in enumerate(names)}
+    width = max([len(w.dst.sizes) for w, _ in writes] + [1])
+    depth = max([len(shape) for _, shape in writes] + [1])
+    may = overlapping_writes(
+        np.asarray([ids[w.param] for w, _ in writes], dtype=np.int64),
+        np.asarray([w.dst.offset for w, _ in writes], dtype=np.int64),
+        np.asarray([w.dst.sizes + (1,) * (width - len(w.dst.sizes)) for w, _ in writes], dtype=np.int64),
+        np.asarray([w.dst.strides + (0,) * (width - len(w.dst.strides)) for w, _ in writes], dtype=np.int64),
+        np.asarray([tuple(shape) + (1,) * (depth - len(shape)) for _, shape in writes], dtype=np.int64))
+    return {group_of(w.param) for (w, _), m in zip(writes, may.tolist()) if m}
+
+
 def reference_layout(plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
                      max_group_bytes: int | None = None) -> tuple[int, tuple[Segment, ...], list[list]]:
     """(nbytes, segments, [group, start, stop, first, last] per group), object by object."""
@@ -72,6 +92,7 @@ def reference_layout(plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int 
     if alignment <= 0 or alignment % 16:
         raise ValueError(f"alignment must be a positive multiple of 16 bytes, got {alignment}")
     keyed = []
+    shapes = [{p.name: p.shape for p in plan.params} for plan in plans]
     for rank_pos, plan in enumerate(plans):
         dtypes = {p.name: p.dtype for p in plan.params}
         for index, w in enumerate(plan.writes):
@@ -107,8 +128,6 @@ def reference_layout(plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int 
             raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
         # groups with overlapping writes (of any of the plans' ranks) stay whole: parts are applied one after
         # the other, while overlapping writes must land in plan order, which only a whole group's apply keeps
-        spans = ((w.param, *(w.dst.extent() if w.dst.numel else (0, 0)), group_of(w.param))
-                 for _, _, _, w, _ in keyed)
-        keep_whole = {group for group, _ in overlapping_pairs(spans)}
+        keep_whole = _overlapping_groups([(w, shapes[pos][w.param]) for (_, pos, *_), _, _, w, _ in keyed])
         groups, segments = _split_groups(groups, segments, max_group_bytes, keep_whole)
     return offset, tuple(segments), groups

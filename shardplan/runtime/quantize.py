@@ -160,6 +160,24 @@ def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, i
     return (row0, row_hi + 1), (col0, col_hi + 1)
 
 
+def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
+    """Every block that element `box` touches lies in one of `scale_boxes` (in blocks): one scale read may cover
+    them, or several (the compiler splits an upsampled scale into pure views: plan/simplify.py). Checked on the
+    grid the boxes' edges cut the touched blocks into (a few cells), not block by block."""
+    (r0, r1), (c0, c1) = box
+    rows = (r0 // block[0], math.ceil(r1 / block[0]))
+    cols = (c0 // block[1], math.ceil(c1 / block[1]))
+    if any(s_r0 <= rows[0] and rows[1] <= s_r1 and s_c0 <= cols[0] and cols[1] <= s_c1
+           for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes):
+        return True
+
+    def cuts(lo: int, hi: int, dim: int) -> list[int]:
+        return sorted({lo, hi} | {e for sbox in scale_boxes for e in sbox[dim] if lo < e < hi})
+    row_cuts, col_cuts = cuts(*rows, 0), cuts(*cols, 1)
+    return all(any(s_r0 <= i < s_r1 and s_c0 <= j < s_c1 for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes)
+               for i in row_cuts[:-1] for j in col_cuts[:-1])   # each cell by its first block
+
+
 def _source_views(view: ir.View, name: str) -> list[ir.View] | None:
     """Every View of source `name` in a write's source tree (through the inputs of computed writes), or None when
     the tree reads it some other way (an Update's base): such a read needs the whole tensor."""
@@ -264,10 +282,7 @@ class QuantizingReplayer:
         shape = self.sources[weight].shape
         aligned = all(start % size == 0 and (stop % size == 0 or stop == dim)
                       for (start, stop), size, dim in zip(box, self.block, shape))
-        covered = any(all(s_lo * size <= start and stop <= min(s_hi * size, dim)
-                          for (start, stop), (s_lo, s_hi), size, dim in zip(box, sbox, self.block, shape))
-                      for sbox in scale_boxes)
-        if not (aligned or covered):
+        if not (aligned or _blocks_covered(box, scale_boxes, self.block)):
             raise BlockAlignmentError(
                 f"rank {rank} reads rows/cols {[list(b) for b in box]} of {weight!r} ({list(shape)}), which are not "
                 f"whole {list(self.block)}-blocks and not within the scale blocks it reads, so its fp8 bytes would "

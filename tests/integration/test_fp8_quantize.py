@@ -169,17 +169,20 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
 def test_refined_scale_grid_is_recorded_exactly():
     """Qwen3-30B-A3B-FP8 shape at TP4: 96-row expert partitions of 128-row blocks. vLLM's loader upsamples each
     checkpoint scale onto its 32-row grid (one scale value feeds several param elements, on several ranks); the
-    recorder records those ops (no fallback), the quantizing replay quantizes each block whole (rows that other ranks
-    also receive) and then runs the same ops: bitwise the real loader, on a rank whose rows start mid-block."""
+    recorder records those ops (no fallback), the compiler rewrites them into pure views of the checkpoint scale
+    (stride 0 where a scale repeats), the quantizing replay quantizes each block the rank touches whole (rows that
+    other ranks also receive) and packs those views: bitwise the real loader, on a rank whose rows start mid-block."""
     plan, replayer = check_rank("qwen3-30b-a3b-fp8", 4, False, 1, 5)
     assert not plan.fallbacks
-    scale_writes = [w for w in plan.writes if w.param.endswith("experts.w13_weight_scale_inv")]
-    assert scale_writes and not any(ir.is_pure_view(w) for w in scale_writes)
+    for suffix in ("experts.w13_weight_scale_inv", "experts.w2_weight_scale_inv"):
+        scale_writes = [w for w in plan.writes if w.param.endswith(suffix)]
+        assert scale_writes and all(ir.is_pure_view(w) for w in scale_writes), suffix
+        assert any(0 in w.src.region.strides for w in scale_writes), suffix
     refined = {m.name: m.shape for m in plan.params}["model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv"]
     assert refined == (4, 2 * 96 // 32, 256 // 32), refined  # experts, gate + up rows / 32, hidden / 32
-    # vLLM upsamples an expert's whole checkpoint scale, then slices the rank's rows [96, 192) out of it: the scale
-    # reads cover every block, so each rank quantizes the whole expert weight (4x its share of the work at TP4)
-    assert replayer.boxes["model.layers.0.mlp.experts.2.up_proj.weight"] == ((0, 384), (0, 256))
+    # vLLM upsamples an expert's whole checkpoint scale, then slices the rank's rows [96, 192) out of it; the
+    # rewritten views read the checkpoint scale rows of blocks 0 and 1 only, so rank 1 quantizes rows [0, 256)
+    assert replayer.boxes["model.layers.0.mlp.experts.2.up_proj.weight"] == ((0, 256), (0, 256))
     assert replayer.boxes["model.layers.0.self_attn.q_proj.weight"] == ((256, 512), (0, 256))  # aligned: own rows
 
 

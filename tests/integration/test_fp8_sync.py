@@ -1,7 +1,8 @@
 """The sync engine ships block-FP8 plans over every CPU transport like BF16 ones, quantizing on the trainer side.
 
 A shrunk Qwen3-30B-A3B-FP8 is recorded at TP4 (its routed-expert partitions are 96 rows: vLLM refines the expert
-scale grid and upsamples each checkpoint scale, so this covers computed scale writes as well as plain fp8 boxes). Two
+scale grid and upsamples each checkpoint scale, which the compiler turns into stride-0 views of the checkpoint scale
+whose pieces interleave in memory: this covers them as well as plain fp8 boxes). Two
 replicated trainers hold BF16 tensors under the BF16 checkpoint's names (no scales) and pack with
 `ReplayPacker(..., quantizer=header.quantizer)`; four consumers apply into NaN-poisoned params. Each consumer's params
 == vLLM's real `load_weights` fed the reference quantizer's FP8 checkpoint of the same BF16 tensors, bitwise, over the

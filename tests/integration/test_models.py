@@ -579,3 +579,38 @@ def test_vllm_accepts_every_builtin(monkeypatch):
         assert model_config.architectures == spec.config["architectures"]
         assert model_config.hf_config.num_hidden_layers == spec.config["num_hidden_layers"]
         assert model_config.get_vocab_size() == spec.config["vocab_size"]
+
+
+def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
+    """The checkpoint name list is kept on disk (the recording's own fixed cost): a hit returns the same list without a
+    build, a corrupt or malformed entry is rebuilt, another config or transformers version is another entry, and
+    SHARDPLAN_NAMES_CACHE=0 keeps nothing."""
+    spec = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=4"])
+    checkpoint._META_CACHE.clear()
+    built = checkpoint_tensors(spec)
+    entries = list((tmp_path / "xdg-cache" / "shardplan" / "names").glob("*.json"))
+    assert len(entries) == 1
+    builds = []
+    real = checkpoint.on_disk_tensors
+    monkeypatch.setattr(checkpoint, "on_disk_tensors", lambda *a, **k: builds.append(1) or real(*a, **k))
+    checkpoint._META_CACHE.clear()
+    assert checkpoint_tensors(spec) == built and builds == []   # from disk, no build
+    for bad in ("{not json", json.dumps({"format": 1, "tensors": [["a", [2, -1], None]]}),
+                json.dumps({"format": 99, "tensors": [["a", [2], None]]}), json.dumps([1, 2])):
+        entries[0].write_text(bad)
+        checkpoint._META_CACHE.clear()
+        assert checkpoint_tensors(spec) == built   # rebuilt, and the entry rewritten whole
+        assert json.loads(entries[0].read_text())["format"] == 1
+    assert len(builds) == 4
+    other = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=2"])
+    checkpoint._META_CACHE.clear()
+    assert checkpoint_tensors(other) != built
+    import transformers
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    checkpoint._META_CACHE.clear()
+    assert checkpoint_tensors(spec) == built
+    assert len(list(entries[0].parent.glob("*.json"))) == 3 and len(builds) == 6
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+    checkpoint._META_CACHE.clear()
+    assert checkpoint_tensors(spec) == built and not (tmp_path / "elsewhere").exists()

@@ -73,10 +73,20 @@ def _plan_file(plans, sources) -> PlanFile:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(worlds(), st.sampled_from([16, 256]), st.sampled_from([None, 1, 300, 2048]))
-def test_random_plans_columnar_equals_objects(world, alignment, max_group_bytes):
+@given(worlds(), st.sampled_from([16, 256]), st.sampled_from([None, 1, 300, 2048]), st.sampled_from([0, 1, 64]))
+def test_random_plans_columnar_equals_objects(world, alignment, max_group_bytes, small):
+    from shardplan.plan import planrank
     plans, sources = world
     plans = [ir.RankPlan(i, p.params, p.writes) for i, p in enumerate(plans)]   # plan files number ranks from 0
+    before = planrank._SMALL   # templates of up to `small` writes are instantiated batched (0: none, 1: some)
+    planrank._SMALL = small
+    try:
+        _check_random_plans(plans, sources, alignment, max_group_bytes)
+    finally:
+        planrank._SMALL = before
+
+
+def _check_random_plans(plans, sources, alignment, max_group_bytes):
     try:
         plan_file = _plan_file(plans, sources)
     except PlanFileError:   # e.g. a generated constant fill larger than its param: the writer refuses such plans
@@ -193,6 +203,11 @@ def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, n
     rows = {"param": rng.integers(0, len(names), size=num_writes), "dst_offset": offsets,
             "dst_class": rng.integers(0, num_classes, size=num_writes)}
     got = _canonical_order(rows, (ndim, sizes, strides), names, num_writes)
+    # rows out of plan order (small templates batched), their plan positions given: the same order of the writes
+    moved = rng.permutation(num_writes)
+    got_moved = _canonical_order({k: v[moved] for k, v in rows.items()}, (ndim, sizes, strides), names, num_writes,
+                                 moved)
+    assert moved[got_moved].tolist() == got.tolist()
     klass = rows["dst_class"]
     real = np.arange(3)[None, :] < ndim[klass][:, None]
     pad_sizes, pad_strides = np.where(real, sizes[klass], -1), np.where(real, strides[klass], -1)

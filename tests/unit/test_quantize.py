@@ -86,6 +86,19 @@ def test_rows_within_the_scale_blocks_read_are_quantized_whole():
     assert torch.equal(replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
 
 
+def test_scale_blocks_read_by_several_writes_cover_the_rows():
+    """The same rank, its two scale rows read by two writes (what the compiler makes of an upsampled scale: one pure
+    view per block piece, plan/simplify.py): covered by their union, bytes == the reference checkpoint's."""
+    plan = rows_plan(3, 64, 192, scale_rows=(0, 1))
+    extra = ir.Write("s2", ir.full_region((1, 3)), ir.View(ir.Source(S), ir.Region(3, (1, 3), (3, 1))))
+    plan = ir.RankPlan(3, plan.params + (ir.TensorMeta("s2", (1, 3), "float32"),), plan.writes + (extra,))
+    replayer = QuantizingReplayer(plan, SOURCES, quantizer=QID)
+    assert replayer.boxes[W] == ((0, 256), (0, 384))
+    tensors = trainer_tensors(7)
+    fp8, scale = quantize_blocks(tensors[W], BLOCK)
+    assert torch.equal(replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
+
+
 def test_misaligned_box_refused():
     """fp8 rows [64, 192) with only the second block's scales: the first block's bytes would need a scale the rank
     never receives (a plan recorded for another block size)."""
