@@ -585,6 +585,7 @@ def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
     """The checkpoint name list is kept on disk (the recording's own fixed cost): a hit returns the same list without a
     build, a corrupt or malformed entry is rebuilt, another config or transformers version is another entry, and
     SHARDPLAN_NAMES_CACHE=0 keeps nothing."""
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "1")   # tests/conftest.py turns it off for every other test
     spec = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=4"])
     checkpoint._META_CACHE.clear()
     built = checkpoint_tensors(spec)
