@@ -335,10 +335,9 @@ class WriteColumns:
 
     # -- one write back as objects (cached: regions and names repeat) --
     def _region(self, side: str, i: int) -> ir.Region:
-        if (side, 1) in self._geometry:
-            ndim = int(self._geometry[(side, 0)][i])
-            geometry = (tuple(self._geometry[(side, 1)][i, :ndim].tolist()),
-                        tuple(self._geometry[(side, 2)][i, :ndim].tolist()))
+        if (side, 1) in self._geometry:   # per-write matrices exist (built, or gathered by a property: maybe not all)
+            ndim = int(self._side(side, 0)[i])
+            geometry = (tuple(self._side(side, 1)[i, :ndim].tolist()), tuple(self._side(side, 2)[i, :ndim].tolist()))
         else:   # per class, kept
             klass = ("class", side, int(self._classes[side][i]))
             geometry = self._cache.get(klass)

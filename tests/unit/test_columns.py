@@ -215,3 +215,16 @@ def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, n
     keys = [pad_strides[:, j] for j in (2, 1, 0)] + [pad_sizes[:, j] for j in (2, 1, 0)]
     want = np.lexsort(keys + [offsets, name_rank[rows["param"]]])
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("prop", ["dst_sizes", "dst_strides", "src_sizes", "src_strides", "dst_ndim", "src_ndim"])
+def test_writes_after_one_geometry_property_was_gathered(prop):
+    """A columnar rank keeps its geometry per class and gathers a per-write matrix only when a property asks: the
+    writes read back afterwards must not assume the other matrices were gathered too (one property was read by
+    runtime/shards.py's plan_shards before iterating the writes: KeyError ('dst', 0) in the end-to-end test)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "llama-3.1-8b--tp2--bfloat16.plan")
+    plan_file = PlanFile.read(path)
+    plan = plan_file.rank(1)
+    assert isinstance(plan.writes, LazyWrites)
+    getattr(plan.writes.columns, prop)
+    assert tuple(plan.writes) == tuple(plan_file.rank_objects(1).writes)
