@@ -314,7 +314,7 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
         if key in _META_CACHE:
             _META_CACHE.move_to_end(key)
             return _META_CACHE[key]
-    result = _build_meta_tensors(spec, include_mtp)
+    result = _build_meta_tensors(spec, include_mtp, sha)
     with _META_LOCK:
         _META_CACHE[key] = result
         while len(_META_CACHE) > _META_CACHE_SIZE:
@@ -322,9 +322,10 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
     return result
 
 
-def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
+def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
+                        sha: str) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
     """From the on-disk names cache when it holds this exact list, else built (and stored there)."""
-    path = _names_cache_path(spec, include_mtp)
+    path = _names_cache_path(spec, include_mtp, sha)
     cached = _read_names_cache(path) if path is not None else None
     if cached is not None:
         return cached
@@ -345,13 +346,13 @@ def _build_meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, 
 _NAMES_CACHE_FORMAT = 1
 
 
-def _names_cache_path(spec: ModelSpec, include_mtp: bool) -> Path | None:
+def _names_cache_path(spec: ModelSpec, include_mtp: bool, sha: str) -> Path | None:
     if os.environ.get("SHARDPLAN_NAMES_CACHE", "1") == "0":
         return None
     import transformers
 
     h = hashlib.sha256()
-    for part in (_NAMES_CACHE_FORMAT, config_sha256(spec.config), repr(spec.overrides), include_mtp,
+    for part in (_NAMES_CACHE_FORMAT, sha, repr(spec.overrides), include_mtp,
                  spec.architecture, transformers.__version__, torch.__version__):
         h.update(repr(part).encode() + b"\0")
     for module_file in (__file__, configs.__file__):
