@@ -32,6 +32,20 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                   help="whose loaders to record: vLLM's (default) or SGLang's (docs/sglang.md)")
+    sgl = p.add_argument_group("SGLang server args that change layouts (--engine sglang; kept in the plan header)")
+    sgl.add_argument("--ep-size", type=int, default=None, help="SGLang --ep-size (default with --ep: the TP size)")
+    sgl.add_argument("--enable-dp-attention", action="store_true",
+                     help="SGLang DP attention: --dp N shards attention over tp/N ranks inside the TP group")
+    sgl.add_argument("--enable-dp-lm-head", action="store_true", help="SGLang --enable-dp-lm-head")
+    sgl.add_argument("--moe-dense-tp-size", type=int, default=None, help="SGLang --moe-dense-tp-size")
+    sgl.add_argument("--moe-runner-backend", default=None, help="SGLang --moe-runner-backend (default auto)")
+    sgl.add_argument("--moe-a2a-backend", default=None, help="SGLang --moe-a2a-backend (default none)")
+    sgl.add_argument("--ep-num-redundant-experts", type=int, default=None,
+                     help="SGLang --ep-num-redundant-experts (EPLB's extra expert slots)")
+    sgl.add_argument("--sglang-cpu-engine", action="store_true",
+                     help="record SGLang's CPU engine layout (SGLANG_USE_CPU_ENGINE=1: padded CPU linears)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,9 +92,54 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+_SGLANG_ARGS = ("ep_size", "enable_dp_attention", "enable_dp_lm_head", "moe_dense_tp_size", "moe_runner_backend",
+                "moe_a2a_backend", "ep_num_redundant_experts", "sglang_cpu_engine")
+
+
+class EngineArgsError(ShardplanError):
+    pass
+
+
+def _sglang_options(args):
+    """The SGLang recording options from the command line; None for --engine vllm (which refuses them)."""
+    given = [a for a in _SGLANG_ARGS if getattr(args, a) not in (None, False)]
+    if args.engine != "sglang":
+        if given:
+            raise EngineArgsError(f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
+                                  f"(vLLM's layouts are --tp/--pp/--dp/--ep)")
+        return None
+    from shardplan.record.sglang.options import SglangOptions
+
+    d = SglangOptions()
+    if args.dp > 1 and not args.enable_dp_attention:
+        raise EngineArgsError("--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
+                              "loads (record --tp alone and use the plan for every replica); for DP attention add "
+                              "--enable-dp-attention")
+    ep_size = args.ep_size if args.ep_size is not None else (args.tp if args.ep else 1)
+    if args.ep_size is not None and args.ep_size > 1 and not args.ep:
+        raise EngineArgsError(f"--ep-size {args.ep_size}: add --ep (experts split over ranks)")
+    return SglangOptions(ep_size=ep_size, dp_size=args.dp if args.enable_dp_attention else 1,
+                         enable_dp_lm_head=args.enable_dp_lm_head, moe_dense_tp_size=args.moe_dense_tp_size or 0,
+                         moe_runner_backend=args.moe_runner_backend or d.moe_runner_backend,
+                         moe_a2a_backend=args.moe_a2a_backend or d.moe_a2a_backend,
+                         ep_num_redundant_experts=args.ep_num_redundant_experts or 0,
+                         cpu_engine=args.sglang_cpu_engine)
+
+
 def _layout(args):
-    layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep)
+    dp = 1 if args.engine == "sglang" and args.enable_dp_attention else args.dp  # DP attention: inside the TP group
+    layout = Layout(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
     return layout, parse_ranks(args.ranks, layout.world_size)
+
+
+def _session(args, layout, **kwargs):
+    options = _sglang_options(args)
+    if options is None:
+        return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, **kwargs)
+    from shardplan.record.sglang.session import SglangRecordSession
+
+    return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
+                               **kwargs)
 
 
 def _progress(total: int):
@@ -147,13 +206,15 @@ def _check_out(args, layout, ranks) -> os.PathLike:
 
 def cmd_record(args) -> int:
     layout, ranks = _layout(args)
+    options = _sglang_options(args)
     _check_override_keys(args.model, args.override)
     path = _check_out(args, layout, ranks)
     if args.eplb_redundant is not None:   # its own file: a plan without the slots must not be found for an engine with them
         path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-eplb{args.eplb_redundant}--"))
+    if options is not None:   # its own file too: SGLang lays weights out differently from vLLM
+        path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-{options.tag()}--"))
     t0 = time.perf_counter()
-    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict,
-                            eplb_redundant=args.eplb_redundant)
+    session = _session(args, layout, strict=args.strict, eplb_redundant=args.eplb_redundant)
     recorded = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
     stats = recorded.stats
     data = session.encode(recorded.body)
@@ -181,13 +242,18 @@ def cmd_record(args) -> int:
 def cmd_verify(args) -> int:
     layout, ranks = _layout(args)
     _check_override_keys(args.model, args.override)
-    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override)
+    session = _session(args, layout)
     checkpoint = random_checkpoint(session.tensors, args.seed)
     failures = 0
     print(f"{'rank':>5} {'params':>7} {'mismatched':>11} {'unwritten':>10}  verdict")
     for rank in ranks:
         plan, _ = session.record_rank(rank)
-        verdict = verify_rank(session.vllm_config, layout, rank, plan, checkpoint)
+        if args.engine == "sglang":
+            from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
+
+            verdict = verify_sglang_rank(session.builder, rank, plan, checkpoint)
+        else:
+            verdict = verify_rank(session.vllm_config, layout, rank, plan, checkpoint)
         failures += not verdict.ok
         print(f"{rank:>5} {verdict.num_params:>7} {len(verdict.mismatched):>11} {len(verdict.unwritten):>10}  "
               f"{'bitwise equal' if verdict.ok else 'MISMATCH'}")
@@ -195,7 +261,8 @@ def cmd_verify(args) -> int:
             print(f"      mismatch: {name}")
         for name in verdict.unwritten:
             print(f"      not written by the real loader either (left NaN): {name}")
-    print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to vLLM's load_weights")
+    engine = "SGLang" if args.engine == "sglang" else "vLLM"
+    print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to {engine}'s load_weights")
     return 1 if failures else 0
 
 

@@ -138,7 +138,8 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
     h, body = plan.header, plan.body
     lines = [f"plan {path}",
              f"  model {h.model} ({h.architecture}), config sha256 {h.config_sha256[:16]}..., dtype {h.dtype}",
-             f"  layout {h.layout.tag()}, ranks {len(h.ranks)}, recorded with vLLM {h.vllm_version}, "
+             f"  layout {h.layout.tag()}, ranks {len(h.ranks)}, recorded with "
+             f"{h.engine.describe() if h.engine is not None else 'vLLM ' + h.vllm_version}, "
              f"shardplan {h.shardplan_version}, format {h.format_version}",
              f"  {len(body.sources)} checkpoint tensors, {len(body.params)} params, {len(body.groups)} templates, "
              f"{body.num_writes()} writes over all ranks"]

@@ -21,6 +21,7 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.placement import EplbSlots, PlacementError
+from shardplan.plan.engines import EngineInfo, EngineInfoError
 from shardplan.plan.template import trie_count
 from shardplan.plan.planerrors import advice
 from shardplan.plan.planskeleton import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
@@ -51,7 +52,8 @@ LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
 HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model", "architecture", "config_sha256",
                  "layout", "dtype", "ranks", "num_writes", "num_sources")
 OPTIONAL_HEADER_FIELDS = ("quantizer",   # only in plans whose trainer quantizes (runtime/quantize.py)
-                          "eplb")       # only in plans with EPLB redundant expert slots (plan/placement.py)
+                          "eplb",       # only in plans with EPLB redundant expert slots (plan/placement.py)
+                          "engine")     # only in plans of another engine than vLLM (plan/engines.py)
 _QUANTIZER = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}/[1-9][0-9]{0,4}x[1-9][0-9]{0,4}")
 
 
@@ -198,6 +200,11 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
             EplbSlots.from_dict(raw["eplb"])
         except PlacementError as e:
             c.fail("header.eplb", raw["eplb"], str(e))
+    if "engine" in raw:
+        try:
+            EngineInfo.from_dict(raw["engine"])
+        except EngineInfoError as e:
+            c.fail("header.engine", raw["engine"], str(e))
     c.int_(raw["format_version"], "header.format_version", version, version)
     c.str_(raw["shardplan_version"], "header.shardplan_version", pattern=_VERSION, rule="must be a version string")
     c.str_(raw["vllm_version"], "header.vllm_version", pattern=_VERSION, rule="must be a version string")

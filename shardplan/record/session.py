@@ -71,6 +71,11 @@ class RecordSession:
             self.sources += slot_sources(self.sources, self.eplb)
             self.tensors = eplb.recording_tensors(self.tensors, self.eplb)
 
+    def with_overrides(self, overrides: Sequence[str]) -> "RecordSession":
+        """The same recording on the config with `overrides` (the cut model of a sampled recording)."""
+        return RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict, overrides=overrides,
+                             eplb_redundant=self.eplb_redundant)
+
     @property
     def vllm_version(self) -> str:
         import vllm
@@ -161,9 +166,7 @@ class RecordSession:
         num_sampled = sampled[-1] + 1
         if num_sampled >= num_layers:
             return self._record_all_layers(ranks, progress, "exhaustive (layers do not repeat enough to sample)")
-        shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
-                               overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)],
-                               eplb_redundant=self.eplb_redundant)
+        shrunk = self.with_overrides([*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)])
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(

@@ -1,0 +1,80 @@
+"""`shardplan record --engine sglang`: SGLang's own `load_weights` recorded on the meta device, compiled into an
+ordinary plan (the plan format, compiler, replay runtime and transports are the vLLM path's; docs/sglang.md).
+
+Everything but the build and the load is `RecordSession`'s: checkpoint names from the config, the two recorder tiers,
+sampled layers, rank extension, compile. The SGLang parts: the model is built by SGLang for a faked rank
+(build.SglangBuilder), loaded under that rank's RuntimeContext with `post_load_weights` deferred, and the header names
+the engine, its version and the recording options (options.SglangOptions).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from typing import Sequence
+
+from shardplan import models
+from shardplan.plan import ir
+from shardplan.plan.engines import NO_VLLM
+from shardplan.plan.layout import Layout
+from shardplan.plan.planfile import encode
+from shardplan.record import fp8
+from shardplan.record.checkpoint import checkpoint_tensors
+from shardplan.record.configs import hf_view
+from shardplan.record.loader import record_loader
+from shardplan.record.session import RankStats, RecordSession, plan_nbytes
+from shardplan.record.sglang.build import SglangBuilder, post_load_deferred
+from shardplan.record.sglang.options import SglangOptions, SglangOptionError
+
+
+def sglang_version() -> str:
+    return importlib.metadata.version("sglang").split("+")[0]
+
+
+class SglangRecordSession(RecordSession):
+    engine = "sglang"
+
+    def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
+                 strict: bool = False, tier: str = "auto", options: SglangOptions | None = None,
+                 eplb_redundant: int | None = None):
+        if eplb_redundant is not None:
+            raise SglangOptionError("--eplb-redundant is vLLM's EPLB; SGLang's redundant experts are "
+                                    "--ep-num-redundant-experts (an SGLang recording option)")
+        self.options = options or SglangOptions(ep_size=layout.tp if layout.ep else 1)
+        self._model, self._overrides, self.eplb_redundant, self.eplb = model, list(overrides), None, None
+        self.spec = models.resolve_model(model, list(overrides))
+        self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
+        view = hf_view(self.spec)
+        self.builder = SglangBuilder(self.spec.materialize(config=view.config), layout, self.options, dtype,
+                                     self.spec.name)
+        self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
+        self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
+
+    def with_overrides(self, overrides: Sequence[str]) -> "SglangRecordSession":
+        return SglangRecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict, tier=self.tier,
+                                   overrides=overrides, options=self.options)
+
+    @property
+    def vllm_version(self) -> str:
+        return NO_VLLM
+
+    @property
+    def num_experts(self) -> int:
+        return self.builder.num_experts
+
+    def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
+        t0 = time.perf_counter()
+        model = self.builder.build(rank, "meta")
+        with self.builder.as_rank(rank), post_load_deferred(model):
+            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
+        plan = recording.to_plan()
+        del model
+        stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),
+                          plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, "meta",
+                          recording.tier, recording.tier_note)
+        return plan, stats
+
+    def encode(self, body) -> bytes:
+        return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
+                      config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
+                      vllm_version=NO_VLLM, quantizer=self.quantizer,
+                      engine=self.options.engine_info(sglang_version()))

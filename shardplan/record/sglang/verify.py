@@ -1,0 +1,80 @@
+"""`shardplan verify --engine sglang`: replay == SGLang's real `load_weights`, bit for bit, on random tensors.
+
+As record/verify.py for vLLM: the rank's model is built twice on the CPU by SGLang, every floating-point parameter and
+buffer NaN-poisoned; SGLang's `load_weights` (which ends with `post_load_weights`) runs on one, the plan through the
+reference interpreter on the other, followed by SGLang's own `post_load_weights` (what `end_weight_update` runs after
+a refit that bypassed the loader), and fallback tensors through the real loader. Compared: every parameter, buffer and
+tensor attribute of every module (DeepSeek's derived MLA `w_kc` / `w_vc` are plain attributes), bitwise.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from shardplan.plan import interp, ir
+from shardplan.record.sglang.build import SglangBuilder, post_load_deferred
+from shardplan.record.verify import RankVerdict, add_created_params, bits
+
+
+def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and plain tensor attributes of every module, by dotted name."""
+    out: dict[str, torch.Tensor] = {}
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers"):
+                for n, t in value.items():
+                    if isinstance(t, torch.Tensor):
+                        out[prefix + n] = t
+            elif isinstance(value, torch.Tensor):
+                out[prefix + key] = value
+    return out
+
+
+def _poison_all(model: torch.nn.Module) -> None:
+    """NaN into every floating-point tensor a load could write: parameters, persistent buffers and tensor attributes
+    (derived weights). Non-persistent buffers (RoPE caches) are computed at build and never loaded: left alone."""
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            skip = getattr(module, "_non_persistent_buffers_set", set())
+            for key, t in list(module._parameters.items()) + [(k, b) for k, b in module._buffers.items()
+                                                              if k not in skip] + \
+                    [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]:
+                if t is not None and t.is_floating_point() and t.device.type != "meta" and t.numel():
+                    t.fill_(float("nan"))
+
+
+def verify_rank(builder: SglangBuilder, rank: int, plan: ir.RankPlan,
+                checkpoint: Mapping[str, torch.Tensor]) -> RankVerdict:
+    verdict = RankVerdict(rank)
+    real = builder.build(rank, "cpu")
+    _poison_all(real)
+    with torch.no_grad(), builder.as_rank(rank):
+        real.load_weights(iter(list(checkpoint.items())))
+    replayed = builder.build(rank, "cpu")
+    _poison_all(replayed)
+    add_created_params(replayed, plan)
+    params = dict(replayed.named_parameters())
+    params.update(dict(replayed.named_buffers()))
+    interp.apply_reference(plan, checkpoint, params)
+    with torch.no_grad(), builder.as_rank(rank):
+        if plan.fallbacks:
+            with post_load_deferred(replayed):
+                replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
+        if hasattr(replayed, "post_load_weights"):
+            replayed.post_load_weights()
+    compare(module_tensors(real), module_tensors(replayed), verdict)
+    return verdict
+
+
+def compare(real: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor], verdict: RankVerdict) -> None:
+    for name, t in real.items():
+        if not t.is_floating_point() or t.device.type == "meta":
+            continue
+        verdict.num_params += 1
+        other = replayed.get(name)
+        if other is None or other.shape != t.shape or other.dtype != t.dtype or not torch.equal(bits(t), bits(other)):
+            verdict.mismatched.append(name)
+        elif torch.isnan(t).any():
+            verdict.unwritten.append(name)
