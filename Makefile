@@ -1,14 +1,19 @@
 # Two entry points; both create .venv on first use (scripts/setup.sh).
 PY := .venv/bin/python
+# SGLang's loaders and tests live in their own venv (its torch pin cannot share vLLM's): scripts/setup-sglang.sh
+SGL_PY := .venv-sglang/bin/python
 # keep all test traffic on loopback (Ray, gloo, UCX/NIXL, Mooncake)
 export GLOO_SOCKET_IFNAME := lo
 export UCX_NET_DEVICES := lo
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: setup demo test test-unit plans bench-record bench-compile
+.PHONY: setup setup-sglang demo test test-unit test-sglang plans bench-record bench-compile
 
 setup:
 	@bash scripts/setup.sh
+
+setup-sglang:
+	@bash scripts/setup-sglang.sh
 
 # The main job on a built-in default: record Kimi-K2 (real dims, meta device) for all 32 ranks of TP32+EP,
 # then inspect the plan.
@@ -16,8 +21,13 @@ demo: setup
 	$(PY) -m shardplan.cli record --model kimi-k2 --tp 32 --ep --out out/
 	$(PY) -m shardplan.cli inspect out/kimi-k2--tp32-ep--bfloat16.plan --rank 0 --max-lines 20
 
-test: setup
+test: setup setup-sglang
 	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
+	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang
+
+# The SGLang tests alone (tests/sglang, in .venv-sglang): recording SGLang's loaders, verify against them.
+test-sglang: setup-sglang
+	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang
 
 # The CPU unit tests alone (no vLLM, no processes): tests/unit.
 test-unit: setup

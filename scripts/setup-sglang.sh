@@ -16,12 +16,16 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null 2>&1 || true
 constraints="$VENV/constraints.txt"
 echo "torch==2.13.0" > "$constraints"
-quiet() { grep -v "is ignored: it is neither" || true; }
+# pip lists every pin of sglang's that --no-deps skipped (torch 2.14.1, its CUDA kernels, ...): expected here
+quiet() { grep -v -e "is ignored: it is neither" -e "^sglang .* requires " -e "dependency resolver does not" || true; }
 $PIP install -q torch==2.13.0 2>&1 | quiet
 $PIP install -q --no-deps sglang==0.5.23 2>&1 | quiet
 # What `import sglang` and its text-model modules, engine and HTTP server import on CPU (sglang's own pins where it
 # has them); no sglang-kernel / flashinfer / triton kernels are built or loaded on CPU.
 $PIP install -q -c "$constraints" -e '.[sglang-cpu,test]' 2>&1 | quiet
+# PyPI's torchvision is a CUDA build that cannot import beside torch's CPU build: SGLang gets a stub instead
+# (shardplan/record/sglang/cpu_stubs.py)
+$PIP uninstall -q -y torchvision >/dev/null 2>&1 || true
 "$VENV/bin/python" - <<'PY'
 import torch, sglang, msgpack, hypothesis
 assert torch.__version__.startswith("2.13.0"), torch.__version__

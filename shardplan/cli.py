@@ -17,6 +17,9 @@ from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.plan.planfile import write_plan
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
+from shardplan.record.sglang.options import SglangOptions
+from shardplan.record.sglang.session import SglangRecordSession
+from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
 from shardplan.record.verify import random_checkpoint, verify_rank
 from shardplan.simulate import cli as simulate_cli
 
@@ -108,8 +111,6 @@ def _sglang_options(args):
             raise EngineArgsError(f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
                                   f"(vLLM's layouts are --tp/--pp/--dp/--ep)")
         return None
-    from shardplan.record.sglang.options import SglangOptions
-
     d = SglangOptions()
     if args.dp > 1 and not args.enable_dp_attention:
         raise EngineArgsError("--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
@@ -136,8 +137,6 @@ def _session(args, layout, **kwargs):
     options = _sglang_options(args)
     if options is None:
         return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, **kwargs)
-    from shardplan.record.sglang.session import SglangRecordSession
-
     return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
                                **kwargs)
 
@@ -249,8 +248,6 @@ def cmd_verify(args) -> int:
     for rank in ranks:
         plan, _ = session.record_rank(rank)
         if args.engine == "sglang":
-            from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
-
             verdict = verify_sglang_rank(session.builder, rank, plan, checkpoint)
         else:
             verdict = verify_rank(session.vllm_config, layout, rank, plan, checkpoint)

@@ -142,7 +142,8 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
     usable = [(f, h) for f, h in candidates if here is None or engine_version(_header(h)).split("+")[0] == here]
     if not usable:
         f, h = candidates[0]
-        raise StalePlan(f"{f} was recorded with {engine} {engine_version(_header(h))}, but {engine} {here} is "
+        shown = {VLLM: "vLLM", "sglang": "SGLang"}.get(engine, engine)
+        raise StalePlan(f"{f} was recorded with {shown} {engine_version(_header(h))}, but {shown} {here} is "
                         f"installed: its loaders may differ. Re-record with: {record_cmd}")
     if rank is not None:
         usable = [(f, h) for f, h in usable if rank in _header(h).ranks] or usable
