@@ -5,6 +5,8 @@ NaN-poisoned SGLang model exactly as SGLang's own `load_weights` does; and SGLan
 `--engine sglang`, or a plain --dp, are refused by name."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from test_record_archs import shrink_overrides
 from shardplan.cli import main
 from shardplan.plan import store
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.planfile import PlanFile, decode
 from shardplan.record import verify
 from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession
@@ -32,12 +34,12 @@ def _record(tmp_path, *extra: str, model="qwen3-30b-a3b", layers=6) -> PlanFile:
     return PlanFile.read(path)
 
 
-@pytest.mark.parametrize("extra, tag", [
-    (["--tp", "4", "--ep", "--ep-size", "2"], "tp4-ep-sglang-ep2"),
-    (["--tp", "4", "--ep", "--enable-dp-attention", "--dp", "2"], "tp4-ep-sglang-ep4-dpattn2"),
-    (["--tp", "2", "--pp", "2"], "tp2-pp2-sglang"),
+@pytest.mark.parametrize("extra, tag, ep_size, dp_size", [
+    (["--tp", "4", "--ep", "--ep-size", "2"], "tp4-ep-sglang-ep2", 2, 1),
+    (["--tp", "4", "--ep", "--enable-dp-attention", "--dp", "2"], "tp4-ep-sglang-ep4-dpattn2", 4, 2),
+    (["--tp", "2", "--pp", "2"], "tp2-pp2-sglang", 1, 1),
 ])
-def test_sampled_and_extended_equals_exhaustive(tmp_path, extra, tag):
+def test_sampled_and_extended_equals_exhaustive(tmp_path, extra, tag, ep_size, dp_size):
     model = "deepseek-v3" if "--enable-dp-attention" in extra else "qwen3-30b-a3b"
     sampled = _record(tmp_path / "s", *extra, model=model)
     exhaustive = _record(tmp_path / "e", *extra, "--exhaustive", model=model)
@@ -46,8 +48,7 @@ def test_sampled_and_extended_equals_exhaustive(tmp_path, extra, tag):
     h = sampled.header
     assert h.vllm_version == "none" and h.engine.name == "sglang" and h.engine.version == "0.5.23"
     options = SglangOptions.from_engine_info(h.engine)
-    assert options.ep_size == (2 if "2" in extra[extra.index("--ep-size") + 1:][:1] else 4 if "--ep" in extra else 1)
-    assert options.dp_size == (2 if "--enable-dp-attention" in extra else 1)
+    assert (options.ep_size, options.dp_size) == (ep_size, dp_size)
 
 
 def test_load_plan_finds_it_by_engine(tmp_path, monkeypatch):
@@ -69,10 +70,7 @@ def test_runtime_replay_fills_an_sglang_model_like_its_loader(model, layout, opt
     params of a NaN-poisoned SGLang model, run SGLang's post_load_weights (as end_weight_update does) == load_weights."""
     s = SglangRecordSession(model, layout, options=options, overrides=shrink_overrides(model))
     recorded = s.record_plans(list(range(layout.world_size)))
-    plan_file = PlanFile.from_bytes(s.encode(recorded.body)) if hasattr(PlanFile, "from_bytes") else None
-    if plan_file is None:
-        from shardplan.plan.planfile import decode
-        plan_file = PlanFile(*decode(s.encode(recorded.body)), "<sglang plan>")
+    plan_file = PlanFile(*decode(s.encode(recorded.body)), "<sglang plan>")
     checkpoint = verify.random_checkpoint(s.tensors, 11)
     for rank in range(layout.world_size):
         plan = plan_file.rank(rank)
@@ -101,5 +99,4 @@ def test_runtime_replay_fills_an_sglang_model_like_its_loader(model, layout, opt
 ])
 def test_cli_refuses_engine_args_by_name(tmp_path, capsys, argv, match):
     assert main(["record", "--model", "qwen3-30b-a3b", *argv, "--out", str(tmp_path)]) == 2
-    import re
     assert re.search(match, capsys.readouterr().err)
