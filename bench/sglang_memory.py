@@ -15,7 +15,7 @@ import tracemalloc
 
 from shardplan.plan import ir
 from shardplan.plan.inspect import human_bytes
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.pack import PackLayout
 
 PART = 256 << 20   # the sync engine's part cap (sync/, docs/transports.md)

@@ -55,7 +55,7 @@ def main():
 
     from shardplan.engine.sglang.loader import LOAD_FORMAT, PREFIX
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import write_plan, PlanFile
+    from shardplan.plan.file.format import write_plan, PlanFile
     from shardplan.record.sglang.options import SglangOptions
     from shardplan.record.sglang.session import SglangRecordSession
     from shardplan.runtime.replay import Replayer

@@ -14,7 +14,7 @@ from test_record_archs import shrink_overrides
 from shardplan.cli import main
 from shardplan.plan import store
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, decode
+from shardplan.plan.file.format import PlanFile, decode
 from shardplan.record import verify
 from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession

@@ -15,9 +15,9 @@ import os
 import torch
 
 from shardplan.engine.errors import EnginePlanMismatch
-from shardplan.plan.engines import engine_name
-from shardplan.plan.planfile import PlanFile
-from shardplan.plan.store import installed_engine_version
+from shardplan.plan.file.engines import engine_name
+from shardplan.plan.file.format import PlanFile
+from shardplan.plan.file.store import installed_engine_version
 from shardplan.record.sglang.options import SglangOptions
 from shardplan.runtime.apply import Applier
 from shardplan.runtime.pack import PackLayout

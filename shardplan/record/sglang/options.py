@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardplan.errors import ShardplanError
-from shardplan.plan.engines import EngineInfo
+from shardplan.plan.file.engines import EngineInfo
 from shardplan.plan.layout import Layout
 
 ENGINE = "sglang"

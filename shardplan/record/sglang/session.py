@@ -14,9 +14,9 @@ from typing import Sequence
 
 from shardplan import models
 from shardplan.plan import ir
-from shardplan.plan.engines import NO_VLLM
+from shardplan.plan.file.engines import NO_VLLM
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import encode
+from shardplan.plan.file.format import encode
 from shardplan.record import fp8
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import hf_view

@@ -21,10 +21,10 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.placement import EplbSlots, PlacementError
-from shardplan.plan.engines import EngineInfo, EngineInfoError
+from shardplan.plan.file.engines import EngineInfo, EngineInfoError
 from shardplan.plan.template import trie_count
-from shardplan.plan.planerrors import advice
-from shardplan.plan.planskeleton import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
+from shardplan.plan.file.errors import advice
+from shardplan.plan.file.skeletons import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
 
 # ---- limits (docs/plan-format.md, "Limits") --------------------------------------------------------------
 MAX_HEADER_BYTES = 1 << 16
@@ -53,7 +53,7 @@ HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model",
                  "layout", "dtype", "ranks", "num_writes", "num_sources")
 OPTIONAL_HEADER_FIELDS = ("quantizer",   # only in plans whose trainer quantizes (runtime/quantize.py)
                           "eplb",       # only in plans with EPLB redundant expert slots (plan/placement.py)
-                          "engine")     # only in plans of another engine than vLLM (plan/engines.py)
+                          "engine")     # only in plans of another engine than vLLM (plan/file/engines.py)
 _QUANTIZER = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}/[1-9][0-9]{0,4}x[1-9][0-9]{0,4}")
 
 
@@ -69,7 +69,7 @@ def _show(value) -> str:
 
 
 class Checker(SkeletonRules):
-    """Checks raw decoded msgpack values; `fail` and `limit` raise planfile's named errors (passed in, so that the
+    """Checks raw decoded msgpack values; `fail` and `limit` raise file/errors.py's named errors (passed in, so that the
     error classes live with the format) with the field path and the rule."""
 
     def __init__(self, path: str, field_error, limit_error, op_error):

@@ -16,12 +16,12 @@ from typing import Iterable
 from shardplan.models import resolve_model
 from shardplan.plan import ir
 from shardplan.errors import ShardplanError
-from shardplan.plan.engines import VLLM, engine_name, engine_version
+from shardplan.plan.file.engines import VLLM, engine_name, engine_version
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
+from shardplan.plan.file.format import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
 
 SUFFIX = ".plan"
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "plans"  # the repository's plans/, beside the package
+SHIPPED_DIR = Path(__file__).resolve().parents[3] / "plans"  # the repository's plans/, beside the package
 
 
 class PlanNotFound(ShardplanError):
@@ -114,7 +114,7 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
     here, when one is installed (a trainer without vLLM cannot tell and trusts the header). With `path`, only that
     file is read, and its own error (naming it) is raised when it is unusable; otherwise unusable files in the
     search directories are skipped, and listed when no usable plan matches. `engine`: whose loaders the plan must
-    record ("vllm", or "sglang": plan/engines.py); check_vllm then checks that engine's installed version.
+    record ("vllm", or "sglang": plan/file/engines.py); check_vllm then checks that engine's installed version.
     """
     spec = resolve_model(model, list(overrides))
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
