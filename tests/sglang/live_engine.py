@@ -50,10 +50,8 @@ def greedy(llm):
 
 def main():
     work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    from shardplan.engine.sglang.loader import LOAD_FORMAT, PREFIX
+    from shardplan.engine.errors import EnginePlanMismatch
+    from shardplan.engine.sglang import client
     from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import write_plan, PlanFile
     from shardplan.record.sglang.options import SglangOptions
@@ -70,14 +68,7 @@ def main():
     write_plan(foreign, wrong.encode(s.record_plans(list(range(tp))).body))
 
     def push(llm, path, tensors):
-        pf = PlanFile.read(path)
-        buffers = [Replayer(pf.rank(r), pf.sources).pack(tensors) for r in range(tp)]
-        payload = LocalSerializedTensor(values=[MultiprocessingSerializer.serialize(b) for b in buffers])
-        llm.begin_weight_update()
-        try:
-            return llm.update_weights_from_tensor([(PREFIX + str(path), payload)], load_format=LOAD_FORMAT)
-        finally:
-            llm.end_weight_update()
+        return client.push(llm, str(path), tensors)
 
     names = [(m.name, m.shape, m.dtype) for m in s.sources]
     results = {"tp": tp, "versions": []}
@@ -96,8 +87,11 @@ def main():
         results["versions"].append({"version": version, "ok": ok, "message": message, "updated": greedy(live),
                                     "fresh": fresh[version]})
     before = greedy(live)
-    ok, message = push(live, foreign, v0)[:2]
-    results["refused"] = {"ok": ok, "message": message, "unchanged": greedy(live) == before}
+    try:
+        push(live, foreign, v0)
+        results["refused"] = {"ok": True, "message": "", "unchanged": greedy(live) == before}
+    except EnginePlanMismatch as e:
+        results["refused"] = {"ok": False, "message": str(e), "unchanged": greedy(live) == before}
     live.shutdown()
     print("RESULT " + json.dumps(results), flush=True)
 

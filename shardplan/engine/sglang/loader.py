@@ -31,25 +31,23 @@ def _plan(path: str) -> PlanFile:
     return PlanFile.read(path)
 
 
-def check_plan(plan_file: PlanFile, server_args, world_rank: int, cpu_engine: bool) -> None:
-    """EnginePlanMismatch naming every difference between the plan and this engine."""
-    h, where = plan_file.header, plan_file.path
-    problems = []
+def plan_problems(plan_file: PlanFile, server_args, world_ranks, cpu_engine: bool) -> list[str]:
+    """Every difference between the plan and an engine with these server args (empty: it matches)."""
+    h = plan_file.header
     if engine_name(h) != "sglang":
-        raise EnginePlanMismatch(f"{where} records {engine_name(h)}'s loaders, not SGLang's: record it with "
-                                 f"`shardplan record --engine sglang`")
+        return [f"it records {engine_name(h)}'s loaders, not SGLang's (record it with `--engine sglang`)"]
+    problems = []
     here = installed_engine_version("sglang")
     if here and h.engine.version.split("+")[0] != here:
         problems.append(f"SGLang version: plan {h.engine.version}, engine {here}")
-    if (h.layout.tp, h.layout.pp) != (server_args.tp_size, server_args.pp_size):
+    if (h.layout.tp, h.layout.pp) != (int(server_args.tp_size), int(server_args.pp_size)):
         problems.append(f"layout: plan {h.layout.tag()}, engine tp{server_args.tp_size} pp{server_args.pp_size}")
     problems += SglangOptions.from_engine_info(h.engine).differences(
         SglangOptions.from_server_args(server_args, cpu_engine))
-    if world_rank not in h.ranks:
-        problems.append(f"rank {world_rank} is not covered (plan ranks {list(h.ranks)})")
-    if problems:
-        raise EnginePlanMismatch(f"{where} does not match this SGLang engine: " + "; ".join(problems)
-                                 + ". Record the plan with the engine's server args (docs/sglang.md).")
+    missing = sorted(set(world_ranks) - set(h.ranks))
+    if missing:
+        problems.append(f"ranks {missing} are not covered (plan ranks {list(h.ranks)})")
+    return problems
 
 
 def load(model: torch.nn.Module, named_tensors) -> None:
@@ -63,7 +61,9 @@ def load(model: torch.nn.Module, named_tensors) -> None:
         if not name.startswith(PREFIX):
             raise EnginePlanMismatch(f"the shardplan loader takes tensors named '{PREFIX}<plan path>', got {name!r}")
         plan_file = _plan(name[len(PREFIX):])
-        check_plan(plan_file, server_args, world_rank, cpu_engine)
+        problems = plan_problems(plan_file, server_args, [world_rank], cpu_engine)
+        if problems:   # the trainer side checked first (client.check_engine): reaching here is a bug, stop loudly
+            raise EnginePlanMismatch(f"{plan_file.path} does not match this SGLang engine: " + "; ".join(problems))
         plan = plan_file.rank(world_rank)
         params = dict(model.named_parameters())
         with torch.no_grad():
