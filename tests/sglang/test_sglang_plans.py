@@ -12,7 +12,7 @@ import torch
 
 from test_record_archs import shrink_overrides
 from shardplan.cli import main
-from shardplan.plan import store
+from shardplan.plan.file import store
 from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFile, decode
 from shardplan.record import verify
