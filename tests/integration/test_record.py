@@ -16,7 +16,7 @@ import torch
 from shardplan.plan import interp, ir
 from shardplan.plan.layout import Layout
 from shardplan.record.parallel import fake_parallel_state
-from shardplan.record.recording import RecordError, UnsupportedLoaderOp
+from shardplan.record.recording import LoaderRejectsCheckpoint, RecordError, UnsupportedLoaderOp
 from shardplan.record.loader import record_loader
 
 NAN = float("nan")
@@ -596,6 +596,39 @@ def test_loader_exception_is_a_fallback_naming_the_tensor():
     assert plan.sources_read() == {"good"}
 
 
+class _BrokenStr(Exception):
+    def __str__(self):
+        raise RuntimeError("__str__ fails")
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (ValueError(), "(no message)"), (RuntimeError("\n\n  \n"), "(no message)"), (KeyError(("a", 1)), "('a', 1)"),
+    (RuntimeError(b"\xff\x00"), "b'\\xff\\x00'"), (TypeError(None, 3), "(None, 3)"), (_BrokenStr(7), "(7,)"),
+    (RuntimeError("first\nsecond"), "first")])
+def test_loader_exception_of_any_message_is_a_fallback_naming_it(exc, reason):
+    # an empty message (vLLM's bare asserts), non-str args or a failing __str__ used to end in a recorder traceback
+    def load_picky(m, name, t):
+        if name == "bad":
+            raise exc
+        m.w.data.copy_(t)
+    plan, _ = run(lambda: Toy({"w": (4,)}, load_picky), {"bad": (4,), "good": (4,)})
+    assert [(f.source, f.op, f.reason) for f in plan.fallbacks] == [("bad", type(exc).__name__, reason)]
+    assert plan.sources_read() == {"good"}
+
+
+def test_loader_assert_on_a_tensors_geometry_is_a_named_error():
+    # vLLM's default_weight_loader asserts `param.size() == loaded_weight.size()`: its real loader fails the same way,
+    # so no fallback (that would fail on the consumer); the error names the tensor and quotes the assert
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    with torch.device("meta"):
+        m = Toy({"w": (4,)}, lambda m, name, t: default_weight_loader(m.w, t))
+    for tier in ("auto", "full"):
+        with pytest.raises(LoaderRejectsCheckpoint, match=r"tensor padded \[8\] float32 on rank 3: AssertionError: "
+                                                          r"Attempted to load .* at `assert param.size\(\) =="):
+            record_loader(m, [("good", (4,), "float32"), ("padded", (8,), "float32")], rank=3, tier=tier)
+
+
 def test_loader_failing_before_reading_anything_is_an_error():
     class Broken(torch.nn.Module):
         def load_weights(self, weights):
@@ -722,3 +755,22 @@ def test_record_is_deterministic():
     assert plans[0] == plans[1]
     assert ops(plans[0]) == ["Tensor.mul", "torch.cat"]
     assert math.isclose(plans[0].writes[0].src.leaf.args[1], 2.0)
+
+
+def test_padded_lm_head_checkpoint_is_a_named_error_not_a_traceback(tmp_path, capsys):
+    """A local checkpoint whose lm_head has 256 rows for a vocab of 128: vLLM's VocabParallelEmbedding.weight_loader
+    asserts (with no message), so vLLM cannot load it; `shardplan record` names the tensor and exits 2."""
+    import engine_support as es
+    from shardplan import cli
+
+    cfg = dict(es.config(False), vocab_size=128)
+    tensors = es.random_tensors(False, 1)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:128]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:256]
+    model = es.write_checkpoint(tmp_path / "padded", cfg, tensors)
+    code = cli.main(["record", "--model", str(model), "--tp", "2", "--out", str(tmp_path / "plans")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "rejects checkpoint tensor lm_head.weight [256, 256] bfloat16" in err and "AssertionError (no message)" in err
+    assert "at `assert loaded_weight.shape[output_dim] == self.org_vocab_size`" in err
+    assert "vocab_parallel_embedding.py" in err and "Traceback" not in err
