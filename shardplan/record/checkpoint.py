@@ -201,7 +201,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
     try:
         header = json.loads(header_bytes)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
     tensors = {}
     for name, info in header.items():
