@@ -118,13 +118,14 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             self.shutdown()
         self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes,
                                        sharded=sharded)
-        control = Control(init_info.control_host, int(init_info.control_port))
-        name = f"consumer{rank}"
-        options = dict(init_info.transport_options)
-        options.setdefault("timeout_s", init_info.timeout_s)
-        transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
+        # checked first: every connect below is bounded by timeout_s (a wrong control_port is named after it)
         config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
                             announce_timeout_s=init_info.announce_timeout_s)
+        control = Control(init_info.control_host, int(init_info.control_port), connect_timeout_s=config.timeout_s)
+        name = f"consumer{rank}"
+        options = dict(init_info.transport_options)
+        options.setdefault("timeout_s", config.timeout_s)
+        transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
         logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s", rank,

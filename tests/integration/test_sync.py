@@ -709,9 +709,40 @@ def test_checksum_sees_a_changed_byte_and_works_unaligned():
     assert checksum(buf[:0]) == 0
 
 
-def test_config_rejects_nonpositive_timeouts():
-    with pytest.raises(SyncConfigError):
-        SyncConfig(timeout_s=0)
+@pytest.mark.parametrize("field, value", [("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("nan")),
+                                          ("timeout_s", float("inf")), ("timeout_s", "5"), ("timeout_s", True),
+                                          ("timeout_s", None), ("announce_timeout_s", float("nan")),
+                                          ("announce_timeout_s", "600"), ("verify", "yes"), ("verify", 1)])
+def test_config_refuses_bad_numbers_by_name(field, value):
+    # NaN used to pass and fail later with "cannot convert float NaN to integer"
+    with pytest.raises(SyncConfigError, match=f"SyncConfig: {field} must be"):
+        SyncConfig(**{field: value})
+    assert SyncConfig(timeout_s=5, announce_timeout_s=0.5).timeout_s == 5
+
+
+def test_control_connect_honours_its_timeout():
+    """A wrong control port (nothing listening): every connect is bounded by connect_timeout_s and named; it used
+    to retry for 60 s per client (~95 s for the engine's prewarm of 4, 135 s in a live engine's init)."""
+    import socket
+    import time
+
+    from shardplan.transport.base import ControlUnreachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ControlUnreachable, match=rf"control channel at 127.0.0.1:{port} within 1.0 s"):
+        Control("127.0.0.1", port, connect_timeout_s=1.0).prewarm(4)
+    assert time.monotonic() - t0 < 10   # one bounded connect, not four (generous: a loaded 2-core box)
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        Control("127.0.0.1", port, connect_timeout_s=float("nan"))
+    served = Control.serve("127.0.0.1")
+    import pickle
+    again = pickle.loads(pickle.dumps(Control(served.host, served.port, connect_timeout_s=2.5)))
+    assert again.connect_timeout_s == 2.5
+    again.set("k", "v")
+    assert served.try_get("k") == "v"
 
 
 def test_coordinator_membership_excludes_silent_and_readmits_rejoined():
