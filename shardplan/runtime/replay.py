@@ -20,8 +20,8 @@ from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import PlanError, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
 from shardplan.runtime.replaycols import check_plans, plan_batches, run_items
-from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, StaleBindingError, capture_graph, check_tensor,
-                                       storage_ptr, storage_view, widen)
+from shardplan.runtime.tensors import (WIDE_DTYPES, PackBufferError, StaleBindingError, capture_graph, check_fits,
+                                       check_tensor, storage_ptr, storage_view, widen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class Replayer:
         self.device = torch.device(device) if device is not None else None
         self.layout = layout if layout is not None else PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
-        check_plans(self.plans, self.sources)
+        self.computed_peak = check_plans(self.plans, self.sources)   # bytes one computed write makes, at most
         self._runs, self._computed = self._plan_batches()
         self._group_replayers: dict[str, Replayer] = {}
 
@@ -117,7 +117,7 @@ class Replayer:
         if group not in self._group_replayers:
             sub = Replayer.__new__(Replayer)
             sub.plans, sub.sources, sub.device = self.plans, self.sources, self.device
-            sub._by_rank = self._by_rank
+            sub._by_rank, sub.computed_peak = self._by_rank, self.computed_peak
             sub.layout = self.layout.group(group)
             sub._runs, sub._computed = sub._plan_batches()
             sub._group_replayers = {}
@@ -136,6 +136,7 @@ class Replayer:
         segs = lay.segments.take(np.asarray(segments, dtype=np.int64))
         sub = Replayer.__new__(Replayer)
         sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank
+        sub.computed_peak = self.computed_peak
         name = lay.groups[0].name if len(lay.groups) == 1 else "subset"
         sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),),
                                 lay.ranks, lay.base)
@@ -223,6 +224,7 @@ class BoundReplay:
 
     def _check_out(self, out: torch.Tensor | None) -> torch.Tensor:
         nbytes = self.layout.nbytes
+        check_fits("packing this layout", (nbytes if out is None else 0) + self.replayer.computed_peak, self.device)
         if out is None:
             # zeros, not empty: padding bytes are never written, and a deterministic buffer checksums reproducibly
             return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)

@@ -8,7 +8,7 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
-from shardplan.plan.interp import PlanError, resolve_op
+from shardplan.plan.interp import ForeignWriteError, PlanError, check_write_sizes, resolve_op
 from shardplan.runtime.packcols import class_extents, geometry_keys, ordinals
 
 
@@ -33,11 +33,14 @@ def source_dtypes(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.
     return np.asarray([code[d] for d in dtypes], dtype=np.int64), names
 
 
-def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta]) -> None:
-    """Every write reads tensors the sources table describes, inside their bounds, in an allowlisted way, and
-    broadcasts to its destination (Replayer's contract)."""
+def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta]) -> int:
+    """Every write reads tensors the sources table describes, inside their bounds, in an allowlisted way, never
+    writing into them, makes tensors no larger than the plan declares room for, and broadcasts to its destination
+    (Replayer's contract). Returns the most bytes one computed write makes (bind checks it against the device)."""
+    peak = 0
     for plan in plans:
         cols = columns_of(plan)
+        rank_numel = None
         for index in sorted(cols.computed):
             w = cols.computed[index]
             names: set[str] = set()
@@ -48,6 +51,19 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
                                     f"sources table does not describe")
             for op in ir.literal_ops(w.src.leaf):
                 resolve_op(op)
+            problem = ir.foreign_write(w.src.leaf)
+            if problem is not None:
+                raise ForeignWriteError(f"rank {plan.rank}: write {index} ({w.param}): {problem}. Replay never writes "
+                                        f"into the trainer's tensors: re-record the plan")
+            if rank_numel is None:
+                rank_numel = sum(p.numel for p in plan.params)
+            try:   # sized here, on meta, so that pack never allocates more than the plan declares room for
+                peak = max(peak, check_write_sizes(w, sources, rank_numel))
+            except PlanError as e:
+                raise type(e)(f"rank {plan.rank}: write {index} ({w.param}): {e}. Re-record the plan") from None
+            except Exception as e:  # noqa: BLE001 - an op that does not evaluate on these shapes fails replay too
+                raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) does not evaluate on the declared "
+                                f"shapes: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
         rows = np.nonzero(cols.src >= 0)[0]
         if not len(rows):
             continue
@@ -72,6 +88,7 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
             w = cols.write(index)
             raise PlanError(f"rank {plan.rank}: write {index} ({w.param}): source sizes "
                             f"{list(w.src.region.sizes)} do not broadcast to {list(w.dst.sizes)}")
+    return peak
 
 
 def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, ir.TensorMeta]
