@@ -774,3 +774,60 @@ def test_padded_lm_head_checkpoint_is_a_named_error_not_a_traceback(tmp_path, ca
     assert "rejects checkpoint tensor lm_head.weight [256, 256] bfloat16" in err and "AssertionError (no message)" in err
     assert "at `assert loaded_weight.shape[output_dim] == self.org_vocab_size`" in err
     assert "vocab_parallel_embedding.py" in err and "Traceback" not in err
+
+
+def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers_tensors(tmp_path):
+    """A loader that scales its loaded_weight in place (and bumps a row of it) before copying: recorded, written to a
+    plan file, packed through the sync's ReplayPacker and a TrainerRank's packer three times (every sync): the
+    trainer's tensors stay bitwise as they were (no compounding edit), and each consumer's params equal the real
+    loader's."""
+    from shardplan.engine.trainer import ModuleSource, TrainerRank
+    from shardplan.plan import planfile
+    from shardplan.plan.compile import compile_plans
+    from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
+    from shardplan.transport.base import Control
+
+    def load_scaled(m, name, t):
+        shard = t.narrow(0, 4 * m.rank, 4)
+        shard.mul_(0.5)
+        shard[1].add_(1.0)
+        m.w.data.copy_(shard)
+
+    make = lambda rank: Toy({"w": (4, 6)}, load_scaled, dtype=torch.bfloat16, rank=rank)   # noqa: E731
+    name, sources = "model.layers.0.mlp.w.weight", [ir.TensorMeta("model.layers.0.mlp.w.weight", (8, 6), "bfloat16")]
+    plans = []
+    for rank in (0, 1):
+        with torch.device("meta"):
+            meta = make(rank)
+        plan = record_loader(meta, [(name, (8, 6), "bfloat16")], rank=rank).to_plan()
+        assert "Tensor.mul_" in ops(plan) and not plan.fallbacks
+        plans.append(plan)
+    path = tmp_path / "toy.plan"
+    planfile.write_plan(path, planfile.encode(compile_plans(plans, sources), model="t/toy", architecture="ToyForCausalLM",
+                                              config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16",
+                                              vllm_version="0.32.0"))
+    plan_file = planfile.PlanFile.read(path)
+    trainer = {name: torch.randn(8, 6).to(torch.bfloat16)}
+    pristine = bits(trainer[name]).clone()
+    control = Control.serve("127.0.0.1")
+    rank = TrainerRank(str(path), ModuleSource(trainer, plan_file), control)
+    packers = {"ReplayPacker": ReplayPacker([plan_file.rank(r) for r in (0, 1)], plan_file.sources),
+               "TrainerRank": rank.packer}
+    try:
+        for how, packer in packers.items():
+            for consumer in (0, 1):
+                real = make(consumer)
+                with torch.no_grad():
+                    real.load_weights([(name, trainer[name].clone())])
+                for _ in range(3):
+                    replayed = {"w": torch.full((4, 6), NAN, dtype=torch.bfloat16)}
+                    unpacker = ApplyUnpacker(plan_file.rank(consumer), replayed)
+                    for group in packer.groups():
+                        spans = packer.spans(consumer, group)
+                        out = torch.zeros(unpacker.sizes()[group], dtype=torch.uint8)
+                        packer.pack(consumer, group, {name: trainer[name]}, out, range(len(spans)))
+                        unpacker.apply(group, out)
+                    assert torch.equal(bits(trainer[name]), pristine), f"{how} modified the trainer's tensor"
+                    assert torch.equal(bits(replayed["w"]), bits(real.w)), f"{how}, consumer {consumer}"
+    finally:
+        rank.close()
