@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.models import ConfigError, ModelSpec
+from shardplan.plan.file.checks import MAX_NUMEL, MAX_WRITES_PER_RANK
 
 __all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
            "config_class", "hf_view"]
@@ -272,8 +273,6 @@ def estimated_tensors(view: HFView) -> int:
 
 
 def _check_scale(view: HFView) -> None:
-    from shardplan.plan.plancheck import MAX_NUMEL, MAX_WRITES_PER_RANK
-
     text, spec = view.text_config, view.spec
     where = f"{spec.origin} (after overrides)" if spec.overrides else spec.origin
     tensors = estimated_tensors(view)

@@ -782,8 +782,8 @@ def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers
     trainer's tensors stay bitwise as they were (no compounding edit), and each consumer's params equal the real
     loader's."""
     from shardplan.engine.trainer import ModuleSource, TrainerRank
-    from shardplan.plan import planfile
-    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.compile.compiler import compile_plans
+    from shardplan.plan.file import format as planfile
     from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
     from shardplan.transport.base import Control
 

@@ -13,8 +13,10 @@ import resource
 import pytest
 import torch
 
-from shardplan.plan import interp, ir, planfile, planskeleton
-from shardplan.plan.compile import compile_plans
+from shardplan.plan import interp, ir
+from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file import skeletons as planskeleton
 from shardplan.plan.interp import ForeignWriteError, PlanTooLarge
 from shardplan.plan.layout import Layout
 from shardplan.runtime.apply import Applier, params_from_plan
