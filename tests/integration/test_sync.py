@@ -1008,6 +1008,45 @@ class SwappedTrainerWorld(PlanWorld):
         self._packer = ReplayPacker(trainer_plans, self.sources, max_group_bytes=PART_BYTES)
 
 
+def _swap_q_and_k_sources(plan):
+    """The same plan with the sources of q_proj and k_proj swapped: the same destinations, other bytes in them."""
+    from shardplan.plan import ir
+    writes = list(plan.writes)
+    q = [i for i, w in enumerate(writes) if ".q_proj." in getattr(w.src.leaf, "name", "")]
+    k = [i for i, w in enumerate(writes) if ".k_proj." in getattr(w.src.leaf, "name", "")]
+    assert q and len(q) == len(k)
+    for i, j in zip(q, k):
+        writes[i], writes[j] = (ir.Write(writes[i].param, writes[i].dst, writes[j].src),
+                                ir.Write(writes[j].param, writes[j].dst, writes[i].src))
+    return ir.RankPlan(plan.rank, plan.params, tuple(writes), plan.fallbacks, plan.not_needed)
+
+
+@dataclass
+class SwappedSourcesTrainerWorld(PlanWorld):
+    """The trainers pack consumer 1's bytes from its plan with the q/k *sources* swapped: every destination (so the
+    pack layout) is the consumer's, the bytes are not."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from shardplan.sync import ReplayPacker
+        self.trainer_plans = [self.plans[0], _swap_q_and_k_sources(self.plans[1])]
+        self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
+
+
+@dataclass
+class NextRankSlicesTrainerWorld(PlanWorld):
+    """The trainers pack consumer 1's bytes from rank 0's writes (its slices), relabelled rank 1: same writes, params
+    and destinations, so the same pack layout; the sources are the other rank's."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from shardplan.plan import ir
+        from shardplan.sync import ReplayPacker
+        wrong = ir.RankPlan(1, self.plans[1].params, self.plans[0].writes, self.plans[1].fallbacks)
+        self.trainer_plans = [self.plans[0], wrong]
+        self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
+
+
 @dataclass
 class WrongRankWorld(PlanWorld):
     """Consumer 1 applies rank 0's plan (a wrong rank mapping in the launcher); its byte counts equal rank 1's."""
@@ -1016,8 +1055,19 @@ class WrongRankWorld(PlanWorld):
         return super().unpacker(0)
 
 
-@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld], ids=["different-destinations", "wrong-rank"])
+@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld, SwappedSourcesTrainerWorld,
+                                   NextRankSlicesTrainerWorld],
+                         ids=["different-destinations", "wrong-rank", "q-k-sources-swapped", "next-rank-slices"])
 def test_layout_disagreement_is_refused_on_both_sides_before_any_byte_moves(world):
+    if world in (SwappedSourcesTrainerWorld, NextRankSlicesTrainerWorld):
+        # source-only differences: the pack layouts (destinations) agree, only what the writes read differs
+        from shardplan.runtime.pack import PackLayout
+        w = world()
+        consumer, trainer = w.plans[1], w.trainer_plans[1]
+        assert PackLayout.from_plans(consumer, 256, PART_BYTES).digest == \
+            PackLayout.from_plans(trainer, 256, PART_BYTES).digest
+        assert w.unpacker(1).stamp() != w._packer.stamp(1)
+        assert w.unpacker(0).stamp() == w._packer.stamp(0)
     cluster = LocalCluster("nccl", world)
     try:
         results = cluster.sync(1)
