@@ -99,7 +99,12 @@ def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.
         inputs = [eval_view(v, tensors, device, limit) for v in leaf.inputs]
         args = [_literal(a, inputs, device) for a in leaf.args]
         kwargs = {k: _literal(v, inputs, device) for k, v in leaf.kwargs}
-        result = resolve_op(leaf.op)(*args, **kwargs)
+        fn = resolve_op(leaf.op)
+        if limit is not None and leaf.op in ir.UNARY_OPS:   # elementwise: its shape rule, without torch's Python
+            x = inputs[0]                                    # meta kernel for exp (a ~6 s import on first use)
+            result = torch.empty_like(x, dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype())
+        else:
+            result = fn(*args, **kwargs)
         result = result if leaf.out is None else result[leaf.out]
         if limit is not None:
             if not isinstance(result, torch.Tensor):
