@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_cases import PlanLayer, _plan_file  # noqa: E402
+from shardplan.runtime import fp8kernel  # noqa: E402
 from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
 
 CASES = [("plans/kimi-k2-fp8--tp16-ep--bfloat16.plan", 0, 3), ("plans/kimi-k2-fp8--tp8-ep--bfloat16.plan", 0, 3),
@@ -87,11 +88,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--eager-iters", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--warps", type=int, default=None, help="the kernel's num_warps (default fp8kernel.NUM_WARPS)")
     args = ap.parse_args()
+    if args.warps:
+        fp8kernel.NUM_WARPS = args.warps
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; QuantizingReplayer.pack of one layer vs a "
-          f"same-run copy_ of the same bytes (read + written), medians of {args.iters} interleaved rounds")
+          f"same-run copy_ of the same bytes (read + written), medians of {args.iters} interleaved rounds; "
+          f"kernel num_warps {fp8kernel.NUM_WARPS}")
     print("| case | GB moved | copy ms | fused ms (% copy) | fused, no graph ms (% copy) | eager ms (% copy) | "
           "launches | build layer / rank ms |")
     print("|---|---|---|---|---|---|---|---|")

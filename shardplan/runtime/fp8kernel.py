@@ -25,6 +25,7 @@ from shardplan.plan import ir
 from shardplan.runtime.tensors import broadcast_region, collapse
 
 FP8 = "float8_e4m3fn"
+NUM_WARPS = 8   # per 128 x 128 program: 64 elements a thread
 # programs: weight id, block row, block col (of the weight), out (byte offset in the buffer where the block's [0, 0]
 # element would sit), out_stride (bytes per row there), window [r0, r1) x [c0, c1) (block coordinates: the elements the
 # segment holds; empty for a scale-only program), scale (element offset in the staging vector)
@@ -68,15 +69,18 @@ class FusedQuantPlan:
     rest: tuple[int, ...]                # the other segments (the ordinary replay packs them)
     eager: tuple[str, ...]               # quantized weights the kernel cannot serve (staged by the eager quantizer)
     programs: np.ndarray                 # [n, len(PROGRAM_COLUMNS)] int64
+    gather: tuple[np.ndarray, np.ndarray]   # scale segments' elements: (staging index, float32 index in the buffer)
 
     @classmethod
     def build(cls, inner, boxes: Mapping[str, tuple], block: tuple[int, int], quantized) -> "FusedQuantPlan":
         """`inner`: the QuantizingReplayer's Replayer (plans rebased into the staged boxes); `quantized`: the weights
         its packs read (fp8 or scales)."""
+        from shardplan.runtime.quantize import SCALE_SUFFIX   # (that module imports this one)
         bn, bk = block
         table = inner.layout.segments
         by_rank = {p.rank: p for p in inner.plans}
         fused: dict[str, list] = {}
+        scale_reads: list[tuple] = []
         eager: set[str] = set()
         rest: list[int] = []
         for i in range(len(table)):
@@ -88,7 +92,11 @@ class FusedQuantPlan:
                 rest.append(i)
                 continue
             if leaf.name not in boxes:
-                rest.append(i)   # a scale, or a tensor that is not quantized
+                weight = leaf.name.removesuffix(SCALE_SUFFIX)
+                if weight != leaf.name and weight in boxes and table.dtypes[table.dtype[i]] == "float32":
+                    scale_reads.append((i, weight, w.src.region))   # gathered from the staging vector
+                else:
+                    rest.append(i)   # a tensor that is not quantized
                 continue
             box = None
             if table.dtypes[table.dtype[i]] == FP8:
@@ -133,8 +141,26 @@ class FusedQuantPlan:
                                           scale_offsets[name] + (br - r0 // bn) * grid[1] + (bc - c0 // bk)], axis=1))
         programs = (np.concatenate(programs).astype(np.int64) if programs
                     else np.zeros((0, len(PROGRAM_COLUMNS)), dtype=np.int64))
+        # scale segments of the kernel's weights: one gather from the staging vector (a refined scale grid's upsampled
+        # reads are hundreds of tiny broadcast views: one kernel each in the ordinary replay)
+        gather_src, gather_dst = [], []
+        for i, weight, region in scale_reads:
+            if weight not in scale_offsets:
+                rest.append(i)
+                continue
+            shape = tuple(table.shape[i, :table.shape_ndim[i]].tolist())
+            full = broadcast_region(region, shape)
+            index = np.full(shape, full.offset, dtype=np.int64)
+            for d, (size, stride) in enumerate(zip(full.sizes, full.strides)):
+                index += (np.arange(size, dtype=np.int64) * stride).reshape((1,) * d + (size,) + (1,) * (
+                    len(shape) - d - 1))
+            segments.append(i)
+            gather_src.append(scale_offsets[weight] + index.ravel())
+            gather_dst.append(int(table.offset[i]) // 4 + np.arange(index.size, dtype=np.int64))
+        gather = (np.concatenate(gather_src) if gather_src else np.zeros(0, dtype=np.int64),
+                  np.concatenate(gather_dst) if gather_dst else np.zeros(0, dtype=np.int64))
         return cls(block, weights, {n: boxes[n] for n in weights}, scale_offsets, numel, tuple(sorted(segments)),
-                   tuple(sorted(rest)), tuple(sorted(eager)), programs)
+                   tuple(sorted(rest)), tuple(sorted(eager)), programs, gather)
 
     def staged_scales(self, scales: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each kernel-quantized weight's staged scale tensor (a view of the staging vector `scales`)."""
@@ -158,6 +184,8 @@ class FusedQuantPlan:
             scales[scale] = s[0, 0]
             for r in range(r0, r1):
                 fp8[at + r * stride + c0:at + r * stride + c1] = q[r, c0:c1]
+        src, dst = (torch.from_numpy(a).to(out.device) for a in self.gather)
+        out.view(torch.float32)[dst] = scales[src]
 
     def binding(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
                 ) -> "FusedQuantBinding":
@@ -207,6 +235,9 @@ class FusedQuantBinding:
                     self.launches.append((torch.from_numpy(np.ascontiguousarray(rows_here)).to(out.device),
                                           base_tensor, vec if is_aligned else 1, 16 if is_aligned else 1))
         self._out_fp8 = out_fp8
+        self._out_f32 = out.view(torch.float32)
+        self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in plan.gather)
+        self._gathered = torch.empty(len(plan.gather[0]), dtype=torch.float32, device=out.device)
 
     @property
     def num_programs(self) -> int:
@@ -218,7 +249,10 @@ class FusedQuantBinding:
         bn, bk = self.plan.block
         for table, base, vec_src, vec_out in self.launches:
             kernel[(len(table),)](table, base, self._out_fp8, self.scales, self.flag, BLOCK_R=bn, BLOCK_C=bk,
-                                  VEC_SRC=vec_src, VEC_OUT=vec_out, num_warps=8)
+                                  VEC_SRC=vec_src, VEC_OUT=vec_out, num_warps=NUM_WARPS)
+        if len(self._gathered):
+            torch.index_select(self.scales, 0, self._gather_src, out=self._gathered)
+            self._out_f32.index_copy_(0, self._gather_dst, self._gathered)
 
     def nonfinite(self) -> bool:
         """Whether a launch since the last call met inf or NaN (waits for the stream: a host read)."""

@@ -156,6 +156,9 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
             ts = ir.Write("ts", ir.full_region((1, 1)), ir.View(ir.Source(S), ir.Region(0, (1, 1), (3, 1))))
             plans = plans + [ir.RankPlan(9, (ir.TensorMeta("t", (128, 128), "float8_e4m3fn"),
                                              ir.TensorMeta("ts", (1, 1), "float32")), (t, ts))]
+        if data.draw(st.booleans()):   # an upsampled scale read (stride 0), as vLLM's loader makes for refined grids
+            up = ir.Write("su", ir.full_region((2, 2, 3)), ir.View(ir.Source(S), ir.Region(0, (2, 2, 3), (3, 0, 1))))
+            plans = plans + [ir.RankPlan(7, (ir.TensorMeta("su", (2, 2, 3), "float32"),), (up,))]
         replayer = QuantizingReplayer(plans, SOURCES, quantizer=QID)
         tensors = trainer_tensors(seed, data.draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])))
         eager = replayer.bind(tensors, fused=False).pack().clone()
