@@ -120,7 +120,8 @@ def main() -> None:
         moved = traffic(replayer, tensors)
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
         dst = torch.empty_like(src)
-        ms = medians({"copy": lambda: dst.copy_(src), "fused": fused.pack, "nograph": nograph.pack}, args.iters)
+        ms = medians({"copy": lambda: dst.copy_(src), "fused": fused.pack, "nograph": nograph.pack,
+                      "kernel": fused.kernel.launch}, args.iters)
         ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
         row = dict(case=case.label, gb=moved / 1e9, build_layer_ms=build_layer, build_rank_ms=build_rank,
                    launches=fused.num_launches, programs=fused.kernel.num_programs,
@@ -130,6 +131,8 @@ def main() -> None:
         print(f"| {case.label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
               f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
               f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |", flush=True)
+        print(f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
+              f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches")
         del fused, nograph, eager, tensors, src, dst
         torch.cuda.empty_cache()
     if args.json:

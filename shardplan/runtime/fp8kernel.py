@@ -193,9 +193,9 @@ class FusedQuantPlan:
 
 
 class FusedQuantBinding:
-    """The plan's programs with the bound tensors' addresses: one table (and launch) per source dtype, split by
-    whether every row is 16-byte aligned (then the kernel is told so and moves 16-byte vectors). `flag` turns 1 when a
-    block held inf or NaN."""
+    """The plan's programs with the bound tensors' addresses: one table (and launch) per source dtype and kind: whole
+    blocks wholly in their segment (no masks), other 16-byte aligned rows (the kernel is told so and moves 16-byte
+    vectors), the rest. `flag` turns 1 when a block held inf or NaN."""
 
     def __init__(self, plan: FusedQuantPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
                  scales: torch.Tensor):
@@ -222,18 +222,22 @@ class FusedQuantBinding:
             src = (ptr[w] - base) // itemsize + p[:, 1] * bn * row_stride[w] + p[:, 2] * bk
             rows = np.minimum(bn, shape[w, 0] - p[:, 1] * bn)
             cols = np.minimum(bk, shape[w, 1] - p[:, 2] * bk)
+            if (row_stride[w] * bn >= 1 << 31).any() or (p[:, 4] * bn >= 1 << 31).any():
+                raise ValueError("a block's row offsets overflow 32 bits (the kernel's in-block offsets are int32)")
             table = np.stack([src, row_stride[w], rows, cols] + [p[:, k] for k in range(3, 10)], axis=1)
             vec = 16 // itemsize
             aligned = ((src % vec == 0) & (row_stride[w] % vec == 0) & (cols % vec == 0) & (p[:, 3] % 16 == 0)
                        & (p[:, 4] % 16 == 0) & (p[:, 7] % 16 == 0) & (p[:, 8] % 16 == 0))
             if base % 16 or out.data_ptr() % 16:
                 aligned[:] = False
+            full = aligned & (rows == bn) & (cols == bk) & (p[:, 5] == 0) & (p[:, 6] == bn) & (p[:, 7] == 0) & (
+                p[:, 8] == bk)
             base_tensor = next(t for t in self.tensors if t.dtype == dtype and t.data_ptr() == base)
-            for is_aligned in (True, False):
-                rows_here = table[aligned == is_aligned]
-                if len(rows_here):
-                    self.launches.append((torch.from_numpy(np.ascontiguousarray(rows_here)).to(out.device),
-                                          base_tensor, vec if is_aligned else 1, 16 if is_aligned else 1))
+            for kind, is_aligned, is_full in ((full, True, True), (aligned & ~full, True, False),
+                                              (~aligned, False, False)):   # whole blocks, aligned others, the rest
+                if kind.any():
+                    self.launches.append((torch.from_numpy(np.ascontiguousarray(table[kind])).to(out.device),
+                                          base_tensor, vec if is_aligned else 1, 16 if is_aligned else 1, is_full))
         self._out_fp8 = out_fp8
         self._out_f32 = out.view(torch.float32)
         self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in plan.gather)
@@ -247,9 +251,9 @@ class FusedQuantBinding:
         """Enqueue the quantization of every block on the current stream (capturable in a CUDA graph)."""
         kernel = _kernel()
         bn, bk = self.plan.block
-        for table, base, vec_src, vec_out in self.launches:
+        for table, base, vec_src, vec_out, full in self.launches:
             kernel[(len(table),)](table, base, self._out_fp8, self.scales, self.flag, BLOCK_R=bn, BLOCK_C=bk,
-                                  VEC_SRC=vec_src, VEC_OUT=vec_out, num_warps=NUM_WARPS)
+                                  VEC_SRC=vec_src, VEC_OUT=vec_out, FULL=full, num_warps=NUM_WARPS)
         if len(self._gathered):
             torch.index_select(self.scales, 0, self._gather_src, out=self._gathered)
             self._out_f32.index_copy_(0, self._gather_dst, self._gathered)
@@ -282,31 +286,39 @@ def _kernel():
 
     @triton.jit
     def quantize_blocks_kernel(table, src_base, out_base, scale_base, flag, BLOCK_R: tl.constexpr,
-                               BLOCK_C: tl.constexpr, VEC_SRC: tl.constexpr, VEC_OUT: tl.constexpr):
+                               BLOCK_C: tl.constexpr, VEC_SRC: tl.constexpr, VEC_OUT: tl.constexpr,
+                               FULL: tl.constexpr):
         row = table + tl.program_id(0).to(tl.int64) * 11
         src = tl.multiple_of(tl.load(row), VEC_SRC)
-        src_stride = tl.multiple_of(tl.load(row + 1), VEC_SRC)
-        rows = tl.load(row + 2)
-        cols = tl.multiple_of(tl.load(row + 3), VEC_SRC)
+        src_stride = tl.multiple_of(tl.load(row + 1).to(tl.int32), VEC_SRC)
         out = tl.multiple_of(tl.load(row + 4), VEC_OUT)
-        out_stride = tl.multiple_of(tl.load(row + 5), VEC_OUT)
-        r0 = tl.load(row + 6)
-        r1 = tl.load(row + 7)
-        c0 = tl.multiple_of(tl.load(row + 8), VEC_OUT)
-        c1 = tl.multiple_of(tl.load(row + 9), VEC_OUT)
+        out_stride = tl.multiple_of(tl.load(row + 5).to(tl.int32), VEC_OUT)
         scale_at = tl.load(row + 10)
-        r = tl.arange(0, BLOCK_R)[:, None].to(tl.int64)
+        r = tl.arange(0, BLOCK_R)[:, None]
         c = tl.arange(0, BLOCK_C)[None, :]
-        x = tl.load(src_base + src + r * src_stride + c, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
-        scale = tl.math.div_rn(amax, 448.0)          # correctly rounded, as the reference's exact_div
-        inv = tl.math.div_rn(1.0, scale)             # as torch's 1.0 / scale
+        src_ptrs = src_base + src + (r * src_stride + c)
+        out_ptrs = out_base + out + (r * out_stride + c)
+        if FULL:   # a whole block inside the tensor, all of it in the segment: no masks
+            x = tl.load(src_ptrs).to(tl.float32)
+        else:
+            rows = tl.load(row + 2).to(tl.int32)
+            cols = tl.multiple_of(tl.load(row + 3).to(tl.int32), VEC_SRC)
+            x = tl.load(src_ptrs, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
+        # inf or NaN anywhere makes amax inf (max ignores NaN, so NaN counts as inf): one reduction for both
+        amax = tl.max(tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1), axis=0)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)   # correctly rounded, as the reference's exact_div
+        inv = tl.math.div_rn(1.0, scale)                         # as torch's 1.0 / scale
         q = (x * inv).to(tl.float8e4nv)
-        window = (r >= r0) & (r < r1) & (c >= c0) & (c < c1)
-        tl.store(out_base + out + r * out_stride + c, q, mask=window)
+        if FULL:
+            tl.store(out_ptrs, q)
+        else:
+            r0 = tl.load(row + 6).to(tl.int32)
+            r1 = tl.load(row + 7).to(tl.int32)
+            c0 = tl.multiple_of(tl.load(row + 8).to(tl.int32), VEC_OUT)
+            c1 = tl.multiple_of(tl.load(row + 9).to(tl.int32), VEC_OUT)
+            tl.store(out_ptrs, q, mask=(r >= r0) & (r < r1) & (c >= c0) & (c < c1))
         tl.store(scale_base + scale_at, scale)
-        bad = tl.max(tl.max(((x - x) != 0).to(tl.int32), axis=1), axis=0)   # inf - inf and NaN - NaN are NaN
-        if bad > 0:
+        if amax == float("inf"):
             tl.atomic_max(flag, 1)
 
     return quantize_blocks_kernel
