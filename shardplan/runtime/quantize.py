@@ -223,7 +223,16 @@ class QuantizingReplayer:
         _, self.block = parse_quantizer(quantizer)
         self.quantizer = quantizer
         self.plans = as_plans(plans)
-        self.sources = dict(sources)
+        # only the tensors the plans read (and their weights or scales): a plan file's table names every tensor of
+        # the model (~70k for Kimi-K2), and spelling it out cost most of a rank's build
+        self._reads("")
+        read = set(self._readers)
+        self.sources = {n: sources[n] for n in sorted(read)}
+        for name, meta in list(self.sources.items()):   # a weight read without its scale, or a scale without it
+            other = (name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else
+                     name + SCALE_SUFFIX if meta.dtype == "float8_e4m3fn" else None)
+            if other is not None and other not in self.sources and other in sources:
+                self.sources[other] = sources[other]
         self.weights = sorted(n for n, m in self.sources.items()
                               if m.dtype == "float8_e4m3fn" and n + SCALE_SUFFIX in self.sources)
         self.boxes = {name: self._box(name) for name in self.weights}
