@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_cases import PlanLayer, _plan_file  # noqa: E402
+
 from shardplan.runtime import fp8kernel  # noqa: E402
 from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
 
@@ -120,7 +121,7 @@ def main() -> None:
         moved = traffic(replayer, tensors)
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
         dst = torch.empty_like(src)
-        ms = medians({"copy": lambda: dst.copy_(src), "fused": fused.pack, "nograph": nograph.pack,
+        ms = medians({"copy": lambda d=dst, s=src: d.copy_(s), "fused": fused.pack, "nograph": nograph.pack,
                       "kernel": fused.kernel.launch}, args.iters)
         ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
         row = dict(case=case.label, gb=moved / 1e9, build_layer_ms=build_layer, build_rank_ms=build_rank,

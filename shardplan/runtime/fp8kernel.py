@@ -72,10 +72,11 @@ class FusedQuantPlan:
     gather: tuple[np.ndarray, np.ndarray]   # scale segments' elements: (staging index, float32 index in the buffer)
 
     @classmethod
-    def build(cls, inner, boxes: Mapping[str, tuple], block: tuple[int, int], quantized) -> "FusedQuantPlan":
+    def build(cls, inner, boxes: Mapping[str, tuple], block: tuple[int, int], quantized, scale_names: Mapping[str, str]
+              ) -> "FusedQuantPlan":
         """`inner`: the QuantizingReplayer's Replayer (plans rebased into the staged boxes); `quantized`: the weights
-        its packs read (fp8 or scales)."""
-        from shardplan.runtime.quantize import SCALE_SUFFIX   # (that module imports this one)
+        its packs read (fp8 or scales); `scale_names`: each weight's scale tensor."""
+        weight_of_scale = {scale: weight for weight, scale in scale_names.items()}
         bn, bk = block
         table = inner.layout.segments
         by_rank = {p.rank: p for p in inner.plans}
@@ -92,8 +93,8 @@ class FusedQuantPlan:
                 rest.append(i)
                 continue
             if leaf.name not in boxes:
-                weight = leaf.name.removesuffix(SCALE_SUFFIX)
-                if weight != leaf.name and weight in boxes and table.dtypes[table.dtype[i]] == "float32":
+                weight = weight_of_scale.get(leaf.name)
+                if weight in boxes and table.dtypes[table.dtype[i]] == "float32":
                     scale_reads.append((i, weight, w.src.region))   # gathered from the staging vector
                 else:
                     rest.append(i)   # a tensor that is not quantized
@@ -173,9 +174,10 @@ class FusedQuantPlan:
             out[name] = scales[at:at + grid[0] * grid[1]].view(grid)
         return out
 
-    def run_reference(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor) -> None:
-        """The programs run one by one with the reference quantizer (torch, any device): what the kernel computes."""
-        from shardplan.runtime.quantize import quantize_blocks
+    def run_reference(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor,
+                      quantize_blocks) -> None:
+        """The programs run one by one with the reference quantizer `quantize_blocks` (runtime/quantize.py's; torch,
+        any device): what the kernel computes."""
         bn, bk = self.block
         fp8 = out.view(torch.float8_e4m3fn)
         for wid, br, bc, at, stride, r0, r1, c0, c1, scale in self.programs.tolist():

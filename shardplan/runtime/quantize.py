@@ -14,7 +14,8 @@ Blocks never straddle two ranks: vLLM refuses block-FP8 layouts whose TP partiti
 box starts on a block boundary and ends on one or at the tensor's edge; a box that does not is a
 `BlockAlignmentError`. Each pack re-quantizes the bound tensors' boxes into staging tensors shaped as those boxes,
 then runs an ordinary `Replayer` over the plans with their source regions rebased into the boxes: a rank never
-quantizes (or needs) another rank's rows.
+quantizes (or needs) another rank's rows. On CUDA the fused kernel (runtime/fp8kernel.py) quantizes the fp8 segments'
+blocks straight into the buffer instead, bitwise the same; this eager path stays for CPU and as its reference.
 
 torch and shardplan's plan/runtime packages only: loads on a trainer without vLLM.
 """
@@ -28,11 +29,18 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.interp import MissingTensorError, ReplayError
-from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime import fp8kernel
+from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
-from shardplan.runtime.tensors import (StaleBindingError, TensorLayoutError, TensorShapeError, capture_graph,
-                                       describe_device, ptrs_unchanged, resolve_device)
+from shardplan.runtime.tensors import (
+    StaleBindingError,
+    TensorLayoutError,
+    TensorShapeError,
+    capture_graph,
+    describe_device,
+    ptrs_unchanged,
+    resolve_device,
+)
 
 REFERENCE = "fp8-e4m3-block-amax448-v1"   # the name plan files give the reference quantizer
 QUANTIZERS = (REFERENCE,)
@@ -164,7 +172,7 @@ def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, i
 
 def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
     """Every block that element `box` touches lies in one of `scale_boxes` (in blocks): one scale read may cover
-    them, or several (the compiler splits an upsampled scale into pure views: plan/simplify.py). Checked on the
+    them, or several (the compiler splits an upsampled scale into pure views: plan/compile/simplify.py). Checked on the
     grid the boxes' edges cut the touched blocks into (a few cells), not block by block."""
     (r0, r1), (c0, c1) = box
     rows = (r0 // block[0], math.ceil(r1 / block[0]))
@@ -351,7 +359,8 @@ class QuantizingReplayer:
         """Which segments the fused CUDA kernel packs, and its programs (plan-only: built once, at the first CUDA
         bind)."""
         if self.__dict__.get("_fused_plan") is None:
-            self._fused_plan = fp8kernel.FusedQuantPlan.build(self.inner, self.boxes, self.block, self.quantized)
+            self._fused_plan = fp8kernel.FusedQuantPlan.build(self.inner, self.boxes, self.block, self.quantized,
+                                                                {w: w + SCALE_SUFFIX for w in self.boxes})
         return self._fused_plan
 
     def _derived(self, inner: Replayer) -> "QuantizingReplayer":

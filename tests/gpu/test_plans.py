@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from gpu_cases import (
+    DEVICE,
+    LAYER,
+    NAN,
+    ON_GPU,
+    PLANS,
+    Layer,
+    assert_bits_equal,
+    gpu_tier,
+    reference,
+    shipped_plans,
+    trainer_tensors,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpu_cases import DEVICE, LAYER, NAN, ON_GPU, Layer, assert_bits_equal, gpu_tier, reference, shipped_plans, \
-    trainer_tensors, PLANS
 from shardplan.plan.planfile import PlanFile
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.quantize import QuantizingReplayer

@@ -7,9 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-
 from gpu_cases import DEVICE, NAN, ON_GPU, assert_bits_equal, gpu_tier, reference, trainer_tensors
+
 from shardplan.plan import ir
 
 pytestmark = gpu_tier + [pytest.mark.skipif(not ON_GPU, reason="16 GB of trainer tensors: on the GPU only")]

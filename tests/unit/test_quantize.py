@@ -90,7 +90,7 @@ def test_rows_within_the_scale_blocks_read_are_quantized_whole():
 
 def test_scale_blocks_read_by_several_writes_cover_the_rows():
     """The same rank, its two scale rows read by two writes (what the compiler makes of an upsampled scale: one pure
-    view per block piece, plan/simplify.py): covered by their union, bytes == the reference checkpoint's."""
+    view per block piece, plan/compile/simplify.py): covered by their union, bytes == the reference checkpoint's."""
     plan = rows_plan(3, 64, 192, scale_rows=(0, 1))
     extra = ir.Write("s2", ir.full_region((1, 3)), ir.View(ir.Source(S), ir.Region(3, (1, 3), (3, 1))))
     plan = ir.RankPlan(3, plan.params + (ir.TensorMeta("s2", (1, 3), "float32"),), plan.writes + (extra,))
@@ -135,7 +135,7 @@ def _fused_on_cpu(monkeypatch):
     """The fused path with each launch replaced by the programs' torch reference (the kernel itself: tests/gpu)."""
     monkeypatch.setattr(fp8kernel, "available", lambda device, block: None)
     monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: self.plan.run_reference(
-        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales))
+        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks))
 
 
 @settings(max_examples=25, deadline=None)
@@ -178,7 +178,7 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
 def test_fused_path_names_a_non_finite_block_and_a_stale_tensor(monkeypatch):
     _fused_on_cpu(monkeypatch)
     monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: (self.plan.run_reference(
-        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales), self.flag.fill_(
+        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks), self.flag.fill_(
             int(not all(torch.isfinite(t).all() for t in self.tensors)))))
     tensors = trainer_tensors(3)
     bound = QuantizingReplayer(rows_plan(1, 128, 256), SOURCES, quantizer=QID).bind(tensors)
