@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shardplan.plan import ir
+from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import apply_reference, to_dtype
-from shardplan.plan.planfile import PlanFile
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.quantize import SCALE_SUFFIX, parse_quantizer, quantize_blocks, trainer_name_of
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from gpu_cases import DEVICE, LAYER, NAN, ON_GPU, PLANS, Layer, assert_bits_equal, gpu_tier, reference, trainer_tensors
 
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer

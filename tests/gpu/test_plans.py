@@ -21,7 +21,7 @@ from gpu_cases import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer

@@ -10,6 +10,8 @@ import pytest
 from gpu_cases import DEVICE, NAN, ON_GPU, assert_bits_equal, gpu_tier, reference, trainer_tensors
 
 from shardplan.plan import ir
+from shardplan.plan.file import load_plan
+from shardplan.runtime.apply import params_from_plan
 
 pytestmark = gpu_tier + [pytest.mark.skipif(not ON_GPU, reason="16 GB of trainer tensors: on the GPU only")]
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -26,8 +28,6 @@ def readme_block() -> str:
 
 
 def test_readme_trainer_lines_run_on_cuda():
-    from shardplan.plan.store import load_plan
-    from shardplan.runtime.apply import params_from_plan
     plan_file = load_plan("llama-3.1-8b", tp=2)
     trainer_tensors_ = trainer_tensors(plan_file.sources, None, DEVICE)
     plan = plan_file.rank(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gpu_cases import DEVICE, LAYER, NAN, PLANS, Layer, assert_bits_equal, gpu_tier, reference, trainer_tensors
 
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.shards import local_tensors, plan_shards, tp_shards
 from shardplan.sync import ShardedPacker, ShardedUnpacker
