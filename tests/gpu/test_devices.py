@@ -10,7 +10,7 @@ from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer
-from shardplan.runtime.tensors import PackBufferError, TensorLayoutError
+from shardplan.runtime.tensors import PackBufferError, StaleBindingError, TensorLayoutError
 
 pytestmark = gpu_tier
 SPELLINGS = ["cuda", "cuda:0", torch.device("cuda"), None] if ON_GPU else ["cpu", torch.device("cpu"), None]
@@ -85,3 +85,23 @@ def test_tensors_on_the_wrong_device_are_named(llama, qwen_fp8):
     tensors[weight] = tensors[weight].to(OTHER)
     with pytest.raises(TensorLayoutError, match=f"'{weight}' is on (cpu|meta), expected"):
         QuantizingReplayer(layer.plan, layer.sources, quantizer=layer.quantizer, device=DEVICE).pack(tensors)
+
+
+def test_a_rebound_tensor_is_never_packed_stale(llama, qwen_fp8):
+    """The bind-time data pointers are compared at every pack (one C++ pass on CUDA builds of torch): a tensor given
+    new storage after bind() is named, by the plain and the quantizing replay (its fused kernel's sources too)."""
+    plan, sources = llama
+    tensors = trainer_tensors(sources, None, DEVICE)
+    bound = Replayer(plan, sources, device=DEVICE).bind(tensors)
+    bound.pack()
+    tensors["lm_head.weight"].data = tensors["lm_head.weight"].clone()
+    with pytest.raises(StaleBindingError, match="'lm_head.weight' no longer has the storage"):
+        bound.pack()
+    layer = qwen_fp8
+    tensors = trainer_tensors(layer.sources, layer.quantizer, DEVICE)
+    bound = QuantizingReplayer(layer.plan, layer.sources, quantizer=layer.quantizer, device=DEVICE).bind(tensors)
+    bound.pack()
+    weight = next(n for n in sorted(tensors) if "experts" in n)
+    tensors[weight].data = tensors[weight].clone()
+    with pytest.raises(StaleBindingError, match=f"'{weight}' no longer has the storage"):
+        bound.pack()
