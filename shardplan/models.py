@@ -283,7 +283,8 @@ def parse_json(text: str, origin: str, what: str = "JSON") -> Any:
         raise ConfigError(f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
                           f"Fix the file (or re-download config.json).") from None
     except ValueError as exc:
-        raise ConfigError(f"{origin} cannot be read as JSON: {' '.join(str(exc).split())[:200]}. Fix the file.") from None
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{origin} cannot be read as JSON: {reason}. Fix the file.") from None
     check_json_value(data, origin)
     return data
 
@@ -295,13 +296,15 @@ def check_json_value(value: Any, origin: str) -> None:
         node, depth, where = stack.pop()
         if isinstance(node, (dict, list, tuple)):
             if depth >= MAX_CONFIG_DEPTH:
-                raise ConfigError(f"{origin}: {f'field {where!r}' if where else 'the value'} nests more than {MAX_CONFIG_DEPTH} levels "
+                what = f"field {where!r}" if where else "the value"
+                raise ConfigError(f"{origin}: {what} nests more than {MAX_CONFIG_DEPTH} levels "
                                   f"deep; a model config nests a few. Fix the file or the override.")
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for k, v in items:
                 stack.append((v, depth + 1, f"{where}.{k}" if where else str(k)))
         elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_CONFIG_INT:
-            raise ConfigError(f"{origin}: {f'field {where!r}' if where else 'the value'} is an integer of "
+            what = f"field {where!r}" if where else "the value"
+            raise ConfigError(f"{origin}: {what} is an integer of "
                               f"{node.bit_length()} bits, beyond the "
                               f"int64 range. Fix the value.")
 

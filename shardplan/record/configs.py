@@ -28,7 +28,8 @@ from typing import Any
 from shardplan.models import ConfigError, ModelSpec
 from shardplan.plan.file.checks import MAX_NUMEL, MAX_WRITES_PER_RANK
 
-__all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
+__all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture",
+           "check_architecture",
            "config_class", "hf_view"]
 
 # Sizes vLLM and our tensor listing read from the text config; after aliases and defaults each must be a positive int.

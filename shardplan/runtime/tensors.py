@@ -3,7 +3,6 @@ storages, and the geometry helpers that turn a region into few large copies. tor
 from __future__ import annotations
 
 import os
-
 from typing import Callable, Iterable, Sequence
 
 import torch

@@ -3,7 +3,6 @@ results. Pure declarations: every other sync module imports this one."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 

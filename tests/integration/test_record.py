@@ -15,9 +15,9 @@ import torch
 
 from shardplan.plan import interp, ir
 from shardplan.plan.layout import Layout
+from shardplan.record.loader import record_loader
 from shardplan.record.parallel import fake_parallel_state
 from shardplan.record.recording import LoaderRejectsCheckpoint, RecordError, UnsupportedLoaderOp
-from shardplan.record.loader import record_loader
 
 NAN = float("nan")
 
@@ -761,6 +761,7 @@ def test_padded_lm_head_checkpoint_is_a_named_error_not_a_traceback(tmp_path, ca
     """A local checkpoint whose lm_head has 256 rows for a vocab of 128: vLLM's VocabParallelEmbedding.weight_loader
     asserts (with no message), so vLLM cannot load it; `shardplan record` names the tensor and exits 2."""
     import engine_support as es
+
     from shardplan import cli
 
     cfg = dict(es.config(False), vocab_size=128)
@@ -771,7 +772,8 @@ def test_padded_lm_head_checkpoint_is_a_named_error_not_a_traceback(tmp_path, ca
     code = cli.main(["record", "--model", str(model), "--tp", "2", "--out", str(tmp_path / "plans")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "rejects checkpoint tensor lm_head.weight [256, 256] bfloat16" in err and "AssertionError (no message)" in err
+    assert "rejects checkpoint tensor lm_head.weight [256, 256] bfloat16" in err
+    assert "AssertionError (no message)" in err
     assert "at `assert loaded_weight.shape[output_dim] == self.org_vocab_size`" in err
     assert "vocab_parallel_embedding.py" in err and "Traceback" not in err
 
@@ -803,9 +805,9 @@ def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers
         assert "Tensor.mul_" in ops(plan) and not plan.fallbacks
         plans.append(plan)
     path = tmp_path / "toy.plan"
-    planfile.write_plan(path, planfile.encode(compile_plans(plans, sources), model="t/toy", architecture="ToyForCausalLM",
-                                              config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16",
-                                              vllm_version="0.32.0"))
+    data = planfile.encode(compile_plans(plans, sources), model="t/toy", architecture="ToyForCausalLM",
+                           config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+    planfile.write_plan(path, data)
     plan_file = planfile.PlanFile.read(path)
     trainer = {name: torch.randn(8, 6).to(torch.bfloat16)}
     pristine = bits(trainer[name]).clone()

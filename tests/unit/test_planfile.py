@@ -6,14 +6,24 @@ import subprocess
 import sys
 
 import pytest
-
-from planfile_helpers import raw_parts, reseal, seal
 from blocked_imports import run_without_vllm
+from planfile_helpers import raw_parts, reseal, seal
+
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.layout import Layout
 from shardplan.plan.file import format as planfile
-from shardplan.plan.file.format import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFile, PlanFormatVersionError, PlanOpNotAllowed, PlanTruncated, decode, encode)
+from shardplan.plan.file.format import (
+    PlanBoundsError,
+    PlanChecksumError,
+    PlanCorrupt,
+    PlanFile,
+    PlanFormatVersionError,
+    PlanOpNotAllowed,
+    PlanTruncated,
+    decode,
+    encode,
+)
+from shardplan.plan.layout import Layout
 
 SOURCES = [ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
            ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
@@ -223,8 +233,8 @@ def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
 def test_load_plan_returns_the_bytes_whose_fingerprint_it_checked(isolated_store, monkeypatch):
     """A plan file replaced between the scan (header matched) and the read used to come back unchecked: load_plan
     now decodes the very bytes whose header matched."""
-    from shardplan.plan.file import store
     from shardplan.models import resolve_model
+    from shardplan.plan.file import store
 
     def plan_bytes(spec):
         return encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id or spec.name,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
 from planfile_helpers import raw_parts, reseal, rich_bytes, seal
+
 from shardplan.plan import inspect as plan_inspect
 from shardplan.plan.file import format as planfile
 from shardplan.plan.file.format import PlanFile, PlanFileError, decode
@@ -372,7 +372,8 @@ def test_oversized_op_outputs():
             leaf = ir.Full(0.0, (big, rng.choice([1, 4, big])), "float32")
         else:
             leaf = ir.Call("torch.cat", ((A0,) * rng.choice([1, 2, 64]),), (("dim", 0),), (src,))
-        plan = ir.RankPlan(0, (param,), (ir.Write(param.name, ir.full_region((4,)), ir.View(leaf, ir.Region(0, (4,), (1,)))),))
+        value = ir.View(leaf, ir.Region(0, (4,), (1,)))
+        plan = ir.RankPlan(0, (param,), (ir.Write(param.name, ir.full_region((4,)), value),))
         signal.signal(signal.SIGVTALRM, _alarm)
         signal.setitimer(signal.ITIMER_VIRTUAL, 10)
         try:
@@ -428,8 +429,9 @@ def test_source_only_layout_differences():
     from the consumer's (both sides refuse before any byte moves); the same plan stamps alike on both sides."""
     torch, interp, ir, compile_plans, skeletons, Layout, Replayer = _replay_imports()
     from planfile_helpers import rich_plans
-    from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
+
     from shardplan.runtime.apply import params_from_plan
+    from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
     rng = random.Random(f"{SEED}-stamps")
     plans, source_list = rich_plans()
     sources = {s.name: s for s in source_list}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from shardplan.plan.ir import FRESH_OPS, INPLACE_OPS, UNARY_OPS
 from shardplan.plan.file.errors import advice
+from shardplan.plan.ir import FRESH_OPS, INPLACE_OPS, UNARY_OPS
 from shardplan.plan.template import HOLE
 
 MAX_DEPTH = 24          # nesting of a write skeleton (legit plans: 4)
