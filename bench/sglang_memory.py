@@ -14,8 +14,8 @@ import os
 import tracemalloc
 
 from shardplan.plan import ir
-from shardplan.plan.inspect import human_bytes
 from shardplan.plan.file.format import PlanFile
+from shardplan.plan.inspect import human_bytes
 from shardplan.runtime.pack import PackLayout
 
 PART = 256 << 20   # the sync engine's part cap (sync/, docs/transports.md)
@@ -54,7 +54,8 @@ def main(argv=None) -> None:
         for r in [world[int(x)] for x in args.ranks.split(",")]:
             f = rank_figures(path, r)
             total = f["plan_host"] + f["layer"]
-            print(f"{os.path.basename(path):<58} {r:>4} {human_bytes(f['replica']):>10} {human_bytes(f['received']):>10} | "
+            print(f"{os.path.basename(path):<58} {r:>4} {human_bytes(f['replica']):>10} "
+                  f"{human_bytes(f['received']):>10} | "
                   f"{human_bytes(f['file']):>9} {human_bytes(f['plan_host']):>9} {human_bytes(f['layer']):>10} "
                   f"{human_bytes(f['part']):>10} {human_bytes(total):>10} {f['replica'] / total:>5.0f}x")
     print("replica: every param of the target rank (SGLang P2P's engine replica); received: the bytes the rank loads "

@@ -12,9 +12,9 @@ import time
 from shardplan.errors import ShardplanError
 from shardplan.models import list_models, resolve_model
 from shardplan.plan.file import store
+from shardplan.plan.file.format import write_plan
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
-from shardplan.plan.file.format import write_plan
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
 from shardplan.record.sglang.options import SglangOptions

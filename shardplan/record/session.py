@@ -11,19 +11,19 @@ from shardplan.plan import ir
 from shardplan.plan.body import PlanBody
 from shardplan.plan.compile.compiler import check_layer_invariance, compile_plans, extend_layers, layer_split_templates
 from shardplan.plan.compile.extend import body_from_flat, flat_rank
-from shardplan.plan.layout import Layout
-from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.file.format import encode
 from shardplan.plan.file.rank import rank_columns
+from shardplan.plan.layout import Layout
+from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.placement import slot_sources
 from shardplan.record import eplb, fp8
-from shardplan.runtime.quantize import quantizer_id
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
-from shardplan.record.loader import record_loader
 from shardplan.record.figures import rank_figures
+from shardplan.record.loader import record_loader
 from shardplan.record.ranks import extend_ranks
+from shardplan.runtime.quantize import quantizer_id
 
 
 @dataclass

@@ -11,7 +11,6 @@ and nothing is applied. Prints one JSON line of results."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import sys
@@ -35,6 +34,7 @@ def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
 
 def engine(path, tp):
     import sglang as sgl
+
     from shardplan.engine.sglang.loader import LOAD_FORMAT
 
     return sgl.Engine(model_path=str(path), device="cpu", skip_tokenizer_init=True, attention_backend="torch_native",
@@ -52,16 +52,14 @@ def main():
     work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
     from shardplan.engine.errors import EnginePlanMismatch
     from shardplan.engine.sglang import client
+    from shardplan.plan.file.format import write_plan
     from shardplan.plan.layout import Layout
-    from shardplan.plan.file.format import write_plan, PlanFile
     from shardplan.record.sglang.options import SglangOptions
     from shardplan.record.sglang.session import SglangRecordSession
-    from shardplan.runtime.replay import Replayer
 
     s = SglangRecordSession(str(HERE / "qwen3-tiny"), Layout(tp=tp), options=SglangOptions(cpu_engine=True))
     plan_path = work / "plan.plan"
     write_plan(plan_path, s.encode(s.record_plans(list(range(tp))).body))
-    plan_file = PlanFile.read(plan_path)
     foreign = work / "gpu.plan"   # the same plan, but its header says: recorded without the CPU engine
     wrong = SglangRecordSession.__new__(SglangRecordSession)
     wrong.__dict__.update(s.__dict__, options=SglangOptions())

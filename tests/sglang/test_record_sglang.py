@@ -16,11 +16,11 @@ import pathlib
 import re
 
 import pytest
-import torch
-from hypothesis import assume, given, settings, strategies as st
-
-from test_record_archs import shrink_overrides
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from test_fp8_quantize import fp8_overrides
+from test_record_archs import shrink_overrides
+
 from shardplan.plan import ir
 from shardplan.plan.layout import Layout
 from shardplan.record import verify
@@ -86,7 +86,7 @@ def test_replay_equals_sglang_load_weights(case, data):
         s = session(model, layout, options, dtype)
         rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
         check(s, rank, data.draw(st.integers(0, 2 ** 16), label="seed"))
-    except SglangLayoutRejected as e:   # SGLang's own refusal (e.g. attention heads over TP), named
+    except SglangLayoutRejected:   # SGLang's own refusal (e.g. attention heads over TP), named
         assume(False)
 
 

@@ -9,16 +9,16 @@ import re
 
 import pytest
 import torch
-
 from test_record_archs import shrink_overrides
+
 from shardplan.cli import main
 from shardplan.plan.file import store
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFile, decode
+from shardplan.plan.layout import Layout
 from shardplan.record import verify
 from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession
-from shardplan.record.sglang.verify import compare, module_tensors, _poison_all
+from shardplan.record.sglang.verify import _poison_all, compare, module_tensors
 from shardplan.runtime.apply import Applier
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.replay import Replayer
@@ -67,7 +67,8 @@ def test_load_plan_finds_it_by_engine(tmp_path, monkeypatch):
 ])
 def test_runtime_replay_fills_an_sglang_model_like_its_loader(model, layout, options):
     """Through the plan file and the trainer's runtime: pack the rank's bytes from HF-named tensors, apply them to the
-    params of a NaN-poisoned SGLang model, run SGLang's post_load_weights (as end_weight_update does) == load_weights."""
+    params of a NaN-poisoned SGLang model, run SGLang's post_load_weights (as end_weight_update does) ==
+    load_weights."""
     s = SglangRecordSession(model, layout, options=options, overrides=shrink_overrides(model))
     recorded = s.record_plans(list(range(layout.world_size)))
     plan_file = PlanFile(*decode(s.encode(recorded.body)), "<sglang plan>")

@@ -1,16 +1,17 @@
-"""Plans of another engine than vLLM (plan/file/engines.py): the header's `engine` map, its rules, and the store choosing
-by engine. SGLang itself is not needed: tests/sglang records and verifies real SGLang plans."""
+"""Plans of another engine than vLLM (plan/file/engines.py): the header's `engine` map, its rules, and the store
+choosing by engine. SGLang itself is not needed: tests/sglang records and verifies real SGLang plans."""
 from __future__ import annotations
 
 import pytest
-
 from planfile_helpers import raw_parts, rich_plans, seal
+
 from shardplan.models import resolve_model
-from shardplan.plan.file import format as planfile, store
 from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file import store
 from shardplan.plan.file.engines import NO_VLLM, EngineInfo, EngineInfoError, engine_name, engine_version
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFieldError, PlanFile, decode
+from shardplan.plan.layout import Layout
 from shardplan.record.sglang.options import SglangOptionError, SglangOptions
 
 SPEC = resolve_model("llama-3.1-8b")

@@ -20,11 +20,11 @@ from math import prod
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.placement import EplbSlots, PlacementError
 from shardplan.plan.file.engines import EngineInfo, EngineInfoError
-from shardplan.plan.template import trie_count
 from shardplan.plan.file.errors import advice
 from shardplan.plan.file.skeletons import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
+from shardplan.plan.placement import EplbSlots, PlacementError
+from shardplan.plan.template import trie_count
 
 # ---- limits (docs/plan-format.md, "Limits") --------------------------------------------------------------
 MAX_HEADER_BYTES = 1 << 16

@@ -31,17 +31,37 @@ import numpy as np
 from shardplan import __version__
 from shardplan.plan import ir
 from shardplan.plan.body import Group, PlanBody, SourceTable, instantiate, split_metas
+from shardplan.plan.columns import LazyWrites
+from shardplan.plan.file.bounds import check_bounds, check_group_bounds
+from shardplan.plan.file.checks import (  # noqa: F401
+    HEADER_FIELDS,
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    Checker,
+    check_body,
+    check_header,
+)
 from shardplan.plan.file.engines import EngineInfo
+from shardplan.plan.file.errors import (  # noqa: F401
+    PlanBoundsError,
+    PlanChecksumError,
+    PlanCorrupt,
+    PlanFieldError,
+    PlanFileError,
+    PlanFormatVersionError,
+    PlanLimitError,
+    PlanNotCanonical,
+    PlanOpNotAllowed,
+    PlanOversize,
+    PlanRankNotCovered,
+    PlanTruncated,
+    PlanUnreadable,
+    PlanWriteError,
+    advice,
+)
+from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots
-from shardplan.plan.file.bounds import check_bounds, check_group_bounds
-from shardplan.plan.file.checks import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, Checker, check_body,  # noqa: F401
-                        check_header)
-from shardplan.plan.file.errors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
-                         PlanFormatVersionError, PlanLimitError, PlanNotCanonical, PlanOpNotAllowed, PlanOversize,
-                         PlanRankNotCovered, PlanTruncated, PlanUnreadable, PlanWriteError, advice)
-from shardplan.plan.columns import LazyWrites
-from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.template import flatten_write, unflatten_write
 
 MAGIC = b"SHRDPLAN"

@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from shardplan.errors import ShardplanError
 from shardplan.models import resolve_model
 from shardplan.plan import ir
-from shardplan.errors import ShardplanError
 from shardplan.plan.file.engines import VLLM, engine_name, engine_version
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
+from shardplan.plan.layout import Layout
 
 SUFFIX = ".plan"
 SHIPPED_DIR = Path(__file__).resolve().parents[3] / "plans"  # the repository's plans/, beside the package

@@ -71,7 +71,8 @@ class SglangOptions:
 
     def server_args(self, layout: Layout) -> dict:
         """The ServerArgs fields of a rank of `layout` under these options."""
-        out = dict(tp_size=layout.tp, pp_size=layout.pp, ep_size=self.ep_size, moe_runner_backend=self.moe_runner_backend,
+        out = dict(tp_size=layout.tp, pp_size=layout.pp, ep_size=self.ep_size,
+                   moe_runner_backend=self.moe_runner_backend,
                    moe_a2a_backend=self.moe_a2a_backend, ep_num_redundant_experts=self.ep_num_redundant_experts,
                    enable_dp_lm_head=self.enable_dp_lm_head)
         if self.dp_attention:

@@ -15,15 +15,15 @@ from typing import Sequence
 from shardplan import models
 from shardplan.plan import ir
 from shardplan.plan.file.engines import NO_VLLM
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import encode
+from shardplan.plan.layout import Layout
 from shardplan.record import fp8
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import hf_view
 from shardplan.record.loader import record_loader
 from shardplan.record.session import RankStats, RecordSession, plan_nbytes
 from shardplan.record.sglang.build import SglangBuilder, post_load_deferred
-from shardplan.record.sglang.options import SglangOptions, SglangOptionError
+from shardplan.record.sglang.options import SglangOptionError, SglangOptions
 
 
 def sglang_version() -> str:

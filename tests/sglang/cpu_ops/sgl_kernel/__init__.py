@@ -5,8 +5,6 @@ SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) imports `*_cpu` ops from the CPU b
 needs one of them to serve: `assign_req_to_token_pool_cpu`, here in pure torch. Any other op raises when called,
 naming itself, so a test can never pass on a silently wrong kernel.
 """
-import torch
-
 __version__ = "0.0.0+shardplan-test-shim"
 
 
