@@ -17,7 +17,7 @@ from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
-from shardplan.record.sglang.options import SglangOptions
+from shardplan.record.sglang.args import add_sglang_arguments, sglang_options
 from shardplan.record.sglang.session import SglangRecordSession
 from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
 from shardplan.record.verify import random_checkpoint, verify_rank
@@ -37,18 +37,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                    help="whose loaders to record: vLLM's (default) or SGLang's (docs/sglang.md)")
-    sgl = p.add_argument_group("SGLang server args that change layouts (--engine sglang; kept in the plan header)")
-    sgl.add_argument("--ep-size", type=int, default=None, help="SGLang --ep-size (default with --ep: the TP size)")
-    sgl.add_argument("--enable-dp-attention", action="store_true",
-                     help="SGLang DP attention: --dp N shards attention over tp/N ranks inside the TP group")
-    sgl.add_argument("--enable-dp-lm-head", action="store_true", help="SGLang --enable-dp-lm-head")
-    sgl.add_argument("--moe-dense-tp-size", type=int, default=None, help="SGLang --moe-dense-tp-size")
-    sgl.add_argument("--moe-runner-backend", default=None, help="SGLang --moe-runner-backend (default auto)")
-    sgl.add_argument("--moe-a2a-backend", default=None, help="SGLang --moe-a2a-backend (default none)")
-    sgl.add_argument("--ep-num-redundant-experts", type=int, default=None,
-                     help="SGLang --ep-num-redundant-experts (EPLB's extra expert slots)")
-    sgl.add_argument("--sglang-cpu-engine", action="store_true",
-                     help="record SGLang's CPU engine layout (SGLANG_USE_CPU_ENGINE=1: padded CPU linears)")
+    add_sglang_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,38 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-_SGLANG_ARGS = ("ep_size", "enable_dp_attention", "enable_dp_lm_head", "moe_dense_tp_size", "moe_runner_backend",
-                "moe_a2a_backend", "ep_num_redundant_experts", "sglang_cpu_engine")
-
-
-class EngineArgsError(ShardplanError):
-    pass
-
-
-def _sglang_options(args):
-    """The SGLang recording options from the command line; None for --engine vllm (which refuses them)."""
-    given = [a for a in _SGLANG_ARGS if getattr(args, a) not in (None, False)]
-    if args.engine != "sglang":
-        if given:
-            raise EngineArgsError(f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
-                                  f"(vLLM's layouts are --tp/--pp/--dp/--ep)")
-        return None
-    d = SglangOptions()
-    if args.dp > 1 and not args.enable_dp_attention:
-        raise EngineArgsError("--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
-                              "loads (record --tp alone and use the plan for every replica); for DP attention add "
-                              "--enable-dp-attention")
-    ep_size = args.ep_size if args.ep_size is not None else (args.tp if args.ep else 1)
-    if args.ep_size is not None and args.ep_size > 1 and not args.ep:
-        raise EngineArgsError(f"--ep-size {args.ep_size}: add --ep (experts split over ranks)")
-    return SglangOptions(ep_size=ep_size, dp_size=args.dp if args.enable_dp_attention else 1,
-                         enable_dp_lm_head=args.enable_dp_lm_head, moe_dense_tp_size=args.moe_dense_tp_size or 0,
-                         moe_runner_backend=args.moe_runner_backend or d.moe_runner_backend,
-                         moe_a2a_backend=args.moe_a2a_backend or d.moe_a2a_backend,
-                         ep_num_redundant_experts=args.ep_num_redundant_experts or 0,
-                         cpu_engine=args.sglang_cpu_engine)
-
-
 def _layout(args):
     dp = 1 if args.engine == "sglang" and args.enable_dp_attention else args.dp  # DP attention: inside the TP group
     layout = Layout(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep)
@@ -134,7 +91,7 @@ def _layout(args):
 
 
 def _session(args, layout, **kwargs):
-    options = _sglang_options(args)
+    options = sglang_options(args)
     if options is None:
         return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, **kwargs)
     return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
@@ -205,7 +162,7 @@ def _check_out(args, layout, ranks) -> os.PathLike:
 
 def cmd_record(args) -> int:
     layout, ranks = _layout(args)
-    options = _sglang_options(args)
+    options = sglang_options(args)
     _check_override_keys(args.model, args.override)
     path = _check_out(args, layout, ranks)
     if args.eplb_redundant is not None:   # its own file: a plan without the slots must not be found for an engine with them
