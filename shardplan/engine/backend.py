@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.last_error: str = ""
         self.eplb: EngineEplb | None = None
         self.placement_stale = False   # the last update's placement changed under it (EplbPlacementChanged)
+        self.last_update: dict = {}    # the last update's seconds per step and memory (bench/engine_bench.py)
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     @_named
@@ -194,13 +196,17 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def start_weight_update(self) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+        self._rss_before = _reset_peak_rss()
+        t0 = time.perf_counter()
         self.unpacker.begin()
+        self._start_s = time.perf_counter() - t0
 
     @_named
     def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
+        t0 = time.perf_counter()
         try:
             placement = None
             if self.eplb is not None:   # drain an in-flight rebalance, then say which expert each slot holds
@@ -218,6 +224,11 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         finally:
             with torch.no_grad():
                 self.unpacker.end(self.model_config)
+            seconds = dict(self.unpacker.seconds)
+            seconds["start"] = getattr(self, "_start_s", 0.0)
+            seconds["update"] = time.perf_counter() - t0
+            self.last_update = {"seconds": seconds, "rss_before": getattr(self, "_rss_before", None),
+                                "rss_peak": _peak_rss()}
 
     def finish_weight_update(self) -> None:
         if self.unpacker is not None:
@@ -227,7 +238,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         """(version, complete) of the weights this worker holds, and the last sync's error."""
         st = self.consumer.state if self.consumer is not None else SyncState(0, True)
         return {"rank": self.rank, "version": st.version, "complete": st.complete and not self.placement_stale,
-                "error": self.last_error}
+                "error": self.last_error, "last_update": self.last_update}
 
     def shutdown(self) -> None:
         if self.consumer is not None:
@@ -235,3 +246,29 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                 self.consumer.transport.close()
             finally:
                 self.consumer = None
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """This process's RSS now, after resetting its peak (Linux: writing 5 to /proc/self/clear_refs resets VmHWM), so
+    the peak read after the update is the update's own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int | None:
+    return _status_bytes("VmHWM")

@@ -12,7 +12,8 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
                    vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
                    update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
     end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
-                   processed last
+                   processed last; then every module the plan does not write but whose tensors share storage with a
+                   written param (a tied lm_head) is processed again, so its derived GEMM state holds the new weights
 
 vLLM 0.32 bug worked around here: `UnquantizedFusedMoEMethod._setup_kernel` skips the experts' own
 `process_weights_after_loading` (the CPU prepack) on a weight update, so a reload copies the raw layout into the
@@ -25,6 +26,8 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from typing import Mapping
 
 import torch
@@ -114,8 +117,11 @@ class ReloadUnpacker:
                         modules.append(module)
                     self.module_groups.setdefault(module, set()).add(g.name)
         self._refuse_unwritten_params()
+        self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
+        self._processed: set[int] = set()   # ids of the modules processed in this sync
+        self.seconds: dict[str, float] = defaultdict(float)   # this sync's time per step (bench/engine_bench.py)
         self.active = False
         self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
 
@@ -147,6 +153,53 @@ class ReloadUnpacker:
             return
         raise EnginePlanMismatch(text + "; the plan was recorded for another model or is incomplete: re-record it")
 
+    def _modules_reading_written_storage(self) -> dict[torch.nn.Module, tuple[str, list[str], list[int]]]:
+        """Modules the plan does not write whose processing reads a param it does write, through a tie or any shared
+        storage (a tied lm_head is embed_tokens' weight): module -> (its name, the written params it shares, ids of
+        their writing modules). Their derived state (a GEMM handle or packed copy built by processing) would keep the
+        old weights, since a layerwise reload processes only the modules it loads (vLLM's own reload has that bug).
+        Only processing that rebuilds derived state from params it leaves in place can be re-run in place; any other
+        quantization method on a shared param is refused by name."""
+        from itertools import chain
+
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        written_modules = {id(m) for m, _ in self.targets.values()}
+        by_storage: dict[int, tuple[str, int]] = {}   # storage address -> (written param, id of its module)
+        for name, (module, attr) in self.targets.items():
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta:
+                by_storage[t.untyped_storage().data_ptr()] = (name, id(module))
+        readers = {}
+        for module_name, module in self.model.named_modules():
+            if id(module) in written_modules:
+                continue
+            shared = [by_storage[t.untyped_storage().data_ptr()] for _, t in
+                      chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+                      if t.numel() and not t.is_meta and t.untyped_storage().data_ptr() in by_storage]
+            quant_method = getattr(module, "quant_method", None)
+            if not shared or not isinstance(quant_method, QuantizeMethodBase):
+                continue   # nothing derived: it reads the shared tensor itself
+            if not isinstance(quant_method, UnquantizedEmbeddingMethod):
+                raise EngineUnsupported(
+                    f"rank {self.plan.rank}: {module_name!r} ({type(quant_method).__name__}) shares storage with "
+                    f"{sorted({n for n, _ in shared})}, which the plan writes, and its processing is not known to be "
+                    f"safe to re-run in place: an update would leave its derived weights stale; not supported yet")
+            readers[module] = (module_name, sorted({n for n, _ in shared}), sorted({m for _, m in shared}))
+        return readers
+
+    def _reprocess_readers(self) -> None:
+        """Re-run the processing of every module reading a param this sync wrote (see _modules_reading_written_storage),
+        once the written module's new bytes are in the shared kernel tensors and finalize has put the reader's own
+        tensors back."""
+        for module, (name, params, writers) in self.readers.items():
+            if not any(w in self._processed for w in writers):
+                continue
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+            module.quant_method.process_weights_after_loading(module)
+            logger.debug("shardplan: re-processed %s (reads %s)", name, params)
+
     # -- Unpacker protocol --
     def stamp(self) -> str:
         """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's, or
@@ -159,8 +212,12 @@ class ReloadUnpacker:
     def apply(self, group: str, buffer: torch.Tensor) -> None:
         if not self.active:
             raise EngineUnsupported("bytes arrived outside a weight update (start_weight_update not called)")
+        clock = self.seconds
+        t0 = time.perf_counter()
         if group in self.group_modules:
             self._materialize(group)
+        t1 = time.perf_counter()
+        clock["materialize"] += t1 - t0
         # the appliers are bound to meta stand-ins except while they write the materialized params
         for t, base in sharded_bases(self.parts, group, self.alignment).items():
             names = self.group_params[t, group]
@@ -172,6 +229,7 @@ class ReloadUnpacker:
             meta = self.sources[f.name]
             tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
             self._load_fallback(f.name, tensor)
+        clock["apply"] += time.perf_counter() - t1
         for module in self.group_modules.get(group, ()):
             pending = self._pending[module]
             pending.discard(group)
@@ -184,6 +242,8 @@ class ReloadUnpacker:
         initialize_layerwise_reload(self.model)
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
+        self._processed = set()
+        self.seconds = defaultdict(float)
         self.active = True
 
     def end(self, model_config) -> None:
@@ -195,7 +255,12 @@ class ReloadUnpacker:
         self.active = False
         for (t, group), names in self.group_params.items():   # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, model_config)
+        t1 = time.perf_counter()
+        self._reprocess_readers()
+        self.seconds["finalize"] += t1 - t0
+        self.seconds["readers"] += time.perf_counter() - t1
 
     def _materialize(self, group: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -214,21 +279,31 @@ class ReloadUnpacker:
         from vllm.model_executor.model_loader.reload.layerwise import (LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
                                                                        _get_original_loader)
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+        clock, t0 = self.seconds, time.perf_counter()
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
         for tensor in get_layer_tensors(module).values():
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
+        prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
             quant_method.process_weights_after_loading(module)
+            t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method)
+            prepack = time.perf_counter() - t1
+            clock["moe prepack"] += prepack
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
+        t1 = time.perf_counter()
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
+        t2 = time.perf_counter()
+        clock["copy into kernel tensors"] += t2 - t1
+        clock["process"] += t1 - t0 - prepack
+        self._processed.add(id(module))
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
