@@ -70,6 +70,35 @@ def worker_plan_rank(parallel_config, layout: Layout) -> int:
     return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
 
 
+ONLINE_UNPROVEN = ("; online quantization (`quantization=...` over an unquantized checkpoint) is not supported: no "
+                   "plan is recorded for it and no machine here has run it (docs/engine.md)")
+
+
+def plan_quantization(header) -> str:
+    """The quantization of the engine a plan was recorded for, from its header: "none", or "checkpoint block-fp8"
+    (the header's `quantizer`, which block-FP8 checkpoints need: the trainer quantizes its bf16 tensors)."""
+    if header.quantizer.startswith("fp8-") and "/" in header.quantizer:
+        return "checkpoint block-fp8"
+    return "none" if not header.quantizer else f"checkpoint {header.quantizer}"
+
+
+def engine_quantization(model_config) -> str:
+    """The live engine's quantization, in plan_quantization's words: "none", "checkpoint block-fp8" (an FP8
+    checkpoint with weight_block_size), "checkpoint <method>" (another quantized checkpoint), or "online <method>"
+    (`quantization=` given over an unquantized checkpoint: vLLM quantizes at load)."""
+    method = getattr(model_config, "quantization", None)
+    if not method:
+        return "none"
+    hf = getattr(model_config, "hf_config", None)
+    checkpoint = getattr(hf, "quantization_config", None)
+    if checkpoint is None:
+        return f"online {method}"
+    get = checkpoint.get if isinstance(checkpoint, dict) else lambda k, d=None: getattr(checkpoint, k, d)
+    if method == "fp8" and get("weight_block_size"):
+        return "checkpoint block-fp8"
+    return f"checkpoint {get('quant_method', method)}"
+
+
 def _named(method):
     """vLLM's collective_rpc passes a worker's exception on as its message only: put the error's class name in front
     so the trainer side can raise the same named error (shardplan.engine.errors.raise_named)."""
@@ -174,6 +203,11 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         if header.dtype != dtype:
             raise EnginePlanMismatch(f"{where} is for dtype {header.dtype}, the engine runs "
                                      f"{dtype}; {hint}")
+        planned, running = plan_quantization(header), engine_quantization(self.model_config)
+        if planned != running:
+            raise EnginePlanMismatch(f"{where} is for an engine with quantization {planned!r}, the engine runs "
+                                     f"{running!r}: the params it writes would have other dtypes and shapes"
+                                     f"{ONLINE_UNPROVEN if running.startswith('online') else ''}; {hint}")
         here = vllm.__version__.split("+")[0]
         if header.vllm_version.split("+")[0] != here:
             raise EnginePlanMismatch(f"{where} was recorded with vLLM {header.vllm_version}, the "
