@@ -41,6 +41,9 @@ from shardplan.sync.adapters import ShardedUnpacker, layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
 
+# what torch._C._storage_Use_Count says of the storage of a tensor nothing else shares
+_SOLE_STORAGE_USES = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
+
 
 def _skips_moe_prepack_on_update() -> bool:
     import vllm
@@ -121,6 +124,7 @@ class ReloadUnpacker:
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
         self._processed: set[int] = set()   # ids of the modules processed in this sync
+        self._scratch: dict[int, list] = {}   # byte size -> storages of processed modules, for the next (one sync)
         self.seconds: dict[str, float] = defaultdict(float)   # this sync's time per step (bench/engine_bench.py)
         self.active = False
         self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
@@ -243,6 +247,7 @@ class ReloadUnpacker:
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
         self._processed = set()
+        self._scratch = {}
         self.seconds = defaultdict(float)
         self.active = True
 
@@ -253,6 +258,7 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
+        self._scratch = {}
         for (t, group), names in self.group_params.items():   # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
         t0 = time.perf_counter()
@@ -271,7 +277,29 @@ class ReloadUnpacker:
                 if not info.can_load():
                     raise EngineUnsupported(f"{type(module).__name__} is not set up for reloading (vLLM skips it)")
                 materialize_layer(module, info)
+                self._reuse_scratch(module)
                 self._materialized.add(id(module))
+
+    def _reuse_scratch(self, module: torch.nn.Module) -> None:
+        """Point the module's freshly materialized tensors at storage an earlier module of this sync was processed
+        from (same byte size), then free the rest. Fresh storage is untouched memory: writing it page-faults every
+        4 KiB, which cost more than the write itself; reused storage is already mapped. Keeps the extra memory of an
+        update at one module's pre-processing tensors."""
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+        with torch.no_grad():
+            for tensor in get_layer_tensors(module).values():
+                stack = self._scratch.get(tensor.untyped_storage().nbytes())
+                if stack and not tensor.is_meta:
+                    tensor.set_(stack.pop(), 0, tensor.size(), tensor.stride())
+        self._scratch.clear()
+
+    def _keep_scratch(self, tensors) -> None:
+        """Keep the storage of a processed module's pre-processing tensors for the next module, unless anything
+        else still holds it (a closure or attribute that processing left pointing at it)."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and torch._C._storage_Use_Count(storage._cdata) <= _SOLE_STORAGE_USES:
+                self._scratch.setdefault(storage.nbytes(), []).append(storage)
 
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
@@ -283,7 +311,8 @@ class ReloadUnpacker:
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
-        for tensor in get_layer_tensors(module).values():
+        materialized = list(get_layer_tensors(module).values())
+        for tensor in materialized:
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
@@ -291,7 +320,7 @@ class ReloadUnpacker:
             quant_method.process_weights_after_loading(module)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
-                _rerun_skipped_moe_prepack(module, quant_method)
+                _rerun_skipped_moe_prepack(module, quant_method, info)
             prepack = time.perf_counter() - t1
             clock["moe prepack"] += prepack
             if hasattr(module, "update_param_tp_status"):
@@ -300,6 +329,8 @@ class ReloadUnpacker:
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
+        self._keep_scratch(materialized)
+        del materialized
         t2 = time.perf_counter()
         clock["copy into kernel tensors"] += t2 - t1
         clock["process"] += t1 - t0 - prepack
@@ -309,10 +340,14 @@ class ReloadUnpacker:
         self.model.load_weights([(name, tensor)])
 
 
-def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method) -> None:
+def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:
     """vLLM 0.32: on a weight update, UnquantizedFusedMoEMethod._setup_kernel copies the converted weights into the
     layer but skips `moe_kernel.fused_experts.process_weights_after_loading` (the CPU experts' pad + prepack), which
-    it runs only on the first load. Run it, as the first load did, so the kernel tensors get the prepacked layout."""
+    it runs only on the first load. Run it, as the first load did, so the kernel tensors get the prepacked layout.
+
+    Where that step is exactly CPUUnquantizedExperts' (no zentorch, no intermediate padding), the prepack writes
+    straight into the layer's kernel tensors (vLLM's op takes its output), which are then the layer's own: no new
+    tensor to allocate and fault in, and no copy into the kernel tensors afterwards."""
     if not _skips_moe_prepack_on_update():
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -320,4 +355,35 @@ def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method) -> None:
         return
     if getattr(quant_method.unquantized_backend, "name", "") in ("TPU", "OOT"):
         return   # these return before _setup_kernel: nothing was skipped
-    quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+    experts = quant_method.moe_kernel.fused_experts
+    if info is not None and _prepack_into_kernel_tensors(module, experts, info):
+        return
+    experts.process_weights_after_loading(module)
+
+
+def _prepack_into_kernel_tensors(module: torch.nn.Module, experts, info) -> bool:
+    """CPUUnquantizedExperts.process_weights_after_loading with the prepack's output the kernel tensors; False
+    (nothing done) where the step is not that one."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import is_zentorch_moe_supported
+    if type(experts).process_weights_after_loading is not CPUUnquantizedExperts.process_weights_after_loading:
+        return False
+    if info.kernel_tensors is None or not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return False
+    if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+        return False
+    if is_zentorch_moe_supported(module):
+        return False
+    kernel, _ = info.kernel_tensors
+    pairs = []
+    for name in ("w13_weight", "w2_weight"):
+        src, dst = getattr(module, name), kernel.get(name)
+        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype or not dst.is_contiguous():
+            return False
+        pairs.append((name, src, dst))
+    experts._use_zentorch = False
+    with torch.no_grad():
+        for name, src, dst in pairs:
+            torch.ops._C.prepack_moe_weight(src.contiguous(), dst.data, experts.isa)
+            setattr(module, name, dst)   # the kernel tensor itself: the copy into it afterwards is a no-op
+    return True
