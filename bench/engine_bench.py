@@ -192,6 +192,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         pack(consumer, *args, **kwargs)
         pack_s[consumer] = pack_s.get(consumer, 0.0) + time.perf_counter() - t
     trainer.packer.pack = timed_pack
+    sync.init()   # once per engine: not part of an update
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
@@ -230,7 +231,10 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     for r in range(tp):
         steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in splits) for k in (*ENGINE_STEPS, "update")}
         steps["receive wait"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
+        by_class = {k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
+                    for k in splits[0][r].get("process_by_class", {})}
         ranks.append(dict(rank=r, trainer_pack_s=med(p.get(r, 0.0) for p in packs), seconds=steps,
+                          process_by_class=by_class,
                           rss_before=med(s[r]["rss_before"] or 0 for s in splits),
                           rss_peak=med(s[r]["rss_peak"] or 0 for s in splits), layer_bytes=layer_bytes[r]))
     return dict(case=name, tp=tp, layers=cfg["num_hidden_layers"], overrides=list(overrides), setup_s=setup_s,
@@ -285,6 +289,10 @@ def main() -> None:
                           f"{k['rss_before'] / mib:.0f} MiB", f"{k['rss_peak'] / mib:.0f} MiB",
                           f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB", f"{k['layer_bytes'] / mib:.0f} MiB")
         console.print(split)
+        for k in r["ranks"]:
+            console.print(f"rank {k['rank']} process by module class (median s): "
+                          + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(),
+                                                                         key=lambda kv: -kv[1])))
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:
             print(f"{r['case']}: shardplan sync without the MoE prepack re-run (what vLLM's own reload does): "

@@ -261,7 +261,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             seconds = dict(self.unpacker.seconds)
             seconds["start"] = getattr(self, "_start_s", 0.0)
             seconds["update"] = time.perf_counter() - t0
-            self.last_update = {"seconds": seconds, "rss_before": getattr(self, "_rss_before", None),
+            self.last_update = {"seconds": seconds, "process_by_class": dict(self.unpacker.process_by_class),
+                                "rss_before": getattr(self, "_rss_before", None),
                                 "rss_peak": _peak_rss()}
 
     def finish_weight_update(self) -> None:

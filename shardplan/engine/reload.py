@@ -126,6 +126,7 @@ class ReloadUnpacker:
         self._processed: set[int] = set()   # ids of the modules processed in this sync
         self._scratch: dict[int, list] = {}   # byte size -> storages of processed modules, for the next (one sync)
         self.seconds: dict[str, float] = defaultdict(float)   # this sync's time per step (bench/engine_bench.py)
+        self.process_by_class: dict[str, float] = defaultdict(float)   # this sync's "process" per module class
         self.active = False
         self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
 
@@ -201,7 +202,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            module.quant_method.process_weights_after_loading(module)
+            _process_without_old_handle(module, module.quant_method)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -249,6 +250,7 @@ class ReloadUnpacker:
         self._processed = set()
         self._scratch = {}
         self.seconds = defaultdict(float)
+        self.process_by_class = defaultdict(float)
         self.active = True
 
     def end(self, model_config) -> None:
@@ -317,7 +319,7 @@ class ReloadUnpacker:
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            quant_method.process_weights_after_loading(module)
+            _process_without_old_handle(module, quant_method)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -334,10 +336,24 @@ class ReloadUnpacker:
         t2 = time.perf_counter()
         clock["copy into kernel tensors"] += t2 - t1
         clock["process"] += t1 - t0 - prepack
+        self.process_by_class[type(module).__name__] += t1 - t0 - prepack
         self._processed.add(id(module))
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
+
+
+def _process_without_old_handle(module: torch.nn.Module, quant_method) -> None:
+    """quant_method.process_weights_after_loading, with the module's CPU GEMM handle (`cpu_linear`: a oneDNN handle or
+    sgl packed copy of the weight, as big as the weight) dropped first: processing builds a new one, and holding the
+    old one meanwhile would double the module's memory during the update (the engine is paused: nothing calls it)."""
+    had_handle = "cpu_linear" in module.__dict__
+    if had_handle:
+        del module.__dict__["cpu_linear"]
+    quant_method.process_weights_after_loading(module)
+    if had_handle and "cpu_linear" not in module.__dict__:
+        raise EngineUnsupported(f"{type(module).__name__} ({type(quant_method).__name__}): processing did not rebuild "
+                                f"its CPU GEMM handle (cpu_linear); this vLLM processes CPU linears differently")
 
 
 def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:
