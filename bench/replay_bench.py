@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shardplan.plan import ir  # noqa: E402
+from shardplan.plan import ir  # noqa: E402  # noqa: E402
 from shardplan.runtime.apply import Applier, params_from_plan  # noqa: E402
 from shardplan.runtime.replay import Replayer
 from shardplan.plan.interp import apply_reference, eval_view, region_view, to_dtype, write_source  # noqa: E402

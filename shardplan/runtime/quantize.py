@@ -162,7 +162,7 @@ def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, i
 
 def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
     """Every block that element `box` touches lies in one of `scale_boxes` (in blocks): one scale read may cover
-    them, or several (the compiler splits an upsampled scale into pure views: plan/simplify.py). Checked on the
+    them, or several (the compiler splits an upsampled scale into pure views: plan/compile/simplify.py). Checked on the
     grid the boxes' edges cut the touched blocks into (a few cells), not block by block."""
     (r0, r1), (c0, c1) = box
     rows = (r0 // block[0], math.ceil(r1 / block[0]))

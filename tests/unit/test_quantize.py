@@ -88,7 +88,7 @@ def test_rows_within_the_scale_blocks_read_are_quantized_whole():
 
 def test_scale_blocks_read_by_several_writes_cover_the_rows():
     """The same rank, its two scale rows read by two writes (what the compiler makes of an upsampled scale: one pure
-    view per block piece, plan/simplify.py): covered by their union, bytes == the reference checkpoint's."""
+    view per block piece, plan/compile/simplify.py): covered by their union, bytes == the reference checkpoint's."""
     plan = rows_plan(3, 64, 192, scale_rows=(0, 1))
     extra = ir.Write("s2", ir.full_region((1, 3)), ir.View(ir.Source(S), ir.Region(3, (1, 3), (3, 1))))
     plan = ir.RankPlan(3, plan.params + (ir.TensorMeta("s2", (1, 3), "float32"),), plan.writes + (extra,))
