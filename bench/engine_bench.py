@@ -164,7 +164,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         tensors_b = load_file(str(b / "model.safetensors"))
-    from shardplan.plan.planfile import PlanFile
+    from shardplan.plan.file.format import PlanFile
     from shardplan.runtime.pack import PackLayout
     plan_file = PlanFile.read(plan)
     layouts = [PackLayout.from_plans(plan_file.rank(r)) for r in range(tp)]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from itertools import chain
 from typing import Mapping
 
 import torch
@@ -165,8 +166,6 @@ class ReloadUnpacker:
         old weights, since a layerwise reload processes only the modules it loads (vLLM's own reload has that bug).
         Only processing that rebuilds derived state from params it leaves in place can be re-run in place; any other
         quantization method on a shared param is refused by name."""
-        from itertools import chain
-
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
         written_modules = {id(m) for m, _ in self.targets.values()}
