@@ -10,14 +10,22 @@ pause, announce, start, per group pack -> gloo (the `nccl` adapter on CPU) -> ap
 vLLM's own: its `nccl` backend needs CUDA (PyNccl), so on CPU the same engine runs `reload_weights(weights_path=...)`:
 layerwise reload + `load_weights` of every full checkpoint tensor, read by every worker from the (page-cached)
 safetensors file. That is what its nccl/ipc backends do after the transfer, without the transfer.
-Ceiling of the transport, same run (after the engine is shut down): the same per-worker byte counts sent from this
-process to one process per worker over gloo TCP on 127.0.0.1, all at once, one message each.
+Ceiling of the transport, same run: the same per-worker byte counts sent from this process to one process per worker
+over gloo TCP on 127.0.0.1, all at once, one message each (its receivers start before the engine; one round is timed
+before each shardplan update).
 
 Both update the same engine from checkpoint A to checkpoint B (random bf16 weights); the greedy tokens after each
 way are printed side by side (equal for the dense model; for the MoE model vLLM 0.32's own reload skips the CPU
 experts' prepack, docs/engine.md, so its tokens differ; MoE cases also time a shardplan sync without the prepack
-re-run, the same work as vLLM's reload, whose tokens must then equal vLLM's). Median of --iters updates each,
-alternating.
+re-run, the same work as vLLM's reload, whose tokens must then equal vLLM's: --skip-prepack). Median of --iters
+updates each, alternating (gloo round, shardplan sync, vLLM reload), with the load average at each iteration.
+
+Per engine rank, the split of one shardplan update (the worker's own clocks, shardplan.engine.reload): trainer pack
+(this process, per consumer lane), receive + verify (the rest of the update: waiting for bytes, checksums), start
+(layerwise reload set up), materialize, apply (bytes into the pre-processing params), process (vLLM's
+process_weights_after_loading, per module class below the table), MoE prepack (the re-run vLLM 0.32 skips), copy
+into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
+the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
 """
 from __future__ import annotations
 
@@ -230,7 +238,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     ranks = []
     for r in range(tp):
         steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in splits) for k in (*ENGINE_STEPS, "update")}
-        steps["receive wait"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
+        steps["receive + verify"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
         by_class = {k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
                     for k in splits[0][r].get("process_by_class", {})}
         ranks.append(dict(rank=r, trainer_pack_s=med(p.get(r, 0.0) for p in packs), seconds=steps,
@@ -276,15 +284,16 @@ def main() -> None:
         console.print(f"{r['case']}: the driver's phases of the shardplan sync (median s): "
                       + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
         split = Table(title=f"{r['case']}: one shardplan update per engine rank (median s; process excludes the MoE "
-                            f"prepack re-run; receive wait = update - the engine's own steps: bytes not there yet)")
-        cols = ["rank", "trainer pack", "receive wait", *ENGINE_STEPS, "update", "RSS before", "RSS peak",
+                            f"prepack re-run; receive + verify = update - the engine's own steps: waiting for the "
+                            f"bytes (the trainer packing, gloo) and checksumming them)")
+        cols = ["rank", "trainer pack", "receive + verify", *ENGINE_STEPS, "update", "RSS before", "RSS peak",
                 "peak - before", "one layer"]
         for col in cols:
             split.add_column(col)
         mib = 2 ** 20
         for k in r["ranks"]:
             s = k["seconds"]
-            split.add_row(str(k["rank"]), f"{k['trainer_pack_s']:.3f}", f"{s['receive wait']:.3f}",
+            split.add_row(str(k["rank"]), f"{k['trainer_pack_s']:.3f}", f"{s['receive + verify']:.3f}",
                           *(f"{s[x]:.3f}" for x in ENGINE_STEPS), f"{s['update']:.3f}",
                           f"{k['rss_before'] / mib:.0f} MiB", f"{k['rss_peak'] / mib:.0f} MiB",
                           f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB", f"{k['layer_bytes'] / mib:.0f} MiB")
