@@ -129,7 +129,8 @@ class GlooCeiling:
             p.start()
         self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"pair{i}", self.server), 0, 2, timedelta(seconds=600))
                        for i in range(len(self.procs))]
-        self.bufs = [torch.ones(n, dtype=torch.uint8) for n in nbytes_per_peer]
+        whole = torch.ones(max(nbytes_per_peer), dtype=torch.uint8)   # one buffer, read by every peer's send
+        self.bufs = [whole[:n] for n in nbytes_per_peer]
         self.send()
 
     def send(self) -> float:
