@@ -201,7 +201,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            _process_without_old_handle(module, module.quant_method)
+            module.quant_method.process_weights_after_loading(module)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -318,7 +318,7 @@ class ReloadUnpacker:
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            _process_without_old_handle(module, quant_method)
+            quant_method.process_weights_after_loading(module)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -340,19 +340,6 @@ class ReloadUnpacker:
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
-
-
-def _process_without_old_handle(module: torch.nn.Module, quant_method) -> None:
-    """quant_method.process_weights_after_loading, with the module's CPU GEMM handle (`cpu_linear`: a oneDNN handle or
-    sgl packed copy of the weight, as big as the weight) dropped first: processing builds a new one, and holding the
-    old one meanwhile would double the module's memory during the update (the engine is paused: nothing calls it)."""
-    had_handle = "cpu_linear" in module.__dict__
-    if had_handle:
-        del module.__dict__["cpu_linear"]
-    quant_method.process_weights_after_loading(module)
-    if had_handle and "cpu_linear" not in module.__dict__:
-        raise EngineUnsupported(f"{type(module).__name__} ({type(quant_method).__name__}): processing did not rebuild "
-                                f"its CPU GEMM handle (cpu_linear); this vLLM processes CPU linears differently")
 
 
 def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:
