@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.models import ConfigError, ModelSpec
+from shardplan.record import cpushim
+
+cpushim.activate()   # before any vLLM or transformers import of the record side: vLLM's Qwen3.5 needs torchvision
 
 __all__ = ["HFView", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
            "config_class", "hf_view"]
