@@ -105,6 +105,19 @@ def model_class(architecture: str, hf_config):
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
 
+def transformers_config(hf_config):
+    """`hf_config` as transformers' own config class for its model_type: vLLM registers its own classes for some
+    (DeepseekV4Config, KimiLinearConfig) under the same model_type, and transformers' model classes are built from
+    transformers' classes only. Unchanged where transformers has no class of its own."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
+    if not isinstance(own, type) or isinstance(hf_config, own) or type(hf_config).__module__.startswith("transformers."):
+        return hf_config
+    return own.from_dict(hf_config.to_dict())
+
+
 def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """save_pretrained's state_dict steps on a meta-device model (built in bfloat16): name -> (shape, fixed dtype),
     the fixed dtype being the tensor's own where it is not bfloat16 (float32 kept by transformers, integer tables)."""
@@ -112,6 +125,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
+        hf_config = transformers_config(hf_config)
         cls = model_class(architecture, hf_config)
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
@@ -137,12 +151,24 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             for name, t in reverted.items()}
 
 
+# On-disk names transformers' revert does not give back, by model_type: (regex, replacement) applied after it.
+# Kimi-Linear's load-time renaming `block_sparse_moe.` -> `mlp.` also catches the dense first layer, whose
+# tensors the released checkpoint stores as `mlp.{gate,up,down}_proj` (moonshotai/Kimi-Linear-48B-A3B-Instruct).
+_REVERT_FIXUPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "kimi_linear": ((r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2."),),
+}
+
+
 def _revert(model, state: dict) -> dict:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
-    return revert_weight_conversion(model, state)
+    reverted = revert_weight_conversion(model, state)
+    fixups = _REVERT_FIXUPS.get(getattr(model.config, "model_type", ""), ())
+    for pattern, replacement in fixups:
+        reverted = {re.sub(pattern, replacement, name): t for name, t in reverted.items()}
+    return reverted
 
 
 def layer_filter(num_layers: int, num_mtp: int = 0):

@@ -54,14 +54,15 @@ def config_class(model_type: str):
     """The config class vLLM reads this model_type with, or None when only hub remote code defines it."""
     from transformers import CONFIG_MAPPING
 
-    if model_type in CONFIG_MAPPING:
-        return CONFIG_MAPPING[model_type]
     try:
         from vllm.transformers_utils.config import _CONFIG_REGISTRY
     except ImportError:  # transformers alone (tests without vLLM): its own types and the known aliases
         _CONFIG_REGISTRY = {}
+    # vLLM's own class wins where both have one (deepseek_v4, kimi_linear, ...), as in vLLM's get_config
     if model_type in _CONFIG_REGISTRY:
         return _CONFIG_REGISTRY[model_type]
+    if model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
     alias = _MODEL_TYPE_ALIASES.get(model_type)
     return CONFIG_MAPPING[alias] if alias else None
 

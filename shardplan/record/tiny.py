@@ -14,6 +14,7 @@ from typing import Any
 
 from shardplan.errors import ShardplanError
 from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class
+from shardplan.record.publicfields import PUBLIC_FIELDS
 
 __all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny_config"]
 
@@ -47,6 +48,10 @@ _SIZES: dict[str, int] = {
     "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
     "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_d_state": 16, "ssm_state_size": 16,
     "state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_ssm": 256, "time_step_rank": 8,
+    # sizes of the public fields (publicfields.py) the class defaults lack
+    "rotary_dim": 16, "swa_head_dim": 32, "swa_v_head_dim": 16, "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2, "expert_hidden_dim": 64, "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128,
+    "block_ff_dim": 256, "zero_expert_num": 2, "sliding_window_size": 64,
 }
 # Sizes that must agree with others in ways a generic shrink cannot know.
 _FIXES: dict[str, dict[str, Any]] = {
@@ -63,6 +68,10 @@ _FIXES: dict[str, dict[str, Any]] = {
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
     "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+    "Lfm2ForCausalLM": {"layer_types": ["conv", "full_attention"]},
+    "Zamba2ForCausalLM": {"attention_hidden_size": 256, "attention_head_dim": 64},  # the class rule: 2 * hidden
+    # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
+    "KimiLinearForCausalLM": {"linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}},
 }
 # Fields whose None default the modeling code does not derive: set like the sizes above.
 _NONE_SIZES = ("head_dim", "num_key_value_heads")
@@ -110,6 +119,7 @@ def tiny_config(arch: str) -> dict[str, Any]:
     except Exception as exc:
         raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
+    _merge(defaults, PUBLIC_FIELDS.get(arch, {}).get("fields", {}))
     config = _shrink(defaults)
     for key, value in list(config.items()):  # nested configs (text_config, DBRX's attn_config/ffn_config)
         if isinstance(value, dict) and (key in TEXT_CONFIG_KEYS or key.endswith("_config")):
