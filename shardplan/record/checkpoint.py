@@ -142,7 +142,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     state = remove_tied_weights_from_state_dict(state, model)
     reverted = _revert(model, state)
     before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
-    if before != after:
+    if before != after and getattr(hf_config, "model_type", "") not in _DISK_NAME_FIXUPS:
         raise NamesError(
             f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
             f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
@@ -151,12 +151,20 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             for name, t in reverted.items()}
 
 
-# On-disk names transformers' revert does not give back, by model_type: (regex, replacement) applied after it.
-# Kimi-Linear's load-time renaming `block_sparse_moe.` -> `mlp.` also catches the dense first layer, whose
-# tensors the released checkpoint stores as `mlp.{gate,up,down}_proj` (moonshotai/Kimi-Linear-48B-A3B-Instruct).
-_REVERT_FIXUPS: dict[str, tuple[tuple[str, str], ...]] = {
-    "kimi_linear": ((r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2."),),
-}
+# On-disk names transformers' revert does not give back, by model_type: name -> new name, or None to drop it.
+def _kimi_linear_disk_name(name: str, config) -> str | None:
+    # the load-time renaming `block_sparse_moe.` -> `mlp.` also catches the dense first layer, whose tensors the
+    # released checkpoint stores as `mlp.{gate,up,down}_proj` (moonshotai/Kimi-Linear-48B-A3B-Instruct)
+    return re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2.", name)
+
+
+def _longcat_flash_disk_name(name: str, config) -> str | None:
+    # transformers allocates gate_up rows for the zero (identity) experts too; no checkpoint stores those
+    match = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
+
+
+_DISK_NAME_FIXUPS = {"kimi_linear": _kimi_linear_disk_name, "longcat_flash": _longcat_flash_disk_name}
 
 
 def _revert(model, state: dict) -> dict:
@@ -165,10 +173,11 @@ def _revert(model, state: dict) -> dict:
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
     reverted = revert_weight_conversion(model, state)
-    fixups = _REVERT_FIXUPS.get(getattr(model.config, "model_type", ""), ())
-    for pattern, replacement in fixups:
-        reverted = {re.sub(pattern, replacement, name): t for name, t in reverted.items()}
-    return reverted
+    fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))
+    if fixup is None:
+        return reverted
+    renamed = ((fixup(name, model.config), t) for name, t in reverted.items())
+    return {name: t for name, t in renamed if name is not None}
 
 
 def layer_filter(num_layers: int, num_mtp: int = 0):

@@ -79,7 +79,7 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
         "source": "tencent Hunyuan hy_v3 hub config.json keys vLLM's hy_v3.py reads (expert_hidden_dim, route_norm), "
                   "as in a public copy of a legacy hy_v3 config (omlx test_oq_sanitizer_normalizes_legacy_hy_v3_config)",
         "fields": {"expert_hidden_dim": 1536, "num_shared_experts": 1, "first_k_dense_replace": 1,
-                   "route_norm": True},
+                   "route_norm": True, "qk_norm": True},
     },
     "Lfm2ForCausalLM": {
         "source": "LiquidAI/LFM2-1.2B config.json (a Rust test's LFM2_HF_CONFIG_JSON, 'read from the Hub', and "
