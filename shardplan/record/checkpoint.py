@@ -105,17 +105,26 @@ def model_class(architecture: str, hf_config):
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
 
-def transformers_config(hf_config):
-    """`hf_config` as transformers' own config class for its model_type: vLLM registers its own classes for some
-    (DeepseekV4Config, KimiLinearConfig) under the same model_type, and transformers' model classes are built from
-    transformers' classes only. Unchanged where transformers has no class of its own."""
+def transformers_config(hf_config, architecture: str):
+    """`hf_config` as transformers' own config class: that of the transformers class named `architecture`, else
+    the one for its model_type. vLLM reads some models with its own classes (DeepseekV4Config, KimiLinearConfig,
+    InklingModelConfig), and transformers' model classes are built from transformers' classes only. Unchanged
+    where transformers has no class of its own."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
-    if not isinstance(own, type) or isinstance(hf_config, own) or type(hf_config).__module__.startswith("transformers."):
+    if type(hf_config).__module__.startswith("transformers."):
         return hf_config
-    return own.from_dict(hf_config.to_dict())
+    own = getattr(getattr(transformers, architecture, None), "config_class", None)
+    if not isinstance(own, type):
+        own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
+    if not isinstance(own, type) or isinstance(hf_config, own):
+        return hf_config
+    fields = {k: v for k, v in hf_config.to_dict().items() if k != "model_type"}
+    try:
+        return own.from_dict(fields)
+    except Exception:  # a field vLLM's class leaves None where transformers' wants its own default
+        return own.from_dict({k: v for k, v in fields.items() if v is not None})
 
 
 def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
@@ -125,7 +134,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        hf_config = transformers_config(hf_config)
+        hf_config = transformers_config(hf_config, architecture)
         cls = model_class(architecture, hf_config)
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)

@@ -65,8 +65,8 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     try:
         has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
-    except Exception as exc:
-        return dict(row, status="cannot", reason=f"its config class rejects the tiny config: {_short(exc)}")
+    except Exception as exc:  # the tiny config is ours: a config class refusing it is the sweep's failure
+        return dict(row, status="FAIL", reason=f"its config class rejects the tiny config: {_short(exc)}")
     for tp in tps:
         layout = Layout(tp=tp, ep=has_experts and tp > 1)
         try:
@@ -74,21 +74,28 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
         except LayoutRejected as exc:
             row["layouts"][layout.tag()] = {"error": "vLLM rejects the layout", "detail": str(exc)[:300]}
             continue
-        except Exception as exc:  # the tensor listing or vLLM's config parsing
-            return dict(row, status="cannot", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
+        except Exception as exc:  # the tensor listing (ours) or vLLM's config parsing of our tiny config
+            return dict(row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
         checkpoint = random_checkpoint(session.tensors, seed + tp)
         result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
         for rank in range(layout.world_size):
-            # vLLM's own build and loader first: where they fail, this layout cannot run on this machine at all
+            # vLLM's own build first: where it fails on a config with the public field set, this layout cannot
+            # run on this machine at all
             try:
                 real = build_model(session.vllm_config, layout, rank, "cpu")
                 poison(real)
                 pristine = _copy_or_build(real, session, layout, rank)
+            except Exception as exc:
+                result = {"error": f"vLLM's own build fails on rank {rank}", "detail": _short(exc)}
+                break
+            # vLLM's loader refusing the checkpoint we derived (a name it does not know, a shape it does not
+            # expect) is our listing's failure, not vLLM's
+            try:
                 with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
                     real.load_weights(iter(list(checkpoint.items())))
             except Exception as exc:
-                result = {"error": f"vLLM's own build/loader fails on rank {rank}", "detail": _short(exc)}
-                break
+                return dict(row, status="FAIL", reason=f"vLLM's loader refuses the derived checkpoint at "
+                                                       f"{layout.tag()} rank {rank}: {_short(exc)}")
             try:
                 plan, _ = session.record_rank(rank)
                 # the copy for plain replays; a fresh build where fallbacks run the real loader, which needs the
@@ -250,7 +257,7 @@ def render(rows: list[dict], versions: str) -> str:
     ]
     for r in sorted(rows, key=lambda r: r["arch"].lower()):
         layouts = ", ".join(f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else
-                            f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM fails'}"
+                            f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM build fails'}"
                             for tag, v in r.get("layouts", {}).items())
         detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
         detail = detail.replace("|", "\\|")

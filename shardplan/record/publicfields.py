@@ -92,4 +92,19 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "intermediate_size": 12288, "vocab_size": 65536, "max_position_embeddings": 128000,
         },
     },
+    "InklingForCausalLM": {
+        "source": "thinkingmachines/Inkling-Small config.json text_config (as in public copies: a Rust "
+                  "INKLING_SMALL fixture, an export tool's CONTRACT_FLAGS and REAL config dict)",
+        "fields": {
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 32,
+            "swa_num_key_value_heads": 8, "swa_head_dim": 128, "sliding_window_size": 512, "d_rel": 16,
+            "rel_extent": 1024, "log_scaling_n_floor": 128000, "log_scaling_alpha": 0.1, "rms_norm_eps": 1e-06,
+            "use_embed_norm": True, "logits_mup_width_multiplier": 16.0, "use_sconv": True, "sconv_kernel_size": 4,
+            "dense_mlp_idx": 2, "dense_intermediate_size": 16384, "intermediate_size": 2048,
+            "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 2, "route_scale": 8.0,
+            "use_gate_bias": True, "norm_after_topk": True, "shared_expert_sink": True, "use_global_scale": True,
+            "gate_activation": "sigmoid", "q_bias": False, "o_bias": False, "vocab_size": 201024,
+            "unpadded_vocab_size": 200058,
+        },
+    },
 }

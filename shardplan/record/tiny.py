@@ -29,6 +29,10 @@ _MODEL_TYPE_OF = {
     "Step3TextForCausalLM": "step3_text", "Step3p5ForCausalLM": "step3p5",                          # vLLM configs
 }
 
+# Architectures whose vLLM implementation reads the config of vLLM's own model_type, not that of the transformers
+# class of the same name (vLLM's InklingForCausalLM reads InklingModelConfig's use_embed_norm, d_rel, ...).
+_VLLM_MODEL_TYPE = {"InklingForCausalLM": "inkling_model"}
+
 _SIZES: dict[str, int] = {
     "hidden_size": 128, "n_embd": 128, "d_model": 128,
     "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
@@ -51,7 +55,8 @@ _SIZES: dict[str, int] = {
     # sizes of the public fields (publicfields.py) the class defaults lack
     "rotary_dim": 16, "swa_head_dim": 32, "swa_v_head_dim": 16, "swa_num_attention_heads": 4,
     "swa_num_key_value_heads": 2, "expert_hidden_dim": 64, "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128,
-    "block_ff_dim": 256, "zero_expert_num": 2, "sliding_window_size": 64,
+    "block_ff_dim": 256, "zero_expert_num": 2, "sliding_window_size": 64, "dense_intermediate_size": 256,
+
 }
 # Sizes that must agree with others in ways a generic shrink cannot know.
 _FIXES: dict[str, dict[str, Any]] = {
@@ -61,7 +66,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
     "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
-    "InklingForCausalLM": {"padded_vocab_size": 320},
+    "InklingForCausalLM": {"vocab_size": 320, "padded_vocab_size": 320, "unpadded_vocab_size": 300, "local_layer_ids": [0],
+                           "dense_mlp_idx": 1},  # layer 0 local and dense, layer 1 global and MoE
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
@@ -69,7 +75,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "Lfm2ForCausalLM": {"layer_types": ["conv", "full_attention"]},
-    "Zamba2ForCausalLM": {"attention_hidden_size": 256, "attention_head_dim": 64},  # the class rule: 2 * hidden
+    "Zamba2ForCausalLM": {"attention_hidden_size": 256, "attention_head_dim": 64,  # the class rule: 2 * hidden
+                          "hybrid_layer_ids": [2]},  # the shrunk layers_block_type's hybrid layer
     # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
     "KimiLinearForCausalLM": {"linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}},
 }
@@ -99,6 +106,8 @@ def model_type_of(arch: str) -> str:
 
     # Several model_types can map to one class (llama4 and llama4_text -> Llama4ForCausalLM): the text-only config
     # (no sub-configs) is the one the causal-LM class is built from.
+    if arch in _VLLM_MODEL_TYPE:
+        return _VLLM_MODEL_TYPE[arch]
     candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
                   if name == arch and config_class(t) is not None]
     candidates.sort(key=lambda t: bool(getattr(config_class(t), "sub_configs", None)))
