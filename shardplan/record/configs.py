@@ -250,4 +250,12 @@ def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
     for key, value in sorted(node.items()):
         if isinstance(value, list) and len(value) == old and old > 1 and key != "architectures":
             out.append(f"{prefix}{key}={json.dumps(value[:num_layers])}")
+        elif isinstance(value, dict):  # layer index lists that together cover every layer (Kimi-Linear's KDA/MLA)
+            lists = {k: v for k, v in value.items() if k.endswith("_layers") and isinstance(v, list)
+                     and all(isinstance(i, int) and not isinstance(i, bool) for i in v)}
+            covered = sorted(i for v in lists.values() for i in v)
+            if lists and covered in (list(range(old)), list(range(1, old + 1))):
+                base = covered[0]
+                for k, v in sorted(lists.items()):
+                    out.append(f"{prefix}{key}.{k}={json.dumps([i for i in v if i < num_layers + base])}")
     return out

@@ -174,7 +174,9 @@ class RecordSession:
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (sampling check failed: {problem})")
         full_layers = {ms[0]: ms for ms in members.values()}
-        drop = {m for ms in members.values() for m in ms[1:2]}
+        # every cut layer but the representatives: interleaved classes (Kimi-Linear's KDA/MLA, Qwen3-Next's) put
+        # members of one class between the sampled ones, and extension regenerates them from the representative
+        drop = {m for ms in members.values() for m in ms[1:] if m < num_sampled}
         body = extend_layers(cut_body, full_layers, drop, self.sources)
         problem = unwritten_after_extension(cut_body, body, sorted({p.rank for p in plans} | {ranks[len(ranks) // 2]}))
         if problem:
