@@ -49,7 +49,8 @@ def _patch_for_meta() -> None:
     # FP8 layers' CPU kernel probes (AMX, the W8A16 op) are answered by fp8.kernel_probes_patched, for builds only
 
 
-def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = ""):
+def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = "",
+                     trust_remote_code: bool = False):
     _quiet_vllm()
     from vllm.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
@@ -59,7 +60,8 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
         # when serving; a constant would be refused by models whose config allows fewer positions.
         # served_model_name: only what messages call the model (a built-in's short name, not its cached config dir)
         model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=None,
-                                   enforce_eager=True, served_model_name=model_name or None)
+                                   enforce_eager=True, served_model_name=model_name or None,
+                                   trust_remote_code=trust_remote_code)
         parallel_config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
                                          data_parallel_size=layout.dp, enable_expert_parallel=layout.ep)
         # no prefix caching: it shapes the KV cache, never the weights, and vLLM's CPU platform turns it off for

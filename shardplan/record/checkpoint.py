@@ -32,7 +32,7 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.models import ConfigError, ModelSpec, _cache_root, _read_json_object, config_sha256
-from shardplan.record import configs
+from shardplan.record import configs, remote
 from shardplan.record.configs import hf_view
 
 __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", "read_safetensors_header"]
@@ -134,8 +134,10 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        hf_config = transformers_config(hf_config, architecture)
-        cls = model_class(architecture, hf_config)
+        cls = remote.model_class(hf_config)   # the trusted directory's code (--trust-remote-code), else transformers'
+        if cls is None:
+            hf_config = transformers_config(hf_config, architecture)
+            cls = model_class(architecture, hf_config)
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.models import ConfigError, ModelSpec
-from shardplan.record import cpushim
+from shardplan.record import cpushim, remote
 
 cpushim.activate()   # before any vLLM or transformers import of the record side: vLLM's Qwen3.5 needs torchvision
 
@@ -93,15 +93,16 @@ def hf_view(spec: ModelSpec) -> HFView:
     overrides = dict((path, value) for path, value in spec.overrides)
     if ("model_type",) in overrides:
         model_type = overrides[("model_type",)]
-    cls = config_class(model_type)
+    cls = config_class(model_type) or remote.config_class(spec)
     if cls is None:
         import transformers
 
         raise ConfigError(
             f"{spec.origin}: field 'model_type' is {model_type!r}, which neither transformers "
-            f"{transformers.__version__} nor vLLM has a config class for (only remote code on the hub defines it, "
-            f"and shardplan never runs remote code). Use the model_type of the architecture it is built on, e.g. "
-            f"--override model_type=llama, if the config is a renamed copy of one.")
+            f"{transformers.__version__} nor vLLM has a config class for (only remote code defines it). Pass "
+            f"--trust-remote-code with --model pointing at the local checkpoint directory holding its "
+            f"configuration_*.py (as vllm serve --trust-remote-code; the code runs), or use the model_type of the "
+            f"architecture it is built on, e.g. --override model_type=llama, if the config is a renamed copy of one.")
     config = copy.deepcopy(base)
     for path, value in spec.overrides:
         _apply(config, cls, path, value, spec)
