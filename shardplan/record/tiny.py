@@ -115,8 +115,9 @@ def model_type_of(arch: str) -> str:
         return candidates[0]
     if arch in _MODEL_TYPE_OF:
         return _MODEL_TYPE_OF[arch]
-    raise NoConfigClass(f"{arch}: its config class exists only as hub remote code (trust_remote_code), which "
-                        f"shardplan never runs; neither transformers nor vLLM ships one.")
+    raise NoConfigClass(f"{arch}: needs remote code: its config class exists only as the model's own code (neither "
+                        f"transformers nor vLLM ships one); record it from a local checkpoint directory with "
+                        f"--trust-remote-code, as vLLM does. The sweep has no such directory.")
 
 
 def tiny_config(arch: str) -> dict[str, Any]:
@@ -128,6 +129,19 @@ def tiny_config(arch: str) -> dict[str, Any]:
     except Exception as exc:
         raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
+    # vLLM reads some model types with its own class (deepseek_v32 with DeepseekV3Config, deepseek_v4, kimi_linear);
+    # transformers' class of the same model_type carries the published defaults for what vLLM's leaves out or None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    import transformers
+
+    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None)
+    if isinstance(own, type) and own is not cls:
+        try:
+            for key, value in own().to_dict().items():   # not per-layer lists: vLLM's class derives those its way
+                if defaults.get(key) is None and not isinstance(value, list):
+                    defaults[key] = value
+        except Exception:  # a transformers class without defaults of its own
+            pass
     _merge(defaults, PUBLIC_FIELDS.get(arch, {}).get("fields", {}))
     config = _shrink(defaults)
     for key, value in list(config.items()):  # nested configs (text_config, DBRX's attn_config/ffn_config)
