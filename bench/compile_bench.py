@@ -72,7 +72,7 @@ def family_flags(family: str, n: int) -> list[str] | None:
 def same_ranks(extended: Path, exhaustive: Path, ranks: list[int]) -> bool:
     """Every listed rank's instantiated plan is equal in both files."""
     code = f"""
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 a, b = PlanFile.read({str(extended)!r}), PlanFile.read({str(exhaustive)!r})
 print(all(a.rank(r) == b.rank(r) and a.not_needed(r) == b.not_needed(r) for r in {ranks!r}))
 """
@@ -103,7 +103,7 @@ class Block:
             raise ImportError(name)
 sys.meta_path.insert(0, Block())
 import torch  # a trainer has torch loaded already; not part of the plan's cost
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 ranks = PlanFile.read({str(path)!r}).ranks
 cpu, wall = [], []
 for rank in (ranks[0], ranks[len(ranks) // 2], ranks[-1]):
@@ -180,7 +180,7 @@ def main() -> None:
                              str(plan.read_bytes() == shipped.read_bytes()), "True"))
             if args.skip_exhaustive:
                 continue
-            world = int(subprocess.run([sys.executable, "-c", f"from shardplan.plan.planfile import PlanFile; "
+            world = int(subprocess.run([sys.executable, "-c", f"from shardplan.plan.file.format import PlanFile; "
                                         f"print(len(PlanFile.read({str(plan)!r}).ranks))"],
                                        capture_output=True, text=True, check=True).stdout)
             subset = sorted(random.Random(args.seed).sample(range(world), min(args.exhaustive_ranks, world)))

@@ -68,7 +68,7 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
     from safetensors.torch import save_file
 
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import write_plan
+    from shardplan.plan.file.format import write_plan
     from shardplan.record.session import RecordSession
 
     dirs = [root / "A", root / "B"]

@@ -15,7 +15,7 @@ import random
 import time
 
 from shardplan.plan.placement import PlacementBinder, make_placement, slot_of, with_slot_aliases
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 
 
 def best(fn, repeat: int) -> tuple[float, object]:

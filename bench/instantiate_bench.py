@@ -46,7 +46,7 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
     """Times of each part for one plan file, in this process (medians, milliseconds). `objects`: the in-tree object
     path (rank_objects + reference_layout) instead of the columnar one."""
     import torch
-    from shardplan.plan.planfile import PlanFile, read_plan_bytes
+    from shardplan.plan.file.format import PlanFile, read_plan_bytes
     from shardplan.runtime.apply import Applier
     from shardplan.runtime.replay import Replayer
 
@@ -102,7 +102,7 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
 
 
 def _decode(data: bytes, path: str):
-    from shardplan.plan.planfile import decode
+    from shardplan.plan.file.format import decode
     header, body = decode(data, path)
     try:   # the columnar tree numbers the source table's names once per file (cached on it): part of loading it
         from shardplan.plan.columns import table_ids

@@ -10,8 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shardplan.plan import ir  # noqa: E402
-from shardplan.plan.planfile import PlanFile  # noqa: E402
+from shardplan.plan import ir  # noqa: E402  # noqa: E402
+from shardplan.plan.file.format import PlanFile  # noqa: E402
 
 
 @functools.cache

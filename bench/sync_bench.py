@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-from shardplan.plan import ir  # noqa: E402
+from shardplan.plan import ir  # noqa: E402  # noqa: E402
 from shardplan.plan.names import group_of  # noqa: E402
 from shardplan.runtime.apply import params_from_plan  # noqa: E402
 from shardplan.plan.interp import apply_reference, to_dtype  # noqa: E402

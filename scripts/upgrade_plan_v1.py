@@ -8,7 +8,7 @@ import sys
 
 import msgpack
 
-from shardplan.plan import planfile
+from shardplan.plan.file import format as planfile
 from shardplan.plan.layout import Layout
 
 

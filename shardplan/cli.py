@@ -11,10 +11,10 @@ import time
 
 from shardplan.errors import ShardplanError
 from shardplan.models import list_models, resolve_model
-from shardplan.plan import store
+from shardplan.plan.file import store
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
-from shardplan.plan.planfile import write_plan
+from shardplan.plan.file.format import write_plan
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank

@@ -34,8 +34,8 @@ from shardplan.engine.sharding import sharded_plan, shards_from_json
 from shardplan.models import resolve_model
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
-from shardplan.plan.planfile import PlanFile
-from shardplan.plan.store import load_plan
+from shardplan.plan.file.format import PlanFile
+from shardplan.plan.file.store import load_plan
 from shardplan.runtime.shards import ShardError
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
 from shardplan.sync.placement import publish_placement

@@ -34,7 +34,7 @@ from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.plan.interp import MissingTensorError, to_dtype
 from shardplan.plan.names import group_of
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.quantize import trainer_meta, trainer_name_of
 from shardplan.runtime.shards import ShardLayoutError, TrainerShard
 from shardplan.runtime.tensors import TensorShapeError

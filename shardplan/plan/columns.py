@@ -92,7 +92,7 @@ class TableSourceIds(SourceIds):
             width = text.count("{}")
             rows = expand_trie(index, width) if index is not None else np.zeros((1, 0), dtype=np.int64)
             keyed = row_keys(rows)
-            if keyed is None:   # a radix too wide for int64 keys: plancheck's hole limits make this unreachable
+            if keyed is None:   # a radix too wide for int64 keys: file/checks.py's hole limits make this unreachable
                 keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
             else:
                 # an index trie expands in lexicographic order (its runs are sorted and disjoint): no sort then
@@ -207,7 +207,7 @@ def table_ids(table) -> SourceIds:
 
 # ---- the columns -----------------------------------------------------------------------------------------------
 class WriteColumns:
-    """One rank's writes as columns (see the module docstring). Build with `from_writes` or `planrank`."""
+    """One rank's writes as columns (see the module docstring). Build with `from_writes` or plan/file/rank.py."""
 
     def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
                  src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,

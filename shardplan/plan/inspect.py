@@ -12,8 +12,8 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody
-from shardplan.plan.planfile import PlanFile, skeleton_ops
+from shardplan.plan.body import PlanBody
+from shardplan.plan.file.format import PlanFile, skeleton_ops
 from shardplan.plan.ir import itemsize
 from shardplan.plan.names import group_of
 from shardplan.plan.placement import slot_of

@@ -5,7 +5,7 @@ writes may share an extent and no element). Every user of overlap is conservativ
 compiler keeps overlapping writes in recording order, the pack layout keeps such a group whole, the applier orders
 them, the sharded planner gives them to one trainer. For recorded writes extents are exact enough (the compiler and
 the sharded planner sweep them, `overlapping_pairs`). The pure views the compiler makes of an upsampled block-FP8
-scale (plan/simplify.py) interleave: a rank's column block next to another of the same expert, intersecting
+scale (plan/compile/simplify.py) interleave: a rank's column block next to another of the same expert, intersecting
 extents, no shared element. So the pack layout and the applier (`overlapping_writes`, vectorised) compare writes
 whose extents meet as boxes of their param, and only those that share an element count as overlapping.
 """
@@ -87,7 +87,7 @@ def overlapping_writes(param: np.ndarray, offset: np.ndarray, sizes: np.ndarray,
     """Per write (rows; `sizes`/`strides` padded with 1/0, `shapes` the param's shape as the write's plan declares
     it, padded with trailing 1s): whether its destination may share an element with another write of the same param
     id. Extents first: writes whose extents meet nobody's are clear. Where extents meet, the writes are compared as
-    boxes of their param: the pure views the compiler makes of an upsampled scale (plan/simplify.py) interleave in
+    boxes of their param: the pure views the compiler makes of an upsampled scale (plan/compile/simplify.py) interleave in
     memory (a column block next to another: intersecting extents) and share no element. A run of meeting extents
     longer than MAX_BOX_RUN, a destination that is not a box, or params of different shapes count as overlapping."""
     n = len(param)

@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody
+from shardplan.plan.body import PlanBody
 from shardplan.plan.rowkeys import distinct_rows, expand_trie
 from shardplan.plan.template import trie_count
 from shardplan.plan.inspect import _fill, _hole_layout

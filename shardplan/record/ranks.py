@@ -1,4 +1,4 @@
-"""Which ranks to record for a whole layout, and the prediction of the others (plan/extend.py).
+"""Which ranks to record for a whole layout, and the prediction of the others (plan/compile/extend.py).
 
 Rank classes come from the layout: a loader sees the TP rank, and with expert parallelism the EP rank (dp x tp ranks
 of a pipeline stage, TP fastest) and how many experts it holds (vLLM gives the first `num_experts % ep_size` EP ranks
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from shardplan.plan.extend import FlatRank, Line, NotAffine, Predicted, sorted_rows
+from shardplan.plan.compile.extend import FlatRank, Line, NotAffine, Predicted, sorted_rows
 from shardplan.plan.layout import Layout
 
 

@@ -8,12 +8,13 @@ from typing import Callable, Iterable, Sequence
 
 from shardplan import models
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody, check_layer_invariance, compile_plans, extend_layers, layer_split_templates
-from shardplan.plan.extend import body_from_flat, flat_rank
+from shardplan.plan.body import PlanBody
+from shardplan.plan.compile.compiler import check_layer_invariance, compile_plans, extend_layers, layer_split_templates
+from shardplan.plan.compile.extend import body_from_flat, flat_rank
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
-from shardplan.plan.planfile import encode
-from shardplan.plan.planrank import rank_columns
+from shardplan.plan.file.format import encode
+from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.placement import slot_sources
 from shardplan.record import eplb, fp8, remote
 from shardplan.runtime.quantize import quantizer_id

@@ -1,6 +1,6 @@
 """Fleet-scale sync simulator: the engine's real schedule and pipelining rules, on links you describe.
 
-    from shardplan.plan.planfile import PlanFile
+    from shardplan.plan.file.format import PlanFile
     from shardplan.simulate import Fleet, Links, simulate, trainers, workload
 
     plan_file = PlanFile.read("plans/kimi-k2--tp32-ep--bfloat16.plan")

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.simulate import workload
 from shardplan.simulate.fleet import Fleet, Links
 from shardplan.simulate.run import simulate

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shardplan.plan.inspect import group_bytes
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.simulate import trainers, workload
 from shardplan.simulate.fleet import Fleet, Links, SimulationError
 from shardplan.simulate.run import extrapolate, simulate

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Sequence
 
 from shardplan.plan import ir
 from shardplan.plan.names import group_of, group_order
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
 from shardplan.runtime.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
 from shardplan.simulate.fleet import CoverageError, FleetError

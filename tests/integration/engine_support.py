@@ -95,8 +95,8 @@ def make_model(root: Path, moe: bool, seed: int = 1) -> Path:
 def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
     """`shardplan record` for the tiny model (in this process: vLLM on the meta device, nothing left behind)."""
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import write_plan
-    from shardplan.plan.store import plan_path
+    from shardplan.plan.file.format import write_plan
+    from shardplan.plan.file.store import plan_path
     from shardplan.record.session import RecordSession
 
     session = RecordSession(str(model_dir), Layout(tp=tp))

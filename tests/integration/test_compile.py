@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.plan.compile import canonical, compile_plans, instantiate
+from shardplan.plan.body import instantiate
+from shardplan.plan.compile.compiler import canonical, compile_plans
 from shardplan.plan.template import build_trie, iter_trie
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, decode, encode
+from shardplan.plan.file.format import PlanFile, decode, encode
 
 
 # ---- pure templating, synthetic plans (no vLLM) -------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_model_type_without_config_class_is_named(tmp_path):
 
 def test_builtin_fingerprints_are_unchanged():
     """Plans in plans/ are found by config sha256: those of the built-ins must not move."""
-    from shardplan.plan.store import SHIPPED_DIR, scan
+    from shardplan.plan.file.store import SHIPPED_DIR, scan
 
     found = 0
     for path, header, error in scan([SHIPPED_DIR]):

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.runtime.apply import Applier
 from shardplan.record.build import build_model, loading_context
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, decode, encode
+from shardplan.plan.file.format import PlanFile, decode, encode
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.shards import compose, ep_shards, layer_stage, local_tensors, plan_shards, pp_shards, tp_shards
 from shardplan.plan.names import expert_of

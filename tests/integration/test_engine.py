@@ -130,7 +130,7 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
     keeps serving and keeps its sync (a later sync still works)."""
     from shardplan.engine.errors import EnginePlanMismatch
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import PlanFile, encode, write_plan
+    from shardplan.plan.file.format import PlanFile, encode, write_plan
 
     w = world
     good = PlanFile.read(w.plan)

@@ -15,10 +15,10 @@ from test_sync import full_tensors, tiny_llama_plans
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.sharding import placement_shards, shards_from_json, sharded_plan
 from shardplan.engine.trainer import EngineSync, ModuleSource
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.interp import apply_reference
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, encode, write_plan
+from shardplan.plan.file.format import PlanFile, encode, write_plan
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.shards import local_tensors
 from shardplan.sync import ApplyUnpacker, ConsumerSync, ShardedUnpacker, SyncConfig

@@ -104,7 +104,7 @@ def test_http_server_takes_three_versions_and_matches_fresh_engines(served, tmp_
 
 def test_http_init_with_a_foreign_plan_is_refused_by_name(served, tmp_path):
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import PlanFile, encode, write_plan
+    from shardplan.plan.file.format import PlanFile, encode, write_plan
 
     base, model, plan, driver, trainer = served
     good = PlanFile.read(plan)

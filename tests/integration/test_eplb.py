@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import expert_of, layer_of
 from shardplan.plan.placement import PlacementBinder, make_placement
-from shardplan.plan.planfile import PlanFile, decode
+from shardplan.plan.file.format import PlanFile, decode
 from shardplan.record import eplb
 from shardplan.record.build import build_model, loading_context
 from shardplan.record.verify import RankVerdict, bits, compare_models, poison, random_checkpoint

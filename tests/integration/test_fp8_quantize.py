@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, decode
+from shardplan.plan.file.format import PlanFile, decode
 from shardplan.record import verify
 from shardplan.record.build import Fp8BlockMisaligned, build_model, loading_context
 from shardplan.record.session import RecordSession

@@ -20,7 +20,7 @@ import torch
 from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
 from shardplan.sync import SyncConfig
 from shardplan.transport import consumer_name
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
                                         quantize_blocks)
 
@@ -70,7 +70,7 @@ class Fp8World(PlanWorld):
     num_consumers: int = 4
 
     def __post_init__(self):
-        from shardplan.plan.planfile import PlanFile
+        from shardplan.plan.file.format import PlanFile
         from shardplan.sync import ReplayPacker, spans_of
         plan_file = PlanFile.read(self.path)
         self.plans = [plan_file.rank(r) for r in range(self.num_consumers)]
@@ -128,7 +128,7 @@ _RECORDED: dict = {}
 def recorded(tmp_path_factory):
     """(session, plans, plan file path) of the shrunk Qwen3-30B-A3B-FP8 at TP4, recorded once per module."""
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import write_plan
+    from shardplan.plan.file.format import write_plan
     from shardplan.record.session import RecordSession
 
     if not _RECORDED:
@@ -228,7 +228,7 @@ def test_engine_trainer_side_quantizes_an_fp8_plan_by_itself(tmp_path_factory):
     quantized weight in the plan's dtype (bf16); make_packer(quantizer=header.quantizer), as TrainerRank and EngineSync
     call it, packs the same bytes as replaying the reference FP8 checkpoint."""
     from shardplan.engine.trainer import ModuleSource
-    from shardplan.plan.planfile import PlanFile
+    from shardplan.plan.file.format import PlanFile
     from shardplan.runtime.replay import Replayer
     from shardplan.sync.placement import make_packer
 

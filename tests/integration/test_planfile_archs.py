@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import test_record_archs as archs_test
-from shardplan.plan.compile import canonical, compile_plans
+from shardplan.plan.compile.compiler import canonical, compile_plans
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, decode
+from shardplan.plan.file.format import PlanFile, decode
 from test_record_archs import arch_root  # noqa: F401  (fixture)
 
 CASES = [(arch, Layout(tp=2)) for arch in archs_test.ALL_ARCHS] + [

@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest
 import torch
 
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_of
 from shardplan.sync import (ConsumerSync, Coordinator, LayoutMismatch, NotAMember, Schedule, ScheduleError, Span,
@@ -841,7 +841,7 @@ class RecordedWorld(PlanWorld):
     num_consumers: int = 4
 
     def __post_init__(self):
-        from shardplan.plan.planfile import PlanFile
+        from shardplan.plan.file.format import PlanFile
         from shardplan.sync import ReplayPacker, spans_of
         from shardplan.record.verify import random_checkpoint
         plan_file = PlanFile.read(self.path)
@@ -861,7 +861,7 @@ _RECORDED: dict[str, tuple] = {}
 def recorded_moe(layout_id: str, tmp_path_factory):
     """(session, plans, plan file) of the shrunk Qwen3-MoE at TP4 or TP2 x EP2, recorded once per module."""
     from shardplan.plan.layout import Layout
-    from shardplan.plan.planfile import write_plan
+    from shardplan.plan.file.format import write_plan
     from shardplan.record.session import RecordSession
 
     if layout_id not in _RECORDED:

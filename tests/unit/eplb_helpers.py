@@ -8,10 +8,10 @@ import random
 import torch
 
 from shardplan.plan import ir
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots, make_placement, slot_sources
-from shardplan.plan.planfile import PlanFile, decode, encode
+from shardplan.plan.file.format import PlanFile, decode, encode
 
 HIDDEN, INTER = 8, 4
 MOE_LAYERS = (1, 2)

@@ -7,7 +7,7 @@ import struct
 
 import msgpack
 
-from shardplan.plan import planfile
+from shardplan.plan.file import format as planfile
 
 
 def raw_parts(data: bytes) -> tuple[dict, list]:
@@ -62,7 +62,7 @@ def rich_plans():
 
 
 def rich_bytes() -> bytes:
-    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
 
     plans, sources = rich_plans()

@@ -1,4 +1,4 @@
-"""The columnar form (plan/columns.py, plan/planrank.py, runtime/packcols.py) equals the object form: instantiated
+"""The columnar form (plan/columns.py, plan/file/rank.py, runtime/packcols.py) equals the object form: instantiated
 writes, pack layouts (segments, refs, groups, split parts) and their digests, for every shipped plan and for random
 plans; and its checks refuse what the object path refused."""
 from __future__ import annotations
@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.plan import ir
 from shardplan.plan.columns import LazyWrites, NameSourceIds, WriteColumns, columns_of, table_ids
-from shardplan.plan.compile import SourceTable, compile_plans
+from shardplan.plan.body import SourceTable
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.interp import PlanError
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanBoundsError, PlanFile, PlanFileError, decode, encode
+from shardplan.plan.file.format import PlanBoundsError, PlanFile, PlanFileError, decode, encode
 from shardplan.runtime.apply import Applier, LayoutMismatchError
 from shardplan.runtime.pack import PackLayout, SegmentTable
 from shardplan.runtime.packref import reference_layout
@@ -75,7 +76,7 @@ def _plan_file(plans, sources) -> PlanFile:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds(), st.sampled_from([16, 256]), st.sampled_from([None, 1, 300, 2048]), st.sampled_from([0, 1, 64]))
 def test_random_plans_columnar_equals_objects(world, alignment, max_group_bytes, small):
-    from shardplan.plan import planrank
+    from shardplan.plan.file import rank as planrank
     plans, sources = world
     plans = [ir.RankPlan(i, p.params, p.writes) for i, p in enumerate(plans)]   # plan files number ranks from 0
     before = planrank._SMALL   # templates of up to `small` writes are instantiated batched (0: none, 1: some)
@@ -186,9 +187,9 @@ def test_segment_table_round_trips_segment_objects():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 300), st.integers(1, 6), st.booleans())
 def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, num_classes, wide_offsets):
-    """planrank sorts (param, offset) in one packed key and breaks ties by a rank of the geometry classes; the
+    """plan/file/rank.py sorts (param, offset) in one packed key and breaks ties by a rank of the geometry classes; the
     definition is a stable lexsort over (param name, offset, sizes, strides), regions padded with -1."""
-    from shardplan.plan.planrank import _canonical_order
+    from shardplan.plan.file.rank import _canonical_order
     rng = np.random.default_rng(seed)
     names = [f"p{i}" for i in rng.permutation(5)]
     ndim = rng.integers(1, 4, size=num_classes)

@@ -1,4 +1,4 @@
-"""Rank extension (plan/extend.py, record/ranks.py) on synthetic plans shaped like vLLM loaders' (no vLLM): whatever
+"""Rank extension (plan/compile/extend.py, record/ranks.py) on synthetic plans shaped like vLLM loaders' (no vLLM): whatever
 the layout and the rank dependence, the extended body encodes to the same bytes as compiling every rank's plan."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.plan.compile import compile_plans
-from shardplan.plan.extend import FlatRank, Line, NotAffine, body_from_flat, flat_rank, sorted_rows
+from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.compile.extend import FlatRank, Line, NotAffine, body_from_flat, flat_rank, sorted_rows
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import encode
+from shardplan.plan.file.format import encode
 from shardplan.plan.template import build_trie, trie_from_rows
 from shardplan.record.ranks import extend_ranks, rank_classes
 

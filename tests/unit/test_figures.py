@@ -7,13 +7,13 @@ import os
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from shardplan.plan.planfile import PlanBoundsError, PlanFileError
+from shardplan.plan.file.format import PlanBoundsError, PlanFileError
 from tests.unit.test_columns import _plan_file
 from tests.unit.test_replay import worlds
 
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.record import figures as figures_module
 from shardplan.record.figures import rank_figures
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from shardplan.plan.placement import (EplbPlanMismatch, EplbSlots, PlacementBinder, PlacementError,
                                       PlacementExpertError, PlacementShapeError, bind_placement, check_engine_slots,
                                       make_placement, with_slot_aliases)
-from shardplan.plan.planerrors import PlanFieldError
-from shardplan.plan.planfile import decode
+from shardplan.plan.file.errors import PlanFieldError
+from shardplan.plan.file.format import decode
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.replay import Replayer
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots, random_placement
@@ -144,7 +144,7 @@ def test_eplb_slots_reject_bad_values():
                                    "moe_layers": [1, 2]}])
 def test_plan_file_with_a_bad_eplb_header_is_refused(eplb):
     plan_file, _ = eplb_plan_file()
-    from shardplan.plan.planfile import encode
+    from shardplan.plan.file.format import encode
     data = encode(plan_file.body, model="toy-moe", architecture="ToyMoe", config_sha256="0" * 64,
                   layout=plan_file.header.layout, dtype="bfloat16", vllm_version="0.32.0",
                   eplb=plan_file.header.eplb)

@@ -10,10 +10,10 @@ import pytest
 from planfile_helpers import raw_parts, reseal, seal
 from blocked_imports import run_without_vllm
 from shardplan.plan import ir
-from shardplan.plan.compile import compile_plans
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.layout import Layout
-from shardplan.plan import planfile
-from shardplan.plan.planfile import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFile, PlanFormatVersionError, PlanOpNotAllowed, PlanTruncated, decode, encode)
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file.format import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFile, PlanFormatVersionError, PlanOpNotAllowed, PlanTruncated, decode, encode)
 
 SOURCES = [ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
            ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
@@ -191,7 +191,7 @@ def test_never_pickles(tmp_path):
 @pytest.fixture
 def isolated_store(tmp_path, monkeypatch):
     """Only tmp_path is searched: neither the shipped plans/ nor the user's cache."""
-    from shardplan.plan import store
+    from shardplan.plan.file import store
 
     monkeypatch.setattr(store, "SHIPPED_DIR", tmp_path / "shipped")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -200,7 +200,7 @@ def isolated_store(tmp_path, monkeypatch):
 
 
 def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
-    from shardplan.plan import store
+    from shardplan.plan.file import store
     tmp_path = isolated_store
     from shardplan.models import resolve_model
 
@@ -221,7 +221,7 @@ def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
 
 
 def test_stale_vllm_is_refused(isolated_store, monkeypatch):
-    from shardplan.plan import store
+    from shardplan.plan.file import store
     tmp_path = isolated_store
     from shardplan.models import resolve_model
 
@@ -252,7 +252,7 @@ def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
         for pkg in ("shardplan.plan", "shardplan.runtime", "shardplan.sync", "shardplan.transport"):
             for info in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + "."):
                 importlib.import_module(info.name)
-        from shardplan.plan.planfile import PlanFile
+        from shardplan.plan.file.format import PlanFile
         plan = PlanFile.read({str(path)!r}).rank(1)
         print('ok', len(plan.writes))
     """)

@@ -24,8 +24,8 @@ import pytest
 
 from planfile_helpers import raw_parts, reseal, rich_bytes, seal
 from shardplan.plan import inspect as plan_inspect
-from shardplan.plan import planfile
-from shardplan.plan.planfile import PlanFile, PlanFileError, decode
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file.format import PlanFile, PlanFileError, decode
 
 SEED = int(os.environ.get("SHARDPLAN_FUZZ_SEED", "20261201"))
 CASES = int(os.environ.get("SHARDPLAN_FUZZ_CASES", "1000"))

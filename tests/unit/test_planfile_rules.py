@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from planfile_helpers import raw_parts, reseal, rich_bytes, seal
-from shardplan.plan import planfile, plancheck
-from shardplan.plan.planfile import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFile,
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file import checks as plancheck
+from shardplan.plan.file.format import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFile,
                                 PlanFileError, PlanFormatVersionError, PlanLimitError, PlanNotCanonical,
                                 PlanOpNotAllowed, PlanOversize, PlanTruncated, PlanUnreadable, decode)
 
@@ -284,7 +285,7 @@ def test_reads_are_capped_at_the_declared_size(tmp_path, monkeypatch):
 # ---- the store: a bad entry never breaks lookups of good plans -----------------------------------------------
 @pytest.fixture
 def store_dir(tmp_path, monkeypatch):
-    from shardplan.plan import store
+    from shardplan.plan.file import store
 
     monkeypatch.setattr(store, "SHIPPED_DIR", tmp_path / "shipped")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -295,7 +296,7 @@ def store_dir(tmp_path, monkeypatch):
 
 def _llama_plan() -> bytes:
     from planfile_helpers import rich_plans
-    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
     from shardplan.models import resolve_model
 
@@ -307,7 +308,7 @@ def _llama_plan() -> bytes:
 
 
 def test_bad_entries_in_a_search_dir_are_skipped(store_dir):
-    from shardplan.plan import store
+    from shardplan.plan.file import store
 
     _odd_paths(store_dir)
     good = _llama_plan()
@@ -324,7 +325,7 @@ def test_bad_entries_in_a_search_dir_are_skipped(store_dir):
 
 
 def test_load_plan_path_names_the_file_and_the_problem(store_dir):
-    from shardplan.plan import store
+    from shardplan.plan.file import store
 
     path = store_dir / "cut.plan"
     path.write_bytes(_llama_plan()[:100])
@@ -344,7 +345,7 @@ def test_every_error_points_at_docs_that_exist():
 
 def test_the_writer_refuses_what_the_reader_would():
     from planfile_helpers import rich_plans
-    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
 
     plans, sources = rich_plans()
@@ -361,7 +362,7 @@ def _uneven_bytes() -> bytes:
     """rich_plans with rank 1's first layer param declared [2, 4] (rank 0's stays [4, 4]), as uneven EP does."""
     from planfile_helpers import rich_plans
     from shardplan.plan import ir
-    from shardplan.plan.compile import compile_plans
+    from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
 
     plans, sources = rich_plans()

@@ -1,4 +1,4 @@
-"""plan/rankblocks.py templates rank classes as blocks (rows = base + offsets @ slopes) without materialising every
+"""plan/compile/rankblocks.py templates rank classes as blocks (rows = base + offsets @ slopes) without materialising every
 rank's rows; the groups must be exactly those `compile._make_groups` makes of the materialised rows. Random blocks
 reach every path: exact fits, splits by a hole that does or does not move with the rank, variables shared within a
 rank (one source written twice, or two predicted rows that meet), no holes, variables that move alike or not."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shardplan.plan.compile import _make_groups
-from shardplan.plan.rankblocks import groups_of_blocks, line_block, literal, shift_trie
+from shardplan.plan.compile.compiler import _make_groups
+from shardplan.plan.compile.rankblocks import groups_of_blocks, line_block, literal, shift_trie
 from shardplan.plan.template import trie_from_rows
 
 

@@ -1,4 +1,4 @@
-"""plan/simplify.py: `repeat_interleave` chains over a checkpoint view become pure-view writes (stride 0 where an
+"""plan/compile/simplify.py: `repeat_interleave` chains over a checkpoint view become pure-view writes (stride 0 where an
 element repeats) that write exactly what the chain writes, bitwise (reference interpreter, NaN-poisoned params), on
 random boxes: aligned and unaligned, several repeats, dims and nestings; compiled plans template them as pure views."""
 from __future__ import annotations
@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.plan.compile import canonical, compile_plans, instantiate
+from shardplan.plan.body import instantiate
+from shardplan.plan.compile.compiler import canonical, compile_plans
 from shardplan.plan.interp import apply_reference
-from shardplan.plan.simplify import MAX_PIECES, simplify_write
+from shardplan.plan.compile.simplify import MAX_PIECES, simplify_write
 from shardplan.plan.template import pure_view_form
 
 

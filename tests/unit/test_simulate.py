@@ -9,7 +9,7 @@ import pytest
 
 from blocked_imports import run_without_vllm
 from shardplan import cli
-from shardplan.plan.planfile import PlanFile
+from shardplan.plan.file.format import PlanFile
 from shardplan.simulate import (CoverageError, Fleet, FleetError, LinkParameterError, Links,
                                 UnreachableConsumerError, Workload, extrapolate, simulate, trainers, workload)
 from shardplan.simulate.engine import max_min_rates
@@ -197,7 +197,7 @@ def test_fleet_refuses_two_ranks_on_one_gpu():
 
 def test_simulator_imports_no_vllm_transformers_safetensors():
     out = run_without_vllm(f"""
-        from shardplan.plan.planfile import PlanFile
+        from shardplan.plan.file.format import PlanFile
         from shardplan.simulate import Fleet, simulate, workload
         work = workload.whole_tensors(PlanFile.read({str(LLAMA_TP2)!r}), layers=[0])
         print('ok', simulate(work, Fleet.disaggregated(1, 1, 2)).seconds > 0)

@@ -12,7 +12,7 @@ dim as mixed-radix digits, each digit (n, stride) addresses the source affinely,
 partial tail, recursively), each one `as_strided` view (stride 0 where an element repeats). The pieces partition the
 original destination, so they write exactly the original elements, with the original values, and never each other's.
 
-`compile_writes` is the one entry both compile paths use (compile_plans and plan/extend.py's flat_rank): overlap is
+`compile_writes` is the one entry both compile paths use (compile_plans and plan/compile/extend.py's flat_rank): overlap is
 decided on the writes as recorded (the pieces of one write interleave in memory, so their extents may intersect,
 although their elements never do), and only writes of non-overlapping params are rewritten. A write the pass cannot
 prove equal (other ops, non-box regions, a broadcasting copy, too many pieces) is kept as recorded.

@@ -14,7 +14,7 @@ the same ordered-write skeletons, parameters and fallbacks; otherwise there is n
 record/ranks.py accepts a line only after a third recorded rank equals its prediction exactly, and records more ranks
 otherwise. A predicted rank is kept as `Predicted` (its line and coordinate, its rows not made): `body_from_flat` builds
 the plan body of every rank from recorded FlatRanks and predictions, templating the ranks of one line as one block per
-template (plan/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a correct
+template (plan/compile/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a correct
 prediction gives the same bytes as recording every rank, at a cost that does not grow with the number of ranks.
 """
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import Group, PlanBody, SourceTable, body_from_groups, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
+from shardplan.plan.compile.compiler import body_from_groups
 from shardplan.plan.names import layer_of
-from shardplan.plan.rankblocks import Block, groups_of_blocks, line_block, literal
-from shardplan.plan.simplify import compile_writes
+from shardplan.plan.compile.rankblocks import Block, groups_of_blocks, line_block, literal
+from shardplan.plan.compile.simplify import compile_writes
 from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
 
 
@@ -178,7 +179,7 @@ def sorted_rows(f: FlatRank | Predicted) -> FlatRank:
 def body_from_flat(flats: Mapping[int, FlatRank | Predicted],
                    sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
     """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does.
-    The rows of the ranks predicted on one line are one block per template (plan/rankblocks.py), not N copies."""
+    The rows of the ranks predicted on one line are one block per template (plan/compile/rankblocks.py), not N copies."""
     blocks: dict[tuple, list[Block]] = {}
     on_line: dict[int, tuple[Line, list[int], list[list[int]]]] = {}   # id(line) -> (line, ranks, offsets)
     ordered: dict[int, list[ir.Write]] = {}

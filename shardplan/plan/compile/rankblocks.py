@@ -1,5 +1,5 @@
 """Templating an extended layout without its N copies of rows: the groups `compile._make_groups` makes of every
-rank's rows, made from the rank classes (plan/extend.py's lines) instead.
+rank's rows, made from the rank classes (plan/compile/extend.py's lines) instead.
 
 A *block* is the rows of one template on a set of ranks: rank j's rows are `base + offsets[j] @ slopes`, row i of
 every rank from row i of the base (a line's prediction moves every row of a template by the same per-axis slope); a
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardplan.plan.compile import Group, _fit, _make_groups
+from shardplan.plan.body import Group
+from shardplan.plan.compile.compiler import _fit, _make_groups
 from shardplan.plan.rowkeys import distinct_rows
 from shardplan.plan.template import trie_from_rows, trie_node
 

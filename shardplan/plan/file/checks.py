@@ -22,8 +22,8 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.placement import EplbSlots, PlacementError
 from shardplan.plan.template import trie_count
-from shardplan.plan.planerrors import advice
-from shardplan.plan.planskeleton import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
+from shardplan.plan.file.errors import advice
+from shardplan.plan.file.skeletons import MAX_CONST_NUMEL, MAX_DEPTH, MAX_NDIM, SkeletonRules  # noqa: F401
 
 # ---- limits (docs/plan-format.md, "Limits") --------------------------------------------------------------
 MAX_HEADER_BYTES = 1 << 16
@@ -68,7 +68,7 @@ def _show(value) -> str:
 
 
 class Checker(SkeletonRules):
-    """Checks raw decoded msgpack values; `fail` and `limit` raise planfile's named errors (passed in, so that the
+    """Checks raw decoded msgpack values; `fail` and `limit` raise file/errors.py's named errors (passed in, so that the
     error classes live with the format) with the field path and the rule."""
 
     def __init__(self, path: str, field_error, limit_error, op_error):

@@ -17,10 +17,10 @@ from shardplan.models import resolve_model
 from shardplan.plan import ir
 from shardplan.errors import ShardplanError
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
+from shardplan.plan.file.format import PlanFile, PlanFileError, PlanHeader, read_header, read_plan_bytes
 
 SUFFIX = ".plan"
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "plans"  # the repository's plans/, beside the package
+SHIPPED_DIR = Path(__file__).resolve().parents[3] / "plans"  # the repository's plans/, beside the package
 
 
 class PlanNotFound(ShardplanError):

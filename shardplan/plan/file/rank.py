@@ -8,7 +8,7 @@ when asked). Templates of a few writes on the rank (qwen3-next: 111 of its 133 h
 numpy pass per hole layout, not per template. Param names are formatted once per distinct param, checkpoint tensors
 are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked
 on the columns; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
-(planbounds.check_bounds), as before. The result equals `compile.instantiate` write for write
+(file/bounds.py: check_bounds), as before. The result equals `body.instantiate` write for write
 (tests/unit/test_columns.py).
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, table_ids
-from shardplan.plan.compile import PlanBody
-from shardplan.plan.planbounds import _overlapping, check_bounds
-from shardplan.plan.planerrors import PlanBoundsError, advice
+from shardplan.plan.body import PlanBody
+from shardplan.plan.file.bounds import _overlapping, check_bounds
+from shardplan.plan.file.errors import PlanBoundsError, advice
 from shardplan.plan.rowkeys import Columns, distinct_rows, expand_trie, stable_argsort
 from shardplan.plan.template import pure_view_form, trie_child, unflatten_write
 
@@ -202,7 +202,7 @@ def _param_ids(ptext: str, holes: Columns, param_index: dict, rank: int, path: s
                 else [[]] * len(first)):
         key = (ptext, tuple(row))
         name = names.get(key)
-        if name is None:   # plancheck admits only `{}` holes as braces: format is Filler.name
+        if name is None:   # file/checks.py admits only `{}` holes as braces: format is Filler.name
             name = names[key] = ptext.format(*row)
         i = param_index.get(name)
         if i is None:
@@ -298,7 +298,7 @@ def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.
 
 
 def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, path: str) -> None:
-    """planbounds.check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
+    """bounds.check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
     once per class (distinct geometry), offsets and extents per write."""
     _, t_sizes, t_strides = block[f"{side}_table"]
     klass = block[f"{side}_class"]
@@ -334,7 +334,7 @@ def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, pa
 
 
 def _box_facts(sizes: list, strides: list) -> tuple[bool, bool, int, bool]:
-    """(negative, empty, reach, self-overlapping) of one box: planbounds' rules (`_overlapping`: dims of size > 1,
+    """(negative, empty, reach, self-overlapping) of one box: bounds.py's rules (`_overlapping`: dims of size > 1,
     sorted by stride, must each step past what the smaller dims reach) in Python ints."""
     negative = any(v < 0 for v in sizes) or any(v < 0 for v in strides)
     empty = any(v == 0 for v in sizes)

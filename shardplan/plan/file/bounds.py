@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.compile import PlanBody
-from shardplan.plan.planerrors import PlanBoundsError, advice
+from shardplan.plan.body import PlanBody
+from shardplan.plan.file.errors import PlanBoundsError, advice
 from shardplan.plan.template import pure_view_form
 
 

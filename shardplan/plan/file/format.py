@@ -12,7 +12,7 @@
 
 The reader opens only regular files, reads exactly the declared bytes (never more: a FIFO or /dev/zero is refused
 before a byte is read, a file larger than declared is refused before its body is read), checks the seal, then every
-field (plancheck), and accepts only the canonical encoding of what it decoded: what is loaded is exactly what the
+field (file/checks.py), and accepts only the canonical encoding of what it decoded: what is loaded is exactly what the
 bytes say. Nothing in a plan is executable: op names are checked against `ir.ALLOWED_OPS`; there is no pickle.
 """
 from __future__ import annotations
@@ -30,17 +30,17 @@ import numpy as np
 
 from shardplan import __version__
 from shardplan.plan import ir
-from shardplan.plan.compile import Group, PlanBody, SourceTable, instantiate, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, instantiate, split_metas
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots
-from shardplan.plan.planbounds import check_bounds, check_group_bounds
-from shardplan.plan.plancheck import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, Checker, check_body,  # noqa: F401
+from shardplan.plan.file.bounds import check_bounds, check_group_bounds
+from shardplan.plan.file.checks import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, Checker, check_body,  # noqa: F401
                         check_header)
-from shardplan.plan.planerrors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
+from shardplan.plan.file.errors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
                          PlanFormatVersionError, PlanLimitError, PlanNotCanonical, PlanOpNotAllowed, PlanOversize,
                          PlanRankNotCovered, PlanTruncated, PlanUnreadable, PlanWriteError, advice)
 from shardplan.plan.columns import LazyWrites
-from shardplan.plan.planrank import rank_columns
+from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.template import flatten_write, unflatten_write
 
 MAGIC = b"SHRDPLAN"
@@ -295,7 +295,7 @@ def decode(data: bytes, path: str = "<bytes>") -> tuple[PlanHeader, PlanBody]:
         canonical = msgpack.packb(_encode_body(body), use_bin_type=True) == body_bytes
         canonical &= msgpack.packb(header.to_dict(), use_bin_type=True) == data[PREAMBLE_BYTES:start]
     except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError, RecursionError) as e:
-        # plancheck should make this unreachable: the fuzz tests assert that it is
+        # checks.py should make this unreachable: the fuzz tests assert that it is
         raise PlanCorrupt(f"{path}: the plan body does not have the documented structure ({type(e).__name__}: {e}). "
                           + advice(path)) from None
     if not canonical:

@@ -4,7 +4,7 @@ Canonicalisation. The recorder already folds pure view chains into one `View(Sou
 writes, merge exact duplicates, and sort writes into a canonical order. Writes into a parameter whose destinations
 overlap (last write wins in the real loader) keep their recording order instead: they go to the rank's `ordered` list.
 Computed writes that only repeat elements of a checkpoint view (`repeat_interleave` chains: block-FP8 scale grids that
-vLLM refines) become the pure-view writes they equal (plan/simplify.py), so they template like every other view.
+vLLM refines) become the pure-view writes they equal (plan/compile/simplify.py), so they template like every other view.
 
 Templating. A Kimi-K2 rank has ~70k writes, but they are a few dozen *shapes* repeated over layers, experts and ranks.
 Every write is flattened into a skeleton (its structure, with each integer replaced by a hole, and each digit group of
@@ -18,50 +18,19 @@ stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank inst
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
+
 import numpy as np
 
 from shardplan.plan import ir
+from shardplan.plan.body import Group, PlanBody, SourceTable, _write_sort_key, split_metas
+from shardplan.plan.compile.simplify import compile_writes
 from shardplan.plan.names import layer_of
 from shardplan.plan.rowkeys import distinct_rows
-from shardplan.plan.simplify import compile_writes
-from shardplan.plan.template import (Filler, build_trie, flatten_write, trie_from_rows, trie_node, iter_trie, pure_view_form, pure_view_writes,
-                                     split_name, trie_child, trie_count, unflatten_write)
+from shardplan.plan.template import build_trie, flatten_write, iter_trie, trie_from_rows, trie_node
 
 
 # ---- affine fitting ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Group:
-    skeleton: tuple
-    coeffs: np.ndarray   # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
-    index: tuple         # trie over var tuples (rank first)
-    num_vars: int
-
-    def instances(self, rank: int | None = None) -> np.ndarray:
-        if rank is None:
-            tuples = list(iter_trie(self.index))
-        else:
-            child = trie_child(self.index, rank)
-            if child is None:
-                return np.zeros((0, self.num_vars), dtype=np.int64)
-            tuples = [(rank,) + t for t in iter_trie(child if child != () else None)]
-        return np.asarray(tuples, dtype=np.int64).reshape(len(tuples), self.num_vars)
-
-    def holes(self, rank: int | None = None) -> np.ndarray:
-        var_rows = self.instances(rank)
-        return self.coeffs[:, :1].T + var_rows @ self.coeffs[:, 1:].T
-
-    def writes(self, rank: int | None = None) -> list[ir.Write]:
-        holes = self.holes(rank)
-        if len(holes) == 0:
-            return []
-        layout = pure_view_form(self.skeleton)
-        if layout is not None:
-            return pure_view_writes(layout, holes)
-        return [unflatten_write(self.skeleton, row) for row in holes.tolist()]
-
-
 def _fit(var_rows: np.ndarray, hole_rows: np.ndarray) -> tuple[np.ndarray | None, int]:
     """Exact integer affine fit of every hole column; returns (coeffs, -1) or (None, index of a failing hole)."""
     n, k = var_rows.shape
@@ -111,92 +80,6 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
     out.append(Group(skeleton, coeffs, trie_from_rows(var_rows), var_rows.shape[1]))   # rows are distinct here
 
 
-# ---- the checkpoint tensor table, templated like writes -----------------------------------------------------
-class SourceTable(Mapping):
-    """name -> TensorMeta for ~70k checkpoint tensors, stored as (name template, shape, dtype, index trie) rows.
-    Lookups go through the template; iterating materialises names (sorted) once, on demand."""
-
-    def __init__(self, templates: Sequence[tuple]):
-        self.templates = sorted((str(t), tuple(s), str(d), i) for t, s, d, i in templates)
-        self._by_text: dict[str, list] = {}
-        for text, shape, dtype, index in self.templates:
-            self._by_text.setdefault(text, []).append((shape, dtype, index))
-        self._names: list[str] | None = None
-
-    @classmethod
-    def from_metas(cls, metas: Iterable[ir.TensorMeta]) -> "SourceTable":
-        rows: dict[tuple, list] = {}
-        for m in metas:
-            ints: list[int] = []
-            text = split_name(m.name, ints)
-            rows.setdefault((text, tuple(m.shape), m.dtype), []).append(tuple(ints))
-        return cls([(t, s, d, build_trie(sorted(set(v)))) for (t, s, d), v in rows.items()])
-
-    def __getitem__(self, name: str) -> ir.TensorMeta:
-        ints: list[int] = []
-        text = split_name(name, ints)
-        for shape, dtype, index in self._by_text.get(text, ()):
-            if (index is None and not ints) or (index is not None and _trie_has(index, ints)):
-                return ir.TensorMeta(name, shape, dtype)
-        raise KeyError(name)
-
-    def _materialise(self) -> list[str]:
-        if self._names is None:
-            names = []
-            for text, _, _, index in self.templates:
-                if index is None:
-                    names.append(Filler(()).name(text))
-                else:
-                    names.extend(Filler(t).name(text) for t in iter_trie(index))
-            self._names = sorted(names)
-        return self._names
-
-    def __iter__(self):
-        return iter(self._materialise())
-
-    def __len__(self) -> int:
-        return sum(trie_count(index) for _, _, _, index in self.templates)
-
-
-def _trie_has(node, values: Sequence[int]) -> bool:
-    for v in values:
-        node = trie_child(node, v)
-        if node is None:
-            return False
-        node = node if node != () else None
-    return node is None
-
-
-# ---- the plan body --------------------------------------------------------------------------------------
-@dataclass
-class PlanBody:
-    """Everything a plan file holds after its header: decoded but still templated."""
-    ranks: tuple[int, ...]
-    sources: "SourceTable"
-    params: dict[str, ir.TensorMeta]        # union over ranks: one meta per name, the one most ranks have
-    rank_params: dict[int, tuple[str, ...]]
-    groups: list[Group]
-    ordered: dict[int, list[ir.Write]]      # per rank, recording order (overlapping destinations)
-    fallbacks: dict[int, list[ir.Fallback]]
-    not_needed: dict[int, tuple[str, ...]]
-    # ranks whose param of that name has another shape than `params` says: uneven expert parallelism (384 experts
-    # over 256 EP ranks: ranks 0-127 stack 2 local experts in w13_weight, ranks 128-255 one)
-    rank_metas: dict[int, dict[str, ir.TensorMeta]] = field(default_factory=dict)
-
-    def meta(self, rank: int, name: str) -> ir.TensorMeta:
-        """Param `name` as rank `rank` declares it."""
-        override = self.rank_metas.get(rank)
-        return override[name] if override and name in override else self.params[name]
-
-    def num_writes(self, rank: int | None = None) -> int:
-        if rank is None:
-            total = sum(trie_count(g.index) for g in self.groups)
-        else:
-            total = sum(trie_count(child) for g in self.groups if (child := trie_child(g.index, rank)) is not None)
-        ranks = self.ranks if rank is None else (rank,)
-        return total + sum(len(self.ordered.get(r, ())) for r in ranks)
-
-
 def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]) -> PlanBody:
     by_skeleton: dict[tuple, tuple[list, list]] = {}
     ordered: dict[int, list[ir.Write]] = {}
@@ -229,7 +112,7 @@ def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[i
                    sources: Sequence[ir.TensorMeta] | SourceTable,
                    rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
     """The templating half of compile_plans: `by_skeleton[(skeleton, num_name_vars)] = (var rows, hole rows)`, the
-    var rows being [rank, layer, name ints...]. Row order does not matter. plan/extend.py feeds it rows it extended
+    var rows being [rank, layer, name ints...]. Row order does not matter. plan/compile/extend.py feeds it rows it extended
     to unrecorded ranks, so both paths template through this one function."""
     groups: list[Group] = []
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
@@ -243,7 +126,7 @@ def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], pa
                      rank_params: dict[int, tuple[str, ...]], fallbacks: dict[int, list[ir.Fallback]],
                      not_needed: dict[int, tuple[str, ...]], sources: Sequence[ir.TensorMeta] | SourceTable,
                      rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
-    """The PlanBody of templated groups (body_from_rows' groups, or plan/rankblocks.py's from rank classes)."""
+    """The PlanBody of templated groups (body_from_rows' groups, or plan/compile/rankblocks.py's from rank classes)."""
     return PlanBody(
         ranks=tuple(sorted(rank_params)),
         sources=sources if isinstance(sources, SourceTable) else SourceTable.from_metas(sources),
@@ -255,54 +138,6 @@ def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], pa
         not_needed=not_needed,
         rank_metas=rank_metas or {},
     )
-
-
-def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[str, ir.TensorMeta],
-                                                                      dict[int, dict[str, ir.TensorMeta]]]:
-    """(one meta per param name: the one most ranks declare, the smallest on a tie; per rank, the metas that differ
-    from it). Canonical: independent of rank order, so recording and decoding agree."""
-    shared: dict[int, tuple[object, int]] = {}   # ranks of a layout mostly share one list object: count it once
-    for metas in by_rank.values():
-        seen = shared.get(id(metas))
-        shared[id(metas)] = (metas, 1 + (seen[1] if seen else 0))
-    counts: dict[str, dict[ir.TensorMeta, int]] = {}
-    for metas, num_ranks in shared.values():
-        for m in metas:
-            variants = counts.setdefault(m.name, {})
-            variants[m] = variants.get(m, 0) + num_ranks
-    params = {n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype))
-              for n, v in counts.items()}
-    rank_metas: dict[int, dict[str, ir.TensorMeta]] = {}
-    if any(len(v) > 1 for v in counts.values()):
-        differing: dict[int, dict[str, ir.TensorMeta]] = {}
-        for rank, metas in by_rank.items():
-            if id(metas) not in differing:
-                differing[id(metas)] = {m.name: m for m in metas if m != params[m.name]}
-            if differing[id(metas)]:
-                rank_metas[rank] = differing[id(metas)]
-    return params, rank_metas
-
-
-def _write_sort_key(w: ir.Write):
-    # free writes never share a destination box (identical boxes overlap and go to `ordered`): this key is total
-    return (w.param, w.dst.offset, w.dst.sizes, w.dst.strides)
-
-
-def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
-    """The rank's plan: templated writes in canonical order, then its ordered (overlapping) writes.
-    `check(group, holes)` is called per group before its writes are built (planfile's vectorised bounds check)."""
-    if rank not in body.rank_params:
-        raise KeyError(rank)
-    writes: list[ir.Write] = []
-    for g in body.groups:
-        if check is not None:
-            check(g, g.holes(rank))
-        writes.extend(g.writes(rank))
-    writes.sort(key=_write_sort_key)
-    writes.extend(body.ordered.get(rank, ()))
-    return ir.RankPlan(rank=rank, params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
-                       writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
-                       not_needed=tuple(body.not_needed.get(rank, ())))
 
 
 def canonical(plan: ir.RankPlan) -> ir.RankPlan:
