@@ -10,7 +10,7 @@ import pytest
 
 from shardplan.models import ConfigError
 from shardplan.plan.layout import Layout
-from shardplan.plan.planfile import decode
+from shardplan.plan.file.format import decode
 from shardplan.record.remote import RemoteCodeError
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
