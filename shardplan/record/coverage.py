@@ -86,6 +86,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 poison(real)
                 pristine = _copy_or_build(real, session, layout, rank)
             except Exception as exc:
+                if "Config' object has no attribute" in str(exc):   # vLLM reads a field our tiny config lacks
+                    return dict(row, status="FAIL", reason=f"the tiny config lacks a field vLLM reads (add the public "
+                                                           f"config's field set to publicfields.py): {_short(exc)}")
                 result = {"error": f"vLLM's own build fails on rank {rank}", "detail": _short(exc)}
                 break
             # vLLM's loader refusing the checkpoint we derived (a name it does not know, a shape it does not
