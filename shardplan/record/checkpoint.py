@@ -32,7 +32,7 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.models import ConfigError, ModelSpec, _cache_root, _read_json_object, config_sha256
-from shardplan.record import configs
+from shardplan.record import configs, remote
 from shardplan.record.configs import hf_view
 
 __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", "read_safetensors_header"]
@@ -105,6 +105,28 @@ def model_class(architecture: str, hf_config):
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
 
+def transformers_config(hf_config, architecture: str):
+    """`hf_config` as transformers' own config class: that of the transformers class named `architecture`, else
+    the one for its model_type. vLLM reads some models with its own classes (DeepseekV4Config, KimiLinearConfig,
+    InklingModelConfig), and transformers' model classes are built from transformers' classes only. Unchanged
+    where transformers has no class of its own."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if type(hf_config).__module__.startswith("transformers."):
+        return hf_config
+    own = getattr(getattr(transformers, architecture, None), "config_class", None)
+    if not isinstance(own, type):
+        own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
+    if not isinstance(own, type) or isinstance(hf_config, own):
+        return hf_config
+    fields = {k: v for k, v in hf_config.to_dict().items() if k != "model_type"}
+    try:
+        return own.from_dict(fields)
+    except Exception:  # a field vLLM's class leaves None where transformers' wants its own default
+        return own.from_dict({k: v for k, v in fields.items() if v is not None})
+
+
 def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """save_pretrained's state_dict steps on a meta-device model (built in bfloat16): name -> (shape, fixed dtype),
     the fixed dtype being the tensor's own where it is not bfloat16 (float32 kept by transformers, integer tables)."""
@@ -112,7 +134,10 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        cls = model_class(architecture, hf_config)
+        cls = remote.model_class(hf_config)   # the trusted directory's code (--trust-remote-code), else transformers'
+        if cls is None:
+            hf_config = transformers_config(hf_config, architecture)
+            cls = model_class(architecture, hf_config)
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
@@ -128,7 +153,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     state = remove_tied_weights_from_state_dict(state, model)
     reverted = _revert(model, state)
     before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
-    if before != after:
+    if before != after and getattr(hf_config, "model_type", "") not in _DISK_NAME_FIXUPS:
         raise NamesError(
             f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
             f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
@@ -137,12 +162,33 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             for name, t in reverted.items()}
 
 
+# On-disk names transformers' revert does not give back, by model_type: name -> new name, or None to drop it.
+def _kimi_linear_disk_name(name: str, config) -> str | None:
+    # the load-time renaming `block_sparse_moe.` -> `mlp.` also catches the dense first layer, whose tensors the
+    # released checkpoint stores as `mlp.{gate,up,down}_proj` (moonshotai/Kimi-Linear-48B-A3B-Instruct)
+    return re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2.", name)
+
+
+def _longcat_flash_disk_name(name: str, config) -> str | None:
+    # transformers allocates gate_up rows for the zero (identity) experts too; no checkpoint stores those
+    match = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
+
+
+_DISK_NAME_FIXUPS = {"kimi_linear": _kimi_linear_disk_name, "longcat_flash": _longcat_flash_disk_name}
+
+
 def _revert(model, state: dict) -> dict:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
-    return revert_weight_conversion(model, state)
+    reverted = revert_weight_conversion(model, state)
+    fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))
+    if fixup is None:
+        return reverted
+    renamed = ((fixup(name, model.config), t) for name, t in reverted.items())
+    return {name: t for name, t in renamed if name is not None}
 
 
 def layer_filter(num_layers: int, num_mtp: int = 0):
@@ -201,7 +247,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
     try:
         header = json.loads(header_bytes)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
     tensors = {}
     for name, info in header.items():
@@ -325,13 +371,14 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
 def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
                         sha: str) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
     """From the on-disk names cache when it holds this exact list, else built (and stored there)."""
-    path = _names_cache_path(spec, include_mtp, sha)
-    cached = _read_names_cache(path) if path is not None else None
+    key = _names_cache_key(spec, include_mtp, sha)
+    path = _names_cache_path(key) if key is not None else None
+    cached = _read_names_cache(path, key) if path is not None else None
     if cached is not None:
         return cached
     result = on_disk_tensors(hf_view(spec), include_mtp)
     if path is not None:
-        _write_names_cache(path, result)
+        _write_names_cache(path, key, result)
     return result
 
 
@@ -340,13 +387,14 @@ def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
 # transformers' weight-conversion revert and a natural sort, paid by every `shardplan record`), so the result is kept
 # in $XDG_CACHE_HOME/shardplan/names/ as JSON (never pickle: a cache file is data). The key is everything the list
 # depends on: the config (after overrides), include_mtp, the transformers and torch versions, and the source of this
-# module and record/configs.py (a change to how names are derived invalidates every entry). An unreadable or
-# malformed entry is rebuilt and rewritten; a cache that cannot be written costs only the rebuild.
-# SHARDPLAN_NAMES_CACHE=0 turns it off.
-_NAMES_CACHE_FORMAT = 1
+# module and record/configs.py (a change to how names are derived invalidates every entry). Each entry is sealed: it
+# holds its full key and a sha256 over the key and its canonical content, so an edited, truncated, swapped or stale
+# entry is rebuilt and rewritten (a dropped name would otherwise drop a param from every plan recorded after); a
+# cache that cannot be written costs only the rebuild. SHARDPLAN_NAMES_CACHE=0 turns it off.
+_NAMES_CACHE_FORMAT = 2
 
 
-def _names_cache_path(spec: ModelSpec, include_mtp: bool, sha: str) -> Path | None:
+def _names_cache_key(spec: ModelSpec, include_mtp: bool, sha: str) -> str | None:
     if os.environ.get("SHARDPLAN_NAMES_CACHE", "1") == "0":
         return None
     import transformers
@@ -357,16 +405,30 @@ def _names_cache_path(spec: ModelSpec, include_mtp: bool, sha: str) -> Path | No
         h.update(repr(part).encode() + b"\0")
     for module_file in (__file__, configs.__file__):
         h.update(Path(module_file).read_bytes())
-    return _cache_root() / "names" / f"{h.hexdigest()[:32]}.json"
+    return h.hexdigest()
 
 
-def _read_names_cache(path: Path) -> tuple[MetaTensor, ...] | None:
-    """The cached list, or None when absent or not exactly the shape this module writes (then it is rebuilt)."""
+def _names_cache_path(key: str) -> Path:
+    return _cache_root() / "names" / f"{key[:32]}.json"
+
+
+def _names_seal(key: str, rows: list) -> str:
+    """sha256 over the entry's key and its rows in one canonical JSON spelling."""
+    text = json.dumps(rows, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(key.encode() + b"\0" + text.encode()).hexdigest()
+
+
+def _read_names_cache(path: Path, key: str) -> tuple[MetaTensor, ...] | None:
+    """The cached list, or None when absent, malformed, of another key, or not matching its seal (then rebuilt)."""
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if not (isinstance(raw, dict) and raw.keys() == {"format", "key", "sha256", "tensors"}
+                and raw["format"] == _NAMES_CACHE_FORMAT and raw["key"] == key
+                and raw["sha256"] == _names_seal(key, raw["tensors"])):
+            return None
+    except (OSError, ValueError, TypeError, RecursionError):
         return None
-    rows = raw.get("tensors") if isinstance(raw, dict) and raw.get("format") == _NAMES_CACHE_FORMAT else None
+    rows = raw["tensors"]
     if not isinstance(rows, list) or not rows:
         return None
     out = []
@@ -379,13 +441,15 @@ def _read_names_cache(path: Path) -> tuple[MetaTensor, ...] | None:
     return tuple(out)
 
 
-def _write_names_cache(path: Path, tensors: tuple[MetaTensor, ...]) -> None:
+def _write_names_cache(path: Path, key: str, tensors: tuple[MetaTensor, ...]) -> None:
     tmp = None
+    rows = [[n, list(s), d] for n, s, d in tensors]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": _NAMES_CACHE_FORMAT, "tensors": [[n, list(s), d] for n, s, d in tensors]}, f)
+            json.dump({"format": _NAMES_CACHE_FORMAT, "key": key, "sha256": _names_seal(key, rows),
+                       "tensors": rows}, f)
         os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the whole new one
     except OSError:   # read-only or full cache directory: the list was built anyway
         if tmp is not None and os.path.exists(tmp):

@@ -2,6 +2,7 @@
 storages, and the geometry helpers that turn a region into few large copies. torch and the plan package only."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -31,6 +32,27 @@ class PackBufferError(ReplayError):
 
 
 # ---- geometry helpers -----------------------------------------------------------------------------------------
+def device_bytes(device: torch.device) -> int:
+    """Memory of the device replay allocates on: a CUDA device's total, else the host's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):   # no sysconf: no bound beyond the plan's own
+        return 1 << 62
+
+
+def check_fits(role: str, nbytes: int, device: torch.device) -> None:
+    """PackBufferError, before allocating, when `nbytes` exceed the device's memory (a plan that declares a
+    2^48-element param would otherwise end in a bare "can't allocate")."""
+    if device.type == "meta":   # stand-ins: nothing is allocated
+        return
+    have = device_bytes(device)
+    if nbytes > have:
+        raise PackBufferError(f"{role} needs {nbytes} bytes on {device}, which has {have}: the plan declares more "
+                              f"than this device holds (a corrupt or hostile plan, or the wrong device)")
+
+
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
@@ -103,6 +125,39 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+# CUDA builds of torch compare many tensors' data pointers in one C++ loop (made for CUDA-graph trees' static inputs);
+# a Python data_ptr() call per tensor cost up to 70% of a pack of a thousand small sources (docs/benchmarks.md)
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def ptrs_unchanged(tensors: list[torch.Tensor], ptrs: list[int], index: list[int]) -> bool:
+    """Every tensor still has the data pointer it had at bind time (`ptrs`; `index`: range(len(tensors)))."""
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, ptrs, index)
+    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+
+
+# ---- devices ---------------------------------------------------------------------------------------------------
+def resolve_device(device: torch.device | str | None) -> torch.device | None:
+    """The device `device` names, with its index filled in as torch allocates on it: "cuda" (or torch.device("cuda"))
+    is the current CUDA device, so it compares equal to the `cuda:N` a tensor reports. None stays None."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)   # torch.cuda, torch.xpu, ...: the backend's current device
+        if module is not None and hasattr(module, "current_device") and module.is_available():
+            return torch.device(device.type, module.current_device())
+    return device
+
+
+def describe_device(device: torch.device | str) -> str:
+    """How an error names an expected device: its resolution, and what was given when that differs."""
+    given = torch.device(device)
+    resolved = resolve_device(given)
+    return str(resolved) if resolved == given else f"{resolved} (the current device, given as {str(given)!r})"
+
+
 # ---- validation of given tensors ------------------------------------------------------------------------------
 def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.device | None) -> None:
     """Named error naming the tensor and what the plan expected, for a missing, mis-shaped, mistyped, strided or
@@ -120,8 +175,9 @@ def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.dev
     if not t.is_contiguous():
         raise TensorLayoutError(f"{role} {name!r} is not contiguous (strides {list(t.stride())}): plan regions "
                                 f"address a contiguous {want} tensor; pass t.contiguous()")
-    if device is not None and t.device != device:
-        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {device}")
+    if device is not None and t.device != resolve_device(device):
+        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {describe_device(device)}: move it "
+                                f"there or give the device it is on")
 
 
 def capture_graph(ops: Sequence[Callable[[], object]], device: torch.device) -> "torch.cuda.CUDAGraph":
