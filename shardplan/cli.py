@@ -17,7 +17,7 @@ from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
-from shardplan.record.sglang.args import add_sglang_arguments, sglang_options
+from shardplan.record.sglang.args import EngineArgsError, add_sglang_arguments, sglang_options
 from shardplan.record.sglang.session import SglangRecordSession
 from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
 from shardplan.record.verify import random_checkpoint, verify_rank
@@ -38,6 +38,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
                    help="whose loaders to record: vLLM's (default) or SGLang's (docs/sglang.md)")
     add_sglang_arguments(p)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the config and model code in --model's local directory (its auto_map), as vLLM's "
+                        "--trust-remote-code does; never fetched from the hub. Recorded in the plan header")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +96,11 @@ def _layout(args):
 def _session(args, layout, **kwargs):
     options = sglang_options(args)
     if options is None:
-        return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, **kwargs)
+        return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override,
+                             trust_remote_code=args.trust_remote_code, **kwargs)
+    if args.trust_remote_code:
+        raise EngineArgsError("--trust-remote-code is not supported with --engine sglang: shardplan builds SGLang's "
+                              "models without remote code (docs/sglang.md)")
     return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
                                **kwargs)
 
@@ -214,7 +221,10 @@ def cmd_verify(args) -> int:
         for name in verdict.mismatched:
             print(f"      mismatch: {name}")
         for name in verdict.unwritten:
-            print(f"      not written by the real loader either (left NaN): {name}")
+            nan, numel = verdict.undefined.get(name, (0, 0))
+            part = f"{nan} of {numel} elements" if nan < numel else "every element"
+            print(f"      not written by the real loader either (left NaN): {name}: {part}; no checkpoint tensor "
+                  f"defines them, so vLLM leaves them uninitialised and the plan does not write them")
     engine = "SGLang" if args.engine == "sglang" else "vLLM"
     print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to {engine}'s load_weights")
     return 1 if failures else 0

@@ -41,6 +41,7 @@ class SglangRecordSession(RecordSession):
                                     "--ep-num-redundant-experts (an SGLang recording option)")
         self.options = options or SglangOptions(ep_size=layout.tp if layout.ep else 1)
         self._model, self._overrides, self.eplb_redundant, self.eplb = model, list(overrides), None, None
+        self.trust_remote_code = False   # SGLang's models are built without remote code
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         view = hf_view(self.spec)
