@@ -17,7 +17,7 @@ from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
 from shardplan.record import coverage
 from shardplan.record.session import RecordSession
-from shardplan.record.sglang.args import EngineArgsError, add_sglang_arguments, sglang_options
+from shardplan.record.sglang.args import add_sglang_arguments, sglang_options
 from shardplan.record.sglang.session import SglangRecordSession
 from shardplan.record.sglang.verify import verify_rank as verify_sglang_rank
 from shardplan.record.verify import random_checkpoint, verify_rank
@@ -98,9 +98,6 @@ def _session(args, layout, **kwargs):
     if options is None:
         return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override,
                              trust_remote_code=args.trust_remote_code, **kwargs)
-    if args.trust_remote_code:
-        raise EngineArgsError("--trust-remote-code is not supported with --engine sglang: shardplan builds SGLang's "
-                              "models without remote code (docs/sglang.md)")
     return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
                                **kwargs)
 

@@ -37,6 +37,9 @@ def sglang_options(args):
             raise EngineArgsError(f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
                                   f"(vLLM's layouts are --tp/--pp/--dp/--ep)")
         return None
+    if getattr(args, "trust_remote_code", False):
+        raise EngineArgsError("--trust-remote-code is not supported with --engine sglang: shardplan builds SGLang's "
+                              "models without remote code (docs/sglang.md)")
     d = SglangOptions()
     if args.dp > 1 and not args.enable_dp_attention:
         raise EngineArgsError("--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
