@@ -17,12 +17,9 @@ from shardplan.plan.template import (
     Filler,
     build_trie,
     iter_trie,
-    pure_view_form,
-    pure_view_writes,
     split_name,
     trie_child,
     trie_count,
-    unflatten_write,
 )
 
 
@@ -48,14 +45,6 @@ class Group:
         var_rows = self.instances(rank)
         return self.coeffs[:, :1].T + var_rows @ self.coeffs[:, 1:].T
 
-    def writes(self, rank: int | None = None) -> list[ir.Write]:
-        holes = self.holes(rank)
-        if len(holes) == 0:
-            return []
-        layout = pure_view_form(self.skeleton)
-        if layout is not None:
-            return pure_view_writes(layout, holes)
-        return [unflatten_write(self.skeleton, row) for row in holes.tolist()]
 
 
 
@@ -170,24 +159,3 @@ def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[st
                 rank_metas[rank] = differing[id(metas)]
     return params, rank_metas
 
-
-def _write_sort_key(w: ir.Write):
-    # free writes never share a destination box (identical boxes overlap and go to `ordered`): this key is total
-    return (w.param, w.dst.offset, w.dst.sizes, w.dst.strides)
-
-
-def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
-    """The rank's plan: templated writes in canonical order, then its ordered (overlapping) writes.
-    `check(group, holes)` is called per group before its writes are built (the plan file's vectorised bounds check)."""
-    if rank not in body.rank_params:
-        raise KeyError(rank)
-    writes: list[ir.Write] = []
-    for g in body.groups:
-        if check is not None:
-            check(g, g.holes(rank))
-        writes.extend(g.writes(rank))
-    writes.sort(key=_write_sort_key)
-    writes.extend(body.ordered.get(rank, ()))
-    return ir.RankPlan(rank=rank, params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
-                       writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
-                       not_needed=tuple(body.not_needed.get(rank, ())))

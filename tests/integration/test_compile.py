@@ -5,14 +5,15 @@ import functools
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from reference import canonical, instantiate
 
 from shardplan.plan import ir
-from shardplan.plan.body import instantiate
-from shardplan.plan.compile.compiler import canonical, compile_plans
-from shardplan.plan.template import build_trie, iter_trie
-from shardplan.plan.layout import Layout
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.file.format import PlanFile, decode, encode
+from shardplan.plan.layout import Layout
+from shardplan.plan.template import build_trie, iter_trie
 
 
 # ---- pure templating, synthetic plans (no vLLM) -------------------------------------------------------------

@@ -9,18 +9,19 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from reference import rank_objects, reference_layout
 
 from shardplan.plan import ir
-from shardplan.plan.columns import LazyWrites, NameSourceIds, WriteColumns, columns_of, table_ids
 from shardplan.plan.body import SourceTable
+from shardplan.plan.columns import LazyWrites, NameSourceIds, WriteColumns, columns_of, table_ids
 from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.file.format import PlanBoundsError, PlanFile, PlanFileError, decode, encode
 from shardplan.plan.interp import PlanError
 from shardplan.plan.layout import Layout
-from shardplan.plan.file.format import PlanBoundsError, PlanFile, PlanFileError, decode, encode
 from shardplan.runtime.apply import Applier, LayoutMismatchError
 from shardplan.runtime.pack import PackLayout, SegmentTable
-from shardplan.runtime.packref import reference_layout
 from shardplan.runtime.replay import Replayer
 from tests.unit.test_replay import worlds
 
@@ -48,7 +49,7 @@ def test_shipped_plans_columnar_equals_objects(path):
     big = any(b in path for b in BIG)
     sample = [ranks[-1]] if big else sorted({ranks[0], ranks[-1]})
     for rank in sample:
-        plan, objects = plan_file.rank(rank), plan_file.rank_objects(rank)
+        plan, objects = plan_file.rank(rank), rank_objects(plan_file, rank)
         assert isinstance(plan.writes, LazyWrites) and len(plan.writes) == len(objects.writes)
         assert plan.params == objects.params and plan.fallbacks == objects.fallbacks
         assert plan.writes == objects.writes and plan.writes[-1] == objects.writes[-1]
@@ -64,7 +65,7 @@ def test_shipped_plans_columnar_equals_objects(path):
         assert len(applier._items) == sum(1 for s in layout.segments for r in s.refs if s.nbytes)
     if len(ranks) > 1 and not big:
         pair = [plan_file.rank(r) for r in ranks[:2]]
-        _assert_same_layout(PackLayout.from_plans(pair), [plan_file.rank_objects(r) for r in ranks[:2]])
+        _assert_same_layout(PackLayout.from_plans(pair), [rank_objects(plan_file, r) for r in ranks[:2]])
 
 
 def _plan_file(plans, sources) -> PlanFile:
@@ -95,7 +96,7 @@ def _check_random_plans(plans, sources, alignment, max_group_bytes):
     objects = []
     for p in plans:
         try:
-            objects.append(plan_file.rank_objects(p.rank))
+            objects.append(rank_objects(plan_file, p.rank))
         except PlanBoundsError as e:   # refused by the object path: the columnar one refuses it too
             with pytest.raises(type(e)):
                 plan_file.rank(p.rank)
@@ -112,7 +113,7 @@ def _check_random_plans(plans, sources, alignment, max_group_bytes):
 
 def test_lazy_writes_behave_like_a_tuple():
     plan_file = PlanFile.read(os.path.join(ROOT, "plans", "llama-3.1-8b--tp2--bfloat16.plan"))
-    plan, objects = plan_file.rank(1), plan_file.rank_objects(1)
+    plan, objects = plan_file.rank(1), rank_objects(plan_file, 1)
     writes = plan.writes
     assert len(writes) == len(objects.writes) and writes._all is None   # nothing built yet
     assert writes[0] == objects.writes[0] and writes[-1] == objects.writes[-1] and writes._all is None
@@ -228,4 +229,4 @@ def test_writes_after_one_geometry_property_was_gathered(prop):
     plan = plan_file.rank(1)
     assert isinstance(plan.writes, LazyWrites)
     getattr(plan.writes.columns, prop)
-    assert tuple(plan.writes) == tuple(plan_file.rank_objects(1).writes)
+    assert tuple(plan.writes) == tuple(rank_objects(plan_file, 1).writes)

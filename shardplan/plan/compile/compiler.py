@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.body import Group, PlanBody, SourceTable, _write_sort_key, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
 from shardplan.plan.compile.simplify import compile_writes
 from shardplan.plan.names import layer_of
 from shardplan.plan.rowkeys import distinct_rows
@@ -138,15 +138,6 @@ def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], pa
         not_needed=not_needed,
         rank_metas=rank_metas or {},
     )
-
-
-def canonical(plan: ir.RankPlan) -> ir.RankPlan:
-    """What instantiate() returns for a directly recorded plan: the reference for equality tests."""
-    free, kept = compile_writes(plan.writes)
-    free = sorted(set(free), key=_write_sort_key)
-    kept = sorted(kept, key=lambda w: w.param)
-    return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
-                       writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
 
 
 # ---- sampled recording: extend a few recorded layers to every layer of their class ---------------------------

@@ -8,7 +8,7 @@ when asked). Templates of a few writes on the rank (qwen3-next: 111 of its 133 h
 numpy pass per hole layout, not per template. Param names are formatted once per distinct param, checkpoint tensors
 are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked
 on the columns; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
-(file/bounds.py: check_bounds), as before. The result equals `body.instantiate` write for write
+(file/bounds.py: check_bounds), as before. The result equals tests/reference.py's `instantiate` write for write
 (tests/unit/test_columns.py).
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
 
 
 def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.ndarray | None = None) -> np.ndarray:
-    """compile.instantiate's order of the free writes (the first `num_free` rows): (param name, dst offset, dst
+    """The canonical order of the free writes (the first `num_free` rows): (param name, dst offset, dst
     sizes, dst strides), stable: ties keep template order (`positions`: each row's place in it, where the rows are
     not in that order). Regions compare as tuples: a shorter tuple first on a tie, which -1 padding reproduces
     (sizes >= 1 and strides >= 0 are checked)."""
@@ -298,7 +298,7 @@ def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.
 
 
 def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, path: str) -> None:
-    """bounds.check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
+    """tests/reference.py's check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
     once per class (distinct geometry), offsets and extents per write."""
     _, t_sizes, t_strides = block[f"{side}_table"]
     klass = block[f"{side}_class"]
