@@ -8,6 +8,7 @@ oracle is `shardplan.plan.interp.apply_reference`, what a write means).
 - `reference_layout(plans)`: the pack layout object by object, what `PackLayout.from_plans` (runtime/packcols.py)
   must equal segment for segment.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,13 +16,13 @@ from typing import Sequence
 
 import numpy as np
 
+from shardplan.errors import PlanError
 from shardplan.plan import ir
 from shardplan.plan.body import Group, PlanBody
 from shardplan.plan.compile.simplify import compile_writes
 from shardplan.plan.file.bounds import _lookup, _overlapping, check_bounds
 from shardplan.plan.file.errors import PlanBoundsError, advice
 from shardplan.plan.file.format import PlanFile
-from shardplan.plan.interp import PlanError
 from shardplan.plan.names import group_of, group_order
 from shardplan.plan.overlap import overlapping_writes
 from shardplan.plan.template import pure_view_form, unflatten_write
@@ -48,9 +49,13 @@ def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
         writes.extend(group_writes(g, rank))
     writes.sort(key=write_sort_key)
     writes.extend(body.ordered.get(rank, ()))
-    return ir.RankPlan(rank=rank, params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
-                       writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
-                       not_needed=tuple(body.not_needed.get(rank, ())))
+    return ir.RankPlan(
+        rank=rank,
+        params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
+        writes=tuple(writes),
+        fallbacks=tuple(body.fallbacks.get(rank, ())),
+        not_needed=tuple(body.not_needed.get(rank, ())),
+    )
 
 
 def group_writes(group: Group, rank: int | None = None) -> list[ir.Write]:
@@ -82,7 +87,7 @@ def pure_view_writes(layout, holes: np.ndarray) -> list[ir.Write]:
         dkey = tuple(row[d0:d1])
         dst = cache.get(dkey)
         if dst is None:
-            dst = cache[dkey] = Region(row[d0], dkey[1:1 + nd], dkey[1 + nd:])
+            dst = cache[dkey] = Region(row[d0], dkey[1 : 1 + nd], dkey[1 + nd :])
         skey = ("s",) + tuple(row[d1:s0])
         source = cache.get(skey)
         if source is None:
@@ -90,7 +95,7 @@ def pure_view_writes(layout, holes: np.ndarray) -> list[ir.Write]:
         rkey = ("r",) + tuple(row[s0:s1])
         src = cache.get(rkey)
         if src is None:
-            src = cache[rkey] = Region(row[s0], rkey[2:2 + ns], rkey[2 + ns:])
+            src = cache[rkey] = Region(row[s0], rkey[2 : 2 + ns], rkey[2 + ns :])
         out.append(Write(pname, dst, View(source, src)))
     return out
 
@@ -100,8 +105,13 @@ def canonical(plan: ir.RankPlan) -> ir.RankPlan:
     free, kept = compile_writes(plan.writes)
     free = sorted(set(free), key=write_sort_key)
     kept = sorted(kept, key=lambda w: w.param)
-    return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
-                       writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
+    return ir.RankPlan(
+        rank=plan.rank,
+        params=tuple(sorted(plan.params, key=lambda p: p.name)),
+        writes=tuple(free + kept),
+        fallbacks=tuple(plan.fallbacks),
+        not_needed=tuple(plan.not_needed),
+    )
 
 
 def rank_objects(plan_file: PlanFile, rank: int) -> ir.RankPlan:
@@ -112,6 +122,7 @@ def rank_objects(plan_file: PlanFile, rank: int) -> ir.RankPlan:
 
     def check(group, holes):
         check_group_bounds(group, holes, plan_file.body, rank_params, rank, plan_file.path)
+
     plan = instantiate(plan_file.body, rank, check)
     # writes of non-view templates and ordered writes were not covered by the vectorised check
     num_free = len(plan.writes) - len(plan_file.body.ordered.get(rank, ()))
@@ -134,14 +145,15 @@ def check_group_bounds(group, holes, body: PlanBody, rank_params: set, rank: int
             name = text.format(*row)
             meta = lookup(name)
             if meta is None:
-                raise PlanBoundsError(f"{path}: rank {rank}: {what} {name} is not declared for this rank. "
-                                      + advice(path))
+                raise PlanBoundsError(
+                    f"{path}: rank {rank}: {what} {name} is not declared for this rank. " + advice(path)
+                )
             numels.append(meta.numel)
         numel = np.asarray(numels, dtype=np.float64)[inverse.reshape(-1)]
         # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
         offset = holes[:, first].astype(np.float64)
-        sizes = holes[:, first + 1:first + 1 + ndim].astype(np.float64)
-        strides = holes[:, first + 1 + ndim:first + 1 + 2 * ndim].astype(np.float64)
+        sizes = holes[:, first + 1 : first + 1 + ndim].astype(np.float64)
+        strides = holes[:, first + 1 + ndim : first + 1 + 2 * ndim].astype(np.float64)
         negative = (offset < 0) | (sizes < 0).any(axis=1) | (strides < 0).any(axis=1)
         empty = (sizes == 0).any(axis=1)
         hi = offset + ((sizes - 1) * strides).sum(axis=1) + 1
@@ -151,16 +163,19 @@ def check_group_bounds(group, holes, body: PlanBody, rank_params: set, rank: int
         if bad.any():
             i = int(np.nonzero(bad)[0][0])
             name = text.format(*holes[i, name_cols].tolist())
-            raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(holes[i, first])}, sizes "
-                                  f"{sizes[i].astype(np.int64).tolist()}, strides "
-                                  f"{strides[i].astype(np.int64).tolist()}) is negative, "
-                                  f"{'empty, self-overlapping, ' if dst else ''}or lies outside {what} {name} "
-                                  f"({int(numel[i])} elements). " + advice(path))
-    check(kp, nd, slice(0, kp), ptext, lambda n: body.meta(rank, n) if n in rank_params else None, "destination",
-          True)
+            raise PlanBoundsError(
+                f"{path}: rank {rank}: box (offset {int(holes[i, first])}, sizes "
+                f"{sizes[i].astype(np.int64).tolist()}, strides "
+                f"{strides[i].astype(np.int64).tolist()}) is negative, "
+                f"{'empty, self-overlapping, ' if dst else ''}or lies outside {what} {name} "
+                f"({int(numel[i])} elements). " + advice(path)
+            )
+
+    check(kp, nd, slice(0, kp), ptext, lambda n: body.meta(rank, n) if n in rank_params else None, "destination", True)
     first_src = kp + 1 + 2 * nd
-    check(first_src + ks, ns, slice(first_src, first_src + ks), stext, lambda n: _lookup(body.sources, n),
-          "source", False)
+    check(
+        first_src + ks, ns, slice(first_src, first_src + ks), stext, lambda n: _lookup(body.sources, n), "source", False
+    )
 
 
 # ---- the pack layout, write by write ---------------------------------------------------------------------
@@ -175,11 +190,24 @@ def _layout_sort_key(w: ir.Write, dtype: str, rank_pos: int, index: int) -> tupl
         kind = 0
     else:
         geometry, tail, kind = ((), ()), ("", 0), 1
-    return (group_order(group), rank_pos, kind, dtype, geometry, w.param, w.dst.sizes, w.dst.strides,
-            w.dst.offset, tail, index)
+    return (
+        group_order(group),
+        rank_pos,
+        kind,
+        dtype,
+        geometry,
+        w.param,
+        w.dst.sizes,
+        w.dst.strides,
+        w.dst.offset,
+        tail,
+        index,
+    )
 
-def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
-                  keep_whole: set[str]) -> tuple[list[list], list[Segment]]:
+
+def _split_groups(
+    groups: list[list], segments: list[Segment], max_bytes: int, keep_whole: set[str]
+) -> tuple[list[list], list[Segment]]:
     """Cut each [name, start, stop, first, last] group larger than max_bytes into parts at segment boundaries, except
     the groups in `keep_whole` (whose writes overlap: parts are applied one after the other, while overlapping writes
     must land in plan order, which only a whole group's apply keeps)."""
@@ -201,12 +229,12 @@ def _split_groups(groups: list[list], segments: list[Segment], max_bytes: int,
                 parts.append([f"{name}/{len(parts)}", seg.offset, seg.offset, i, i, index])
             parts[-1][2], parts[-1][4] = seg.offset + seg.nbytes, i + 1
         parts = [p[:5] for p in parts]
-        if len(parts) == 1:   # only alignment padding was over the limit: nothing to split
+        if len(parts) == 1:  # only alignment padding was over the limit: nothing to split
             out.append([name, start, stop, first, last])
             continue
-        parts[-1][2] = stop   # the group's trailing alignment padding stays with its last part
+        parts[-1][2] = stop  # the group's trailing alignment padding stays with its last part
         for j in range(len(parts) - 1):
-            parts[j][2] = parts[j + 1][1]   # each part runs up to the next (padding included)
+            parts[j][2] = parts[j + 1][1]  # each part runs up to the next (padding included)
         for part in parts:
             for i in range(part[3], part[4]):
                 s = segments[i]
@@ -229,12 +257,14 @@ def _overlapping_groups(writes: list[tuple[ir.Write, tuple]]) -> set[str]:
         np.asarray([w.dst.offset for w, _ in writes], dtype=np.int64),
         np.asarray([w.dst.sizes + (1,) * (width - len(w.dst.sizes)) for w, _ in writes], dtype=np.int64),
         np.asarray([w.dst.strides + (0,) * (width - len(w.dst.strides)) for w, _ in writes], dtype=np.int64),
-        np.asarray([tuple(shape) + (1,) * (depth - len(shape)) for _, shape in writes], dtype=np.int64))
+        np.asarray([tuple(shape) + (1,) * (depth - len(shape)) for _, shape in writes], dtype=np.int64),
+    )
     return {group_of(w.param) for (w, _), m in zip(writes, may.tolist()) if m}
 
 
-def reference_layout(plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
-                     max_group_bytes: int | None = None) -> tuple[int, tuple[Segment, ...], list[list]]:
+def reference_layout(
+    plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256, max_group_bytes: int | None = None
+) -> tuple[int, tuple[Segment, ...], list[list]]:
     """(nbytes, segments, [group, start, stop, first, last] per group), object by object."""
     plans = as_plans(plans)
     if alignment <= 0 or alignment % 16:
@@ -245,10 +275,10 @@ def reference_layout(plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int 
         dtypes = {p.name: p.dtype for p in plan.params}
         for index, w in enumerate(plan.writes):
             if w.param not in dtypes:
-                raise PlanError(f"rank {plan.rank}: write {index} targets {w.param!r}, which is not among the "
-                                f"plan's params")
-            keyed.append((_layout_sort_key(w, dtypes[w.param], rank_pos, index), plan.rank, index, w,
-                          dtypes[w.param]))
+                raise PlanError(
+                    f"rank {plan.rank}: write {index} targets {w.param!r}, which is not among the plan's params"
+                )
+            keyed.append((_layout_sort_key(w, dtypes[w.param], rank_pos, index), plan.rank, index, w, dtypes[w.param]))
     keyed.sort(key=lambda item: item[0])
     # dedup: identical bytes = same source view, same destination dtype and shape, same group
     slots: dict[tuple, list] = {}

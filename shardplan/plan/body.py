@@ -5,6 +5,7 @@ templated `Group`s of writes, the templated checkpoint `SourceTable`, and `insta
 The compiler (plan/compile/) makes a body from recordings, the plan file (plan/file/) encodes, decodes and checks one,
 and instantiates a rank as columns (plan/file/rank.py) equal to `instantiate` write for write.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ from shardplan.plan.template import (
 @dataclass(frozen=True)
 class Group:
     skeleton: tuple
-    coeffs: np.ndarray   # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
-    index: tuple         # trie over var tuples (rank first)
+    coeffs: np.ndarray  # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
+    index: tuple  # trie over var tuples (rank first)
     num_vars: int
 
     def instances(self, rank: int | None = None) -> np.ndarray:
@@ -44,8 +45,6 @@ class Group:
     def holes(self, rank: int | None = None) -> np.ndarray:
         var_rows = self.instances(rank)
         return self.coeffs[:, :1].T + var_rows @ self.coeffs[:, 1:].T
-
-
 
 
 # ---- the checkpoint tensor table, templated like writes -----------------------------------------------------
@@ -108,12 +107,13 @@ def _trie_has(node, values: Sequence[int]) -> bool:
 @dataclass
 class PlanBody:
     """Everything a plan file holds after its header: decoded but still templated."""
+
     ranks: tuple[int, ...]
     sources: "SourceTable"
-    params: dict[str, ir.TensorMeta]        # union over ranks: one meta per name, the one most ranks have
+    params: dict[str, ir.TensorMeta]  # union over ranks: one meta per name, the one most ranks have
     rank_params: dict[int, tuple[str, ...]]
     groups: list[Group]
-    ordered: dict[int, list[ir.Write]]      # per rank, recording order (overlapping destinations)
+    ordered: dict[int, list[ir.Write]]  # per rank, recording order (overlapping destinations)
     fallbacks: dict[int, list[ir.Fallback]]
     not_needed: dict[int, tuple[str, ...]]
     # ranks whose param of that name has another shape than `params` says: uneven expert parallelism (384 experts
@@ -134,11 +134,12 @@ class PlanBody:
         return total + sum(len(self.ordered.get(r, ())) for r in ranks)
 
 
-def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[str, ir.TensorMeta],
-                                                                      dict[int, dict[str, ir.TensorMeta]]]:
+def split_metas(
+    by_rank: Mapping[int, Iterable[ir.TensorMeta]],
+) -> tuple[dict[str, ir.TensorMeta], dict[int, dict[str, ir.TensorMeta]]]:
     """(one meta per param name: the one most ranks declare, the smallest on a tie; per rank, the metas that differ
     from it). Canonical: independent of rank order, so recording and decoding agree."""
-    shared: dict[int, tuple[object, int]] = {}   # ranks of a layout mostly share one list object: count it once
+    shared: dict[int, tuple[object, int]] = {}  # ranks of a layout mostly share one list object: count it once
     for metas in by_rank.values():
         seen = shared.get(id(metas))
         shared[id(metas)] = (metas, 1 + (seen[1] if seen else 0))
@@ -147,8 +148,9 @@ def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[st
         for m in metas:
             variants = counts.setdefault(m.name, {})
             variants[m] = variants.get(m, 0) + num_ranks
-    params = {n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype))
-              for n, v in counts.items()}
+    params = {
+        n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype)) for n, v in counts.items()
+    }
     rank_metas: dict[int, dict[str, ir.TensorMeta]] = {}
     if any(len(v) > 1 for v in counts.values()):
         differing: dict[int, dict[str, ir.TensorMeta]] = {}
@@ -158,4 +160,3 @@ def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[st
             if differing[id(metas)]:
                 rank_metas[rank] = differing[id(metas)]
     return params, rank_metas
-

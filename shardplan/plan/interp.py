@@ -10,25 +10,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import DisallowedOpError, MissingTensorError, PlanError
 from shardplan.plan import ir
-
-
-# ---- errors -------------------------------------------------------------------------------------------------
-class ReplayError(ShardplanError):
-    """Base class for errors raised while replaying or packing a plan."""
-
-
-class DisallowedOpError(ReplayError):
-    """A plan names an op outside `ir.ALLOWED_OPS` (plans name ops, never carry code)."""
-
-
-class PlanError(ReplayError):
-    """The plan itself is inconsistent (unknown source, out-of-bounds region, unbroadcastable write)."""
-
-
-class MissingTensorError(ReplayError):
-    """A tensor the plan reads (trainer side) or writes (consumer side) was not given."""
 
 
 # ---- reference interpreter ------------------------------------------------------------------------------------

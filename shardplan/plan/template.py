@@ -2,7 +2,7 @@
 
 A skeleton is a write's structure with each integer replaced by a hole and each digit group of a dotted name replaced
 by `{}`; it is hashable and msgpack-able, so writes of the same shape (one per layer, expert, rank) share it and
-differ only in their integers. The compiler (`plan/compile/compiler.py`) fits those integers as affine functions of the rank,
+differ only in their integers. The compiler (`plan/compile/`) fits those integers as affine functions of the rank,
 the layer and the name indices; the index sets of a template are compressed tries of ranges.
 """
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
     from shardplan.engine.trainer import ModuleSource
-    from shardplan.plan.interp import MissingTensorError
+    from shardplan.errors import MissingTensorError
     from safetensors.torch import load_file
 
     tensors = load_file(str(world.model / "model.safetensors"))

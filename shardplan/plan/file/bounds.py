@@ -3,10 +3,22 @@ twice and inside a param of that rank; every region non-negative; every checkpoi
 (docs/plan-format.md, "Box rules"). Pure-view templates are checked vectorised, over all their writes at once."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.file.errors import PlanBoundsError, advice
+
+
+def check_extents(lo, hi, empty, numel, message: Callable[[int], str]) -> None:
+    """The box rule every bounds check ends in: a non-empty box's element extent [lo, hi) lies inside [0, numel) of
+    its tensor (arrays, one entry per box). Raises PlanBoundsError with `message(i)` for the first box i that does
+    not: at load (`_inside` here) and at replay (runtime/replay.py's sources, runtime/apply.py's params) alike."""
+    lo, hi, numel = np.asarray(lo), np.asarray(hi), np.asarray(numel)
+    bad = ~np.asarray(empty, dtype=bool) & ((lo < 0) | (hi > numel))
+    if bad.any():
+        raise PlanBoundsError(message(int(np.nonzero(bad)[0][0])))
 
 
 def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
@@ -69,9 +81,11 @@ def _non_negative(region: ir.Region, rank, path) -> None:
 
 def _inside(region: ir.Region, meta: ir.TensorMeta, what: str, rank: int, path: str) -> None:
     lo, hi = region.extent()
-    if lo < 0 or hi > meta.numel or len(region.sizes) != len(region.strides):
-        raise PlanBoundsError(f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
-                              f"({meta.numel} elements). " + advice(path))
+    message = (f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
+               f"({meta.numel} elements). " + advice(path))
+    if len(region.sizes) != len(region.strides):
+        raise PlanBoundsError(message)
+    check_extents([lo], [hi], [False], [meta.numel], lambda _: message)
 
 
 def _overlapping(sizes, strides) -> np.ndarray:
