@@ -5,7 +5,7 @@ export GLOO_SOCKET_IFNAME := lo
 export UCX_NET_DEVICES := lo
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: setup demo test test-fast test-unit lint plans bench-record bench-compile
+.PHONY: setup demo test test-fast test-unit test-gpu lint plans bench-record bench-compile
 
 setup:
 	@bash scripts/setup.sh
@@ -33,6 +33,15 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The GPU tier (tests/gpu: replay, apply, the fused FP8 kernel, devices, shipped plans on CUDA). Runs on a CUDA
+# machine with the python that has torch there (no .venv, no vLLM: GPU_PY=python3 by default); CI has no GPU, so its
+# log goes to bench/results/test-gpu-<commit>.log, to be committed (COMMIT= names the commit where git is absent).
+GPU_PY ?= python3
+COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+test-gpu: SHELL := /bin/bash
+test-gpu:
+	set -o pipefail; $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee bench/results/test-gpu-$(COMMIT).log
 
 # Regenerate every plan shipped in plans/.
 plans: setup

@@ -1,30 +1,20 @@
-"""The quantizing pack on the GPU: a Kimi-K2 TP16+EP layer's rank boxes (default 12 experts of [4096, 7168] bf16,
-stacked as the trainer holds them) block-quantized to fp8 e4m3 + float32 scales (128 x 128 blocks) in ONE pass,
-written into one packed uint8 buffer, next to the same-run device copy bandwidth.
+"""The quantizing pack a trainer runs, on the GPU: `QuantizingReplayer.pack` of one decoder layer of a shipped block-FP8
+plan (one consumer rank), next to a same-run device copy of the same bytes.
 
-Both figures count bytes read + bytes written: the copy moves 2 x 2N bytes (bf16 in, bf16 out); the quantizer reads 2N
-and writes N + 4N/16384. Bar (issue 18): the quantizer's bandwidth >= 85% of the copy's.
+Bytes, as for the copy, read + written: every block the quantizer must read (the rank's boxes of the trainer's bf16
+weights, widened to whole blocks) + the fp8 bytes and float32 scales written + the other segments (bf16 norms, router:
+read and written). The copy moves N bytes in and N out with 2N = those bytes. Variants: "fused" (the runtime's Triton
+kernel, runtime/fp8kernel.py, in a CUDA graph with the rest of the pack: what bind() does on CUDA), "fused-nograph",
+"eager" (fused=False: the reference quantizer box by box, then the ordinary replay). The fused buffer is checked equal
+to the eager one (the GPU tier, tests/gpu, checks both against the CPU reference) before timing. Also: the
+QuantizingReplayer's build time for the layer and for the whole rank (CPU work).
 
-Variants: "eager" (runtime.quantize.quantize_blocks, several kernels), "compiled" (the same math under torch.compile,
-writing into the buffer views), "triton" (one fused kernel, one program per block; only when triton imports).
-Every variant is first checked bitwise against the CPU reference quantizer (`shardplan.runtime.quantize.
-quantize_blocks`, = vLLM's per_block_cast_to_fp8) on experts 0 and E-1, with NaN-poisoned outputs. Timing: CUDA events,
-warm-up, median of --repeat runs, inputs rotated between two sets so L2 cannot hold them.
-
-    python bench/quant_bench.py [--experts 12 --rows 4096 --cols 7168 --repeat 20]   (writes bench/results/ or $OUT)
-
-Measured 2026-12-01 on one H200 (torch 2.11.0+cu130, triton 3.6.0), bench/results/quant_bench-20261201-060752.json:
-copy 0.339 ms = 4152 GB/s; triton 0.293 ms = 3602 GB/s = 87% of copy (an earlier run: 89%), bitwise equal to the CPU
-reference; eager torch 4.5 ms = 6%. The first run (quant_bench-20261201-060511.json) found eager torch on CUDA NOT
-bitwise equal to the CPU reference: CUDA computes `tensor / 448.0` as a multiply by the reciprocal (1 ulp off in ~45%
-of blocks), hence runtime.quantize.exact_div. "compiled" does not compile (inductor: input mutation of views with a
-different dtype, the uint8 buffer views).
+    python bench/quant_bench.py [--iters 20] [--json FILE]   (CUDA events, warm-up, medians of interleaved rounds)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,138 +23,122 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shardplan.runtime.quantize import AMAX_FLOOR, E4M3_MAX, exact_div, quantize_blocks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_cases import PlanLayer, _plan_file  # noqa: E402
 
-BLOCK = 128
+from shardplan.runtime import fp8kernel  # noqa: E402
+from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
 
-
-def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-    """x [E, R, C] (R, C multiples of 128) -> q_out fp8 [E, R, C], s_out f32 [E, R/128, C/128]; the reference math."""
-    e, r, c = x.shape
-    blocks = x.view(e, r // BLOCK, BLOCK, c // BLOCK, BLOCK)
-    amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(AMAX_FLOOR)
-    scale = exact_div(amax, E4M3_MAX)
-    q_out.copy_((blocks * (1.0 / scale)).to(torch.float8_e4m3fn).view(e, r, c))
-    s_out.copy_(scale.view(e, r // BLOCK, c // BLOCK))
+CASES = [("plans/kimi-k2-fp8--tp16-ep--bfloat16.plan", 0, 3), ("plans/kimi-k2-fp8--tp8-ep--bfloat16.plan", 0, 3),
+         ("plans/qwen3-30b-a3b-fp8--tp4--bfloat16.plan", 1, 3)]
 
 
-def triton_quantizer():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # optional: the bench still runs eager and compiled
-        return None, f"{type(exc).__name__}: {exc}"
-
-    @triton.jit
-    def _kernel(x_ptr, q_ptr, s_ptr, R, C, NBR, NBC, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        pid = tl.program_id(0)
-        per_expert = NBR * NBC
-        e = pid // per_expert
-        rem = pid % per_expert
-        br = rem // NBC
-        bc = rem % NBC
-        rows = br * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = bc * BLOCK_C + tl.arange(0, BLOCK_C)
-        offs = e.to(tl.int64) * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
-        x = tl.load(x_ptr + offs).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
-        scale = tl.math.div_rn(amax, 448.0)           # IEEE division, as torch's
-        inv = tl.math.div_rn(1.0, scale)
-        tl.store(q_ptr + offs, (x * inv).to(tl.float8e4nv))
-        tl.store(s_ptr + pid, scale)
-
-    def run(x, q_out, s_out):
-        e, r, c = x.shape
-        grid = (e * (r // BLOCK) * (c // BLOCK),)
-        _kernel[grid](x, q_out, s_out, r, c, r // BLOCK, c // BLOCK, BLOCK_R=BLOCK, BLOCK_C=BLOCK, num_warps=8)
-    return run, ""
+def trainer_tensors(replayer: QuantizingReplayer, sources, device) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name in sorted(replayer.sources_read()):
+        meta = sources[name]
+        t = torch.randn(meta.shape, generator=gen, device=device)
+        if t.dim() == 2:   # per-128-row magnitudes: distinct scales per block
+            t *= torch.rand((-(-t.shape[0] // 128), 1), generator=gen, device=device).repeat_interleave(128, 0)[
+                :t.shape[0]] * 8
+        out[name] = t.to(torch.bfloat16 if meta.dtype == "float8_e4m3fn" else getattr(torch, meta.dtype))
+    return out
 
 
-def median_ms(fn, inputs, repeat: int) -> float:
-    for i in range(3):
-        fn(inputs[i % len(inputs)])
+def traffic(replayer: QuantizingReplayer, tensors) -> int:
+    """Bytes any implementation moves: quantized boxes read, every segment written, unquantized segments read."""
+    total = 0
+    for weight in replayer.quantized:
+        (r0, r1), (c0, c1) = replayer.boxes[weight]
+        total += (r1 - r0) * (c1 - c0) * tensors[weight].element_size()
+    table = replayer.layout.segments
+    by_rank = {p.rank: p for p in replayer.plans}
+    for i in range(len(table)):
+        ref = int(table.ref_start[i])
+        w = by_rank[int(table.ref_rank[ref])].writes[int(table.ref_index[ref])]
+        quantized = any(n.removesuffix(SCALE_SUFFIX) in replayer.boxes for n in _names(w))
+        total += int(table.nbytes[i]) * (1 if quantized else 2)
+    return total
+
+
+def _names(w):
+    from shardplan.plan import ir
+    return ir.sources(w.src.leaf)
+
+
+def medians(fns: dict, iters: int) -> dict[str, float]:
+    """Median ms of each fn over interleaved rounds (CUDA events; a round runs each once)."""
+    for fn in fns.values():
+        fn()
     torch.cuda.synchronize()
-    times = []
-    for i in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(inputs[i % len(inputs)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    times = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--experts", type=int, default=12)
-    ap.add_argument("--rows", type=int, default=4096)
-    ap.add_argument("--cols", type=int, default=7168)
-    ap.add_argument("--repeat", type=int, default=20)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--eager-iters", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--warps", type=int, default=None, help="the kernel's num_warps (default fp8kernel.NUM_WARPS)")
     args = ap.parse_args()
+    if args.warps:
+        fp8kernel.NUM_WARPS = args.warps
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev = torch.device("cuda")
-    e, r, c = args.experts, args.rows, args.cols
-    n = e * r * c
-    nscale = e * (r // BLOCK) * (c // BLOCK)
-    # two input sets (rotated) of varied magnitude per block: never zeros
-    inputs = [(torch.randn(e, r, c, device=dev) * torch.rand(e, r // BLOCK, 1, c // BLOCK, 1, device=dev)
-               .expand(e, r // BLOCK, BLOCK, c // BLOCK, BLOCK).reshape(e, r, c) * 4).bfloat16() for _ in range(2)]
-    # the packed buffer: fp8 bytes then the scales (16-byte aligned), as one rank's group
-    scale_off = (n + 15) // 16 * 16
-    buffer = torch.empty(scale_off + nscale * 4, dtype=torch.uint8, device=dev)
-    q_out = buffer[:n].view(torch.float8_e4m3fn).view(e, r, c)
-    s_out = buffer[scale_off:].view(torch.float32).view(e, r // BLOCK, c // BLOCK)
-    copy_dst = torch.empty_like(inputs[0])
-
-    variants = {"eager": quantize_into, "compiled": torch.compile(quantize_into, fullgraph=True, dynamic=False)}
-    tri, tri_error = triton_quantizer()
-    if tri is not None:
-        variants["triton"] = tri
-
-    # correctness: bitwise vs the CPU reference on the first and last expert, outputs poisoned first
-    checks = {}
-    for name, fn in list(variants.items()):
-        buffer.fill_(0xFF)   # 0xFF: fp8 NaN, and a NaN float32 pattern
-        try:
-            fn(inputs[1], q_out, s_out)
-            torch.cuda.synchronize()
-            ok = True
-            for k in (0, e - 1):
-                ref_q, ref_s = quantize_blocks(inputs[1][k].cpu(), (BLOCK, BLOCK))
-                ok &= torch.equal(q_out[k].cpu().view(torch.uint8), ref_q.view(torch.uint8))
-                ok &= torch.equal(s_out[k].cpu().view(torch.int32), ref_s.contiguous().view(torch.int32))
-            checks[name] = "bitwise ok" if ok else "MISMATCH"
-        except Exception as exc:
-            checks[name] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-        if checks[name] != "bitwise ok":
-            variants.pop(name)
-
-    copy_bytes = 2 * 2 * n
-    quant_bytes = 2 * n + n + 4 * nscale
-    results = {"shape": [e, r, c], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "checks": checks, "triton_error": tri_error, "repeat": args.repeat}
-    copy_ms = median_ms(lambda x: copy_dst.copy_(x), inputs, args.repeat)
-    copy_ms_again = median_ms(lambda x: copy_dst.copy_(x), inputs, args.repeat)
-    results["copy"] = {"ms": copy_ms, "ms_again": copy_ms_again, "GBps": copy_bytes / copy_ms / 1e6}
-    for name, fn in variants.items():
-        ms = median_ms(lambda x, fn=fn: fn(x, q_out, s_out), inputs, args.repeat)
-        ms_again = median_ms(lambda x, fn=fn: fn(x, q_out, s_out), inputs, args.repeat)
-        gbps = quant_bytes / ms / 1e6
-        results[name] = {"ms": ms, "ms_again": ms_again, "GBps": gbps, "of_copy": gbps / results["copy"]["GBps"]}
-
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out_dir / f"quant_bench-{stamp}.json").write_text(json.dumps(results, indent=2))
-    print(f"{results['device']}  torch {torch.__version__}  {e} x [{r}, {c}] bf16 -> fp8 e4m3 + f32 scales "
-          f"(128x128), bytes read+written")
-    print(f"checks vs CPU reference: {checks}" + (f"  (triton: {tri_error})" if tri_error else ""))
-    print(f"{'variant':10} {'ms':>8} {'again':>8} {'GB/s':>8} {'of copy':>8}")
-    print(f"{'copy':10} {copy_ms:8.3f} {copy_ms_again:8.3f} {results['copy']['GBps']:8.0f} {'100%':>8}")
-    for name in variants:
-        v = results[name]
-        print(f"{name:10} {v['ms']:8.3f} {v['ms_again']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.0%}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; QuantizingReplayer.pack of one layer vs a "
+          f"same-run copy_ of the same bytes (read + written), medians of {args.iters} interleaved rounds; "
+          f"kernel num_warps {fp8kernel.NUM_WARPS}")
+    print("| case | GB moved | copy ms | fused ms (% copy) | fused, no graph ms (% copy) | eager ms (% copy) | "
+          "launches | build layer / rank ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for path, rank, layer in CASES:
+        plan_file = _plan_file(path)
+        case = PlanLayer(path, rank, layer)
+        t0 = time.perf_counter()
+        replayer = QuantizingReplayer(case.plan(), case.sources, quantizer=plan_file.header.quantizer)
+        build_layer = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        QuantizingReplayer(plan_file.rank(rank), plan_file.sources, quantizer=plan_file.header.quantizer)
+        build_rank = (time.perf_counter() - t0) * 1e3
+        tensors = trainer_tensors(replayer, case.sources, dev)
+        fused = replayer.bind(tensors)
+        assert fused.kernel is not None, fused.fused_error
+        nograph = replayer.bind(tensors, cuda_graph=False)
+        eager = replayer.bind(tensors, fused=False)
+        if not torch.equal(fused.pack(), eager.pack()) or not torch.equal(nograph.pack(), eager.out):
+            raise SystemExit(f"MISMATCH: {case.label}: the fused kernel's buffer differs from the eager quantizer's")
+        moved = traffic(replayer, tensors)
+        src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
+        dst = torch.empty_like(src)
+        ms = medians({"copy": lambda d=dst, s=src: d.copy_(s), "fused": fused.pack, "nograph": nograph.pack,
+                      "kernel": fused.kernel.launch}, args.iters)
+        ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
+        row = dict(case=case.label, gb=moved / 1e9, build_layer_ms=build_layer, build_rank_ms=build_rank,
+                   launches=fused.num_launches, programs=fused.kernel.num_programs,
+                   **{f"{k}_ms": v for k, v in ms.items()},
+                   **{f"{k}_pct": 100 * ms["copy"] / v for k, v in ms.items() if k != "copy"})
+        rows.append(row)
+        print(f"| {case.label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
+              f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
+              f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |", flush=True)
+        print(f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
+              f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches")
+        del fused, nograph, eager, tensors, src, dst
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                   argv=sys.argv, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Blocks never straddle two ranks: vLLM refuses block-FP8 layouts whose TP partiti
 box starts on a block boundary and ends on one or at the tensor's edge; a box that does not is a
 `BlockAlignmentError`. Each pack re-quantizes the bound tensors' boxes into staging tensors shaped as those boxes,
 then runs an ordinary `Replayer` over the plans with their source regions rebased into the boxes: a rank never
-quantizes (or needs) another rank's rows.
+quantizes (or needs) another rank's rows. On CUDA the fused kernel (runtime/fp8kernel.py) quantizes the fp8 segments'
+blocks straight into the buffer instead, bitwise the same; this eager path stays for CPU and as its reference.
 
 torch and shardplan's plan/runtime packages only: loads on a trainer without vLLM.
 """
@@ -29,9 +30,18 @@ import torch
 from shardplan.plan import ir
 from shardplan.errors import MissingTensorError, ReplayError
 from shardplan.plan.names import SCALE_SUFFIX
+from shardplan.runtime import fp8kernel
 from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
-from shardplan.runtime.tensors import TensorLayoutError, TensorShapeError
+from shardplan.runtime.tensors import (
+    StaleBindingError,
+    TensorLayoutError,
+    TensorShapeError,
+    capture_graph,
+    describe_device,
+    ptrs_unchanged,
+    resolve_device,
+)
 
 REFERENCE = "fp8-e4m3-block-amax448-v1"   # the name plan files give the reference quantizer
 QUANTIZERS = (REFERENCE,)
@@ -221,7 +231,16 @@ class QuantizingReplayer:
         _, self.block = parse_quantizer(quantizer)
         self.quantizer = quantizer
         self.plans = as_plans(plans)
-        self.sources = dict(sources)
+        # only the tensors the plans read (and their weights or scales): a plan file's table names every tensor of
+        # the model (~70k for Kimi-K2), and spelling it out cost most of a rank's build
+        self._reads("")
+        read = set(self._readers)
+        self.sources = {n: sources[n] for n in sorted(read)}
+        for name, meta in list(self.sources.items()):   # a weight read without its scale, or a scale without it
+            other = (name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else
+                     name + SCALE_SUFFIX if meta.dtype == "float8_e4m3fn" else None)
+            if other is not None and other not in self.sources and other in sources:
+                self.sources[other] = sources[other]
         self.weights = sorted(n for n, m in self.sources.items()
                               if m.dtype == "float8_e4m3fn" and n + SCALE_SUFFIX in self.sources)
         self.boxes = {name: self._box(name) for name in self.weights}
@@ -336,9 +355,17 @@ class QuantizingReplayer:
         read = self.inner.sources_read()
         self.quantized = tuple(w for w in self.boxes if w in read or w + SCALE_SUFFIX in read)
 
+    def fused_plan(self) -> fp8kernel.FusedQuantPlan:
+        """Which segments the fused CUDA kernel packs, and its programs (plan-only: built once, at the first CUDA
+        bind)."""
+        if self.__dict__.get("_fused_plan") is None:
+            self._fused_plan = fp8kernel.FusedQuantPlan.build(self.inner, self.boxes, self.block, self.quantized,
+                                                                {w: w + SCALE_SUFFIX for w in self.boxes})
+        return self._fused_plan
+
     def _derived(self, inner: Replayer) -> "QuantizingReplayer":
         sub = object.__new__(QuantizingReplayer)
-        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_groups", "_readers")})
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_groups", "_readers", "_fused_plan")})
         sub.inner, sub._groups = inner, {}
         sub._finish()
         return sub
@@ -375,13 +402,18 @@ class QuantizingReplayer:
 
 
 class QuantizingBoundReplay:
-    """Staging boxes (fp8 + float32 scales) per quantized tensor, re-quantized on every `pack()` before the ordinary
-    bound replay packs them; nothing is written to `out` when a block is not finite."""
+    """Bound quantizing replay. On CUDA (with Triton) the fused kernel (runtime/fp8kernel.py) quantizes the fp8
+    segments' blocks straight into `out` in one launch per source dtype, and the ordinary replay packs the other
+    segments (scales from the kernel's staging vector); `fused` False (or no CUDA/Triton) takes the eager path: staging
+    boxes (fp8 + float32 scales) re-quantized by the reference quantizer on every `pack()`, then the ordinary replay.
+    A block holding inf or NaN raises NonFiniteBlockError naming it: on the eager path before any byte is written, on
+    the fused path after the launch (the buffer's bytes are then unspecified; pack() never returns it)."""
 
-    def __init__(self, replayer: QuantizingReplayer, tensors: Mapping[str, torch.Tensor], out, **options):
+    def __init__(self, replayer: QuantizingReplayer, tensors: Mapping[str, torch.Tensor], out, *,
+                 fused: bool | None = None, **options):
         self.replayer = replayer
         self.sources: dict[str, tuple[torch.Tensor, tuple]] = {}
-        device = None
+        given, device = replayer.inner.device, None
         for weight in replayer.quantized:
             box = replayer.boxes[weight]
             t = tensors.get(weight)
@@ -396,24 +428,79 @@ class QuantizingBoundReplay:
             if tuple(t.shape) != tuple(meta.shape):
                 raise TensorShapeError(f"trainer tensor {weight!r} has shape {list(t.shape)}, the plan expects "
                                        f"{list(meta.shape)}")
-            if device is not None and t.device != device:
-                raise TensorLayoutError(f"trainer tensor {weight!r} is on {t.device}, the others on {device}")
-            device = t.device
+            want = given if given is not None else device
+            if want is not None and t.device != resolve_device(want):
+                raise TensorLayoutError(f"trainer tensor {weight!r} is on {t.device}, expected "
+                                        f"{describe_device(want)}: move it there or give the device it is on")
+            device = device or t.device
             self.sources[weight] = (t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box)
-        device = device or replayer.inner.device or torch.device("cpu")
+        device = resolve_device(given) or device or torch.device("cpu")
+        self.device = device
+        # what the trainer bound (the sync's binding cache compares these with the tensors of the next sync)
+        self.tensors = {n: tensors[n] for n in replayer.sources_read() if n in tensors}
+        self.fused_error = None if fused is not False else "fused=False"
+        if self.fused_error is None:
+            self.fused_error = fp8kernel.available(device, replayer.block)
+        if self.fused_error is None:
+            bad = [w for w in replayer.fused_plan().weights if self.sources[w][0].stride(1) != 1]
+            if bad:
+                self.fused_error = f"trainer tensor {bad[0]!r} has column stride {self.sources[bad[0]][0].stride(1)}"
+        if fused and self.fused_error is not None:
+            raise QuantizeError(f"the fused FP8 kernel cannot run here: {self.fused_error}")
+        if self.fused_error is None:
+            self._bind_fused(tensors, out, options)
+        else:
+            self._bind_eager(tensors, out, options)
+
+    def _bind_eager(self, tensors, out, options) -> None:
+        replayer, device = self.replayer, self.device
         self.staged = {}
         for weight in replayer.quantized:
-            scale = weight + SCALE_SUFFIX
-            for name in (weight, scale):
+            for name in (weight, weight + SCALE_SUFFIX):
                 meta = replayer.inner.sources[name]
                 self.staged[name] = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
         others = {n: t for n, t in tensors.items() if n not in self.staged}
         self.inner: BoundReplay = replayer.inner.bind({**others, **self.staged}, out, **options)
         self.out = self.inner.out
-        # what the trainer bound (the sync's binding cache compares these with the tensors of the next sync)
-        self.tensors = {n: tensors[n] for n in replayer.sources_read() if n in tensors}
+        self.kernel = self._graph = None
+
+    def _bind_fused(self, tensors, out, options) -> None:
+        """Kernel for the fused weights' fp8 segments, eager staging for the weights it cannot serve (a computed or
+        non-box read of their fp8), the ordinary replay (a subset of the layout) for the rest."""
+        replayer, device = self.replayer, self.device
+        plan = replayer.fused_plan()
+        if out is None:
+            out = torch.zeros(replayer.layout.nbytes, dtype=torch.uint8, device=device)
+        self.sources = {w: self.sources[w] for w in plan.eager if w in self.sources}   # eager-quantized ones only
+        self.staged = {}
+        for weight in self.sources:
+            for name in (weight, weight + SCALE_SUFFIX):
+                meta = replayer.inner.sources[name]
+                self.staged[name] = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
+        self.scales = torch.empty(max(plan.scale_numel, 1), dtype=torch.float32, device=device)
+        self.staged.update({w + SCALE_SUFFIX: t for w, t in plan.staged_scales(self.scales).items()})
+        self.kernel = plan.binding(tensors, out, self.scales)
+        rest = replayer.inner.subset(plan.rest)
+        rest.device = device   # (a subset reading no trainer tensor must still bind to the buffer's device)
+        staged_names = set(self.staged) | set(plan.weights)
+        others = {n: t for n, t in tensors.items() if n not in staged_names}
+        cuda_graph = options.pop("cuda_graph", None)
+        self.inner = rest.bind({**others, **self.staged}, out, cuda_graph=False, **options)
+        self.out = self.inner.out
+        self._watched = list(self.kernel.tensors)
+        self._watched_ptrs = [t.data_ptr() for t in self._watched]
+        self._graph = None
+        if cuda_graph or (cuda_graph is None and device.type == "cuda"):
+            try:
+                self._graph = capture_graph([self.kernel.launch] + self.inner._ops, device)
+            except Exception as exc:  # auto mode: eager launches are correct, only slower
+                if cuda_graph:
+                    raise
+                self.inner.graph_error = f"{type(exc).__name__}: {exc}"
+            self.kernel.flag.zero_()   # (capture ran the kernel once on the bind-time values)
 
     def quantize(self) -> None:
+        """The eager path's staging (the weights the fused kernel does not serve, on the fused path)."""
         block = self.replayer.block
         with torch.no_grad():
             for weight, (view, box) in self.sources.items():
@@ -426,5 +513,37 @@ class QuantizingBoundReplay:
                 self.staged[weight + SCALE_SUFFIX].copy_(scale)
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
+        if self.kernel is None:
+            self.quantize()
+            return self.inner.pack(check=check)
+        if check:
+            self.inner.check()
+            if not ptrs_unchanged(self._watched, self._watched_ptrs, list(range(len(self._watched)))):
+                name = next(w for w, t, p in zip(self.kernel.plan.weights, self._watched, self._watched_ptrs)
+                            if t.data_ptr() != p)
+                raise StaleBindingError(f"{name!r} no longer has the storage it had at bind(): call bind() again "
+                                        f"after reallocating trainer tensors")
         self.quantize()
-        return self.inner.pack(check=check)
+        with torch.no_grad():
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                self.kernel.launch()
+                for op in self.inner._ops:
+                    op()
+            for op in self.inner._eager_ops:
+                op()
+        if self.kernel.nonfinite():   # (a host read: waits for the launch) name the first culprit
+            for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
+                box = self.replayer.boxes[weight]
+                check_finite(weight, t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box, self.replayer.block)
+            raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
+        return self.out
+
+    @property
+    def num_launches(self) -> int:
+        if self.kernel is None:
+            return self.inner.num_launches
+        if self._graph is not None:
+            return 1 + len(self.inner._eager_ops)
+        return len(self.kernel.launches) + len(self.inner._ops) + len(self.inner._eager_ops)

@@ -104,6 +104,39 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+# CUDA builds of torch compare many tensors' data pointers in one C++ loop (made for CUDA-graph trees' static inputs);
+# a Python data_ptr() call per tensor cost up to 70% of a pack of a thousand small sources (docs/benchmarks.md)
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def ptrs_unchanged(tensors: list[torch.Tensor], ptrs: list[int], index: list[int]) -> bool:
+    """Every tensor still has the data pointer it had at bind time (`ptrs`; `index`: range(len(tensors)))."""
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, ptrs, index)
+    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+
+
+# ---- devices ---------------------------------------------------------------------------------------------------
+def resolve_device(device: torch.device | str | None) -> torch.device | None:
+    """The device `device` names, with its index filled in as torch allocates on it: "cuda" (or torch.device("cuda"))
+    is the current CUDA device, so it compares equal to the `cuda:N` a tensor reports. None stays None."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)   # torch.cuda, torch.xpu, ...: the backend's current device
+        if module is not None and hasattr(module, "current_device") and module.is_available():
+            return torch.device(device.type, module.current_device())
+    return device
+
+
+def describe_device(device: torch.device | str) -> str:
+    """How an error names an expected device: its resolution, and what was given when that differs."""
+    given = torch.device(device)
+    resolved = resolve_device(given)
+    return str(resolved) if resolved == given else f"{resolved} (the current device, given as {str(given)!r})"
+
+
 # ---- validation of given tensors ------------------------------------------------------------------------------
 def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.device | None) -> None:
     """Named error naming the tensor and what the plan expected, for a missing, mis-shaped, mistyped, strided or
@@ -121,8 +154,9 @@ def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.dev
     if not t.is_contiguous():
         raise TensorLayoutError(f"{role} {name!r} is not contiguous (strides {list(t.stride())}): plan regions "
                                 f"address a contiguous {want} tensor; pass t.contiguous()")
-    if device is not None and t.device != device:
-        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {device}")
+    if device is not None and t.device != resolve_device(device):
+        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {describe_device(device)}: move it "
+                                f"there or give the device it is on")
 
 
 def capture_graph(ops: Sequence[Callable[[], object]], device: torch.device) -> "torch.cuda.CUDAGraph":

@@ -7,9 +7,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from shardplan.plan import ir
-from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
+from shardplan.runtime import fp8kernel
+from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizeError, QuantizerDTypeError,
                                         QuantizerMismatch, QuantizingReplayer, quantize_blocks, quantizer_id)
 from shardplan.runtime.replay import Replayer
+from shardplan.runtime.tensors import StaleBindingError
 
 W, S = "layer.proj.weight", "layer.proj.weight_scale_inv"
 SHAPE = (256, 384)
@@ -126,3 +128,69 @@ def test_non_finite_block_refused_before_any_byte(bad):
     with pytest.raises(NonFiniteBlockError, match=r"'layer.proj.weight' holds .* at \[200, 300\] \(block \[1, 2\]"):
         bound.pack()
     assert (bound.out == 0xAB).all()  # nothing packed
+
+
+# ---- the fused kernel's programs (runtime/fp8kernel.py), run by their torch reference on CPU --------------------
+def _fused_on_cpu(monkeypatch):
+    """The fused path with each launch replaced by the programs' torch reference (the kernel itself: tests/gpu)."""
+    monkeypatch.setattr(fp8kernel, "available", lambda device, block: None)
+    monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: self.plan.run_reference(
+        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), data=st.data())
+def test_fused_programs_pack_the_eager_bytes(seed, data):
+    """Row shards on and off block boundaries (a refined scale grid: Qwen3-30B-A3B-FP8 TP4's 192-row shards), one
+    rank or several in one buffer, a transposed read (left to the eager quantizer): the fused path's buffer == the
+    eager path's, bit for bit, and the kernel packs every box-shaped fp8 segment."""
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        _fused_on_cpu(monkeypatch)
+        cuts = data.draw(st.sampled_from([[0, 128, 256], [0, 64, 192, 256], [0, 256], [64, 192]]))
+        plans = [rows_plan(r, lo, hi) for r, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:]))]
+        plans = data.draw(st.sampled_from([plans, plans[:1], plans[-1:]]))
+        transposed = data.draw(st.booleans())
+        if transposed:   # rank 9 reads a [128, 128] block transposed: not a box, so the weight goes eager
+            t = ir.Write("t", ir.full_region((128, 128)), ir.View(ir.Source(W), ir.Region(0, (128, 128), (1, 384))))
+            ts = ir.Write("ts", ir.full_region((1, 1)), ir.View(ir.Source(S), ir.Region(0, (1, 1), (3, 1))))
+            plans = plans + [ir.RankPlan(9, (ir.TensorMeta("t", (128, 128), "float8_e4m3fn"),
+                                             ir.TensorMeta("ts", (1, 1), "float32")), (t, ts))]
+        if data.draw(st.booleans()):   # an upsampled scale read (stride 0), as vLLM's loader makes for refined grids
+            up = ir.Write("su", ir.full_region((2, 2, 3)), ir.View(ir.Source(S), ir.Region(0, (2, 2, 3), (3, 0, 1))))
+            plans = plans + [ir.RankPlan(7, (ir.TensorMeta("su", (2, 2, 3), "float32"),), (up,))]
+        replayer = QuantizingReplayer(plans, SOURCES, quantizer=QID)
+        tensors = trainer_tensors(seed, data.draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])))
+        eager = replayer.bind(tensors, fused=False).pack().clone()
+        bound = replayer.bind(tensors, torch.full((replayer.layout.nbytes,), 0xAB, dtype=torch.uint8))
+        plan = replayer.fused_plan()
+        assert bound.kernel is not None and bound.fused_error is None
+        assert plan.eager == ((W,) if transposed else ())
+        assert bool(plan.segments) != transposed
+        bound.out[:] = 0   # padding is never written
+        assert torch.equal(bound.pack(), eager)
+        tensors[W].mul_(-3)   # in-place update: the next pack re-quantizes
+        assert torch.equal(bound.pack(), replayer.bind(tensors, fused=False).pack())
+    finally:
+        monkeypatch.undo()
+
+
+def test_fused_path_names_a_non_finite_block_and_a_stale_tensor(monkeypatch):
+    _fused_on_cpu(monkeypatch)
+    monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: (self.plan.run_reference(
+        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks), self.flag.fill_(
+            int(not all(torch.isfinite(t).all() for t in self.tensors)))))
+    tensors = trainer_tensors(3)
+    bound = QuantizingReplayer(rows_plan(1, 128, 256), SOURCES, quantizer=QID).bind(tensors)
+    assert bound.kernel is not None
+    tensors[W][200, 300] = float("inf")
+    with pytest.raises(NonFiniteBlockError, match=r"'layer.proj.weight' holds inf at \[200, 300\] \(block \[1, 2\]"):
+        bound.pack()
+    tensors[W].data = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    with pytest.raises(StaleBindingError, match="layer.proj.weight"):
+        bound.pack()
+
+
+def test_fused_kernel_needs_cuda():
+    with pytest.raises(QuantizeError, match="fused FP8 kernel cannot run here: .*CUDA"):
+        QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=QID).bind(trainer_tensors(0), fused=True)

@@ -126,7 +126,8 @@ def _problems():
                 yield f"{where}:{_line(text, m.start())}: {name} does not resolve"
         for m in PATH.finditer(text):
             path = m.group(1).rstrip(".")
-            if any(e in path for e in EXAMPLES) or text.startswith(".{", m.end()):  # `x.{json,log}`: a set
+            tail = re.match(r"[^\s`'\"),]*", text[m.end() :]).group(0)  # `x.{json,log}`, `x-<commit>.log`
+            if any(e in path + tail for e in EXAMPLES):
                 continue
             if not ((ROOT / path).exists() or (PACKAGE / path).exists()):
                 yield f"{where}:{_line(text, m.start())}: path {path} does not exist"

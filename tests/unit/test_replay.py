@@ -370,3 +370,32 @@ def test_param_given_new_storage_is_noticed_at_the_next_apply():
     model.p.data = torch.full((3, 6), NAN)
     with pytest.raises(TensorShapeError, match="'p'"):
         applier.apply(buffer)
+
+
+def test_devices_compare_by_what_they_resolve_to(monkeypatch):
+    """"cuda" and torch.device("cuda") mean the current CUDA device (as a tensor there reports it, cuda:N) wherever a
+    device is checked; the error names the resolution and what was given. (CUDA stands in by its current-device
+    query here; tests/gpu checks real CUDA tensors.)"""
+    from shardplan.runtime.quantize import QuantizingReplayer
+    from shardplan.runtime.tensors import describe_device, resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None) is None
+    assert describe_device("cuda") == "cuda:1 (the current device, given as 'cuda')"
+    assert describe_device("cuda:0") == "cuda:0"
+    plan, src = _small()
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    with pytest.raises(TensorLayoutError, match=r"'layers.0.w' is on cpu, expected cuda:1 \(the current device, "
+                                                r"given as 'cuda'\)"):
+        Replayer(plan, src, device="cuda").bind(tensors)
+    w = "layers.0.q.weight"
+    sources = {w: ir.TensorMeta(w, (128, 128), "float8_e4m3fn"),
+               w + "_scale_inv": ir.TensorMeta(w + "_scale_inv", (1, 1), "float32")}
+    qplan = ir.RankPlan(0, (ir.TensorMeta("q", (128, 128), "float8_e4m3fn"),), (ir.Write(
+        "q", ir.full_region((128, 128)), ir.View(ir.Source(w), ir.full_region((128, 128)))),))
+    with pytest.raises(TensorLayoutError, match=rf"'{w}' is on cpu, expected cuda:1 \(the current device"):
+        QuantizingReplayer(qplan, sources, quantizer="fp8-e4m3-block-amax448-v1/128x128", device=torch.device(
+            "cuda")).bind({w: torch.zeros(128, 128, dtype=torch.bfloat16)})
+    assert Replayer(plan, src, device="cpu").pack(tensors).device == torch.device("cpu")

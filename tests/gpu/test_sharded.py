@@ -1,0 +1,40 @@
+"""Sharded trainers on the GPU: two TP trainer ranks hold halves of every tensor (boxes); each packs its pieces of a
+decoder layer for both consumer ranks with the sync engine's ShardedPacker, each consumer applies both parts with
+ShardedUnpacker: bit for bit the reference interpreter on the full tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_cases import DEVICE, LAYER, NAN, PLANS, Layer, assert_bits_equal, gpu_tier, reference, trainer_tensors
+
+from shardplan.plan.file.format import PlanFile
+from shardplan.runtime.apply import params_from_plan
+from shardplan.runtime.shards import local_tensors, plan_shards, tp_shards
+from shardplan.sync import ShardedPacker, ShardedUnpacker
+
+pytestmark = gpu_tier
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b--tp2--bfloat16.plan", "qwen3-30b-a3b--tp4--bfloat16.plan"])
+def test_sharded_packer_over_boxes(name):
+    plan_file = PlanFile.read(PLANS / name)
+    layers = [Layer(plan_file, r, LAYER) for r in (0, 1)]
+    sources = {n: m for layer in layers for n, m in layer.sources.items()}
+    plans = [layer.plan for layer in layers]
+    full = trainer_tensors(sources, None, DEVICE)
+    shards = tp_shards(sources, 2, lambda n: 0 if len(sources[n].shape) == 2 else None)
+    sharded = plan_shards(plans, sources, shards)
+    packers = {t: ShardedPacker(sharded, t, device=DEVICE) for t in sharded.trainer_ranks}
+    for plan in plans:
+        c = plan.rank
+        params = params_from_plan(plan, DEVICE, fill=NAN)
+        unpacker = ShardedUnpacker(sharded, c, params)
+        for group, size in unpacker.sizes().items():
+            buffer = torch.zeros(size, dtype=torch.uint8, device=DEVICE)
+            for t, packer in packers.items():
+                spans = packer.spans(c, group)
+                mine = [i for i, s in enumerate(spans) if t in s.only]
+                if mine:
+                    packer.pack(c, group, local_tensors(shards, t, full), buffer, mine)
+            unpacker.apply(group, buffer)
+        assert_bits_equal(params, reference(plan, sources, full, None), f"{name} consumer {c}")
