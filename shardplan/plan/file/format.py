@@ -86,11 +86,15 @@ class PlanHeader:
     quantizer: str = ""
     # the EPLB expert slots the plan was recorded with (plan/placement.py); written only for EPLB plans
     eplb: EplbSlots | None = None
+    # the recording ran code from the model's own directory (record --trust-remote-code); written only when true
+    trust_remote_code: bool = False
 
     def to_dict(self) -> dict:
         extra = {"quantizer": self.quantizer} if self.quantizer else {}
         if self.eplb is not None:
             extra["eplb"] = self.eplb.to_dict()
+        if self.trust_remote_code:
+            extra["trust_remote_code"] = True
         return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
                 "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
                 "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
@@ -169,13 +173,15 @@ def _decode_body(raw, path: str) -> PlanBody:
 
 # ---- write ------------------------------------------------------------------------------------------------
 def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
-           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None) -> bytes:
+           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None,
+           trust_remote_code: bool = False) -> bytes:
     """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
     file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
     ranks = tuple(sorted(body.rank_params))
     header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb)
+                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb,
+                        trust_remote_code)
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
     sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
                        header_bytes, body_bytes])
