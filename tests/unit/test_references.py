@@ -109,7 +109,7 @@ def _make_targets() -> set[str]:
     return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
 
 
-DOTTED = re.compile(r"(?<![\w/.-])shardplan(?:\.[A-Za-z_]\w*)+")
+DOTTED = re.compile(r"(?<![\w/.+-])shardplan(?:\.[A-Za-z_]\w*)+")
 # a path inside the repository (a top-level folder) or inside the package (a stage folder)
 PATH = re.compile(
     r"(?<![\w/.-])((?:shardplan|docs|tests|bench|scripts|notebooks)/[\w./-]*\w|(?:%s)/[\w/-]*\.py)" % "|".join(STAGES)
