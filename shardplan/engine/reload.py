@@ -18,7 +18,8 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
 vLLM 0.32 bug worked around here: `UnquantizedFusedMoEMethod._setup_kernel` skips the experts' own
 `process_weights_after_loading` (the CPU prepack) on a weight update, so a reload copies the raw layout into the
 prepacked kernel tensors (a reload of the SAME weights changed a tiny Qwen3-MoE's greedy tokens on this CPU box).
-We re-run it after processing an unquantized MoE layer (tests/integration/test_engine_moe.py pins it).
+We re-run it after processing an unquantized MoE layer (tests/integration/test_engine.py pins it:
+test_moe_update_reruns_the_cpu_prepack_vllm_032_skips).
 
 Fallback tensors (loaders shardplan could not record) go through the model's real `load_weights` under the same
 reload, where vLLM's wrapped loaders buffer and process them per layer as usual.

@@ -317,7 +317,7 @@ def check_architecture(spec: ModelSpec) -> None:
         f"{spec.origin}: field 'architectures' names {arch!r}, which vLLM {vllm.__version__} does not implement and "
         f"transformers {transformers.__version__} has no class of that name for vLLM's Transformers backend to "
         f"serve.{hint} Fix 'architectures' in config.json (or --override 'architectures=[\"...\"]'); "
-        f"`python -m shardplan.coverage` lists every text decoder vLLM implements and how each fares.")
+        f"`shardplan coverage` lists every text decoder vLLM implements and how each fares.")
 
 
 def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:

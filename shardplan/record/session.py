@@ -121,7 +121,7 @@ class RecordSession:
         other, and extends them to every layer at compile time; and records only the ranks that determine and check
         each rank class's affine dependence on the rank (record/ranks.py), predicting the others. Falls back to
         recording every layer / more ranks whenever a check fails; the result is byte-identical either way
-        (bench/compile_bench.py and tests/integration/test_extend_ranks.py check it)."""
+        (bench/compile_bench.py and tests/unit/test_extend_ranks.py check it)."""
         if exhaustive:
             plans, stats = self.record(ranks, progress)
             return Recorded(compile_plans(plans, self.sources), stats, "exhaustive (asked)")

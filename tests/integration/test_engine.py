@@ -176,7 +176,7 @@ def test_wrong_control_port_is_named_within_the_init_timeout(world):
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
     from shardplan.engine.trainer import ModuleSource
-    from shardplan.plan.interp import MissingTensorError
+    from shardplan.errors import MissingTensorError
     from safetensors.torch import load_file
 
     tensors = load_file(str(world.model / "model.safetensors"))

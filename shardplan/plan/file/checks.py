@@ -38,8 +38,7 @@ MAX_NUMEL = 1 << 48            # elements of one tensor; also bounds every integ
 MAX_TEXT = 4096
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-TENSOR_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                           "int64", "int32", "int16", "int8", "uint8", "bool"})
+TENSOR_DTYPES = frozenset(ir.ITEMSIZE)   # the one dtype table: plan/ir.py
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -30,9 +30,8 @@ import numpy as np
 
 from shardplan import __version__
 from shardplan.plan import ir
-from shardplan.plan.body import Group, PlanBody, SourceTable, instantiate, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
 from shardplan.plan.columns import LazyWrites
-from shardplan.plan.file.bounds import check_bounds, check_group_bounds
 from shardplan.plan.file.checks import (  # noqa: F401
     HEADER_FIELDS,
     MAX_BODY_BYTES,
@@ -384,20 +383,6 @@ class PlanFile:
                                             fallbacks=tuple(self.body.fallbacks.get(rank, ())))
         return self._cache[rank]
 
-    def rank_objects(self, rank: int) -> ir.RankPlan:
-        """The rank's plan with one `ir.Write` object per write (the pre-columnar path: tests and benchmarks compare
-        `rank` against it)."""
-        self.check_rank(rank)
-        rank_params = set(self.body.rank_params[rank])
-
-        def check(group, holes):
-            check_group_bounds(group, holes, self.body, rank_params, rank, self.path)
-        plan = instantiate(self.body, rank, check)
-        # writes of non-view templates and ordered writes were not covered by the vectorised check
-        num_free = len(plan.writes) - len(self.body.ordered.get(rank, ()))
-        generic = [w for w in plan.writes[:num_free] if not ir.is_pure_view(w)] + list(plan.writes[num_free:])
-        check_bounds(plan, self.body.sources, self.path, generic)
-        return plan
 
     def not_needed(self, rank: int) -> tuple[str, ...]:
         plan = self.rank(rank)
