@@ -79,6 +79,15 @@ def shrink_overrides(name: str) -> list[str]:
         return ["num_hidden_layers=2", "first_k_dense_replace=1", *_GQA, "head_dim=32", "intermediate_size=256",
                 "moe_intermediate_size=64", "n_routed_experts=8", "num_experts_per_tok=2", "vocab_size=300",
                 "pad_token_id=0"]
+    if name == "kimi-linear-48b-a3b":  # three KDA (linear attention) layers, then one MLA layer
+        return ["num_hidden_layers=4", "linear_attn_config.kda_layers=[1,2,3]", "linear_attn_config.full_attn_layers=[4]",
+                "hidden_size=128", "num_attention_heads=4", "num_key_value_heads=4", "intermediate_size=256",
+                "moe_intermediate_size=64", "num_experts=8", "num_experts_per_token=2", "kv_lora_rank=32",
+                "qk_nope_head_dim=16", "qk_rope_head_dim=16", "v_head_dim=16", "linear_attn_config.head_dim=32",
+                "linear_attn_config.num_heads=4", "vocab_size=300"]
+    if name == "minimax-m2":
+        return ["num_hidden_layers=2", "attn_type_list=[1,1]", *_GQA, "head_dim=32", "rotary_dim=16",
+                "intermediate_size=64", "num_local_experts=8", "num_experts_per_tok=2", "vocab_size=300"]
     raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
 
 
@@ -165,6 +174,8 @@ def check_rank(arch: str, session: RecordSession, layout: Layout, rank: int, pla
     assert not verdict.mismatched, f"replay differs from vLLM's loader in {verdict.mismatched}"
     planned = {p.name for p in plan.params}
     holes = sorted(planned & set(verdict.unwritten))
+    if arch in UNDEFINED_PADDING and not layout.ep:  # elements no checkpoint tensor defines, NaN in both models
+        holes = [h for h in holes if not (".experts." in h and verdict.undefined[h][0] < verdict.undefined[h][1])]
     assert not holes, f"params the plan writes still hold NaN after replay: {holes}"
 
 
@@ -226,9 +237,15 @@ def test_fast_tier_equals_full_tier(arch, data, arch_root):
     assert plan == full_plan, "the fast and the full tier recorded different plans"
 
 
+# Built-ins whose real loader leaves part of a param unwritten: the padding no checkpoint tensor defines (verify
+# reports it per param; docs/configs.md).
+UNDEFINED_PADDING = {"kimi-linear-48b-a3b": "vLLM pads each rank's expert intermediate at TP > 1 without EP"}
+
+
 # Built-ins whose loaders the fast tier cannot vouch for (recorded exactly by the full tier, only slower).
 FULL_TIER_BUILTINS = {"gpt-oss-120b": "its expert loader makes a scratch tensor (torch.empty)",
-                      "qwen3-next-80b-a3b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight"}
+                      "qwen3-next-80b-a3b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight",
+                      "minimax-m2": "Tensor.to on its routing bias (e_score_correction_bias)"}
 
 
 def replace_tier(session: RecordSession, tier: str) -> RecordSession:
