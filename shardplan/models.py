@@ -245,18 +245,82 @@ def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[st
                      overrides=tuple((key_path, copy.deepcopy(value)) for _, key_path, value in parsed))
 
 
+# Bounds on what a config (or a checkpoint index, an override value) may hold, checked while reading: hub configs are
+# a few KB, nest 3-4 levels and hold int64-sized integers at most, so these only stop files that would otherwise end
+# in a bare RecursionError / ValueError or take gigabytes to read.
+MAX_CONFIG_BYTES = 64 << 20     # the largest hub index.json files (per-tensor weight maps) are a few MB
+MAX_CONFIG_DEPTH = 32
+MAX_CONFIG_INT = (1 << 63) - 1  # |integer| in the int64 range, as every consumer (torch, vLLM) holds them
+
+
+class _JsonBound(ValueError):
+    """A JSON value beyond the bounds above (raised from inside json.loads)."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > 19:   # checked on the text, before int() spends time on (or refuses) thousands of digits
+        raise _JsonBound(f"an integer of {digits} digits ({text[:12]}...), beyond the int64 range")
+    value = int(text)
+    if abs(value) > MAX_CONFIG_INT:
+        raise _JsonBound(f"the integer {value}, beyond the int64 range")
+    return value
+
+
+def parse_json(text: str, origin: str, what: str = "JSON") -> Any:
+    """`json.loads` with the bounds above; any failure is a ConfigError naming `origin` and the cause."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{origin} holds {len(text)} characters, more than the {MAX_CONFIG_BYTES} a {what} may: "
+                          f"it is not a model config. Point at the model's own config.json.")
+    try:
+        data = json.loads(text, parse_int=_bounded_int)
+    except _JsonBound as exc:
+        raise ConfigError(f"{origin} holds {exc}. Fix the value (configs hold sizes that fit in int64).") from None
+    except RecursionError:
+        raise ConfigError(f"{origin} nests arrays/objects deeper than Python's JSON reader can follow (a {what} "
+                          f"nests a few levels, at most {MAX_CONFIG_DEPTH}). Fix the file.") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
+                          f"Fix the file (or re-download config.json).") from None
+    except ValueError as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{origin} cannot be read as JSON: {reason}. Fix the file.") from None
+    check_json_value(data, origin)
+    return data
+
+
+def check_json_value(value: Any, origin: str) -> None:
+    """Depth and integer bounds of a parsed config value (also values given as Python objects: dict overrides)."""
+    stack = [(value, 0, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if depth >= MAX_CONFIG_DEPTH:
+                what = f"field {where!r}" if where else "the value"
+                raise ConfigError(f"{origin}: {what} nests more than {MAX_CONFIG_DEPTH} levels "
+                                  f"deep; a model config nests a few. Fix the file or the override.")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for k, v in items:
+                stack.append((v, depth + 1, f"{where}.{k}" if where else str(k)))
+        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_CONFIG_INT:
+            what = f"field {where!r}" if where else "the value"
+            raise ConfigError(f"{origin}: {what} is an integer of "
+                              f"{node.bit_length()} bits, beyond the "
+                              f"int64 range. Fix the value.")
+
+
 def _read_json_object(path: Path, origin: str) -> dict[str, Any]:
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{origin} is {size} bytes, more than the {MAX_CONFIG_BYTES} a config or index may: "
+                              f"it is not a model config. Point at the model's own config.json.")
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"Cannot read {origin}: {exc.strerror or exc}.") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{origin} is not UTF-8 text ({exc.reason}); it should be a JSON config.") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
-                          f"Fix the file (or re-download config.json).") from exc
+    data = parse_json(text, origin, "config")
     if not isinstance(data, dict):
         raise ConfigError(f"{origin} must hold a JSON object (an HF config), not a {type(data).__name__}.")
     return data
@@ -271,30 +335,52 @@ def _parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> lis
     if overrides is None:
         return []
     if isinstance(overrides, Mapping):
-        items = [(f"{key}={value!r}", str(key), value) for key, value in overrides.items()]
+        items = [(f"{key}={_safe_repr(value)}", str(key), value) for key, value in overrides.items()]
     else:
         if isinstance(overrides, str):  # one override passed bare instead of in a list
             overrides = [overrides]
         items = []
         for text in overrides:
             if not isinstance(text, str) or "=" not in text:
-                raise ConfigError(f"Bad override {text!r}: expected key=value, e.g. num_hidden_layers=2 or "
+                raise ConfigError(f"Bad override {_safe_repr(text)}: expected key=value, e.g. num_hidden_layers=2 or "
                                   f"rope_scaling.factor=8.0.")
             key, raw = text.split("=", 1)
             raw = raw.strip()
             try:
-                value = json.loads(raw)
+                value = json.loads(raw, parse_int=_bounded_int)
+            except _JsonBound as exc:
+                raise ConfigError(f"Bad override {_short(text)}: the value is {exc}. Configs hold sizes that fit in "
+                                  f"int64.") from None
+            except RecursionError:
+                raise ConfigError(f"Bad override {_short(text)}: the value nests deeper than Python's JSON reader "
+                                  f"can follow (at most {MAX_CONFIG_DEPTH} levels).") from None
             except ValueError:
                 value = raw  # not JSON: a plain string such as torch_dtype=bfloat16
             items.append((text, key, value))
     parsed = []
     for text, key, value in items:
+        check_json_value(value, f"override {_short(text)}")
         key_path = tuple(part.strip() for part in key.strip().split("."))
+        if len(key_path) > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"Bad override {_short(text)}: the key has {len(key_path)} dotted parts; a config nests "
+                              f"at most {MAX_CONFIG_DEPTH} levels.")
         if not all(key_path):
             raise ConfigError(f"Bad override {text!r}: the key {key.strip()!r} has an empty part; use key=value "
                               f"or dotted.key=value.")
         parsed.append((text, key_path, value))
     return parsed
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):   # an int of thousands of digits, a self-nested list
+        return f"<{type(value).__name__} that cannot be shown>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 80 else repr(text[:77] + "...")
 
 
 def _apply_overrides(config: dict[str, Any], overrides: list[tuple[str, tuple[str, ...], Any]],

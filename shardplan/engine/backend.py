@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from shardplan.engine.eplb import EngineEplb
-from shardplan.engine.errors import EngineError, EngineNotInitialized, EnginePlanMismatch
+from shardplan.engine.errors import EngineControlUnreachable, EngineError, EngineNotInitialized, EnginePlanMismatch
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
 from shardplan.engine.reload import ReloadUnpacker
 from shardplan.engine.sharding import sharded_plan, shards_from_json
@@ -40,6 +40,7 @@ from shardplan.runtime.shards import ShardError
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
 from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
+from shardplan.transport.base import ControlUnreachable
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -114,17 +115,23 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             except ShardError as e:   # the driver planned the same boxes first, so this is a disagreement
                 raise EnginePlanMismatch(f"the trainers' shards cannot serve {plan_file.path}: "
                                          f"{type(e).__name__}: {e}") from None
+        # every connect below is bounded by timeout_s; the new control channel is reached before the old sync is
+        # left, so a wrong control_port is named within timeout_s and the engine keeps the sync it had
+        config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
+                            announce_timeout_s=init_info.announce_timeout_s)
+        control = Control(init_info.control_host, int(init_info.control_port), connect_timeout_s=config.timeout_s)
+        try:
+            control.prewarm(1)
+        except ControlUnreachable as e:
+            raise EngineControlUnreachable(str(e)) from None
         if self.consumer is not None:   # init again (a new trainer run): leave the old sync cleanly
             self.shutdown()
         self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes,
                                        sharded=sharded)
-        control = Control(init_info.control_host, int(init_info.control_port))
         name = f"consumer{rank}"
         options = dict(init_info.transport_options)
-        options.setdefault("timeout_s", init_info.timeout_s)
+        options.setdefault("timeout_s", config.timeout_s)
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
-        config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
-                            announce_timeout_s=init_info.announce_timeout_s)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
         logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s", rank,

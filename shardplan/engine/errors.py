@@ -57,13 +57,18 @@ class SyncIncomplete(EngineError):
         return (SyncIncomplete, (str(self), self.report))
 
 
+class EngineControlUnreachable(EngineError):
+    """A worker could not reach the sync's control channel within the init's timeout_s (a wrong control_host or
+    control_port, or the driver is gone); the engine keeps the sync it had."""
+
+
 class EngineCallFailed(EngineError):
     """An engine call (RPC or HTTP route) failed for a reason that is not one of the named errors above."""
 
 
 _NAMED = {cls.__name__: cls for cls in (EnginePlanMismatch, EplbNotSupported, EplbRebalanceInFlight,
                                          EplbPlacementChanged, EplbPlacementUnavailable, EngineUnsupported,
-                                         EngineNotInitialized)}
+                                         EngineNotInitialized, EngineControlUnreachable)}
 
 
 def raise_named(error: BaseException, what: str) -> None:

@@ -33,7 +33,7 @@ from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.runtime.apply import Applier, params_from_plan
-from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
+from shardplan.runtime.pack import PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.sync.adapters import ShardedUnpacker, layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
@@ -66,7 +66,7 @@ class ReloadUnpacker:
             self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
             self.parts = {0: self.layout}   # one part per trainer that sends into a group; here: all from one
             self.appliers = {0: Applier(plan, self.layout, self._meta_params, fallback_loader=self._load_fallback)}
-            self._stamp = layout_stamp((plan.rank,), self.layout.digest, self.fallbacks)
+            self._stamp = layout_stamp((plan.rank,), self.layout.digest, reads_digest(plan), self.fallbacks)
             self._sizes = {g.name: g.nbytes for g in self.layout.groups}
             for group, slots in self.fallbacks.items():
                 self._sizes[group] = slots[-1].offset + slots[-1].nbytes

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from shardplan.errors import ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.body import PlanBody
 from shardplan.plan.file.format import PlanFile, skeleton_ops
@@ -131,7 +132,14 @@ def human_bytes(n: float) -> str:
     return ""
 
 
+class InspectArgumentError(ShardplanError):
+    """An inspect argument out of range (a negative --max-lines)."""
+
+
 def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> str:
+    if type(max_lines) is not int or max_lines < 0:
+        raise InspectArgumentError(f"--max-lines must be a non-negative integer (0 prints every line), got "
+                                   f"{max_lines!r}")
     plan = PlanFile.read(path)
     if rank is not None:
         plan.check_rank(rank)

@@ -6,6 +6,7 @@ obvious, and it sits at the bottom of the package (torch and `shardplan.plan.ir`
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -25,6 +26,11 @@ class DisallowedOpError(ReplayError):
 
 class PlanError(ReplayError):
     """The plan itself is inconsistent (unknown source, out-of-bounds region, unbroadcastable write)."""
+
+
+class ForeignWriteError(DisallowedOpError):
+    """A plan would write into a tensor it did not make (an in-place op on a trainer tensor or a view of one, an
+    `out=` argument): replay never modifies the trainer's tensors (`ir.foreign_write`)."""
 
 
 class MissingTensorError(ReplayError):
@@ -56,16 +62,22 @@ def region_view(base: torch.Tensor, region: ir.Region) -> torch.Tensor:
     return base.as_strided(region.sizes, region.strides, base.storage_offset() + region.offset)
 
 
-def eval_view(view: ir.View, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None
-              ) -> torch.Tensor:
+def eval_view(view: ir.View, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None,
+              limit: "Budget | None" = None) -> torch.Tensor:
     """Reference semantics of `View`: evaluate the leaf, take the region of its storage (relative to the leaf's own
     storage offset). Source leaves are contiguous tensors of the plan's shape; a Call result is addressed the way the
-    recorder saw it (the op's own output strides), as the recorder saw it."""
-    return region_view(eval_leaf(view.leaf, tensors, device), view.region)
+    recorder saw it (the op's own output strides), as the recorder saw it. `limit`: see check_write_sizes."""
+    base = eval_leaf(view.leaf, tensors, device, limit)
+    if limit is not None:   # on meta, as_strided does not check the storage bounds a real tensor's does
+        lo, hi = view.region.extent()
+        have = base.untyped_storage().nbytes() // base.element_size() - base.storage_offset()
+        if view.region.numel and (lo < 0 or hi > have):
+            raise PlanError(f"a view reads elements [{lo}, {hi}) of a value that has {have}")
+    return region_view(base, view.region)
 
 
-def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None
-              ) -> torch.Tensor:
+def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None,
+              limit: "Budget | None" = None) -> torch.Tensor:
     if device is None:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
     if isinstance(leaf, ir.Source):
@@ -73,16 +85,35 @@ def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.
             raise MissingTensorError(f"trainer tensor {leaf.name!r} is missing: the plan reads it")
         return tensors[leaf.name]
     if isinstance(leaf, ir.Full):
+        if limit is not None:
+            limit.take(math.prod(leaf.sizes), ir.itemsize(leaf.dtype) if leaf.dtype in ir.ITEMSIZE else 8,
+                       f"full({list(leaf.sizes)})")
         return torch.full(leaf.sizes, leaf.value, dtype=to_dtype(leaf.dtype), device=device)
     if isinstance(leaf, ir.Call):
-        inputs = [eval_view(v, tensors, device) for v in leaf.inputs]
+        # never into a tensor the plan did not make (plan files and Replayer refuse such a plan before this)
+        if leaf.op in ir.INPLACE_OPS or any(key == "out" for key, _ in leaf.kwargs):
+            target = ir.inplace_target(leaf)
+            if target is None or any(key == "out" for key, _ in leaf.kwargs) or not ir.made_by_plan(target.leaf):
+                raise ForeignWriteError(f"refusing to replay {leaf.op}: it would write into a tensor the plan did not "
+                                        f"make ({ir.foreign_write(leaf)})")
+        inputs = [eval_view(v, tensors, device, limit) for v in leaf.inputs]
         args = [_literal(a, inputs, device) for a in leaf.args]
         kwargs = {k: _literal(v, inputs, device) for k, v in leaf.kwargs}
-        result = resolve_op(leaf.op)(*args, **kwargs)
-        return result if leaf.out is None else result[leaf.out]
+        fn = resolve_op(leaf.op)
+        if limit is not None and leaf.op in ir.UNARY_OPS:   # elementwise: its shape rule, without torch's Python
+            x = inputs[0]                                    # meta kernel for exp (a ~6 s import on first use)
+            result = torch.empty_like(x, dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype())
+        else:
+            result = fn(*args, **kwargs)
+        result = result if leaf.out is None else result[leaf.out]
+        if limit is not None:
+            if not isinstance(result, torch.Tensor):
+                raise PlanError(f"{leaf.op} gives a {type(result).__name__}, not a tensor")
+            limit.take(result.numel(), result.element_size(), leaf.op)
+        return result
     if isinstance(leaf, ir.Update):
-        base = eval_leaf(leaf.base, tensors, device).clone()
-        region_view(base, leaf.region).copy_(eval_view(leaf.value, tensors, device))
+        base = eval_leaf(leaf.base, tensors, device, limit).clone()
+        region_view(base, leaf.region).copy_(eval_view(leaf.value, tensors, device, limit))
         return base
     raise PlanError(f"not a plan leaf: {leaf!r}")
 
@@ -99,6 +130,49 @@ def _literal(lit, inputs: list[torch.Tensor], device):
     if isinstance(lit, tuple):
         return tuple(_literal(x, inputs, device) for x in lit)
     return lit  # None, bool, int, float, str, Ellipsis
+
+
+class PlanTooLarge(PlanError):
+    """A computed write would make a tensor larger than its plan declares room for (see check_write_sizes)."""
+
+
+# Tensors this small are never refused, whatever the plan declares (a toy plan's scratch may exceed its tiny params).
+MIN_BUDGET = 1 << 20
+
+
+class Budget:
+    """What one computed write may make: each tensor at most `limit` elements; `peak` the bytes made in all."""
+
+    def __init__(self, limit: int):
+        self.limit, self.peak = limit, 0
+
+    def take(self, numel: int, itemsize: int, what: str) -> None:
+        if numel > self.limit:
+            raise PlanTooLarge(f"{what} makes a tensor of {numel} elements, more than the {self.limit} this write may "
+                               f"(the elements its rank's params hold, or the sources it reads, whichever is more)")
+        self.peak += numel * itemsize
+
+
+def check_write_sizes(write: ir.Write, sources: Mapping[str, ir.TensorMeta], rank_numel: int) -> int:
+    """Sizes every tensor a computed write makes, before replay allocates any: evaluated on the meta device (shapes
+    only), each op's output and constant must hold at most `max(rank_numel, elements of the sources it reads,
+    MIN_BUDGET)` elements (`rank_numel`: what the rank's params hold; nothing a loader makes while loading exceeds
+    both), each view
+    must lie inside the value it views, and the result must broadcast to the destination. Returns the bytes the write
+    makes in all (the bind checks them against the device). PlanTooLarge / PlanError name the op."""
+    names = ir.sources(write.src.leaf)
+    budget = Budget(max(rank_numel, sum(sources[n].numel for n in names), MIN_BUDGET))
+    metas = {n: torch.empty(sources[n].shape, dtype=to_dtype(sources[n].dtype), device="meta") for n in names}
+    with torch.no_grad():
+        value = eval_view(write.src, metas, "meta", budget)
+    try:
+        broadcast = torch.broadcast_shapes(tuple(value.shape), tuple(write.dst.sizes)) == tuple(write.dst.sizes)
+    except RuntimeError:
+        broadcast = False
+    if not broadcast:
+        raise PlanError(f"the value's sizes {list(value.shape)} do not broadcast to the destination's "
+                        f"{list(write.dst.sizes)}")
+    return budget.peak
 
 
 def write_source(write: ir.Write, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor], device=None

@@ -47,6 +47,21 @@ ALLOWED_OPS: frozenset[str] = frozenset({
 UNARY_OPS: frozenset[str] = frozenset({"torch.exp", "Tensor.exp"})
 
 
+# In-place ops write into their first argument (`args[0]`, an `Arg`). Replay must never write into a trainer
+# tensor, so a plan may apply one only to a tensor the plan itself made (`made_by_plan`): what the recorder writes for
+# a loader that mutates its loaded tensor (`Tensor.clone` of the loaded view, then the op). Recorded plans hold no
+# other form (none of the shipped plans has an in-place op at all); plan files and Replayer refuse any other, and the
+# interpreter never runs one. No op may take an `out=` (it would write into whatever tensor it names).
+INPLACE_OPS: frozenset[str] = frozenset(op for op in ALLOWED_OPS if op.endswith("_") and not op.endswith("__"))
+# Ops whose result is always new storage, never a view of (or the same tensor as) an input.
+FRESH_OPS: frozenset[str] = frozenset({
+    "Tensor.clone", "torch.cat", "torch.concat", "torch.stack", "Tensor.repeat", "Tensor.repeat_interleave",
+    "Tensor.index_select", "torch.index_select", "torch.zeros_like", "torch.empty_like", "torch.exp", "Tensor.exp",
+    "Tensor.mul", "Tensor.add", "Tensor.sub", "Tensor.div", "Tensor.neg", "Tensor.__mul__", "Tensor.__add__",
+    "Tensor.__sub__", "Tensor.__truediv__", "Tensor.__neg__",
+})
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     """as_strided geometry: storage offset, sizes and strides, in elements of the base tensor."""
@@ -365,3 +380,50 @@ def literal_ops(leaf: Leaf, out: list[str] | None = None) -> list[str]:
         literal_ops(leaf.base, out)
         literal_ops(leaf.value.leaf, out)
     return out
+
+
+# ---- writes into tensors (see INPLACE_OPS) ---------------------------------------------------------------------
+def made_by_plan(leaf: Leaf) -> bool:
+    """True when evaluating `leaf` gives storage of its own: a constant, an update (evaluated on a copy of its base),
+    a FRESH_OPS call, or an in-place op applied to such a tensor. A source, or any view op, may give the trainer's."""
+    while True:
+        if isinstance(leaf, (Full, Update)):
+            return True
+        if not isinstance(leaf, Call) or leaf.out is not None:
+            return False
+        if leaf.op in FRESH_OPS:
+            return True
+        target = inplace_target(leaf)
+        if target is None:
+            return False
+        leaf = target.leaf
+
+
+def inplace_target(call: Call) -> "View | None":
+    """The input an in-place call writes into (its `args[0]`), or None when `call` is not a well-formed one."""
+    if call.op not in INPLACE_OPS or not call.args or not isinstance(call.args[0], Arg):
+        return None
+    index = call.args[0].index
+    return call.inputs[index] if 0 <= index < len(call.inputs) else None
+
+
+def foreign_write(leaf: Leaf) -> str | None:
+    """Why evaluating `leaf` could write into a tensor the plan did not make (an in-place op whose target is a source
+    or a view of one, an `out=` argument), or None when it cannot. Structural: no tensor is touched."""
+    stack = [leaf]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Update):
+            stack += [node.base, node.value.leaf]
+        elif isinstance(node, Call):
+            if any(key == "out" for key, _ in node.kwargs):
+                return f"{node.op} takes out=, which would write into the tensor it names"
+            if node.op in INPLACE_OPS:
+                target = inplace_target(node)
+                if target is None:
+                    return f"in-place {node.op} does not name its target as its first argument"
+                if not made_by_plan(target.leaf):
+                    return (f"in-place {node.op} writes into {leaf_str(target.leaf, {})[:120]}, which is not a tensor "
+                            f"the plan made (only a copy such as Tensor.clone may be modified in place)")
+            stack += [v.leaf for v in node.inputs]
+    return None

@@ -201,7 +201,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
     try:
         header = json.loads(header_bytes)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: the safetensors header is not valid JSON ({exc}). Re-download the file.") from exc
     tensors = {}
     for name, info in header.items():
@@ -325,13 +325,14 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
 def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
                         sha: str) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
     """From the on-disk names cache when it holds this exact list, else built (and stored there)."""
-    path = _names_cache_path(spec, include_mtp, sha)
-    cached = _read_names_cache(path) if path is not None else None
+    key = _names_cache_key(spec, include_mtp, sha)
+    path = _names_cache_path(key) if key is not None else None
+    cached = _read_names_cache(path, key) if path is not None else None
     if cached is not None:
         return cached
     result = on_disk_tensors(hf_view(spec), include_mtp)
     if path is not None:
-        _write_names_cache(path, result)
+        _write_names_cache(path, key, result)
     return result
 
 
@@ -340,13 +341,14 @@ def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
 # transformers' weight-conversion revert and a natural sort, paid by every `shardplan record`), so the result is kept
 # in $XDG_CACHE_HOME/shardplan/names/ as JSON (never pickle: a cache file is data). The key is everything the list
 # depends on: the config (after overrides), include_mtp, the transformers and torch versions, and the source of this
-# module and record/configs.py (a change to how names are derived invalidates every entry). An unreadable or
-# malformed entry is rebuilt and rewritten; a cache that cannot be written costs only the rebuild.
-# SHARDPLAN_NAMES_CACHE=0 turns it off.
-_NAMES_CACHE_FORMAT = 1
+# module and record/configs.py (a change to how names are derived invalidates every entry). Each entry is sealed: it
+# holds its full key and a sha256 over the key and its canonical content, so an edited, truncated, swapped or stale
+# entry is rebuilt and rewritten (a dropped name would otherwise drop a param from every plan recorded after); a
+# cache that cannot be written costs only the rebuild. SHARDPLAN_NAMES_CACHE=0 turns it off.
+_NAMES_CACHE_FORMAT = 2
 
 
-def _names_cache_path(spec: ModelSpec, include_mtp: bool, sha: str) -> Path | None:
+def _names_cache_key(spec: ModelSpec, include_mtp: bool, sha: str) -> str | None:
     if os.environ.get("SHARDPLAN_NAMES_CACHE", "1") == "0":
         return None
     import transformers
@@ -357,16 +359,30 @@ def _names_cache_path(spec: ModelSpec, include_mtp: bool, sha: str) -> Path | No
         h.update(repr(part).encode() + b"\0")
     for module_file in (__file__, configs.__file__):
         h.update(Path(module_file).read_bytes())
-    return _cache_root() / "names" / f"{h.hexdigest()[:32]}.json"
+    return h.hexdigest()
 
 
-def _read_names_cache(path: Path) -> tuple[MetaTensor, ...] | None:
-    """The cached list, or None when absent or not exactly the shape this module writes (then it is rebuilt)."""
+def _names_cache_path(key: str) -> Path:
+    return _cache_root() / "names" / f"{key[:32]}.json"
+
+
+def _names_seal(key: str, rows: list) -> str:
+    """sha256 over the entry's key and its rows in one canonical JSON spelling."""
+    text = json.dumps(rows, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(key.encode() + b"\0" + text.encode()).hexdigest()
+
+
+def _read_names_cache(path: Path, key: str) -> tuple[MetaTensor, ...] | None:
+    """The cached list, or None when absent, malformed, of another key, or not matching its seal (then rebuilt)."""
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if not (isinstance(raw, dict) and raw.keys() == {"format", "key", "sha256", "tensors"}
+                and raw["format"] == _NAMES_CACHE_FORMAT and raw["key"] == key
+                and raw["sha256"] == _names_seal(key, raw["tensors"])):
+            return None
+    except (OSError, ValueError, TypeError, RecursionError):
         return None
-    rows = raw.get("tensors") if isinstance(raw, dict) and raw.get("format") == _NAMES_CACHE_FORMAT else None
+    rows = raw["tensors"]
     if not isinstance(rows, list) or not rows:
         return None
     out = []
@@ -379,13 +395,15 @@ def _read_names_cache(path: Path) -> tuple[MetaTensor, ...] | None:
     return tuple(out)
 
 
-def _write_names_cache(path: Path, tensors: tuple[MetaTensor, ...]) -> None:
+def _write_names_cache(path: Path, key: str, tensors: tuple[MetaTensor, ...]) -> None:
     tmp = None
+    rows = [[n, list(s), d] for n, s, d in tensors]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": _NAMES_CACHE_FORMAT, "tensors": [[n, list(s), d] for n, s, d in tensors]}, f)
+            json.dump({"format": _NAMES_CACHE_FORMAT, "key": key, "sha256": _names_seal(key, rows),
+                       "tensors": rows}, f)
         os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the whole new one
     except OSError:   # read-only or full cache directory: the list was built anyway
         if tmp is not None and os.path.exists(tmp):

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.models import ConfigError, ModelSpec
+from shardplan.plan.file.checks import MAX_NUMEL, MAX_WRITES_PER_RANK
 
-__all__ = ["HFView", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture", "check_architecture",
+__all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture",
+           "check_architecture",
            "config_class", "hf_view"]
 
 # Sizes vLLM and our tensor listing read from the text config; after aliases and defaults each must be a positive int.
@@ -104,7 +106,9 @@ def hf_view(spec: ModelSpec) -> HFView:
     hf_config = _instantiate(cls, config, spec)
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     _check_sizes(text_config, config, spec)
-    return HFView(spec, config, hf_config, text_config)
+    view = HFView(spec, config, hf_config, text_config)
+    _check_scale(view)
+    return view
 
 
 # ------------------------------------------------------------------------------------------------ overrides
@@ -158,7 +162,8 @@ def _apply(node: dict[str, Any], cls, path: tuple[str, ...], value: Any, spec: M
             if not isinstance(child, dict):
                 child = node[key] = {}
             _apply(child, sub_cls, rest, value, spec, f"{where}{key}.")
-        else:  # a plain mapping field (rope_scaling): any inner key, as resolve_model already checked the shape
+        else:  # a plain mapping field (rope_scaling): its inner keys are checked against what it can hold
+            _check_nested(node.get(key), cls, key, rest, spec, where)
             _set_nested(node, path, value)
         return
     aliases = getattr(cls, "attribute_map", {}) or {}
@@ -171,7 +176,44 @@ def _apply(node: dict[str, Any], cls, path: tuple[str, ...], value: Any, spec: M
     node[spelled] = copy.deepcopy(value)
 
 
+# Fields holding RoPE parameters, whose keys transformers' rope validators know (it only warns on others, so a
+# misspelt `rope_scaling.factorr=2` would be recorded with the default factor).
+_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+_ROPE_EXTRA_KEYS = {"type", "mscale", "mscale_all_dim", "truncate"}   # yarn's and the legacy spelling of rope_type
+
+
+def _rope_keys(cls) -> set[str]:
+    try:
+        from transformers.modeling_rope_utils import RopeParameters
+        keys = set(RopeParameters.__annotations__)
+    except ImportError:
+        keys = set()
+    return keys | _ROPE_EXTRA_KEYS | set(getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+
+
+def _check_nested(mapping: Any, cls, field: str, rest: tuple[str, ...], spec: ModelSpec, where: str) -> None:
+    """An override inside a plain mapping field names a key that mapping has, or (RoPE fields) one transformers'
+    rope validation knows; a key under '+' ("rope_scaling.+my_key=1") is added on purpose. A new mapping the file
+    lacks, with no known schema, takes any key (there is nothing to check against)."""
+    schema = _rope_keys(cls) if field in _ROPE_FIELDS else set()
+    level, done = mapping, f"{where}{field}"
+    for part in rest:
+        if part.startswith("+"):
+            return
+        known = (set(level) if isinstance(level, dict) else set()) | schema
+        if known and part not in known:
+            close = difflib.get_close_matches(part, sorted(known), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(f'{done}.{c}') for c in close)}?" if close else ""
+            raise UnknownConfigKey(
+                f"{spec.origin}: override '{done}.{part}' names no key of '{done}' (it holds "
+                f"{sorted(set(level)) if isinstance(level, dict) else 'nothing yet'}"
+                f"{'; RoPE parameters transformers knows: ' + ', '.join(sorted(schema)) if schema else ''}).{hint} "
+                f"Fix the key; to add it on purpose, prefix it with '+' (--override {done}.+{part}=...).")
+        level, done = level.get(part) if isinstance(level, dict) else None, f"{done}.{part}"
+
+
 def _set_nested(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    path = tuple(p[1:] if p.startswith("+") else p for p in path)   # '+': a key added on purpose
     for part in path[:-1]:
         child = node.get(part)
         if not isinstance(child, dict):
@@ -186,8 +228,12 @@ def _instantiate(cls, config: dict[str, Any], spec: ModelSpec):
     import transformers
 
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    # what from_pretrained does after reading the file: transformers' own decoding of the non-finite floats its
+    # writer encodes (`{"__float__": "Infinity"}`, GraniteMoeHybrid's time_step_limit), then from_dict
+    decode = getattr(cls, "_decode_special_floats", None)
     try:
-        return cls.from_dict(copy.deepcopy(kwargs)) if hasattr(cls, "from_dict") else cls(**copy.deepcopy(kwargs))
+        kwargs = decode(copy.deepcopy(kwargs)) if decode is not None else copy.deepcopy(kwargs)
+        return cls.from_dict(kwargs) if hasattr(cls, "from_dict") else cls(**kwargs)
     except Exception as exc:  # config classes raise ValueError/TypeError/KeyError for values they reject
         text = " ".join(str(exc).split())
         raise ConfigError(
@@ -209,6 +255,41 @@ def _check_sizes(text_config, config: dict[str, Any], spec: ModelSpec) -> None:
             got = "is missing" if value is None else f"must be a positive integer, got {json.dumps(value, default=str)}"
             raise ConfigError(f"{where}: field '{spelled}' {got} in the {type(text_config).__name__} vLLM reads. "
                               f"Fix config.json or pass an override such as {field}=<int>.")
+
+
+class ModelTooLarge(ConfigError):
+    """The config (after overrides) describes a model no plan can hold; refused before anything is built."""
+
+
+# Up-front bound on what a config may ask to build (a meta build costs host memory per module, not per byte:
+# `num_hidden_layers=1000000` took a process to 4.6 GB before failing). Estimated checkpoint tensors: ~16 per decoder
+# layer (attention, norms, dense MLP) plus 3 per routed expert; Kimi-K2, the largest built-in, estimates 71,256 (it
+# has 69,975). The bound is the plan format's own limit on one rank's writes, and no tensor may hold more elements
+# than a plan can address.
+_TENSORS_PER_LAYER, _TENSORS_PER_EXPERT = 16, 3
+
+
+def estimated_tensors(view: HFView) -> int:
+    return view.num_hidden_layers * (_TENSORS_PER_LAYER + _TENSORS_PER_EXPERT * view.num_experts) + 8
+
+
+def _check_scale(view: HFView) -> None:
+    text, spec = view.text_config, view.spec
+    where = f"{spec.origin} (after overrides)" if spec.overrides else spec.origin
+    tensors = estimated_tensors(view)
+    if tensors > MAX_WRITES_PER_RANK:
+        raise ModelTooLarge(
+            f"{where}: {view.num_hidden_layers} layers x {view.num_experts} experts is an estimated {tensors} "
+            f"checkpoint tensors ({_TENSORS_PER_LAYER} per layer + {_TENSORS_PER_EXPERT} per expert), more than the "
+            f"{MAX_WRITES_PER_RANK} writes a plan holds per rank. Record a shrunk model (--override "
+            f"num_hidden_layers=2) or fix the value.")
+    hidden = int(text.hidden_size)
+    for field in ("vocab_size", "intermediate_size", "moe_intermediate_size"):
+        width = getattr(text, field, None)
+        if isinstance(width, int) and not isinstance(width, bool) and hidden * width > MAX_NUMEL:
+            raise ModelTooLarge(
+                f"{where}: hidden_size {hidden} x {field} {width} is {hidden * width} elements in one tensor, more "
+                f"than the {MAX_NUMEL} a plan can address. Fix the value.")
 
 
 class UnsupportedArchitecture(ConfigError):

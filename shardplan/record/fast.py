@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shardplan.errors import exception_text
 from shardplan.plan import ir
 from shardplan.record.hooks import ACTIVE, COPY, EMPTY, FACTORIES, FILL, TO, ZERO, hooks_installed
 from shardplan.record.recording import RankRecording, TensorBase, dtype_name, op_name, region_in, tensor_args
@@ -59,8 +60,7 @@ class FastRecorder:
                 model.load_weights(feed())
             except Exception as e:  # _FastGaveUp, or the loader failed: the full tier finds out which and why
                 if not self.anomaly:
-                    first_line = str(e).splitlines()[0][:200] if str(e) else ""
-                    self.anomaly = f"the loader raised {type(e).__name__}: {first_line}"
+                    self.anomaly = f"the loader raised {exception_text(e, 200)}"
             finally:
                 ACTIVE.recorder = None
         if not self.anomaly:

@@ -9,18 +9,20 @@ consumer gets it whole and runs the real loader); `strict=True` raises `Unsuppor
 from __future__ import annotations
 
 import gc
+import re
 import time
 import traceback
 from typing import Iterable, Iterator
 
 import torch
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, exception_text
 from shardplan.plan import ir
 from shardplan.record.composed import composed_loaders_recorded
 from shardplan.record.fast import FastRecorder
 from shardplan.record.full import Recorder, recording
-from shardplan.record.recording import RankRecording, RecordError, UnsupportedLoaderOp, ValueRead, dtype_name
+from shardplan.record.recording import (LoaderRejectsCheckpoint, RankRecording, RecordError, UnsupportedLoaderOp,
+                                       ValueRead, dtype_name)
 from shardplan.record.rectensor import RecTensor, storage_key
 
 def _loader_frame(tb) -> str:
@@ -32,6 +34,19 @@ def _loader_frame(tb) -> str:
         if "load" in frame.name:
             best = f"{frame.name} ({frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno})"
     return best
+
+
+_GEOMETRY = re.compile(r"\.(shape|size\(|numel\(|ndim|dim\()")
+
+
+def _geometry_assert(exc: BaseException) -> str | None:
+    """The `assert ...` line that raised `exc` when it checks a tensor's geometry (shape, size, numel, ndim), else
+    None (an assert on the parallel state, say, depends on where the loader runs, so it stays a fallback)."""
+    if not isinstance(exc, AssertionError):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    line = (frames[-1].line or "").strip() if frames else ""
+    return line if line.startswith("assert") and _GEOMETRY.search(line) else None
 
 
 def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int, ...], str]], *, rank: int,
@@ -106,10 +121,22 @@ def _record_all(model, remaining: list, rec: RankRecording, param_of: dict, alia
         except ShardplanError:
             raise
         except Exception as e:  # the loader itself failed on this tensor
+            where = _loader_frame(e.__traceback__)
             if not fed:
-                raise RecordError(f"vLLM's load_weights failed before reading any tensor: {e}") from e
-            _fallback(rec, {fed[-1]}, type(e).__name__, str(e).splitlines()[0][:300], _loader_frame(e.__traceback__),
-                      strict)
+                raise RecordError(f"vLLM's load_weights failed before reading any tensor: {exception_text(e)}"
+                                  f"{f' in {where}' if where else ''}") from None
+            check = _geometry_assert(e)
+            if check is not None:
+                # vLLM's loader asserts on the tensor's geometry, which a meta tensor has exactly: its real loader
+                # fails the same way on this checkpoint, so a fallback would only move the failure to the consumer
+                name, shape, dtype = next(t for t in remaining if t[0] == fed[-1])
+                raise LoaderRejectsCheckpoint(
+                    f"vLLM's loader rejects checkpoint tensor {name} {list(shape)} {dtype} on rank {rec.rank}: "
+                    f"{exception_text(e)} at `{check}` in {where or 'the loader'}. vLLM cannot load this checkpoint "
+                    f"either: make the tensor's shape fit the config (e.g. an lm_head or embedding padded beyond "
+                    f"vocab_size: cut it to vocab_size rows, or set vocab_size to its row count).") from None
+            line = exception_text(e)
+            _fallback(rec, {fed[-1]}, type(e).__name__, line.partition(": ")[2] or "(no message)", where, strict)
             remaining = _unfinished(rec, remaining, len(fed), {fed[-1]}) + remaining[len(fed):]
 
 

@@ -17,6 +17,11 @@ class RecordError(ShardplanError):
     """Recording a rank failed for a reason that is not one loader op (that would be a fallback)."""
 
 
+class LoaderRejectsCheckpoint(RecordError):
+    """vLLM's loader asserts on a checkpoint tensor's geometry (a shape that does not fit the model, e.g. an lm_head
+    padded beyond vocab_size): vLLM cannot load this checkpoint either, so neither a plan nor a fallback can."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -28,6 +28,7 @@ from shardplan.runtime.tensors import (
     WIDE_DTYPES,
     PackBufferError,
     capture_graph,
+    check_fits,
     check_tensor,
     collapse,
     storage_ptr,
@@ -65,6 +66,7 @@ def params_from_plan(plan: ir.RankPlan, device: torch.device | str = "cpu", fill
     """Plain tensors shaped like the plan's params (for consumers without vLLM, and for tests). `fill` poisons them
     (e.g. NaN) so that unwritten elements stay visible."""
     params = {}
+    check_fits(f"rank {plan.rank}'s params", sum(meta.nbytes for meta in plan.params), torch.device(device))
     for meta in plan.params:
         t = torch.empty(meta.shape, dtype=to_dtype(meta.dtype), device=device)
         if fill is not None:

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
+from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import PlanError
 from shardplan.plan.names import base_group, group_of
 from shardplan.runtime.packcols import layout_arrays
@@ -168,6 +169,32 @@ class SegmentTable(Sequence):
                 a = a[:, :int(ndim.max()) if len(ndim) else 0]
             a = np.ascontiguousarray(a)
             h.update(k.encode() + str(a.shape).encode() + a.tobytes())
+
+
+def reads_digest(plan: ir.RankPlan) -> str:
+    """Hash of what each write of `plan` reads: a pure view's source name and region, a computed write's whole value
+    (sources, regions and op chain). The layout's digest covers where bytes land; the sync's stamps carry this too,
+    so two sides whose plans put other bytes into the same places (q and k sources swapped, the next rank's slices)
+    are refused before any byte moves. Names by value, regions trimmed of padding: equal reads hash alike whatever
+    tables hold them. One numpy pass per plan (stamps are computed once per side, never per pack)."""
+    cols = columns_of(plan)
+    h = hashlib.sha256(b"reads-v1")
+    rows = np.nonzero(cols.src >= 0)[0]
+    ids = cols.src[rows]
+    used = np.unique(ids)
+    names = [cols.sources.name(int(i)) for i in used.tolist()]
+    order = np.empty(len(used), dtype=np.int64)
+    order[np.argsort(np.asarray(names + [""], dtype=object)[:-1], kind="stable")] = np.arange(len(used))
+    h.update(repr(sorted(names)).encode())
+    ndim, sizes, strides = cols.geometry_rows("src", rows)
+    width = int(ndim.max()) if len(ndim) else 0
+    for a in (rows, order[np.searchsorted(used, ids)] if len(ids) else ids, cols.src_offset[rows], ndim,
+              sizes[:, :width], strides[:, :width]):
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+        h.update(str(a.shape).encode() + a.tobytes())
+    for i in sorted(cols.computed):
+        h.update(f"{i}:{cols.computed[i].src!r}".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

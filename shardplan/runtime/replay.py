@@ -17,7 +17,7 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
-from shardplan.plan.interp import PlanError, resolve_op, to_dtype, write_source
+from shardplan.plan.interp import ForeignWriteError, PlanError, check_write_sizes, resolve_op, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
 from shardplan.runtime.packcols import class_extents, geometry_keys, ordinals
 from shardplan.runtime.tensors import (
@@ -25,6 +25,7 @@ from shardplan.runtime.tensors import (
     PackBufferError,
     StaleBindingError,
     capture_graph,
+    check_fits,
     check_tensor,
     ptrs_unchanged,
     resolve_device,
@@ -76,7 +77,7 @@ class Replayer:
         self.device = torch.device(device) if device is not None else None
         self.layout = layout if layout is not None else PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
-        check_plans(self.plans, self.sources)
+        self.computed_peak = check_plans(self.plans, self.sources)   # bytes one computed write makes, at most
         self._runs, self._computed = self._plan_batches()
         self._group_replayers: dict[str, Replayer] = {}
 
@@ -127,7 +128,7 @@ class Replayer:
         if group not in self._group_replayers:
             sub = Replayer.__new__(Replayer)
             sub.plans, sub.sources, sub.device = self.plans, self.sources, self.device
-            sub._by_rank = self._by_rank
+            sub._by_rank, sub.computed_peak = self._by_rank, self.computed_peak
             sub.layout = self.layout.group(group)
             sub._runs, sub._computed = sub._plan_batches()
             sub._group_replayers = {}
@@ -146,6 +147,7 @@ class Replayer:
         segs = lay.segments.take(np.asarray(segments, dtype=np.int64))
         sub = Replayer.__new__(Replayer)
         sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank
+        sub.computed_peak = self.computed_peak
         name = lay.groups[0].name if len(lay.groups) == 1 else "subset"
         sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),),
                                 lay.ranks, lay.base)
@@ -235,6 +237,7 @@ class BoundReplay:
 
     def _check_out(self, out: torch.Tensor | None) -> torch.Tensor:
         nbytes = self.layout.nbytes
+        check_fits("packing this layout", (nbytes if out is None else 0) + self.replayer.computed_peak, self.device)
         if out is None:
             # zeros, not empty: padding bytes are never written, and a deterministic buffer checksums reproducibly
             return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
@@ -402,11 +405,14 @@ def source_dtypes(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.
     return np.asarray([code[d] for d in dtypes], dtype=np.int64), names
 
 
-def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta]) -> None:
-    """Every write reads tensors the sources table describes, inside their bounds, in an allowlisted way, and
-    broadcasts to its destination (Replayer's contract)."""
+def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta]) -> int:
+    """Every write reads tensors the sources table describes, inside their bounds, in an allowlisted way, never
+    writing into them, makes tensors no larger than the plan declares room for, and broadcasts to its destination
+    (Replayer's contract). Returns the most bytes one computed write makes (bind checks it against the device)."""
+    peak = 0
     for plan in plans:
         cols = columns_of(plan)
+        rank_numel = None
         for index in sorted(cols.computed):
             w = cols.computed[index]
             names: set[str] = set()
@@ -417,6 +423,19 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
                                     f"sources table does not describe")
             for op in ir.literal_ops(w.src.leaf):
                 resolve_op(op)
+            problem = ir.foreign_write(w.src.leaf)
+            if problem is not None:
+                raise ForeignWriteError(f"rank {plan.rank}: write {index} ({w.param}): {problem}. Replay never writes "
+                                        f"into the trainer's tensors: re-record the plan")
+            if rank_numel is None:
+                rank_numel = sum(p.numel for p in plan.params)
+            try:   # sized here, on meta, so that pack never allocates more than the plan declares room for
+                peak = max(peak, check_write_sizes(w, sources, rank_numel))
+            except PlanError as e:
+                raise type(e)(f"rank {plan.rank}: write {index} ({w.param}): {e}. Re-record the plan") from None
+            except Exception as e:  # noqa: BLE001 - an op that does not evaluate on these shapes fails replay too
+                raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) does not evaluate on the declared "
+                                f"shapes: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
         rows = np.nonzero(cols.src >= 0)[0]
         if not len(rows):
             continue
@@ -441,6 +460,7 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
             w = cols.write(index)
             raise PlanError(f"rank {plan.rank}: write {index} ({w.param}): source sizes "
                             f"{list(w.src.region.sizes)} do not broadcast to {list(w.dst.sizes)}")
+    return peak
 
 
 def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, ir.TensorMeta]

@@ -2,6 +2,7 @@
 storages, and the geometry helpers that turn a region into few large copies. torch and the plan package only."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -31,6 +32,27 @@ class PackBufferError(ReplayError):
 
 
 # ---- geometry helpers -----------------------------------------------------------------------------------------
+def device_bytes(device: torch.device) -> int:
+    """Memory of the device replay allocates on: a CUDA device's total, else the host's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):   # no sysconf: no bound beyond the plan's own
+        return 1 << 62
+
+
+def check_fits(role: str, nbytes: int, device: torch.device) -> None:
+    """PackBufferError, before allocating, when `nbytes` exceed the device's memory (a plan that declares a
+    2^48-element param would otherwise end in a bare "can't allocate")."""
+    if device.type == "meta":   # stand-ins: nothing is allocated
+        return
+    have = device_bytes(device)
+    if nbytes > have:
+        raise PackBufferError(f"{role} needs {nbytes} bytes on {device}, which has {have}: the plan declares more "
+                              f"than this device holds (a corrupt or hostile plan, or the wrong device)")
+
+
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 

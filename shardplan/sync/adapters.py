@@ -14,7 +14,7 @@ from shardplan.plan.interp import to_dtype
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_order
 from shardplan.runtime.apply import Applier, FallbackRequiredError
-from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, sharded_bases
+from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
@@ -105,7 +105,8 @@ def _same_tensors(bound, names: Sequence[str], given: Mapping[str, torch.Tensor]
 
 def layout_stamp(plan_ranks: Sequence[int], *parts) -> str:
     """What both sides compare before the first byte moves: the plan ranks a buffer is for and a digest of its pack
-    layout (segments, order, dtypes, destinations) and of the fallback tensors' slots."""
+    layout (segments, order, dtypes, destinations), of what each write reads (`reads_digest`: source regions and op
+    chains) and of the fallback tensors' slots."""
     h = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     return f"rank{'+'.join(map(str, plan_ranks))}:{h}"
 
@@ -132,12 +133,16 @@ class ReplayPacker:
         groups.update(g for slots in self.fallbacks.values() for g in slots)
         self._groups = tuple(sorted(groups, key=group_order))
         self._packs = _Packs(cache_bindings)
+        self._plans, self._reads = {p.rank: p for p in plans}, {}
 
     def consumers(self):
         return sorted(self.replayers)
 
     def stamp(self, consumer: int) -> str:
-        return layout_stamp((consumer,), self.replayers[consumer].layout.digest, self.fallbacks[consumer])
+        reads = self._reads.get(consumer)
+        if reads is None:   # what the consumer's writes read, from the plan as given (before any FP8 rebasing)
+            reads = self._reads[consumer] = reads_digest(self._plans[consumer])
+        return layout_stamp((consumer,), self.replayers[consumer].layout.digest, reads, self.fallbacks[consumer])
 
     def groups(self):
         return self._groups
@@ -185,7 +190,7 @@ class ApplyUnpacker:
             self.fallbacks = fallback_slots(plan, self.layout, sources)
         self.applier = Applier(plan, self.layout, params, fallback_loader=fallback_loader)
         self.sources, self.fallback_loader = sources, fallback_loader
-        self._stamp = layout_stamp((plan.rank,), self.layout.digest, self.fallbacks)
+        self._stamp = layout_stamp((plan.rank,), self.layout.digest, reads_digest(plan), self.fallbacks)
 
     def stamp(self) -> str:
         return self._stamp
@@ -212,8 +217,8 @@ def _sharded_parts(sharded, consumer: int, alignment: int):
     return {t: PackLayout.from_plans(p, alignment) for t, p in sharded.for_consumer(consumer).items()}
 
 
-def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout]) -> str:
-    return layout_stamp((consumer,), [(t, lay.digest) for t, lay in sorted(parts.items())])
+def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout], plans: Mapping[int, object]) -> str:
+    return layout_stamp((consumer,), [(t, lay.digest, reads_digest(plans[t])) for t, lay in sorted(parts.items())])
 
 
 
@@ -236,7 +241,7 @@ class ShardedPacker:
         return self.consumer_ranks
 
     def stamp(self, consumer: int) -> str:
-        return _sharded_stamp(consumer, self.parts[consumer])
+        return _sharded_stamp(consumer, self.parts[consumer], self.sharded.for_consumer(consumer))
 
     def groups(self):
         return self._groups
@@ -270,7 +275,7 @@ class ShardedUnpacker:
             bases = sharded_bases(self.parts, g, alignment)
             last = max(bases, key=bases.get)
             self._sizes[g] = bases[last] + self.parts[last].group(g).nbytes
-        self._stamp = _sharded_stamp(consumer, self.parts)
+        self._stamp = _sharded_stamp(consumer, self.parts, plans)
 
     def sizes(self):
         return dict(self._sizes)

@@ -2,6 +2,7 @@
 results. Pure declarations: every other sync module imports this one."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
@@ -80,9 +81,14 @@ class SyncConfig:
     """Longest a rank waits for the coordinator to announce the version it was asked to sync."""
 
     def __post_init__(self):
-        if self.timeout_s <= 0 or self.announce_timeout_s <= 0:
-            raise SyncConfigError(f"SyncConfig: timeouts must be positive, got timeout_s={self.timeout_s}, "
-                                  f"announce_timeout_s={self.announce_timeout_s}")
+        for field in ("timeout_s", "announce_timeout_s"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise SyncConfigError(f"SyncConfig: {field} must be a positive finite number of seconds, got "
+                                      f"{value!r} ({type(value).__name__})")
+        if not isinstance(self.verify, bool):
+            raise SyncConfigError(f"SyncConfig: verify must be True or False, got {self.verify!r} "
+                                  f"({type(self.verify).__name__})")
 
 
 class SyncConfigError(ShardplanError, ValueError):

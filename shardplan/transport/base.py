@@ -27,6 +27,7 @@ and every wait has a deadline.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -70,6 +71,10 @@ class PeerDied(PeerError):
 
 class PeerAborted(PeerError):
     """A peer gave up on this sync because of a third rank; the message says which and why."""
+
+
+class ControlUnreachable(PeerDied):
+    """The control channel's server cannot be reached (wrong host or port, or the driver is gone)."""
 
 
 class UnknownTransport(ShardplanError):
@@ -152,8 +157,14 @@ class Control:
     _pools: dict[tuple[str, int], list] = {}
     _pool_lock = threading.Lock()
 
-    def __init__(self, host: str, port: int, *, _server: torch.distributed.TCPStore | None = None):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 60.0,
+                 _server: torch.distributed.TCPStore | None = None):
+        # connect_timeout_s: how long opening a client may take (a wrong port or a dead server is named after it)
+        if not (isinstance(connect_timeout_s, (int, float)) and not isinstance(connect_timeout_s, bool)
+                and math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
+            raise ValueError(f"Control: connect_timeout_s must be a positive finite number of seconds, got "
+                             f"{connect_timeout_s!r}")
+        self.host, self.port, self.connect_timeout_s = host, port, float(connect_timeout_s)
         self._server = _server
 
     @classmethod
@@ -165,10 +176,20 @@ class Control:
         return control
 
     def __reduce__(self):
-        return (Control, (self.host, self.port))
+        return (_control, (self.host, self.port, self.connect_timeout_s))
 
     def _new_client(self) -> torch.distributed.TCPStore:
-        return torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60))
+        # TCPStore retries a refused connect until its timeout: bounded by connect_timeout_s, then named
+        timeout = timedelta(seconds=self.connect_timeout_s)
+        try:
+            client = torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        except Exception as e:  # DistNetworkError / RuntimeError: refused, unreachable, timed out
+            raise ControlUnreachable("control", f"cannot reach the control channel at {self.host}:{self.port} within "
+                                                f"{self.connect_timeout_s:.1f} s ({type(e).__name__}: "
+                                                f"{' '.join(str(e).split())[:200]}); check the host and port the "
+                                                f"driver serves it on") from None
+        client.set_timeout(timedelta(seconds=60))   # waits set their own deadlines; others never block for long
+        return client
 
     def lease(self) -> torch.distributed.TCPStore:
         """A client for this thread's exclusive use; give it back with `release` (or keep it, e.g. a NCCL pair)."""
@@ -217,6 +238,10 @@ class Control:
             raise PeerDied(peer, f"control channel failed while waiting for {what or key}: {e}") from e
         finally:
             self.release(client)
+
+
+def _control(host: str, port: int, connect_timeout_s: float) -> Control:
+    return Control(host, port, connect_timeout_s=connect_timeout_s)
 
 
 def deadline_after(timeout_s: float) -> float:

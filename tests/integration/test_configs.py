@@ -177,3 +177,87 @@ def test_public_names():
         assert hasattr(models, name)
     for name in ("checkpoint_tensors", "read_safetensors_header", "on_disk_tensors"):  # moved out of models
         assert hasattr(checkpoint, name)
+
+
+# ------------------------------------------------------------------------------------------ bounds, decoding, nesting
+
+LLAMA_TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": 128}
+
+
+def _with_raw(tmp_path: Path, name: str, raw_value: str) -> Path:
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(LLAMA_TINY)[:-1] + ', "x": ' + raw_value + "}")
+    return path.parent
+
+
+@pytest.mark.parametrize("raw, needle", [("[" * 200_000 + "]" * 200_000, "nests arrays/objects deeper"),
+                                         ("[" * 40 + "]" * 40, "nests more than 32 levels"),
+                                         ("9" * 5000, "an integer of 5000 digits"),
+                                         ("-" + "9" * 20, "an integer of 20 digits"),
+                                         (str(1 << 63), "beyond the int64 range")])
+def test_config_file_beyond_the_bounds_is_a_named_error(tmp_path, raw, needle):
+    # used to end in a bare RecursionError / ValueError (int-string conversion limit)
+    with pytest.raises(ConfigError, match="config.json") as info:
+        resolve_model(str(_with_raw(tmp_path, "c", raw)))
+    assert needle in str(info.value)
+    assert resolve_model(str(_with_raw(tmp_path, "ok", str((1 << 63) - 1)))).config["x"] == (1 << 63) - 1
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["num_hidden_layers=" + "9" * 5000], "integer of 5000 digits"),
+    ({"num_hidden_layers": 10 ** 5000}, "beyond the int64 range"),
+    (["x=" + "[" * 100_000 + "]" * 100_000], "deeper than Python's JSON reader"),
+    ({"x": json.loads("[" * 40 + "]" * 40)}, "nests more than 32 levels"),
+    (["a." * 40 + "b=1"], "41 dotted parts")])
+def test_override_beyond_the_bounds_is_a_named_error(overrides, needle):
+    with pytest.raises(ConfigError, match="override") as info:
+        resolve_model("llama-3.1-8b", overrides)
+    assert needle in str(info.value)
+
+
+def test_non_finite_floats_are_decoded_as_transformers_does(tmp_path):
+    """transformers 5 writes inf/nan as {"__float__": "Infinity"} (GraniteMoeHybrid's time_step_limit) and
+    from_pretrained decodes them; shardplan used to refuse the file."""
+    from transformers import AutoConfig, GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                    layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32,
+                                    shared_intermediate_size=128, time_step_limit=(0.0, float("inf")))
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    config.save_pretrained(tmp_path / "granite")
+    assert '"__float__": "Infinity"' in (tmp_path / "granite" / "config.json").read_text()
+    view = hf_view(resolve_model(str(tmp_path / "granite")))
+    assert tuple(view.text_config.time_step_limit) == tuple(AutoConfig.from_pretrained(tmp_path / "granite")
+                                                            .time_step_limit) == (0.0, float("inf"))
+    assert view.config["time_step_limit"][1] == {"__float__": "Infinity"}   # vLLM gets the file's own spelling
+    with pytest.raises(ConfigError, match=r"GraniteMoeHybridConfig rejects this config: .*time_step_limit"):
+        hf_view(resolve_model(str(tmp_path / "granite"), ['time_step_limit=[0.0, {"__float__": "Lots"}]']))
+
+
+def test_nested_override_keys_are_checked_like_top_level_ones():
+    with pytest.raises(UnknownConfigKey, match=r"'rope_scaling.factorr' names no key of 'rope_scaling'.*"
+                                               r"Did you mean 'rope_scaling.factor'"):
+        hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.factorr=2"]))
+    assert hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.factor=2"])).config["rope_scaling"]["factor"] == 2
+    assert hf_view(resolve_model("kimi-k2", ["num_hidden_layers=2", "rope_scaling.beta_fast=2"])
+                   ).config["rope_scaling"]["beta_fast"] == 2
+    on_purpose = hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.+factorr=2"])).config["rope_scaling"]
+    assert on_purpose["factorr"] == 2 and on_purpose["factor"] == 8.0
+    with pytest.raises(UnknownConfigKey, match=r"'rope_scaling.mscalee'"):   # a new mapping: RoPE keys only
+        hf_view(resolve_model("qwen3-30b-a3b", ['rope_scaling={}', "rope_scaling.mscalee=1"]))
+
+
+def test_absurd_model_sizes_are_refused_before_anything_is_built(monkeypatch):
+    from shardplan.record import checkpoint, configs
+
+    monkeypatch.setattr(checkpoint, "saved_state", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(configs.ModelTooLarge, match=r"1000000 layers x 0 experts is an estimated 16000008 "
+                                                    r"checkpoint tensors.*1048576 writes a plan holds per rank"):
+        checkpoint.checkpoint_tensors(resolve_model("llama-3.1-8b", ["num_hidden_layers=1000000"]))
+    with pytest.raises(configs.ModelTooLarge, match=r"hidden_size 16777216 x vocab_size 16777217"):
+        hf_view(resolve_model("llama-3.1-8b", ["hidden_size=16777216", "vocab_size=16777217"]))
+    kimi = hf_view(resolve_model("kimi-k2"))
+    assert configs.estimated_tensors(kimi) == 71_256   # the largest built-in (69,975 tensors): 15x under the bound

@@ -150,6 +150,29 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
 
 
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
+def test_wrong_control_port_is_named_within_the_init_timeout(world):
+    """Every connect of the engine's init is bounded by its timeout_s (it used to retry 60 s per client, ~135 s in
+    all with timeout_s=5); the engine keeps the sync it had."""
+    import socket
+    import time
+
+    from shardplan.engine.errors import EngineControlUnreachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = EngineSync([world.llm], world.plan, config=SyncConfig(timeout_s=2.0))
+    other.init_info.control_port = port
+    t0 = time.monotonic()
+    with pytest.raises(EngineControlUnreachable, match=rf"127.0.0.1:{port} within 2.0 s"):
+        other.init()
+    assert time.monotonic() - t0 < 20   # 2 s of connect, plus the RPC and the plan check on a loaded 2-core box
+    report, _ = sync(world, world.version + 1)   # the engine's own sync still works
+    assert report.complete, report
+    world.version += 1
+
+
+@pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
     from shardplan.engine.trainer import ModuleSource
     from shardplan.plan.interp import MissingTensorError

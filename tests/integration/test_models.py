@@ -601,7 +601,7 @@ def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
         entries[0].write_text(bad)
         checkpoint._META_CACHE.clear()
         assert checkpoint_tensors(spec) == built   # rebuilt, and the entry rewritten whole
-        assert json.loads(entries[0].read_text())["format"] == 1
+        assert json.loads(entries[0].read_text())["format"] == checkpoint._NAMES_CACHE_FORMAT
     assert len(builds) == 4
     other = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=2"])
     checkpoint._META_CACHE.clear()
@@ -615,3 +615,68 @@ def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
     checkpoint._META_CACHE.clear()
     assert checkpoint_tensors(spec) == built and not (tmp_path / "elsewhere").exists()
+
+
+def _record_body(spec_args: list[str]) -> bytes:
+    from shardplan.plan.layout import Layout
+    from shardplan.record.session import RecordSession
+
+    session = RecordSession("qwen3-30b-a3b", Layout(tp=2), overrides=spec_args)
+    return session.encode(session.record_plans(range(2)).body)
+
+
+def test_names_cache_entries_are_sealed_and_any_edit_is_rebuilt(tmp_path, monkeypatch):
+    """Each entry holds its full key and a sha256 over key and rows: every edit below (a dropped norm, a changed shape
+    or dtype, swapped names, an entry under another key's file name, a forged key or seal, an extra field) reads as a
+    miss, is rebuilt and rewritten, and the plan recorded through the edited cache equals the uncached one."""
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "1")
+    overrides = ["num_hidden_layers=2", "num_experts=4"]
+    spec = resolve_model("qwen3-30b-a3b", overrides)
+    checkpoint._META_CACHE.clear()
+    built = checkpoint_tensors(spec)
+    (entry,) = (tmp_path / "xdg-cache" / "shardplan" / "names").glob("*.json")
+    pristine = json.loads(entry.read_text())
+    other = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=2"])
+    checkpoint._META_CACHE.clear()
+    checkpoint_tensors(other)
+    (other_entry,) = set(entry.parent.glob("*.json")) - {entry}
+    rows = pristine["tensors"]
+    norm = next(i for i, r in enumerate(rows) if r[0].endswith("input_layernorm.weight"))
+    resealed = lambda e: {**e, "sha256": checkpoint._names_seal(e["key"], e["tensors"])}   # noqa: E731
+
+    def edited(fn):
+        e = json.loads(json.dumps(pristine))
+        fn(e)
+        return e
+    edits = {
+        "norm dropped": edited(lambda e: e["tensors"].pop(norm)),
+        "shape changed": edited(lambda e: e["tensors"][norm][1].__setitem__(0, 7)),
+        "dtype changed": edited(lambda e: e["tensors"][norm].__setitem__(2, "float32")),
+        "names swapped": edited(lambda e: e["tensors"].__setitem__(slice(0, 2), [
+            [e["tensors"][1][0]] + e["tensors"][0][1:], [e["tensors"][0][0]] + e["tensors"][1][1:]])),
+        "row duplicated": edited(lambda e: e["tensors"].append(e["tensors"][norm])),
+        "seal edited": edited(lambda e: e.__setitem__("sha256", "0" * 64)),
+        "extra field": edited(lambda e: e.__setitem__("note", 1)),
+        "other key, resealed": resealed(edited(lambda e: e.__setitem__("key", "f" * 64))),
+        "norm dropped, resealed under the other key": resealed(edited(
+            lambda e: (e["tensors"].pop(norm), e.__setitem__("key", json.loads(other_entry.read_text())["key"])))),
+        "another config's entry": json.loads(other_entry.read_text()),
+    }
+    builds = []
+    real = checkpoint.on_disk_tensors
+    monkeypatch.setattr(checkpoint, "on_disk_tensors", lambda *a, **k: builds.append(1) or real(*a, **k))
+    for i, (what, content) in enumerate(edits.items()):
+        entry.write_text(json.dumps(content))
+        checkpoint._META_CACHE.clear()
+        assert checkpoint_tensors(spec) == built, what
+        assert len(builds) == i + 1, f"{what}: served from the edited entry"
+        assert json.loads(entry.read_text()) == pristine, f"{what}: not rewritten whole"
+    checkpoint._META_CACHE.clear()
+    assert checkpoint_tensors(spec) == built and len(builds) == len(edits)   # the rewritten entry is a hit
+    # a plan recorded through an edited entry is the plan recorded without the cache
+    entry.write_text(json.dumps(edits["norm dropped"]))
+    checkpoint._META_CACHE.clear()
+    cached = _record_body(overrides)
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
+    checkpoint._META_CACHE.clear()
+    assert cached == _record_body(overrides)

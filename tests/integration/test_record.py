@@ -15,9 +15,9 @@ import torch
 
 from shardplan.plan import interp, ir
 from shardplan.plan.layout import Layout
-from shardplan.record.parallel import fake_parallel_state
-from shardplan.record.recording import RecordError, UnsupportedLoaderOp
 from shardplan.record.loader import record_loader
+from shardplan.record.parallel import fake_parallel_state
+from shardplan.record.recording import LoaderRejectsCheckpoint, RecordError, UnsupportedLoaderOp
 
 NAN = float("nan")
 
@@ -596,6 +596,39 @@ def test_loader_exception_is_a_fallback_naming_the_tensor():
     assert plan.sources_read() == {"good"}
 
 
+class _BrokenStr(Exception):
+    def __str__(self):
+        raise RuntimeError("__str__ fails")
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (ValueError(), "(no message)"), (RuntimeError("\n\n  \n"), "(no message)"), (KeyError(("a", 1)), "('a', 1)"),
+    (RuntimeError(b"\xff\x00"), "b'\\xff\\x00'"), (TypeError(None, 3), "(None, 3)"), (_BrokenStr(7), "(7,)"),
+    (RuntimeError("first\nsecond"), "first")])
+def test_loader_exception_of_any_message_is_a_fallback_naming_it(exc, reason):
+    # an empty message (vLLM's bare asserts), non-str args or a failing __str__ used to end in a recorder traceback
+    def load_picky(m, name, t):
+        if name == "bad":
+            raise exc
+        m.w.data.copy_(t)
+    plan, _ = run(lambda: Toy({"w": (4,)}, load_picky), {"bad": (4,), "good": (4,)})
+    assert [(f.source, f.op, f.reason) for f in plan.fallbacks] == [("bad", type(exc).__name__, reason)]
+    assert plan.sources_read() == {"good"}
+
+
+def test_loader_assert_on_a_tensors_geometry_is_a_named_error():
+    # vLLM's default_weight_loader asserts `param.size() == loaded_weight.size()`: its real loader fails the same way,
+    # so no fallback (that would fail on the consumer); the error names the tensor and quotes the assert
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    with torch.device("meta"):
+        m = Toy({"w": (4,)}, lambda m, name, t: default_weight_loader(m.w, t))
+    for tier in ("auto", "full"):
+        with pytest.raises(LoaderRejectsCheckpoint, match=r"tensor padded \[8\] float32 on rank 3: AssertionError: "
+                                                          r"Attempted to load .* at `assert param.size\(\) =="):
+            record_loader(m, [("good", (4,), "float32"), ("padded", (8,), "float32")], rank=3, tier=tier)
+
+
 def test_loader_failing_before_reading_anything_is_an_error():
     class Broken(torch.nn.Module):
         def load_weights(self, weights):
@@ -722,3 +755,81 @@ def test_record_is_deterministic():
     assert plans[0] == plans[1]
     assert ops(plans[0]) == ["Tensor.mul", "torch.cat"]
     assert math.isclose(plans[0].writes[0].src.leaf.args[1], 2.0)
+
+
+def test_padded_lm_head_checkpoint_is_a_named_error_not_a_traceback(tmp_path, capsys):
+    """A local checkpoint whose lm_head has 256 rows for a vocab of 128: vLLM's VocabParallelEmbedding.weight_loader
+    asserts (with no message), so vLLM cannot load it; `shardplan record` names the tensor and exits 2."""
+    import engine_support as es
+
+    from shardplan import cli
+
+    cfg = dict(es.config(False), vocab_size=128)
+    tensors = es.random_tensors(False, 1)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:128]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:256]
+    model = es.write_checkpoint(tmp_path / "padded", cfg, tensors)
+    code = cli.main(["record", "--model", str(model), "--tp", "2", "--out", str(tmp_path / "plans")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "rejects checkpoint tensor lm_head.weight [256, 256] bfloat16" in err
+    assert "AssertionError (no message)" in err
+    assert "at `assert loaded_weight.shape[output_dim] == self.org_vocab_size`" in err
+    assert "vocab_parallel_embedding.py" in err and "Traceback" not in err
+
+
+def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers_tensors(tmp_path):
+    """A loader that scales its loaded_weight in place (and bumps a row of it) before copying: recorded, written to a
+    plan file, packed through the sync's ReplayPacker and a TrainerRank's packer three times (every sync): the
+    trainer's tensors stay bitwise as they were (no compounding edit), and each consumer's params equal the real
+    loader's."""
+    from shardplan.engine.trainer import ModuleSource, TrainerRank
+    from shardplan.plan.compile.compiler import compile_plans
+    from shardplan.plan.file import format as planfile
+    from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
+    from shardplan.transport.base import Control
+
+    def load_scaled(m, name, t):
+        shard = t.narrow(0, 4 * m.rank, 4)
+        shard.mul_(0.5)
+        shard[1].add_(1.0)
+        m.w.data.copy_(shard)
+
+    make = lambda rank: Toy({"w": (4, 6)}, load_scaled, dtype=torch.bfloat16, rank=rank)   # noqa: E731
+    name, sources = "model.layers.0.mlp.w.weight", [ir.TensorMeta("model.layers.0.mlp.w.weight", (8, 6), "bfloat16")]
+    plans = []
+    for rank in (0, 1):
+        with torch.device("meta"):
+            meta = make(rank)
+        plan = record_loader(meta, [(name, (8, 6), "bfloat16")], rank=rank).to_plan()
+        assert "Tensor.mul_" in ops(plan) and not plan.fallbacks
+        plans.append(plan)
+    path = tmp_path / "toy.plan"
+    data = planfile.encode(compile_plans(plans, sources), model="t/toy", architecture="ToyForCausalLM",
+                           config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+    planfile.write_plan(path, data)
+    plan_file = planfile.PlanFile.read(path)
+    trainer = {name: torch.randn(8, 6).to(torch.bfloat16)}
+    pristine = bits(trainer[name]).clone()
+    control = Control.serve("127.0.0.1")
+    rank = TrainerRank(str(path), ModuleSource(trainer, plan_file), control)
+    packers = {"ReplayPacker": ReplayPacker([plan_file.rank(r) for r in (0, 1)], plan_file.sources),
+               "TrainerRank": rank.packer}
+    try:
+        for how, packer in packers.items():
+            for consumer in (0, 1):
+                real = make(consumer)
+                with torch.no_grad():
+                    real.load_weights([(name, trainer[name].clone())])
+                for _ in range(3):
+                    replayed = {"w": torch.full((4, 6), NAN, dtype=torch.bfloat16)}
+                    unpacker = ApplyUnpacker(plan_file.rank(consumer), replayed)
+                    for group in packer.groups():
+                        spans = packer.spans(consumer, group)
+                        out = torch.zeros(unpacker.sizes()[group], dtype=torch.uint8)
+                        packer.pack(consumer, group, {name: trainer[name]}, out, range(len(spans)))
+                        unpacker.apply(group, out)
+                    assert torch.equal(bits(trainer[name]), pristine), f"{how} modified the trainer's tensor"
+                    assert torch.equal(bits(replayed["w"]), bits(real.w)), f"{how}, consumer {consumer}"
+    finally:
+        rank.close()

@@ -709,9 +709,40 @@ def test_checksum_sees_a_changed_byte_and_works_unaligned():
     assert checksum(buf[:0]) == 0
 
 
-def test_config_rejects_nonpositive_timeouts():
-    with pytest.raises(SyncConfigError):
-        SyncConfig(timeout_s=0)
+@pytest.mark.parametrize("field, value", [("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("nan")),
+                                          ("timeout_s", float("inf")), ("timeout_s", "5"), ("timeout_s", True),
+                                          ("timeout_s", None), ("announce_timeout_s", float("nan")),
+                                          ("announce_timeout_s", "600"), ("verify", "yes"), ("verify", 1)])
+def test_config_refuses_bad_numbers_by_name(field, value):
+    # NaN used to pass and fail later with "cannot convert float NaN to integer"
+    with pytest.raises(SyncConfigError, match=f"SyncConfig: {field} must be"):
+        SyncConfig(**{field: value})
+    assert SyncConfig(timeout_s=5, announce_timeout_s=0.5).timeout_s == 5
+
+
+def test_control_connect_honours_its_timeout():
+    """A wrong control port (nothing listening): every connect is bounded by connect_timeout_s and named; it used
+    to retry for 60 s per client (~95 s for the engine's prewarm of 4, 135 s in a live engine's init)."""
+    import socket
+    import time
+
+    from shardplan.transport.base import ControlUnreachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ControlUnreachable, match=rf"control channel at 127.0.0.1:{port} within 1.0 s"):
+        Control("127.0.0.1", port, connect_timeout_s=1.0).prewarm(4)
+    assert time.monotonic() - t0 < 10   # one bounded connect, not four (generous: a loaded 2-core box)
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        Control("127.0.0.1", port, connect_timeout_s=float("nan"))
+    served = Control.serve("127.0.0.1")
+    import pickle
+    again = pickle.loads(pickle.dumps(Control(served.host, served.port, connect_timeout_s=2.5)))
+    assert again.connect_timeout_s == 2.5
+    again.set("k", "v")
+    assert served.try_get("k") == "v"
 
 
 def test_coordinator_membership_excludes_silent_and_readmits_rejoined():
@@ -977,6 +1008,45 @@ class SwappedTrainerWorld(PlanWorld):
         self._packer = ReplayPacker(trainer_plans, self.sources, max_group_bytes=PART_BYTES)
 
 
+def _swap_q_and_k_sources(plan):
+    """The same plan with the sources of q_proj and k_proj swapped: the same destinations, other bytes in them."""
+    from shardplan.plan import ir
+    writes = list(plan.writes)
+    q = [i for i, w in enumerate(writes) if ".q_proj." in getattr(w.src.leaf, "name", "")]
+    k = [i for i, w in enumerate(writes) if ".k_proj." in getattr(w.src.leaf, "name", "")]
+    assert q and len(q) == len(k)
+    for i, j in zip(q, k):
+        writes[i], writes[j] = (ir.Write(writes[i].param, writes[i].dst, writes[j].src),
+                                ir.Write(writes[j].param, writes[j].dst, writes[i].src))
+    return ir.RankPlan(plan.rank, plan.params, tuple(writes), plan.fallbacks, plan.not_needed)
+
+
+@dataclass
+class SwappedSourcesTrainerWorld(PlanWorld):
+    """The trainers pack consumer 1's bytes from its plan with the q/k *sources* swapped: every destination (so the
+    pack layout) is the consumer's, the bytes are not."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from shardplan.sync import ReplayPacker
+        self.trainer_plans = [self.plans[0], _swap_q_and_k_sources(self.plans[1])]
+        self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
+
+
+@dataclass
+class NextRankSlicesTrainerWorld(PlanWorld):
+    """The trainers pack consumer 1's bytes from rank 0's writes (its slices), relabelled rank 1: same writes, params
+    and destinations, so the same pack layout; the sources are the other rank's."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from shardplan.plan import ir
+        from shardplan.sync import ReplayPacker
+        wrong = ir.RankPlan(1, self.plans[1].params, self.plans[0].writes, self.plans[1].fallbacks)
+        self.trainer_plans = [self.plans[0], wrong]
+        self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
+
+
 @dataclass
 class WrongRankWorld(PlanWorld):
     """Consumer 1 applies rank 0's plan (a wrong rank mapping in the launcher); its byte counts equal rank 1's."""
@@ -985,8 +1055,19 @@ class WrongRankWorld(PlanWorld):
         return super().unpacker(0)
 
 
-@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld], ids=["different-destinations", "wrong-rank"])
+@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld, SwappedSourcesTrainerWorld,
+                                   NextRankSlicesTrainerWorld],
+                         ids=["different-destinations", "wrong-rank", "q-k-sources-swapped", "next-rank-slices"])
 def test_layout_disagreement_is_refused_on_both_sides_before_any_byte_moves(world):
+    if world in (SwappedSourcesTrainerWorld, NextRankSlicesTrainerWorld):
+        # source-only differences: the pack layouts (destinations) agree, only what the writes read differs
+        from shardplan.runtime.pack import PackLayout
+        w = world()
+        consumer, trainer = w.plans[1], w.trainer_plans[1]
+        assert PackLayout.from_plans(consumer, 256, PART_BYTES).digest == \
+            PackLayout.from_plans(trainer, 256, PART_BYTES).digest
+        assert w.unpacker(1).stamp() != w._packer.stamp(1)
+        assert w.unpacker(0).stamp() == w._packer.stamp(0)
     cluster = LocalCluster("nccl", world)
     try:
         results = cluster.sync(1)

@@ -6,14 +6,24 @@ import subprocess
 import sys
 
 import pytest
-
-from planfile_helpers import raw_parts, reseal, seal
 from blocked_imports import run_without_vllm
+from planfile_helpers import raw_parts, reseal, seal
+
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.layout import Layout
 from shardplan.plan.file import format as planfile
-from shardplan.plan.file.format import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFile, PlanFormatVersionError, PlanOpNotAllowed, PlanTruncated, decode, encode)
+from shardplan.plan.file.format import (
+    PlanBoundsError,
+    PlanChecksumError,
+    PlanCorrupt,
+    PlanFile,
+    PlanFormatVersionError,
+    PlanOpNotAllowed,
+    PlanTruncated,
+    decode,
+    encode,
+)
+from shardplan.plan.layout import Layout
 
 SOURCES = [ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
            ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
@@ -218,6 +228,41 @@ def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
     # another config (overridden) does not match the fingerprint
     with pytest.raises(store.PlanNotFound):
         store.load_plan("llama-3.1-8b", tp=2, overrides=["num_hidden_layers=2"])
+
+
+def test_load_plan_returns_the_bytes_whose_fingerprint_it_checked(isolated_store, monkeypatch):
+    """A plan file replaced between the scan (header matched) and the read used to come back unchecked: load_plan
+    now decodes the very bytes whose header matched."""
+    from shardplan.models import resolve_model
+    from shardplan.plan.file import store
+
+    def plan_bytes(spec):
+        return encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id or spec.name,
+                      architecture=spec.architecture, config_sha256=spec.config_sha256, layout=Layout(tp=2),
+                      dtype="bfloat16", vllm_version=store.installed_vllm_version() or "0.32.0")
+    spec, other = resolve_model("llama-3.1-8b"), resolve_model("llama-3.1-8b", ["num_hidden_layers=2"])
+    path = isolated_store / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16")
+    planfile.write_plan(path, plan_bytes(spec))
+    real = store.read_plan_bytes
+
+    def read_then_swap(p):
+        data = real(p)
+        planfile.write_plan(path, plan_bytes(other))   # replaced right after its header was read
+        return data
+    monkeypatch.setattr(store, "read_plan_bytes", read_then_swap)
+    plan = store.load_plan("llama-3.1-8b", tp=2)
+    assert plan.header.config_sha256 == spec.config_sha256 != other.config_sha256
+
+
+def test_inspect_refuses_a_negative_max_lines(capsys):
+    from shardplan import cli
+    from shardplan.plan.inspect import InspectArgumentError, inspect_plan
+
+    assert cli.main(["inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "-5"]) == 2
+    assert "--max-lines must be a non-negative integer (0 prints every line), got -5" in capsys.readouterr().err
+    for bad in (-1, 2.5, True):
+        with pytest.raises(InspectArgumentError):
+            inspect_plan("plans/kimi-k2--tp32-ep--bfloat16.plan", max_lines=bad)
 
 
 def test_stale_vllm_is_refused(isolated_store, monkeypatch):

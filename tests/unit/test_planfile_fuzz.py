@@ -8,6 +8,11 @@ recomputed) is never accepted. A resealed change can be accepted only as what th
 gate re-encodes what it loaded and compares bytes, so nothing is coerced; such plans are counted and must instantiate
 or fail with a named error too. The internal safety net in decode ("does not have the documented structure") must never
 fire: every refusal comes from a rule.
+
+Three replay families (issue 23) fuzz what a plan makes replay do: random in-place chains over trainer tensors (packed
+only when they modify tensors the plan made, else refused by name; the trainer's tensors never change), allowed ops
+with huge arguments (refused by name before any allocation, or packed; memory flat), and trainer plans that differ
+from the consumer's only in what they read (whenever the packed bytes differ, the stamps differ).
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
 from planfile_helpers import raw_parts, reseal, rich_bytes, seal
+
 from shardplan.plan import inspect as plan_inspect
 from shardplan.plan.file import format as planfile
 from shardplan.plan.file.format import PlanFile, PlanFileError, decode
@@ -253,6 +258,203 @@ def test_odd_files(tmp_path):
             PlanFile.read(path)
         assert str(path) in str(info.value)
         STATS["odd-files"][type(info.value).__name__] += 1
+
+
+# ---- replay families (issue 23): in-place ops on sources, oversized op outputs, source-only layout differences -------
+def _replay_imports():
+    import torch
+
+    from shardplan.plan import interp, ir
+    from shardplan.plan.compile.compiler import compile_plans
+    from shardplan.plan.file import skeletons
+    from shardplan.plan.layout import Layout
+    from shardplan.runtime.replay import Replayer
+    return torch, interp, ir, compile_plans, skeletons, Layout, Replayer
+
+
+def _random_leaf_over(rng: random.Random, ir, src):
+    """A value leaf over `src` (a View of a 4x4 float32 source): an in-place op on the source itself, on a view op of
+    it, or on a copy (the recorder's form), possibly chained and wrapped."""
+    A0 = ir.Arg(0)
+    full = ir.full_region((4, 4))
+    target = src
+    for _ in range(rng.randrange(3)):   # view-ish ops that may return the trainer's own storage
+        op = rng.choice(["Tensor.view", "Tensor.contiguous", "Tensor.float", "Tensor.to", "Tensor.reshape",
+                         "Tensor.__getitem__", "Tensor.clone", "Tensor.mul", "torch.exp"])
+        args = {"Tensor.view": (A0, (4, 4)), "Tensor.reshape": (A0, (4, 4)), "Tensor.to": (A0, ir.DType("float32")),
+                "Tensor.__getitem__": (A0, ir.Slice(None, None, None)), "Tensor.mul": (A0, 1.0)}.get(op, (A0,))
+        target = ir.View(ir.Call(op, args, (), (target,)), full)
+    for _ in range(rng.randrange(1, 3)):
+        op = rng.choice(sorted(ir.INPLACE_OPS))
+        extra = {"Tensor.zero_": (), "Tensor.fill_": (rng.choice([0.0, float("nan"), -1.0]),),
+                 "Tensor.copy_": (ir.Arg(1),)}.get(op, (rng.choice([0.5, 2.0, -1.0]),))
+        inputs = (target,) + ((ir.View(ir.Full(7.0, (4, 4), "float32"), full),) if op == "Tensor.copy_" else ())
+        kwargs = (("out", A0),) if rng.random() < 0.05 else ()
+        target = ir.View(ir.Call(op, (A0,) + extra, kwargs, inputs), full)
+    if rng.random() < 0.3:
+        target = ir.View(ir.Call("Tensor.neg", (A0,), (), (target,)), full)
+    return target
+
+
+def test_inplace_ops_on_sources():
+    """Random in-place chains over trainer tensors: a plan either targets only tensors it made (then it packs, and
+    pack == the reference interpreter), or it is refused by name by the file reader, Replayer and the interpreter.
+    Either way the trainer's tensors stay bitwise as they were."""
+    torch, interp, ir, compile_plans, skeletons, Layout, Replayer = _replay_imports()
+    from shardplan.runtime.apply import params_from_plan
+    rng = random.Random(f"{SEED}-inplace")
+    meta = ir.TensorMeta("model.layers.0.w.weight", (4, 4), "float32")
+    for case in range(CASES // 10):   # each case writes, reads and packs a plan file: the slowest family per case
+        src = ir.View(ir.Source(meta.name), rng.choice([ir.full_region((4, 4)), ir.Region(0, (4, 4), (1, 4))]))
+        value = _random_leaf_over(rng, ir, src)
+        plan = ir.RankPlan(0, (meta,), (ir.Write(meta.name, ir.full_region((4, 4)), value),))
+        trainer = {meta.name: torch.randn(4, 4, generator=torch.Generator().manual_seed(case))}
+        before = trainer[meta.name].clone()
+        refused = ir.foreign_write(value.leaf)
+        signal.signal(signal.SIGVTALRM, _alarm)
+        saved = skeletons.SkeletonRules.foreign_write
+        skeletons.SkeletonRules.foreign_write = lambda *a: None   # a writer without the check
+        try:
+            data = planfile.encode(compile_plans([plan], [meta]), model="t/m", architecture="TForCausalLM",
+                                   config_sha256="0" * 64, layout=Layout(tp=1), dtype="bfloat16", vllm_version="0.32.0")
+        finally:
+            skeletons.SkeletonRules.foreign_write = saved
+        try:
+            if refused:
+                with pytest.raises(planfile.PlanOpNotAllowed, match="never writes into the trainer's tensors"):
+                    decode(data, "f.plan")
+                with pytest.raises(interp.ForeignWriteError):
+                    Replayer(plan, {meta.name: meta})
+                with pytest.raises(interp.ForeignWriteError):
+                    interp.apply_reference(plan, trainer, params_from_plan(plan))
+                outcome = "refused"
+            else:
+                header, body = decode(data, "f.plan")
+                loaded = PlanFile(header, body, "f.plan").rank(0)
+                buf = Replayer(loaded, {meta.name: meta}).pack(trainer)
+                params = params_from_plan(plan)
+                interp.apply_reference(plan, trainer, params)
+                assert torch.equal(buf[:64].view(torch.float32).view(4, 4).nan_to_num(7.5),
+                                   params[meta.name].nan_to_num(7.5))
+                outcome = "packed"
+            assert torch.equal(trainer[meta.name], before), "a trainer tensor was modified"
+        except (AssertionError, Exception) as e:
+            raise AssertionError(f"seed {SEED}, case {case}: {ir.leaf_str(value.leaf, {})}: {type(e).__name__}: "
+                                 f"{e}") from e
+        STATS["replay-inplace"][outcome] += 1
+    assert STATS["replay-inplace"]["refused"] and STATS["replay-inplace"]["packed"]
+
+
+def test_oversized_op_outputs():
+    """Allowed ops with random (often huge) arguments over a 4-element source: Replayer either refuses the plan by
+    name (PlanTooLarge / PlanError naming the rank, write and op) before allocating anything, or packs it; memory
+    stays flat across the family."""
+    torch, interp, ir, compile_plans, skeletons, Layout, Replayer = _replay_imports()
+    rng = random.Random(f"{SEED}-oversized")
+    meta = ir.TensorMeta("model.layers.0.b.weight", (4,), "float32")
+    param = ir.TensorMeta("model.layers.0.p.weight", (4,), "float32")
+    A0, src = ir.Arg(0), ir.View(ir.Source(meta.name), ir.full_region((4,)))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for case in range(CASES // 5):
+        big = rng.choice([1, 2, 3, 10 ** 3, 10 ** 5, 10 ** 9, 10 ** 12, 1 << 48])
+        kind = rng.randrange(6)
+        if kind == 0:
+            leaf = ir.Call("Tensor.repeat", (A0, rng.choice([1, big]), big), (), (src,))
+        elif kind == 1:
+            leaf = ir.Call("Tensor.repeat_interleave", (A0, big), (), (src,))
+        elif kind == 2:
+            expanded = ir.View(ir.Call("Tensor.expand", (A0, (big, 4)), (), (src,)), ir.Region(0, (4,), (1,)))
+            leaf = ir.Call("Tensor.contiguous", (A0,), (), (expanded,))
+        elif kind == 3:
+            zero = ir.View(ir.Source(meta.name), ir.Region(0, (big, rng.choice([1, big])), (0, 0)))
+            leaf = ir.Call(rng.choice(["Tensor.contiguous", "Tensor.clone", "Tensor.neg"]), (A0,), (), (zero,))
+        elif kind == 4:
+            leaf = ir.Full(0.0, (big, rng.choice([1, 4, big])), "float32")
+        else:
+            leaf = ir.Call("torch.cat", ((A0,) * rng.choice([1, 2, 64]),), (("dim", 0),), (src,))
+        value = ir.View(leaf, ir.Region(0, (4,), (1,)))
+        plan = ir.RankPlan(0, (param,), (ir.Write(param.name, ir.full_region((4,)), value),))
+        signal.signal(signal.SIGVTALRM, _alarm)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 10)
+        try:
+            replayer = Replayer(plan, {meta.name: meta})
+            replayer.pack({meta.name: torch.arange(4.0)})
+            outcome = "packed"
+        except interp.PlanError as e:
+            assert "rank 0: write 0 (model.layers.0.p.weight)" in str(e), e
+            outcome = type(e).__name__
+        except Exception as e:
+            raise AssertionError(f"seed {SEED}, case {case}: {ir.leaf_str(leaf, {})}: {type(e).__name__}: {e}") from e
+        finally:
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        STATS["replay-oversized"][outcome] += 1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0 < 200
+    assert STATS["replay-oversized"]["PlanTooLarge"] and STATS["replay-oversized"]["packed"]
+
+
+def _source_only_change(rng: random.Random, ir, plan, other, sources):
+    """A plan with the same destinations as `plan` and (possibly) other reads: a description and the plan."""
+    writes = list(plan.writes)
+    pure = [i for i, w in enumerate(writes) if ir.is_pure_view(w)]
+    kind = rng.randrange(5)
+    if kind == 0 and len(pure) > 1:   # swap the sources of two writes of equal source sizes
+        i, j = rng.sample(pure, 2)
+        if writes[i].src.region.sizes == writes[j].src.region.sizes:
+            writes[i], writes[j] = (ir.Write(writes[i].param, writes[i].dst, writes[j].src),
+                                    ir.Write(writes[j].param, writes[j].dst, writes[i].src))
+        return "swap", writes
+    if kind == 1:   # the next slice: shift one source region by one step of its first dim, within bounds
+        i = rng.choice(pure)
+        r = writes[i].src.region
+        step = r.strides[0] * rng.choice([-1, 1]) if r.strides else 0
+        shifted = ir.Region(r.offset + step, r.sizes, r.strides)
+        lo, hi = shifted.extent()
+        if lo >= 0 and hi <= sources[writes[i].src.leaf.name].numel:
+            writes[i] = ir.Write(writes[i].param, writes[i].dst, ir.View(writes[i].src.leaf, shifted))
+        return "shift", writes
+    if kind == 2:   # the other rank's reads into this rank's destinations
+        return "other-rank", [ir.Write(w.param, w.dst, o.src) for w, o in zip(writes, other.writes)]
+    if kind == 3:   # another source of the same shape and dtype
+        i = rng.choice(pure)
+        name = writes[i].src.leaf.name
+        same = [s.name for s in sources.values() if (s.shape, s.dtype) == (sources[name].shape, sources[name].dtype)]
+        writes[i] = ir.Write(writes[i].param, writes[i].dst, ir.View(ir.Source(rng.choice(same)), writes[i].src.region))
+        return "rename", writes
+    return "same", writes
+
+
+def test_source_only_layout_differences():
+    """A trainer plan that differs from the consumer's only in what its writes read (swapped, shifted, renamed or the
+    other rank's sources): whenever the bytes it packs differ from the consumer's plan's, the trainer's stamp differs
+    from the consumer's (both sides refuse before any byte moves); the same plan stamps alike on both sides."""
+    torch, interp, ir, compile_plans, skeletons, Layout, Replayer = _replay_imports()
+    from planfile_helpers import rich_plans
+
+    from shardplan.runtime.apply import params_from_plan
+    from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
+    rng = random.Random(f"{SEED}-stamps")
+    plans, source_list = rich_plans()
+    sources = {s.name: s for s in source_list}
+    tensors = {s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).to(getattr(torch, s.dtype))
+               for i, s in enumerate(source_list)}
+    for case in range(CASES // 5):
+        rank = rng.randrange(2)
+        consumer = plans[rank]
+        what, writes = _source_only_change(rng, ir, consumer, plans[1 - rank], sources)
+        trainer_plan = ir.RankPlan(rank, consumer.params, tuple(writes), consumer.fallbacks)
+        try:
+            differ = not torch.equal(Replayer(consumer, sources).pack(tensors), Replayer(trainer_plan, sources).pack(tensors))
+            trainer = ReplayPacker([trainer_plan], sources).stamp(rank)
+            mine = ApplyUnpacker(consumer, params_from_plan(consumer), sources=sources,
+                                 fallback_loader=lambda n, t: None).stamp()
+            if differ:
+                assert trainer != mine, "other bytes, same stamp: the consumer would apply them"
+            elif writes == list(consumer.writes):
+                assert trainer == mine, "the same plan stamps differently"
+        except AssertionError as e:
+            raise AssertionError(f"seed {SEED}, case {case}: {what}: {e}") from e
+        STATS["replay-stamps"][f"{what}, {'other bytes, refused' if differ else 'same bytes'}"] += 1
+    assert sum(n for k, n in STATS["replay-stamps"].items() if "refused" in k)
 
 
 def test_zz_report_and_memory():

@@ -317,9 +317,13 @@ class PlanFile:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "PlanFile":
-        data = read_plan_bytes(path)
-        header, body = decode(data, str(path))
-        return cls(header, body, str(path), data[-CHECKSUM_BYTES:].hex())
+        return cls.from_bytes(read_plan_bytes(path), str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str = "<bytes>") -> "PlanFile":
+        """The plan in `data` (a whole plan file's bytes, e.g. the ones whose header the store already checked)."""
+        header, body = decode(data, path)
+        return cls(header, body, path, data[-CHECKSUM_BYTES:].hex())
 
     @property
     def sources(self) -> dict[str, ir.TensorMeta]:

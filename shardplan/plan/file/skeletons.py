@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from shardplan.plan.ir import UNARY_OPS
+from shardplan.plan.file.errors import advice
+from shardplan.plan.ir import FRESH_OPS, INPLACE_OPS, UNARY_OPS
 from shardplan.plan.template import HOLE
 
 MAX_DEPTH = 24          # nesting of a write skeleton (legit plans: 4)
@@ -95,10 +96,20 @@ class SkeletonRules:
             if op in UNARY_OPS and (len(inputs) != 1 or s[2] != (("a", 0),) or s[3] or s[5] is not None):
                 self.fail(where, s[1:4], f"{op} takes exactly one tensor: args [[\"a\", 0]], no kwargs, one input, "
                                          f"out nil")
+            if any(kv[0] == "out" for kv in s[3]):
+                self.foreign_write(where, f"{op} takes out=, which would write into the tensor it names")
+            if op in INPLACE_OPS and not (s[2] and _is_arg(s[2][0]) and _made_by_plan(inputs[s[2][0][1]][1])):
+                self.foreign_write(where, f"in-place {op} writes into its first argument, which must be a tensor the "
+                                          f"plan made (a Tensor.clone of the view, as the recorder writes it), never a "
+                                          f"trainer tensor or a view of one")
             return holes
         self.array(s, where, 4)   # "U"
         return (self.leaf(s[1], f"{where}.base", depth + 1, ops) + self.region(s[2], f"{where}.region")
                 + self.view(s[3], f"{where}.value", depth + 1, ops))
+
+    def foreign_write(self, where: str, why: str):
+        raise self.op_error(f"{self.path}: {where}: {why}: replay never writes into the trainer's tensors; this plan "
+                            f"is corrupt or hostile. " + advice(self.path))
 
     def literal(self, a, where: str, depth: int, num_inputs: int) -> int:
         """A literal of a Call; returns its number of holes."""
@@ -145,3 +156,21 @@ class SkeletonRules:
         else:   # "t"
             return sum(self.literal(x, f"{where}[{i + 1}]", depth + 1, num_inputs) for i, x in enumerate(a[1:]))
         return 0
+
+
+def _is_arg(a) -> bool:
+    return type(a) is tuple and len(a) == 2 and a[0] == "a"
+
+
+def _made_by_plan(s) -> bool:
+    """ir.made_by_plan on an (already checked) skeleton leaf."""
+    while True:
+        if s[0] in ("F", "U"):
+            return True
+        if s[0] != "C" or s[5] is not None:
+            return False
+        if s[1] in FRESH_OPS:
+            return True
+        if s[1] not in INPLACE_OPS or not (s[2] and _is_arg(s[2][0])):
+            return False
+        s = s[4][s[2][0][1]][1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from shardplan.models import resolve_model
 from shardplan.plan import ir
@@ -74,7 +74,11 @@ def installed_vllm_version() -> str | None:
 def scan(dirs: Iterable[Path] | None = None) -> list[tuple[Path, PlanHeader | None, str]]:
     """Every `*.plan` entry found, with its header (sealed and checked) or None and the reason it is unusable. An
     unusable entry (corrupt, truncated, a dangling symlink, a directory, a FIFO...) never stops the scan."""
-    found = []
+    return [(path, header, error) for path, _, header, error in _scan(dirs)]
+
+
+def _scan(dirs: Iterable[Path] | None = None) -> Iterator[tuple[Path, bytes | None, PlanHeader | None, str]]:
+    """scan()'s entries with the bytes each header was read from (None when unusable)."""
     for d in (search_dirs() if dirs is None else dirs):
         try:
             entries = sorted(d.glob(f"*{SUFFIX}")) if d.is_dir() else []
@@ -82,10 +86,10 @@ def scan(dirs: Iterable[Path] | None = None) -> list[tuple[Path, PlanHeader | No
             continue
         for path in entries:
             try:
-                found.append((path, read_header(read_plan_bytes(path), str(path)), ""))
+                data = read_plan_bytes(path)
+                yield path, data, read_header(data, str(path)), ""
             except PlanFileError as e:
-                found.append((path, None, str(e)))
-    return found
+                yield path, None, None, str(e)
 
 
 def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = False, dtype: str = "bfloat16",
@@ -127,9 +131,11 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
         usable = [(f, h) for f, h in usable if rank in _header(h).ranks] or usable
     errors = []
     for file, found in usable:
+        # the bytes whose header matched the fingerprint above, decoded as they are: the file is not read again (it
+        # may have been replaced since the scan)
         try:
-            plan = found if isinstance(found, PlanFile) else PlanFile.read(file)
-        except PlanFileError as e:   # changed since the scan: try the next one
+            plan = found if isinstance(found, PlanFile) else PlanFile.from_bytes(found[1], str(file))
+        except PlanFileError as e:   # a sealed header over a body that does not check: try the next one
             errors.append(str(e))
             continue
         return plan if rank is None else plan.rank(rank)
@@ -137,16 +143,20 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
 
 
 def _header(found) -> PlanHeader:
-    return found.header if isinstance(found, PlanFile) else found
+    return found.header if isinstance(found, PlanFile) else found[0]
 
 
-def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str) -> list[tuple[Path, PlanHeader]]:
+def _find(spec, layout: Layout, dtype: str, want: str,
+          record_cmd: str) -> list[tuple[Path, tuple[PlanHeader, bytes]]]:
     matches, near, skipped = [], [], []
-    for file, header, error in scan():
+    for file, data, header, error in _scan():
         if header is None:
             skipped.append(error)
         elif header.config_sha256 == spec.config_sha256:
-            (matches if header.layout == layout and header.dtype == dtype else near).append((file, header))
+            if header.layout == layout and header.dtype == dtype:
+                matches.append((file, (header, data)))
+            else:
+                near.append((file, header))
     if not matches:
         have = "\n".join(f"  {f}: {h.layout.tag()} {h.dtype} ranks {_ranks_text(h.ranks)}" for f, h in near) or "  (none)"
         bad = ("\nSkipped unusable plan files:\n" + "\n".join(f"  {e.splitlines()[0][:300]}" for e in skipped)
