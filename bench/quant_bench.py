@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--warps", type=int, default=None, help="the kernel's num_warps (default fp8kernel.NUM_WARPS)")
     ap.add_argument("--build-only", action="store_true",
-                    help="time only building a QuantizingReplayer for one whole consumer rank (CPU work; no GPU needed)")
+                    help="time only building one consumer rank's QuantizingReplayer (CPU work; no GPU needed)")
     ap.add_argument("--repeat", type=int, default=3, help="builds per case with --build-only (median reported)")
     args = ap.parse_args()
     if args.build_only:

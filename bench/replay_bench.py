@@ -339,7 +339,7 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     # the sync packer's test that the source handed the bound tensors again (its identity pass), before check()
     names = sorted(replayer.sources_read())
     bound.given = tuple(bound.tensors[n] for n in names)
-    same_us = statistics.median(_timed(lambda: _same_tensors(bound, names, tensors)) for _ in range(200)) * 1e6
+    same_us = statistics.median(_timed(lambda b=bound, t=tensors: _same_tensors(b, names, t)) for _ in range(200)) * 1e6
     if args.profile_ops and "batched" in bounds:
         ops = bounds["batched"]._ops
         op_seconds = interleaved_medians({i: op for i, op in enumerate(ops)}, device, args.iters)
@@ -347,8 +347,9 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
             print(f"#   op {i}: {op_seconds[i] * 1e6:8.1f} us  {getattr(op, 'label', '?')}", flush=True)
     rows = []
     for strategy, b in bounds.items():
-        row = dict(case=label, strategy=strategy, mib=replayer.layout.nbytes / 2**20, writes=len(plan.writes), tensors=len(bound.tensors),
-                   launches=b.num_launches, ceiling_gbps=ceiling / 1e9, pack_ms=seconds[strategy] * 1e3,
+        row = dict(case=label, strategy=strategy, mib=replayer.layout.nbytes / 2**20, writes=len(plan.writes),
+                   tensors=len(bound.tensors), launches=b.num_launches, ceiling_gbps=ceiling / 1e9,
+                   pack_ms=seconds[strategy] * 1e3,
                    pack_gbps=pack_bytes / seconds[strategy] / 1e9)
         apply_key = {"batched": "apply", "batched+graph": "apply+graph", "loop": "apply-naive"}.get(strategy)
         if apply_key in seconds:
