@@ -5,7 +5,7 @@ export GLOO_SOCKET_IFNAME := lo
 export UCX_NET_DEVICES := lo
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: setup demo test test-unit test-gpu plans bench-record bench-compile
+.PHONY: setup demo test test-fast test-unit test-gpu lint plans bench-record bench-compile
 
 setup:
 	@bash scripts/setup.sh
@@ -19,9 +19,20 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
 
-# The CPU unit tests alone (no vLLM, no processes): tests/unit.
+# The development loop (< 3 min on a 2-core box): tests/unit (CPU, no vLLM engines) without the `slow` cases
+# (subprocesses, whole shipped plans), every hypothesis test at a small budget (tests/conftest.py's `fast` profile),
+# the plan-reader fuzz at 200 cases per family.
+test-fast: setup
+	HYPOTHESIS_PROFILE=fast SHARDPLAN_FUZZ_CASES=200 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 tests/unit
+
+# The CPU unit tests alone, at their full budgets: tests/unit.
 test-unit: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests/unit
+
+# Lint and format check (configuration: pyproject.toml's [tool.ruff]); `ruff format` and `ruff check --fix` fix.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The GPU tier (tests/gpu: replay, apply, the fused FP8 kernel, devices, shipped plans on CUDA). Runs on a CUDA
 # machine with the python that has torch there (no .venv, no vLLM: GPU_PY=python3 by default); CI has no GPU, so its

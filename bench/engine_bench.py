@@ -10,14 +10,22 @@ pause, announce, start, per group pack -> gloo (the `nccl` adapter on CPU) -> ap
 vLLM's own: its `nccl` backend needs CUDA (PyNccl), so on CPU the same engine runs `reload_weights(weights_path=...)`:
 layerwise reload + `load_weights` of every full checkpoint tensor, read by every worker from the (page-cached)
 safetensors file. That is what its nccl/ipc backends do after the transfer, without the transfer.
-Ceiling of the transport, same run (after the engine is shut down): the same per-worker byte counts sent from this
-process to one process per worker over gloo TCP on 127.0.0.1, all at once, one message each.
+Ceiling of the transport, same run: the same per-worker byte counts sent from this process to one process per worker
+over gloo TCP on 127.0.0.1, all at once, one message each (its receivers start before the engine; one round is timed
+before each shardplan update).
 
 Both update the same engine from checkpoint A to checkpoint B (random bf16 weights); the greedy tokens after each
 way are printed side by side (equal for the dense model; for the MoE model vLLM 0.32's own reload skips the CPU
 experts' prepack, docs/engine.md, so its tokens differ; MoE cases also time a shardplan sync without the prepack
-re-run, the same work as vLLM's reload, whose tokens must then equal vLLM's). Median of --iters updates each,
-alternating.
+re-run, the same work as vLLM's reload, whose tokens must then equal vLLM's: --skip-prepack). Median of --iters
+updates each, alternating (gloo round, shardplan sync, vLLM reload), with the load average at each iteration.
+
+Per engine rank, the split of one shardplan update (the worker's own clocks, shardplan.engine.reload): trainer pack
+(this process, per consumer lane), receive + verify (the rest of the update: waiting for bytes, checksums), start
+(layerwise reload set up), materialize, apply (bytes into the pre-processing params), process (vLLM's
+process_weights_after_loading, per module class below the table), MoE prepack (the re-run vLLM 0.32 skips), copy
+into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
+the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
 """
 from __future__ import annotations
 
@@ -90,51 +98,63 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
     return dirs, tensors_b, plan
 
 
-def _gloo_receiver(port: int, pair: int, nbytes: int, iters: int) -> None:
-    """One receiving process of the transport ceiling: `iters` times, `nbytes` from the bench process over gloo."""
+def _gloo_receiver(port: int, pair: int, nbytes: int, rounds: int) -> None:
+    """One receiving process of the transport ceiling: `rounds` times, `nbytes` from the bench process over gloo."""
     from datetime import timedelta
 
     import torch.distributed as dist
     store = dist.PrefixStore(f"pair{pair}", dist.TCPStore("127.0.0.1", port, is_master=False))
-    pg = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=300))
+    pg = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(iters + 1):
+    for _ in range(rounds):
         pg.recv([buf], 0, 0).wait()
 
 
-def gloo_ceiling(nbytes_per_peer: list[int], iters: int) -> list[float]:
+class GlooCeiling:
     """The transport alone, same run: the bench process sends each engine worker's byte count to its own process
-    over gloo TCP on 127.0.0.1 (what the `nccl` adapter runs on CPU), all peers at once, one message each; the first
-    round (connection set-up) is dropped. Seconds per round."""
-    import multiprocessing as mp
-    import threading
-    from datetime import timedelta
+    over gloo TCP on 127.0.0.1 (what the `nccl` adapter runs on CPU), all peers at once, one message each. Started
+    before the engine; `send()` is one round (timed between the engine's updates); the first (connection set-up)
+    round is not timed."""
 
-    import torch.distributed as dist
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gloo_receiver, args=(server.port, i, n, iters), daemon=True)
-             for i, n in enumerate(nbytes_per_peer)]
-    for p in procs:
-        p.start()
-    groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"pair{i}", server), 0, 2, timedelta(seconds=300))
-              for i in range(len(procs))]
-    bufs = [torch.ones(n, dtype=torch.uint8) for n in nbytes_per_peer]
-    out = []
-    for _ in range(iters + 1):
+    def __init__(self, nbytes_per_peer: list[int], iters: int):
+        import multiprocessing as mp
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_gloo_receiver, args=(self.server.port, i, n, iters + 1), daemon=True)
+                      for i, n in enumerate(nbytes_per_peer)]
+        for p in self.procs:
+            p.start()
+        self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"pair{i}", self.server), 0, 2, timedelta(seconds=600))
+                       for i in range(len(self.procs))]
+        whole = torch.ones(max(nbytes_per_peer), dtype=torch.uint8)   # one buffer, read by every peer's send
+        self.bufs = [whole[:n] for n in nbytes_per_peer]
+        self.send()
+
+    def send(self) -> float:
+        import threading
         t = time.perf_counter()
-        threads = [threading.Thread(target=lambda g=g, b=b: g.send([b], 1, 0).wait()) for g, b in zip(groups, bufs)]
+        threads = [threading.Thread(target=lambda g=g, b=b: g.send([b], 1, 0).wait())
+                   for g, b in zip(self.groups, self.bufs)]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        out.append(time.perf_counter() - t)
-    for p in procs:
-        p.join(60)
-    return out[1:]
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(60)
+        self.bufs = []
 
 
-def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> dict:
+ENGINE_STEPS = ("start", "materialize", "apply", "process", "moe prepack", "copy into kernel tensors", "finalize",
+                "readers")
+
+
+def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip_prepack: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
@@ -153,6 +173,13 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> d
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         tensors_b = load_file(str(b / "model.safetensors"))
+    from shardplan.plan.file.format import PlanFile
+    from shardplan.runtime.pack import PackLayout
+    plan_file = PlanFile.read(plan)
+    layouts = [PackLayout.from_plans(plan_file.rank(r)) for r in range(tp)]
+    per_peer = [lay.nbytes for lay in layouts]
+    layer_bytes = [max(g.nbytes for g in lay.groups) for lay in layouts]   # one decoder layer of each rank
+    ceiling = GlooCeiling(per_peer, iters)
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     llm = LLM(model=str(a), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
@@ -166,42 +193,66 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = ()) -> d
 
     sync = EngineSync([llm], plan, config=SyncConfig(timeout_s=120))
     trainer = sync.trainer_rank(ModuleSource(tensors_b, sync.plan_file))
-    nbytes = sum(trainer.packer.replayers[r].layout.nbytes for r in trainer.packer.consumers())
+    pack_s: dict[int, float] = {}
+    pack = trainer.packer.pack
+
+    def timed_pack(consumer, *args, **kwargs):   # the trainer's pack, per consumer lane (lanes run in threads)
+        t = time.perf_counter()
+        pack(consumer, *args, **kwargs)
+        pack_s[consumer] = pack_s.get(consumer, 0.0) + time.perf_counter() - t
+    trainer.packer.pack = timed_pack
+    sync.init()   # once per engine: not part of an update
+    nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
-    shardplan_s, update_s, vllm_s = [], [], []
-    tokens_shardplan = tokens_vllm = None
     moe = "num_experts" in cfg
-    skip_s, tokens_skip = [], None   # MoE: shardplan without the CPU prepack re-run (the step vLLM 0.32's reload skips)
+    runs = {"shardplan": [], "vllm": [], "gloo": [], "shardplan_skip_prepack": []}
+    splits, packs, loads, phases = [], [], [], []
+    tokens_shardplan = tokens_vllm = tokens_skip = None
     for _ in range(iters):
+        loads.append(os.getloadavg()[0])
+        runs["gloo"].append(ceiling.send())
+        pack_s.clear()
         report = sync.sync(trainer=trainer)
-        shardplan_s.append(report.seconds)
-        update_s.append(report.phases["update"])
+        runs["shardplan"].append(report.seconds)
+        phases.append(dict(report.phases))
+        splits.append([w["last_update"] for w in report.engines[0].workers])
+        packs.append(dict(pack_s))
         tokens_shardplan = tokens()
-        if moe:
-            skip_s.append(sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds)
+        if moe and skip_prepack:
+            runs["shardplan_skip_prepack"].append(
+                sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds)
             tokens_skip = tokens()
         t = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
         llm.reset_prefix_cache()
-        vllm_s.append(time.perf_counter() - t)
+        runs["vllm"].append(time.perf_counter() - t)
         tokens_vllm = tokens()
     trainer.close()
-    per_peer = [trainer.packer.replayers[r].layout.nbytes for r in trainer.packer.consumers()]
+    ceiling.close()
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001
         pass
     del llm
     gc.collect()
-    ceiling_s = gloo_ceiling(per_peer, iters)   # engine gone: the same cores and memory as the syncs had
+    med = statistics.median
+    ranks = []
+    for r in range(tp):
+        steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in splits) for k in (*ENGINE_STEPS, "update")}
+        steps["receive + verify"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
+        by_class = {k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
+                    for k in splits[0][r].get("process_by_class", {})}
+        ranks.append(dict(rank=r, trainer_pack_s=med(p.get(r, 0.0) for p in packs), seconds=steps,
+                          process_by_class=by_class,
+                          rss_before=med(s[r]["rss_before"] or 0 for s in splits),
+                          rss_peak=med(s[r]["rss_peak"] or 0 for s in splits), layer_bytes=layer_bytes[r]))
     return dict(case=name, tp=tp, layers=cfg["num_hidden_layers"], overrides=list(overrides), setup_s=setup_s,
-                shipped_bytes=nbytes, ceiling_gloo_s=statistics.median(ceiling_s),
-                checkpoint_bytes=full_bytes, shardplan_s=statistics.median(shardplan_s),
-                shardplan_update_s=statistics.median(update_s), vllm_reload_s=statistics.median(vllm_s),
-                tokens_equal=tokens_shardplan == tokens_vllm,
-                shardplan_skip_prepack_s=statistics.median(skip_s) if skip_s else None,
-                tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm,
-                runs=dict(shardplan=shardplan_s, vllm=vllm_s, gloo=ceiling_s, shardplan_skip_prepack=skip_s))
+                shipped_bytes=nbytes, ceiling_gloo_s=med(runs["gloo"]), checkpoint_bytes=full_bytes,
+                shardplan_s=med(runs["shardplan"]), vllm_reload_s=med(runs["vllm"]),
+                tokens_equal=tokens_shardplan == tokens_vllm, ranks=ranks, load=loads,
+                phases={k: med(p.get(k, 0.0) for p in phases) for k in phases[0]},
+                shardplan_skip_prepack_s=med(runs["shardplan_skip_prepack"]) if runs["shardplan_skip_prepack"] else None,
+                tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm, runs=runs)
 
 
 def main() -> None:
@@ -211,22 +262,47 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--override", action="append", default=[],
                         help="KEY=VALUE on the cut qwen3-30b-a3b's config (e.g. num_experts=64 to fit a smaller box)")
+    parser.add_argument("--skip-prepack", action="store_true",
+                        help="MoE: also time a sync without the CPU prepack re-run (vLLM's own reload's work)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = [run_case(c, args.layers, args.iters, args.override) for c in args.cases.split(",")]
+    results = [run_case(c, args.layers, args.iters, args.override, args.skip_prepack) for c in args.cases.split(",")]
     from rich.console import Console
     from rich.table import Table
     table = Table(title="one update of a live vLLM CPU engine (median)")
-    for col in ("case", "TP", "shipped / checkpoint", "shardplan sync s", "of which update s",
-                "gloo send alone s", "vLLM reload_weights s", "vLLM / shardplan", "same tokens"):
+    for col in ("case", "TP", "shipped / checkpoint", "shardplan sync s", "gloo send alone s",
+                "vLLM reload_weights s", "sync / gloo", "sync / reload", "same tokens", "load avg"):
         table.add_column(col)
     for r in results:
         table.add_row(f"{r['case']} ({r['layers']} layers{''.join(', ' + o for o in r['overrides'])})", str(r["tp"]),
                       f"{r['shipped_bytes'] / 2**20:.1f} / {r['checkpoint_bytes'] / 2**20:.1f} MiB",
-                      f"{r['shardplan_s']:.3f}", f"{r['shardplan_update_s']:.3f}", f"{r['ceiling_gloo_s']:.3f}",
-                      f"{r['vllm_reload_s']:.3f}",
-                      f"{r['vllm_reload_s'] / r['shardplan_s']:.2f}x", str(r["tokens_equal"]))
-    Console(width=160).print(table)
+                      f"{r['shardplan_s']:.3f}", f"{r['ceiling_gloo_s']:.3f}", f"{r['vllm_reload_s']:.3f}",
+                      f"{r['shardplan_s'] / r['ceiling_gloo_s']:.2f}x", f"{r['shardplan_s'] / r['vllm_reload_s']:.2f}x",
+                      str(r["tokens_equal"]), " ".join(f"{x:.1f}" for x in r["load"]))
+    console = Console(width=200)
+    console.print(table)
+    for r in results:
+        console.print(f"{r['case']}: the driver's phases of the shardplan sync (median s): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+        split = Table(title=f"{r['case']}: one shardplan update per engine rank (median s; process excludes the MoE "
+                            f"prepack re-run; receive + verify = update - the engine's own steps: waiting for the "
+                            f"bytes (the trainer packing, gloo) and checksumming them)")
+        cols = ["rank", "trainer pack", "receive + verify", *ENGINE_STEPS, "update", "RSS before", "RSS peak",
+                "peak - before", "one layer"]
+        for col in cols:
+            split.add_column(col)
+        mib = 2 ** 20
+        for k in r["ranks"]:
+            s = k["seconds"]
+            split.add_row(str(k["rank"]), f"{k['trainer_pack_s']:.3f}", f"{s['receive + verify']:.3f}",
+                          *(f"{s[x]:.3f}" for x in ENGINE_STEPS), f"{s['update']:.3f}",
+                          f"{k['rss_before'] / mib:.0f} MiB", f"{k['rss_peak'] / mib:.0f} MiB",
+                          f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB", f"{k['layer_bytes'] / mib:.0f} MiB")
+        console.print(split)
+        for k in r["ranks"]:
+            console.print(f"rank {k['rank']} process by module class (median s): "
+                          + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(),
+                                                                         key=lambda kv: -kv[1])))
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:
             print(f"{r['case']}: shardplan sync without the MoE prepack re-run (what vLLM's own reload does): "

@@ -14,7 +14,8 @@ import argparse
 import random
 import time
 
-from shardplan.plan.placement import PlacementBinder, make_placement, slot_of, with_slot_aliases
+from shardplan.plan.names import slot_of
+from shardplan.plan.placement import PlacementBinder, make_placement, with_slot_aliases
 from shardplan.plan.file.format import PlanFile
 
 

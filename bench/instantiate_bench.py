@@ -17,8 +17,8 @@ that the part's own allocations make due still count.
 
 Baseline, same invocation: `--baseline-src DIR` runs the same measurement in a child process whose `shardplan` is the
 tree at DIR, e.g. the pre-columnar code: `git -C . worktree add /tmp/base <commit>` or `git archive <commit> shardplan
-| tar -x -C DIR`. Without it the baseline is the object path still reachable in this tree: `PlanFile.rank_objects`
-(instantiate) and `packref.reference_layout` (the pack layout); the pre-columnar Replayer/Applier are not reachable
+| tar -x -C DIR`. Without it the baseline is the object path of the test references (tests/reference.py): `rank_objects`
+(instantiate) and `reference_layout` (the pack layout); the pre-columnar Replayer/Applier are not reachable
 then (printed as "-").
 
 `instantiation_table(paths, ...)` returns the rows (and `format_table(rows)` the text) for bench/compile_bench.py.
@@ -45,6 +45,9 @@ clock = CLOCK[os.environ.get("SHARDPLAN_BENCH_CLOCK", "cpu")]
 def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> dict:
     """Times of each part for one plan file, in this process (medians, milliseconds). `objects`: the in-tree object
     path (rank_objects + reference_layout) instead of the columnar one."""
+    if objects:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        import reference
     import torch
     from shardplan.plan.file.format import PlanFile, read_plan_bytes
     from shardplan.runtime.apply import Applier
@@ -73,15 +76,14 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
         plan_file = PlanFile(header, body, path)
         gc.collect()
         t0 = clock()
-        plan = plan_file.rank_objects(rank) if objects else plan_file.rank(rank)
+        plan = reference.rank_objects(plan_file, rank) if objects else plan_file.rank(rank)
         t1 = clock()
         num_writes = len(plan.writes)
         params = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in plan.params}
         gc.collect()
         if objects:
-            from shardplan.runtime.packref import reference_layout
             t2 = clock()
-            reference_layout(plan)
+            reference.reference_layout(plan)
             t3 = t4 = clock()
             times["applier"].append(float("nan"))
         else:
@@ -181,7 +183,7 @@ def main() -> None:
     os.environ["SHARDPLAN_BENCH_CLOCK"] = args.clock   # the baseline child process uses the same clock
     print(f"# {args.clock} time, gc.collect() before each timed part; load average {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} CPUs; baseline: "
-          f"{args.baseline_src or 'in-tree object path (rank_objects + packref.reference_layout)'}", flush=True)
+          f"{args.baseline_src or 'object path of tests/reference.py (rank_objects + reference_layout)'}", flush=True)
     rows = instantiation_table(args.plans, args.ranks, args.repeat, args.baseline_src)
     worst = max(r["new"]["instantiate"] + r["new"]["replayer"] + r["new"]["applier"] for r in rows)
     print(f"# worst instantiate+Replayer+Applier: {worst:.1f} ms (bar 50 ms); load average "

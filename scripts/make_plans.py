@@ -18,6 +18,10 @@ LAYOUTS = [
     ("qwen3-next-80b-a3b", ["--tp", "4"]),
     ("glm-4.5", ["--tp", "8", "--ep"]),
     ("glm-4.6", ["--tp", "8", "--ep"]),
+    # frontier MoEs at their published serving layouts (docs/configs.md)
+    ("minimax-m2", ["--tp", "4"]),
+    ("minimax-m2", ["--tp", "1", "--dp", "8", "--ep"]),
+    ("kimi-linear-48b-a3b", ["--tp", "4"]),
     # block-FP8 checkpoints (quantization_config kept; the trainer quantizes on replay, docs/fp8.md)
     ("kimi-k2-fp8", ["--tp", "16", "--ep"]),
     ("kimi-k2-fp8", ["--tp", "8", "--ep"]),

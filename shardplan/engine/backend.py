@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,35 @@ def worker_plan_rank(parallel_config, layout: Layout) -> int:
     return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
 
 
+ONLINE_UNPROVEN = ("; online quantization (`quantization=...` over an unquantized checkpoint) is not supported: no "
+                   "plan is recorded for it and no machine here has run it (docs/engine.md)")
+
+
+def plan_quantization(header) -> str:
+    """The quantization of the engine a plan was recorded for, from its header: "none", or "checkpoint block-fp8"
+    (the header's `quantizer`, which block-FP8 checkpoints need: the trainer quantizes its bf16 tensors)."""
+    if header.quantizer.startswith("fp8-") and "/" in header.quantizer:
+        return "checkpoint block-fp8"
+    return "none" if not header.quantizer else f"checkpoint {header.quantizer}"
+
+
+def engine_quantization(model_config) -> str:
+    """The live engine's quantization, in plan_quantization's words: "none", "checkpoint block-fp8" (an FP8
+    checkpoint with weight_block_size), "checkpoint <method>" (another quantized checkpoint), or "online <method>"
+    (`quantization=` given over an unquantized checkpoint: vLLM quantizes at load)."""
+    method = getattr(model_config, "quantization", None)
+    if not method:
+        return "none"
+    hf = getattr(model_config, "hf_config", None)
+    checkpoint = getattr(hf, "quantization_config", None)
+    if checkpoint is None:
+        return f"online {method}"
+    get = checkpoint.get if isinstance(checkpoint, dict) else lambda k, d=None: getattr(checkpoint, k, d)
+    if method == "fp8" and get("weight_block_size"):
+        return "checkpoint block-fp8"
+    return f"checkpoint {get('quant_method', method)}"
+
+
 def _named(method):
     """vLLM's collective_rpc passes a worker's exception on as its message only: put the error's class name in front
     so the trainer side can raise the same named error (shardplan.engine.errors.raise_named)."""
@@ -98,6 +128,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.last_error: str = ""
         self.eplb: EngineEplb | None = None
         self.placement_stale = False   # the last update's placement changed under it (EplbPlacementChanged)
+        self.last_update: dict = {}    # the last update's seconds per step and memory (bench/engine_bench.py)
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     @_named
@@ -179,6 +210,11 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         if header.dtype != dtype:
             raise EnginePlanMismatch(f"{where} is for dtype {header.dtype}, the engine runs "
                                      f"{dtype}; {hint}")
+        planned, running = plan_quantization(header), engine_quantization(self.model_config)
+        if planned != running:
+            raise EnginePlanMismatch(f"{where} is for an engine with quantization {planned!r}, the engine runs "
+                                     f"{running!r}: the params it writes would have other dtypes and shapes"
+                                     f"{ONLINE_UNPROVEN if running.startswith('online') else ''}; {hint}")
         here = vllm.__version__.split("+")[0]
         if header.vllm_version.split("+")[0] != here:
             raise EnginePlanMismatch(f"{where} was recorded with vLLM {header.vllm_version}, the "
@@ -201,13 +237,17 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def start_weight_update(self) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+        self._rss_before = _reset_peak_rss()
+        t0 = time.perf_counter()
         self.unpacker.begin()
+        self._start_s = time.perf_counter() - t0
 
     @_named
     def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
+        t0 = time.perf_counter()
         try:
             placement = None
             if self.eplb is not None:   # drain an in-flight rebalance, then say which expert each slot holds
@@ -225,6 +265,12 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         finally:
             with torch.no_grad():
                 self.unpacker.end(self.model_config)
+            seconds = dict(self.unpacker.seconds)
+            seconds["start"] = getattr(self, "_start_s", 0.0)
+            seconds["update"] = time.perf_counter() - t0
+            self.last_update = {"seconds": seconds, "process_by_class": dict(self.unpacker.process_by_class),
+                                "rss_before": getattr(self, "_rss_before", None),
+                                "rss_peak": _peak_rss()}
 
     def finish_weight_update(self) -> None:
         if self.unpacker is not None:
@@ -234,7 +280,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         """(version, complete) of the weights this worker holds, and the last sync's error."""
         st = self.consumer.state if self.consumer is not None else SyncState(0, True)
         return {"rank": self.rank, "version": st.version, "complete": st.complete and not self.placement_stale,
-                "error": self.last_error}
+                "error": self.last_error, "last_update": self.last_update}
 
     def shutdown(self) -> None:
         if self.consumer is not None:
@@ -242,3 +288,29 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                 self.consumer.transport.close()
             finally:
                 self.consumer = None
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """This process's RSS now, after resetting its peak (Linux: writing 5 to /proc/self/clear_refs resets VmHWM), so
+    the peak read after the update is the update's own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int | None:
+    return _status_bytes("VmHWM")

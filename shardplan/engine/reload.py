@@ -12,12 +12,14 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
                    vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
                    update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
     end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
-                   processed last
+                   processed last; then every module the plan does not write but whose tensors share storage with a
+                   written param (a tied lm_head) is processed again, so its derived GEMM state holds the new weights
 
 vLLM 0.32 bug worked around here: `UnquantizedFusedMoEMethod._setup_kernel` skips the experts' own
 `process_weights_after_loading` (the CPU prepack) on a weight update, so a reload copies the raw layout into the
 prepacked kernel tensors (a reload of the SAME weights changed a tiny Qwen3-MoE's greedy tokens on this CPU box).
-We re-run it after processing an unquantized MoE layer (tests/integration/test_engine_moe.py pins it).
+We re-run it after processing an unquantized MoE layer (tests/integration/test_engine.py pins it:
+test_moe_update_reruns_the_cpu_prepack_vllm_032_skips).
 
 Fallback tensors (loaders shardplan could not record) go through the model's real `load_weights` under the same
 reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
@@ -25,6 +27,9 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
+from itertools import chain
 from typing import Mapping
 
 import torch
@@ -37,6 +42,9 @@ from shardplan.runtime.pack import PackLayout, fallback_slots, reads_digest, sha
 from shardplan.sync.adapters import ShardedUnpacker, layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
+
+# what torch._C._storage_Use_Count says of the storage of a tensor nothing else shares
+_SOLE_STORAGE_USES = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
 
 
 def _skips_moe_prepack_on_update() -> bool:
@@ -114,8 +122,13 @@ class ReloadUnpacker:
                         modules.append(module)
                     self.module_groups.setdefault(module, set()).add(g.name)
         self._refuse_unwritten_params()
+        self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
+        self._processed: set[int] = set()   # ids of the modules processed in this sync
+        self._scratch: dict[int, list] = {}   # byte size -> storages of processed modules, for the next (one sync)
+        self.seconds: dict[str, float] = defaultdict(float)   # this sync's time per step (bench/engine_bench.py)
+        self.process_by_class: dict[str, float] = defaultdict(float)   # this sync's "process" per module class
         self.active = False
         self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
 
@@ -147,6 +160,51 @@ class ReloadUnpacker:
             return
         raise EnginePlanMismatch(text + "; the plan was recorded for another model or is incomplete: re-record it")
 
+    def _modules_reading_written_storage(self) -> dict[torch.nn.Module, tuple[str, list[str], list[int]]]:
+        """Modules the plan does not write whose processing reads a param it does write, through a tie or any shared
+        storage (a tied lm_head is embed_tokens' weight): module -> (its name, the written params it shares, ids of
+        their writing modules). Their derived state (a GEMM handle or packed copy built by processing) would keep the
+        old weights, since a layerwise reload processes only the modules it loads (vLLM's own reload has that bug).
+        Only processing that rebuilds derived state from params it leaves in place can be re-run in place; any other
+        quantization method on a shared param is refused by name."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        written_modules = {id(m) for m, _ in self.targets.values()}
+        by_storage: dict[int, tuple[str, int]] = {}   # storage address -> (written param, id of its module)
+        for name, (module, attr) in self.targets.items():
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta:
+                by_storage[t.untyped_storage().data_ptr()] = (name, id(module))
+        readers = {}
+        for module_name, module in self.model.named_modules():
+            if id(module) in written_modules:
+                continue
+            shared = [by_storage[t.untyped_storage().data_ptr()] for _, t in
+                      chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+                      if t.numel() and not t.is_meta and t.untyped_storage().data_ptr() in by_storage]
+            quant_method = getattr(module, "quant_method", None)
+            if not shared or not isinstance(quant_method, QuantizeMethodBase):
+                continue   # nothing derived: it reads the shared tensor itself
+            if not isinstance(quant_method, UnquantizedEmbeddingMethod):
+                raise EngineUnsupported(
+                    f"rank {self.plan.rank}: {module_name!r} ({type(quant_method).__name__}) shares storage with "
+                    f"{sorted({n for n, _ in shared})}, which the plan writes, and its processing is not known to be "
+                    f"safe to re-run in place: an update would leave its derived weights stale; not supported yet")
+            readers[module] = (module_name, sorted({n for n, _ in shared}), sorted({m for _, m in shared}))
+        return readers
+
+    def _reprocess_readers(self) -> None:
+        """Re-run the processing of every module reading a param this sync wrote (see _modules_reading_written_storage),
+        once the written module's new bytes are in the shared kernel tensors and finalize has put the reader's own
+        tensors back."""
+        for module, (name, params, writers) in self.readers.items():
+            if not any(w in self._processed for w in writers):
+                continue
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+            module.quant_method.process_weights_after_loading(module)
+            logger.debug("shardplan: re-processed %s (reads %s)", name, params)
+
     # -- Unpacker protocol --
     def stamp(self) -> str:
         """What the trainers' packer must agree with before any byte moves (shardplan.sync: ApplyUnpacker's, or
@@ -159,8 +217,12 @@ class ReloadUnpacker:
     def apply(self, group: str, buffer: torch.Tensor) -> None:
         if not self.active:
             raise EngineUnsupported("bytes arrived outside a weight update (start_weight_update not called)")
+        clock = self.seconds
+        t0 = time.perf_counter()
         if group in self.group_modules:
             self._materialize(group)
+        t1 = time.perf_counter()
+        clock["materialize"] += t1 - t0
         # the appliers are bound to meta stand-ins except while they write the materialized params
         for t, base in sharded_bases(self.parts, group, self.alignment).items():
             names = self.group_params[t, group]
@@ -172,6 +234,7 @@ class ReloadUnpacker:
             meta = self.sources[f.name]
             tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
             self._load_fallback(f.name, tensor)
+        clock["apply"] += time.perf_counter() - t1
         for module in self.group_modules.get(group, ()):
             pending = self._pending[module]
             pending.discard(group)
@@ -184,6 +247,10 @@ class ReloadUnpacker:
         initialize_layerwise_reload(self.model)
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
+        self._processed = set()
+        self._scratch = {}
+        self.seconds = defaultdict(float)
+        self.process_by_class = defaultdict(float)
         self.active = True
 
     def end(self, model_config) -> None:
@@ -193,9 +260,15 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
+        self._scratch = {}
         for (t, group), names in self.group_params.items():   # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, model_config)
+        t1 = time.perf_counter()
+        self._reprocess_readers()
+        self.seconds["finalize"] += t1 - t0
+        self.seconds["readers"] += time.perf_counter() - t1
 
     def _materialize(self, group: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -206,7 +279,29 @@ class ReloadUnpacker:
                 if not info.can_load():
                     raise EngineUnsupported(f"{type(module).__name__} is not set up for reloading (vLLM skips it)")
                 materialize_layer(module, info)
+                self._reuse_scratch(module)
                 self._materialized.add(id(module))
+
+    def _reuse_scratch(self, module: torch.nn.Module) -> None:
+        """Point the module's freshly materialized tensors at storage an earlier module of this sync was processed
+        from (same byte size), then free the rest. Fresh storage is untouched memory: writing it page-faults every
+        4 KiB, which cost more than the write itself; reused storage is already mapped. Keeps the extra memory of an
+        update at one module's pre-processing tensors."""
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+        with torch.no_grad():
+            for tensor in get_layer_tensors(module).values():
+                stack = self._scratch.get(tensor.untyped_storage().nbytes())
+                if stack and not tensor.is_meta:
+                    tensor.set_(stack.pop(), 0, tensor.size(), tensor.stride())
+        self._scratch.clear()
+
+    def _keep_scratch(self, tensors) -> None:
+        """Keep the storage of a processed module's pre-processing tensors for the next module, unless anything
+        else still holds it (a closure or attribute that processing left pointing at it)."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and torch._C._storage_Use_Count(storage._cdata) <= _SOLE_STORAGE_USES:
+                self._scratch.setdefault(storage.nbytes(), []).append(storage)
 
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
@@ -214,30 +309,48 @@ class ReloadUnpacker:
         from vllm.model_executor.model_loader.reload.layerwise import (LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
                                                                        _get_original_loader)
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+        clock, t0 = self.seconds, time.perf_counter()
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
-        for tensor in get_layer_tensors(module).values():
+        materialized = list(get_layer_tensors(module).values())
+        for tensor in materialized:
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
+        prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
             quant_method.process_weights_after_loading(module)
+            t1 = time.perf_counter()
             if self.rerun_moe_prepack:
-                _rerun_skipped_moe_prepack(module, quant_method)
+                _rerun_skipped_moe_prepack(module, quant_method, info)
+            prepack = time.perf_counter() - t1
+            clock["moe prepack"] += prepack
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
+        t1 = time.perf_counter()
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
+        self._keep_scratch(materialized)
+        del materialized
+        t2 = time.perf_counter()
+        clock["copy into kernel tensors"] += t2 - t1
+        clock["process"] += t1 - t0 - prepack
+        self.process_by_class[type(module).__name__] += t1 - t0 - prepack
+        self._processed.add(id(module))
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
 
 
-def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method) -> None:
+def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:
     """vLLM 0.32: on a weight update, UnquantizedFusedMoEMethod._setup_kernel copies the converted weights into the
     layer but skips `moe_kernel.fused_experts.process_weights_after_loading` (the CPU experts' pad + prepack), which
-    it runs only on the first load. Run it, as the first load did, so the kernel tensors get the prepacked layout."""
+    it runs only on the first load. Run it, as the first load did, so the kernel tensors get the prepacked layout.
+
+    Where that step is exactly CPUUnquantizedExperts' (no zentorch, no intermediate padding), the prepack writes
+    straight into the layer's kernel tensors (vLLM's op takes its output), which are then the layer's own: no new
+    tensor to allocate and fault in, and no copy into the kernel tensors afterwards."""
     if not _skips_moe_prepack_on_update():
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -245,4 +358,35 @@ def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method) -> None:
         return
     if getattr(quant_method.unquantized_backend, "name", "") in ("TPU", "OOT"):
         return   # these return before _setup_kernel: nothing was skipped
-    quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+    experts = quant_method.moe_kernel.fused_experts
+    if info is not None and _prepack_into_kernel_tensors(module, experts, info):
+        return
+    experts.process_weights_after_loading(module)
+
+
+def _prepack_into_kernel_tensors(module: torch.nn.Module, experts, info) -> bool:
+    """CPUUnquantizedExperts.process_weights_after_loading with the prepack's output the kernel tensors; False
+    (nothing done) where the step is not that one."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import is_zentorch_moe_supported
+    if type(experts).process_weights_after_loading is not CPUUnquantizedExperts.process_weights_after_loading:
+        return False
+    if info.kernel_tensors is None or not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return False
+    if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+        return False
+    if is_zentorch_moe_supported(module):
+        return False
+    kernel, _ = info.kernel_tensors
+    pairs = []
+    for name in ("w13_weight", "w2_weight"):
+        src, dst = getattr(module, name), kernel.get(name)
+        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype or not dst.is_contiguous():
+            return False
+        pairs.append((name, src, dst))
+    experts._use_zentorch = False
+    with torch.no_grad():
+        for name, src, dst in pairs:
+            torch.ops._C.prepack_moe_weight(src.contiguous(), dst.data, experts.isa)
+            setattr(module, name, dst)   # the kernel tensor itself: the copy into it afterwards is a no-op
+    return True

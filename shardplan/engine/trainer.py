@@ -32,7 +32,8 @@ from shardplan.engine.clients import EngineClient, as_client
 from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
-from shardplan.plan.interp import MissingTensorError, to_dtype
+from shardplan.errors import MissingTensorError
+from shardplan.plan.interp import to_dtype
 from shardplan.plan.names import group_of
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.quantize import trainer_meta, trainer_name_of

@@ -5,6 +5,7 @@ templated `Group`s of writes, the templated checkpoint `SourceTable`, and `insta
 The compiler (plan/compile/) makes a body from recordings, the plan file (plan/file/) encodes, decodes and checks one,
 and instantiates a rank as columns (plan/file/rank.py) equal to `instantiate` write for write.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,12 +18,9 @@ from shardplan.plan.template import (
     Filler,
     build_trie,
     iter_trie,
-    pure_view_form,
-    pure_view_writes,
     split_name,
     trie_child,
     trie_count,
-    unflatten_write,
 )
 
 
@@ -30,8 +28,8 @@ from shardplan.plan.template import (
 @dataclass(frozen=True)
 class Group:
     skeleton: tuple
-    coeffs: np.ndarray   # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
-    index: tuple         # trie over var tuples (rank first)
+    coeffs: np.ndarray  # int64 [num_holes, 1 + num_vars]: hole = coeffs[:, 0] + coeffs[:, 1:] @ vars
+    index: tuple  # trie over var tuples (rank first)
     num_vars: int
 
     def instances(self, rank: int | None = None) -> np.ndarray:
@@ -47,16 +45,6 @@ class Group:
     def holes(self, rank: int | None = None) -> np.ndarray:
         var_rows = self.instances(rank)
         return self.coeffs[:, :1].T + var_rows @ self.coeffs[:, 1:].T
-
-    def writes(self, rank: int | None = None) -> list[ir.Write]:
-        holes = self.holes(rank)
-        if len(holes) == 0:
-            return []
-        layout = pure_view_form(self.skeleton)
-        if layout is not None:
-            return pure_view_writes(layout, holes)
-        return [unflatten_write(self.skeleton, row) for row in holes.tolist()]
-
 
 
 # ---- the checkpoint tensor table, templated like writes -----------------------------------------------------
@@ -119,12 +107,13 @@ def _trie_has(node, values: Sequence[int]) -> bool:
 @dataclass
 class PlanBody:
     """Everything a plan file holds after its header: decoded but still templated."""
+
     ranks: tuple[int, ...]
     sources: "SourceTable"
-    params: dict[str, ir.TensorMeta]        # union over ranks: one meta per name, the one most ranks have
+    params: dict[str, ir.TensorMeta]  # union over ranks: one meta per name, the one most ranks have
     rank_params: dict[int, tuple[str, ...]]
     groups: list[Group]
-    ordered: dict[int, list[ir.Write]]      # per rank, recording order (overlapping destinations)
+    ordered: dict[int, list[ir.Write]]  # per rank, recording order (overlapping destinations)
     fallbacks: dict[int, list[ir.Fallback]]
     not_needed: dict[int, tuple[str, ...]]
     # ranks whose param of that name has another shape than `params` says: uneven expert parallelism (384 experts
@@ -145,11 +134,12 @@ class PlanBody:
         return total + sum(len(self.ordered.get(r, ())) for r in ranks)
 
 
-def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[str, ir.TensorMeta],
-                                                                      dict[int, dict[str, ir.TensorMeta]]]:
+def split_metas(
+    by_rank: Mapping[int, Iterable[ir.TensorMeta]],
+) -> tuple[dict[str, ir.TensorMeta], dict[int, dict[str, ir.TensorMeta]]]:
     """(one meta per param name: the one most ranks declare, the smallest on a tie; per rank, the metas that differ
     from it). Canonical: independent of rank order, so recording and decoding agree."""
-    shared: dict[int, tuple[object, int]] = {}   # ranks of a layout mostly share one list object: count it once
+    shared: dict[int, tuple[object, int]] = {}  # ranks of a layout mostly share one list object: count it once
     for metas in by_rank.values():
         seen = shared.get(id(metas))
         shared[id(metas)] = (metas, 1 + (seen[1] if seen else 0))
@@ -158,8 +148,9 @@ def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[st
         for m in metas:
             variants = counts.setdefault(m.name, {})
             variants[m] = variants.get(m, 0) + num_ranks
-    params = {n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype))
-              for n, v in counts.items()}
+    params = {
+        n: next(iter(v)) if len(v) == 1 else min(v, key=lambda m: (-v[m], m.shape, m.dtype)) for n, v in counts.items()
+    }
     rank_metas: dict[int, dict[str, ir.TensorMeta]] = {}
     if any(len(v) > 1 for v in counts.values()):
         differing: dict[int, dict[str, ir.TensorMeta]] = {}
@@ -169,25 +160,3 @@ def split_metas(by_rank: Mapping[int, Iterable[ir.TensorMeta]]) -> tuple[dict[st
             if differing[id(metas)]:
                 rank_metas[rank] = differing[id(metas)]
     return params, rank_metas
-
-
-def _write_sort_key(w: ir.Write):
-    # free writes never share a destination box (identical boxes overlap and go to `ordered`): this key is total
-    return (w.param, w.dst.offset, w.dst.sizes, w.dst.strides)
-
-
-def instantiate(body: PlanBody, rank: int, check=None) -> ir.RankPlan:
-    """The rank's plan: templated writes in canonical order, then its ordered (overlapping) writes.
-    `check(group, holes)` is called per group before its writes are built (the plan file's vectorised bounds check)."""
-    if rank not in body.rank_params:
-        raise KeyError(rank)
-    writes: list[ir.Write] = []
-    for g in body.groups:
-        if check is not None:
-            check(g, g.holes(rank))
-        writes.extend(g.writes(rank))
-    writes.sort(key=_write_sort_key)
-    writes.extend(body.ordered.get(rank, ()))
-    return ir.RankPlan(rank=rank, params=tuple(body.meta(rank, n) for n in body.rank_params[rank]),
-                       writes=tuple(writes), fallbacks=tuple(body.fallbacks.get(rank, ())),
-                       not_needed=tuple(body.not_needed.get(rank, ())))

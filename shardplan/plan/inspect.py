@@ -16,8 +16,7 @@ from shardplan.plan import ir
 from shardplan.plan.body import PlanBody
 from shardplan.plan.file.format import PlanFile, skeleton_ops
 from shardplan.plan.ir import itemsize
-from shardplan.plan.names import group_of
-from shardplan.plan.placement import slot_of
+from shardplan.plan.names import group_of, group_order, is_scale, slot_of
 from shardplan.plan.template import trie_count
 
 
@@ -46,7 +45,7 @@ def _kind(body: PlanBody, param: str) -> str:
     meta = body.params.get(param)
     if meta is not None and meta.dtype.startswith("float8"):
         return "fp8"
-    return "scale" if param.endswith("_scale_inv") else "other"
+    return "scale" if is_scale(param) else "other"
 
 
 def _rank_bytes(body: PlanBody, rank: int, by_layer: bool) -> dict[str, int]:
@@ -73,7 +72,7 @@ def _rank_bytes(body: PlanBody, rank: int, by_layer: bool) -> dict[str, int]:
         out[key] += w.dst.numel * itemsize(body.params[w.param].dtype)
     for f in body.fallbacks.get(rank, ()):
         meta = body.sources[f.source]
-        kind = "fp8" if meta.dtype.startswith("float8") else "scale" if f.source.endswith("_scale_inv") else "other"
+        kind = "fp8" if meta.dtype.startswith("float8") else "scale" if is_scale(f.source) else "other"
         out[group_of(f.source) if by_layer else kind] += meta.numel * itemsize(meta.dtype)
     return dict(out)
 
@@ -181,7 +180,7 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
     show = rank if rank is not None else body.ranks[0]
     lines.append("")
     lines.append(f"bytes per weight group, rank {show}:")
-    for group, n in sorted(per_rank[show].items(), key=lambda kv: _group_key(kv[0])):
+    for group, n in sorted(per_rank[show].items(), key=lambda kv: group_order(kv[0])):
         lines.append(f"  {group:<12} {human_bytes(n):>12}")
     lines.append("")
     lines.append("op histogram (writes, all ranks):")
@@ -202,8 +201,3 @@ def inspect_plan(path: str, rank: int | None = None, max_lines: int = 200) -> st
             lines.append(f"... {len(text) - max_lines} more lines (--max-lines 0 prints all)")
     return "\n".join(lines)
 
-
-def _group_key(group: str):
-    if group.startswith("layers."):
-        return (1, int(group.split(".")[1]))
-    return (0 if group == "embed" else 2, 0)

@@ -11,30 +11,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import DisallowedOpError, ForeignWriteError, MissingTensorError, PlanError, PlanTooLarge
 from shardplan.plan import ir
-
-
-# ---- errors -------------------------------------------------------------------------------------------------
-class ReplayError(ShardplanError):
-    """Base class for errors raised while replaying or packing a plan."""
-
-
-class DisallowedOpError(ReplayError):
-    """A plan names an op outside `ir.ALLOWED_OPS` (plans name ops, never carry code)."""
-
-
-class PlanError(ReplayError):
-    """The plan itself is inconsistent (unknown source, out-of-bounds region, unbroadcastable write)."""
-
-
-class ForeignWriteError(DisallowedOpError):
-    """A plan would write into a tensor it did not make (an in-place op on a trainer tensor or a view of one, an
-    `out=` argument): replay never modifies the trainer's tensors (`ir.foreign_write`)."""
-
-
-class MissingTensorError(ReplayError):
-    """A tensor the plan reads (trainer side) or writes (consumer side) was not given."""
 
 
 # ---- reference interpreter ------------------------------------------------------------------------------------
@@ -130,10 +108,6 @@ def _literal(lit, inputs: list[torch.Tensor], device):
     if isinstance(lit, tuple):
         return tuple(_literal(x, inputs, device) for x in lit)
     return lit  # None, bool, int, float, str, Ellipsis
-
-
-class PlanTooLarge(PlanError):
-    """A computed write would make a tensor larger than its plan declares room for (see check_write_sizes)."""
 
 
 # Tensors this small are never refused, whatever the plan declares (a toy plan's scratch may exceed its tiny params).

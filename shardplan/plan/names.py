@@ -1,4 +1,4 @@
-"""The one parser of checkpoint and parameter names: decoder layer, weight group, expert index.
+"""The one parser of checkpoint and parameter names: decoder layer, weight group, expert index, EPLB slot, FP8 scale.
 
 Every stage keys on these (compile fits layer holes, the pack layout groups by layer, the sync pipelines groups,
 trainer shards place experts and PP stages), so they are defined once, here.
@@ -13,6 +13,10 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 LAYER_TEMPLATE = "layers.{}."
 _LAYER_TEMPLATE = re.compile(r"(?:^|\.)layers\.\{\}\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# `model.layers.3.mlp.experts.slot.17.gate_proj.weight`: physical slot 17 of layer 3's routed experts (placement.py)
+_SLOT = re.compile(r"\.experts\.slot\.(\d+)\.")
+# the float32 block scale stored beside a block-FP8 weight: `<weight>_scale_inv` (record/fp8.py, runtime/quantize.py)
+SCALE_SUFFIX = "_scale_inv"
 
 
 def layer_of(name: str) -> int:
@@ -33,10 +37,52 @@ def without_layer(name: str, layer: int) -> str:
     return name.replace(f"layers.{layer}.", "layers.*.", 1)
 
 
+def with_layer(name: str, old: int, new: int) -> str:
+    """The name with its layer index `old` replaced by `new` (`model.layers.7.x` -> `model.layers.9.x`)."""
+    return name.replace(f"layers.{old}.", f"layers.{new}.", 1)
+
+
 def expert_of(name: str) -> int | None:
     """`...mlp.experts.17.gate_proj.weight` -> 17; None for non-expert tensors."""
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
+
+
+def with_expert(name: str, expert: int | str) -> str:
+    """The name with its expert index replaced (`...experts.3.w` -> `...experts.<expert>.w`; `"{}"` makes a
+    template); names that hold no expert index are returned unchanged."""
+    return _EXPERT.sub(f".experts.{expert}.", name, count=1)
+
+
+def slot_name(name: str, slot: int) -> str:
+    """`...experts.<e>.w` -> `...experts.slot.<slot>.w` (the plan-side name of a physical slot's tensor)."""
+    return _EXPERT.sub(f".experts.slot.{slot}.", name, count=1)
+
+
+def slot_of(name: str) -> int | None:
+    """`...experts.slot.17.w` -> 17; None for names that are not a physical slot's."""
+    m = _SLOT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def slot_to_expert(name: str, expert: int) -> str:
+    """`...experts.slot.<p>.w` -> `...experts.<expert>.w`."""
+    m = _SLOT.search(name)
+    return f"{name[:m.start()]}.experts.{expert}.{name[m.end():]}"
+
+
+def scale_name(weight: str) -> str:
+    """The block scale's name of a block-FP8 weight (`x.weight` -> `x.weight_scale_inv`)."""
+    return weight + SCALE_SUFFIX
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIX)
+
+
+def weight_of_scale(name: str) -> str:
+    """The weight a block scale belongs to; other names unchanged."""
+    return name.removesuffix(SCALE_SUFFIX)
 
 
 def group_of(name: str) -> str:

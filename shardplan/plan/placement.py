@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 from shardplan.plan import ir
-from shardplan.plan.names import layer_of
+from shardplan.plan.names import expert_of, layer_of, slot_name, slot_of, slot_to_expert, with_expert
 
-# `model.layers.3.mlp.experts.slot.17.gate_proj.weight`: physical slot 17 of layer 3's routed experts
-_SLOT = re.compile(r"\.experts\.slot\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 MAX_PHYSICAL_EXPERTS = 65536   # E + R, and the EP size, a plan header may declare (vLLM models have <= 512 experts)
@@ -52,16 +48,6 @@ class PlacementExpertError(PlacementError):
 class EplbPlanMismatch(PlacementError):
     """A plan's redundant slots (none, or another count) differ from the engine's: its writes would fill the wrong
     slots, or leave slots unwritten."""
-
-
-def slot_name(name: str, slot: int) -> str:
-    """`...experts.<e>.w` -> `...experts.slot.<slot>.w` (the plan-side name of a physical slot's tensor)."""
-    return _EXPERT.sub(f".experts.slot.{slot}.", name, count=1)
-
-
-def slot_of(name: str) -> int | None:
-    m = _SLOT.search(name)
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -191,10 +177,10 @@ class PlacementBinder:
 
     def __init__(self, plan: ir.RankPlan, slots: EplbSlots, cache_size: int = 4):
         self.plan, self.slots, self._cache_size = plan, slots, cache_size
-        self._slot_writes = [i for i, w in enumerate(plan.writes) if any(_SLOT.search(n) for n in ir.sources(
+        self._slot_writes = [i for i, w in enumerate(plan.writes) if any(slot_of(n) is not None for n in ir.sources(
             w.src.leaf))]
         self._cache: dict[str, ir.RankPlan] = {}
-        if plan.fallbacks and any(_SLOT.search(f.source) for f in plan.fallbacks):
+        if plan.fallbacks and any(slot_of(f.source) is not None for f in plan.fallbacks):
             raise PlacementError(f"rank {plan.rank}: an expert slot's tensor is a fallback (its loader could not be "
                                  f"recorded); EPLB plans need every expert write recorded")
 
@@ -219,15 +205,15 @@ class PlacementBinder:
 
 def bound_name(name: str, placement: Placement, rank: int | None = None) -> str:
     """`...layers.<l>...experts.slot.<p>.w` -> `...experts.<placement[l][p]>.w`; other names unchanged."""
-    m = _SLOT.search(name)
-    if m is None:
+    slot = slot_of(name)
+    if slot is None:
         return name
-    layer, slot = layer_of(name), int(m.group(1))
+    layer = layer_of(name)
     row = placement.rows.get(layer)
     if row is None or slot >= len(row):
         raise PlacementShapeError(f"{'plan rank ' + str(rank) + ' ' if rank is not None else ''}reads {name}, outside "
                                   f"the placement (layers {list(placement.rows)[:8]}..., {len(row or ())} slots)")
-    return f"{name[:m.start()]}.experts.{row[slot]}.{name[m.end():]}"
+    return slot_to_expert(name, row[slot])
 
 
 def with_slot_aliases(tensors: Mapping, slot_names, placement: Placement, who: str = "") -> dict:
@@ -268,8 +254,7 @@ def slot_sources(sources: Sequence[ir.TensorMeta], slots: EplbSlots) -> list[ir.
     """The plan-side tensors of the physical slots (`experts.slot.<p>`), shaped like the experts they hold."""
     first: dict[str, ir.TensorMeta] = {}
     for m in sources:
-        if layer_of(m.name) in slots.moe_layers and _EXPERT.search(m.name):
-            key = _EXPERT.sub(".experts.{}.", m.name, count=1)
-            first.setdefault(key, m)
-    return [ir.TensorMeta(key.replace(".experts.{}.", f".experts.slot.{p}."), m.shape, m.dtype)
-            for key, m in first.items() for p in range(slots.num_physical_experts)]
+        if layer_of(m.name) in slots.moe_layers and expert_of(m.name) is not None:
+            first.setdefault(with_expert(m.name, "{}"), m)
+    return [ir.TensorMeta(slot_name(m.name, p), m.shape, m.dtype)
+            for m in first.values() for p in range(slots.num_physical_experts)]

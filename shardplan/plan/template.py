@@ -2,7 +2,7 @@
 
 A skeleton is a write's structure with each integer replaced by a hole and each digit group of a dotted name replaced
 by `{}`; it is hashable and msgpack-able, so writes of the same shape (one per layer, expert, rank) share it and
-differ only in their integers. The compiler (`plan/compile/compiler.py`) fits those integers as affine functions of the rank,
+differ only in their integers. The compiler (`plan/compile/`) fits those integers as affine functions of the rank,
 the layer and the name indices; the index sets of a template are compressed tries of ranges.
 """
 from __future__ import annotations
@@ -183,37 +183,6 @@ def pure_view_form(skel: tuple):
     if (tag, n, r1, v, s_tag, r2) != ("W", "n", "r", "v", "S", "r"):
         return None
     return ptext, ptext.count("{}"), len(sizes1), stext, stext.count("{}"), len(sizes2)
-
-
-def pure_view_writes(layout, holes: np.ndarray) -> list[ir.Write]:
-    """Builds writes straight from hole rows (the generic Filler costs ~10x more; a non-EP Kimi-K2 rank has 70k).
-    Names and regions repeat across layers and experts: they are built once and shared (records are immutable)."""
-    ptext, kp, nd, stext, ks, ns = layout
-    cache: dict = {}
-    out = []
-    Write, View, Region, Source = ir.Write, ir.View, ir.Region, ir.Source
-    d0, d1 = kp, kp + 1 + 2 * nd
-    s0 = d1 + ks
-    s1 = s0 + 1 + 2 * ns
-    for row in holes.tolist():
-        pkey = ("p",) + tuple(row[:d0])
-        pname = cache.get(pkey)
-        if pname is None:
-            pname = cache[pkey] = ptext.format(*row[:d0])
-        dkey = tuple(row[d0:d1])
-        dst = cache.get(dkey)
-        if dst is None:
-            dst = cache[dkey] = Region(row[d0], dkey[1:1 + nd], dkey[1 + nd:])
-        skey = ("s",) + tuple(row[d1:s0])
-        source = cache.get(skey)
-        if source is None:
-            source = cache[skey] = Source(stext.format(*row[d1:s0]))
-        rkey = ("r",) + tuple(row[s0:s1])
-        src = cache.get(rkey)
-        if src is None:
-            src = cache[rkey] = Region(row[s0], rkey[2:2 + ns], rkey[2 + ns:])
-        out.append(Write(pname, dst, View(source, src)))
-    return out
 
 
 def unflatten_write(skel: tuple, holes: Sequence[int]) -> ir.Write:

@@ -49,9 +49,10 @@ def _patch_for_meta() -> None:
     # FP8 layers' CPU kernel probes (AMX, the W8A16 op) are answered by fp8.kernel_probes_patched, for builds only
 
 
-def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = ""):
+def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = "",
+                     trust_remote_code: bool = False):
     _quiet_vllm()
-    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     label = f"{model_name or config_dir} with layout {layout.tag()}"
     try:
@@ -59,10 +60,14 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
         # when serving; a constant would be refused by models whose config allows fewer positions.
         # served_model_name: only what messages call the model (a built-in's short name, not its cached config dir)
         model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=None,
-                                   enforce_eager=True, served_model_name=model_name or None)
+                                   enforce_eager=True, served_model_name=model_name or None,
+                                   trust_remote_code=trust_remote_code)
         parallel_config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
                                          data_parallel_size=layout.dp, enable_expert_parallel=layout.ep)
+        # no prefix caching: it shapes the KV cache, never the weights, and vLLM's CPU platform turns it off for
+        # MLA after sizing hybrid (MLA + Mamba) caches for it, then refuses its own config (Kimi-Linear)
         vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel_config,
+                                 cache_config=CacheConfig(enable_prefix_caching=False),
                                  load_config=LoadConfig(load_format="dummy"))
         # vLLM checks head divisibility only when it builds the model; ask now so the message names the layout
         model_config.verify_with_parallel_config(parallel_config)
@@ -86,6 +91,18 @@ def _is_moe(model_config) -> bool:
     return any(getattr(cfg, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
+@functools.cache
+def _as_cpu_worker() -> None:
+    """On vLLM's CPU platform, what its CPU worker imports before building any model: the module that stands in for
+    torch.cuda's Stream/Event (DeepSeek-V4's and Kimi-Linear's layers create them while being built)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import vllm.v1.worker.cpu.shm  # noqa: F401  (patches torch.cuda on import, as in vllm/v1/worker/cpu_worker.py)
+        # Kimi-Linear's fused GEMM + all-reduce imports CUDA-only kernels when built; the weights are the same
+        os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
+
+
 def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") -> torch.nn.Module:
     """The model exactly as global `rank` of `layout` would build it (params uninitialised on CPU, or on meta)."""
     from vllm.config import set_current_vllm_config
@@ -94,6 +111,7 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
 
     if device == "meta":
         _patch_for_meta()
+    _as_cpu_worker()
     # attention layers register themselves by name in this dict: allow building the same config again
     vllm_config.compilation_config.static_forward_context.clear()
     with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \

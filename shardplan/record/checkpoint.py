@@ -32,7 +32,7 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.models import ConfigError, ModelSpec, _cache_root, _read_json_object, config_sha256
-from shardplan.record import configs
+from shardplan.record import configs, remote
 from shardplan.record.configs import hf_view
 
 __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", "read_safetensors_header"]
@@ -105,6 +105,28 @@ def model_class(architecture: str, hf_config):
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
 
+def transformers_config(hf_config, architecture: str):
+    """`hf_config` as transformers' own config class: that of the transformers class named `architecture`, else
+    the one for its model_type. vLLM reads some models with its own classes (DeepseekV4Config, KimiLinearConfig,
+    InklingModelConfig), and transformers' model classes are built from transformers' classes only. Unchanged
+    where transformers has no class of its own."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if type(hf_config).__module__.startswith("transformers."):
+        return hf_config
+    own = getattr(getattr(transformers, architecture, None), "config_class", None)
+    if not isinstance(own, type):
+        own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
+    if not isinstance(own, type) or isinstance(hf_config, own):
+        return hf_config
+    fields = {k: v for k, v in hf_config.to_dict().items() if k != "model_type"}
+    try:
+        return own.from_dict(fields)
+    except Exception:  # a field vLLM's class leaves None where transformers' wants its own default
+        return own.from_dict({k: v for k, v in fields.items() if v is not None})
+
+
 def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """save_pretrained's state_dict steps on a meta-device model (built in bfloat16): name -> (shape, fixed dtype),
     the fixed dtype being the tensor's own where it is not bfloat16 (float32 kept by transformers, integer tables)."""
@@ -112,7 +134,10 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        cls = model_class(architecture, hf_config)
+        cls = remote.model_class(hf_config)   # the trusted directory's code (--trust-remote-code), else transformers'
+        if cls is None:
+            hf_config = transformers_config(hf_config, architecture)
+            cls = model_class(architecture, hf_config)
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
@@ -128,7 +153,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     state = remove_tied_weights_from_state_dict(state, model)
     reverted = _revert(model, state)
     before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
-    if before != after:
+    if before != after and getattr(hf_config, "model_type", "") not in _DISK_NAME_FIXUPS:
         raise NamesError(
             f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
             f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
@@ -137,12 +162,33 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             for name, t in reverted.items()}
 
 
+# On-disk names transformers' revert does not give back, by model_type: name -> new name, or None to drop it.
+def _kimi_linear_disk_name(name: str, config) -> str | None:
+    # the load-time renaming `block_sparse_moe.` -> `mlp.` also catches the dense first layer, whose tensors the
+    # released checkpoint stores as `mlp.{gate,up,down}_proj` (moonshotai/Kimi-Linear-48B-A3B-Instruct)
+    return re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.", r"\1mlp.\2.", name)
+
+
+def _longcat_flash_disk_name(name: str, config) -> str | None:
+    # transformers allocates gate_up rows for the zero (identity) experts too; no checkpoint stores those
+    match = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
+
+
+_DISK_NAME_FIXUPS = {"kimi_linear": _kimi_linear_disk_name, "longcat_flash": _longcat_flash_disk_name}
+
+
 def _revert(model, state: dict) -> dict:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
-    return revert_weight_conversion(model, state)
+    reverted = revert_weight_conversion(model, state)
+    fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))
+    if fixup is None:
+        return reverted
+    renamed = ((fixup(name, model.config), t) for name, t in reverted.items())
+    return {name: t for name, t in renamed if name is not None}
 
 
 def layer_filter(num_layers: int, num_mtp: int = 0):

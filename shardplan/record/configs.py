@@ -27,6 +27,9 @@ from typing import Any
 
 from shardplan.models import ConfigError, ModelSpec
 from shardplan.plan.file.checks import MAX_NUMEL, MAX_WRITES_PER_RANK
+from shardplan.record import cpushim, remote
+
+cpushim.activate()   # before any vLLM or transformers import of the record side: vLLM's Qwen3.5 needs torchvision
 
 __all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture",
            "check_architecture",
@@ -53,14 +56,15 @@ def config_class(model_type: str):
     """The config class vLLM reads this model_type with, or None when only hub remote code defines it."""
     from transformers import CONFIG_MAPPING
 
-    if model_type in CONFIG_MAPPING:
-        return CONFIG_MAPPING[model_type]
     try:
         from vllm.transformers_utils.config import _CONFIG_REGISTRY
     except ImportError:  # transformers alone (tests without vLLM): its own types and the known aliases
         _CONFIG_REGISTRY = {}
+    # vLLM's own class wins where both have one (deepseek_v4, kimi_linear, ...), as in vLLM's get_config
     if model_type in _CONFIG_REGISTRY:
         return _CONFIG_REGISTRY[model_type]
+    if model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
     alias = _MODEL_TYPE_ALIASES.get(model_type)
     return CONFIG_MAPPING[alias] if alias else None
 
@@ -91,15 +95,16 @@ def hf_view(spec: ModelSpec) -> HFView:
     overrides = dict((path, value) for path, value in spec.overrides)
     if ("model_type",) in overrides:
         model_type = overrides[("model_type",)]
-    cls = config_class(model_type)
+    cls = config_class(model_type) or remote.config_class(spec)
     if cls is None:
         import transformers
 
         raise ConfigError(
             f"{spec.origin}: field 'model_type' is {model_type!r}, which neither transformers "
-            f"{transformers.__version__} nor vLLM has a config class for (only remote code on the hub defines it, "
-            f"and shardplan never runs remote code). Use the model_type of the architecture it is built on, e.g. "
-            f"--override model_type=llama, if the config is a renamed copy of one.")
+            f"{transformers.__version__} nor vLLM has a config class for (only remote code defines it). Pass "
+            f"--trust-remote-code with --model pointing at the local checkpoint directory holding its "
+            f"configuration_*.py (as vllm serve --trust-remote-code; the code runs), or use the model_type of the "
+            f"architecture it is built on, e.g. --override model_type=llama, if the config is a renamed copy of one.")
     config = copy.deepcopy(base)
     for path, value in spec.overrides:
         _apply(config, cls, path, value, spec)
@@ -312,7 +317,7 @@ def check_architecture(spec: ModelSpec) -> None:
         f"{spec.origin}: field 'architectures' names {arch!r}, which vLLM {vllm.__version__} does not implement and "
         f"transformers {transformers.__version__} has no class of that name for vLLM's Transformers backend to "
         f"serve.{hint} Fix 'architectures' in config.json (or --override 'architectures=[\"...\"]'); "
-        f"`python -m shardplan.coverage` lists every text decoder vLLM implements and how each fares.")
+        f"`shardplan coverage` lists every text decoder vLLM implements and how each fares.")
 
 
 def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
@@ -327,4 +332,12 @@ def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
     for key, value in sorted(node.items()):
         if isinstance(value, list) and len(value) == old and old > 1 and key != "architectures":
             out.append(f"{prefix}{key}={json.dumps(value[:num_layers])}")
+        elif isinstance(value, dict):  # layer index lists that together cover every layer (Kimi-Linear's KDA/MLA)
+            lists = {k: v for k, v in value.items() if k.endswith("_layers") and isinstance(v, list)
+                     and all(isinstance(i, int) and not isinstance(i, bool) for i in v)}
+            covered = sorted(i for v in lists.values() for i in v)
+            if lists and covered in (list(range(old)), list(range(1, old + 1))):
+                base = covered[0]
+                for k, v in sorted(lists.items()):
+                    out.append(f"{prefix}{key}.{k}={json.dumps([i for i in v if i < num_layers + base])}")
     return out

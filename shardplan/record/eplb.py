@@ -17,15 +17,10 @@ layer at a time (the mapping is per model in DeepSeek-V3's loader, per layer in 
 from __future__ import annotations
 
 import contextlib
-import re
-
 from shardplan.plan import ir
-from shardplan.plan.names import expert_of, layer_of
-from shardplan.plan.placement import EplbSlots, Placement, rename_leaf, slot_name
+from shardplan.plan.names import expert_of, layer_of, slot_name, with_expert
+from shardplan.plan.placement import EplbSlots, Placement, rename_leaf
 from shardplan.record.build import LayoutRejected
-
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
 
 def num_logical_experts(config: dict) -> int:
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
@@ -69,7 +64,7 @@ def recording_tensors(tensors, slots: EplbSlots) -> list[tuple]:
         e = expert_of(name)
         if e is not None and layer_of(name) in slots.moe_layers:
             for p in range(slots.num_logical_experts + e, slots.num_physical_experts, slots.num_logical_experts):
-                out.append((_EXPERT.sub(f".experts.{p}.", name, count=1), shape, dtype))
+                out.append((with_expert(name, p), shape, dtype))
     return out
 
 

@@ -17,7 +17,7 @@ class FastRecorder:
     and copy_ it into a view of a parameter. A view of a meta tensor carries its exact storage offset and strides, so
     with *plain* meta tensors fed to the loader, only the final `param_view.copy_(loaded_view)` has to be seen: the
     storage of its source says which checkpoint tensor it reads and its geometry which elements. No tensor subclass,
-    no torch-function round trip per view: recording costs about the loader's own time (issue 2's bar).
+    no torch-function round trip per view: recording costs about the loader's own time (docs/benchmarks.md).
 
     What it cannot see it must not miss. It gives up (the full tier then records the rank from the start) when:
     * a sink's source is a meta storage it did not feed (an op made new storage: cat, contiguous, .to(dtype), ...),

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from shardplan.errors import ShardplanError
+from shardplan.plan.names import SCALE_SUFFIX
 
 FP8_DTYPE = "float8_e4m3fn"
-SCALE_SUFFIX = "_scale_inv"
 # vLLM's validate_fp8_block_shape sentences (quantization/utils/fp8_utils.py): a partition not a multiple of the block
 _MISALIGNED = re.compile(r"is not divisible by\s+weight quantization block_[nk]")
 

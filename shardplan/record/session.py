@@ -16,7 +16,7 @@ from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.file.format import encode
 from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.placement import slot_sources
-from shardplan.record import eplb, fp8
+from shardplan.record import eplb, fp8, remote
 from shardplan.runtime.quantize import quantizer_id
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
@@ -50,13 +50,19 @@ class Recorded:
 
 class RecordSession:
     def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False, tier: str = "auto", eplb_redundant: int | None = None):
+                 strict: bool = False, tier: str = "auto", eplb_redundant: int | None = None,
+                 trust_remote_code: bool = False):
         self._model, self._overrides, self.eplb_redundant = model, list(overrides), eplb_redundant
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
+        self.trust_remote_code = trust_remote_code
+        if trust_remote_code:   # the checkpoint directory's own code runs from here on (record/remote.py)
+            remote.trust(self.spec)
         view = hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
         check_architecture(self.spec)
-        self.vllm_config = make_vllm_config(self.spec.materialize(config=view.config), layout, dtype, self.spec.name)
+        config_dir = self.spec.materialize(config=view.config)
+        remote.copy_code(self.spec, config_dir)
+        self.vllm_config = make_vllm_config(config_dir, layout, dtype, self.spec.name, trust_remote_code)
         from vllm.config import set_current_vllm_config
 
         # Once vLLM's Transformers backend has built a model, it has decorated that transformers class in place with
@@ -109,7 +115,7 @@ class RecordSession:
         other, and extends them to every layer at compile time; and records only the ranks that determine and check
         each rank class's affine dependence on the rank (record/ranks.py), predicting the others. Falls back to
         recording every layer / more ranks whenever a check fails; the result is byte-identical either way
-        (bench/compile_bench.py and tests/integration/test_extend_ranks.py check it)."""
+        (bench/compile_bench.py and tests/unit/test_extend_ranks.py check it)."""
         if exhaustive:
             plans, stats = self.record(ranks, progress)
             return Recorded(compile_plans(plans, self.sources), stats, "exhaustive (asked)")
@@ -164,7 +170,7 @@ class RecordSession:
             return self._record_all_layers(ranks, progress, "exhaustive (layers do not repeat enough to sample)")
         shrunk = RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict,
                                overrides=[*self._overrides, *shrink_layers_overrides(self.spec, num_sampled)],
-                               eplb_redundant=self.eplb_redundant)
+                               eplb_redundant=self.eplb_redundant, trust_remote_code=self.trust_remote_code)
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(
@@ -175,7 +181,9 @@ class RecordSession:
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (sampling check failed: {problem})")
         full_layers = {ms[0]: ms for ms in members.values()}
-        drop = {m for ms in members.values() for m in ms[1:2]}
+        # every cut layer but the representatives: interleaved classes (Kimi-Linear's KDA/MLA, Qwen3-Next's) put
+        # members of one class between the sampled ones, and extension regenerates them from the representative
+        drop = {m for ms in members.values() for m in ms[1:] if m < num_sampled}
         body = extend_layers(cut_body, full_layers, drop, self.sources)
         problem = unwritten_after_extension(cut_body, body, sorted({p.rank for p in plans} | {ranks[len(ranks) // 2]}))
         if problem:
@@ -201,7 +209,8 @@ class RecordSession:
         """The plan file's bytes for a compiled body (Recorded.body, or compile_plans of recorded RankPlans)."""
         return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
                       config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
-                      vllm_version=self.vllm_version, quantizer=self.quantizer, eplb=self.eplb)
+                      vllm_version=self.vllm_version, quantizer=self.quantizer, eplb=self.eplb,
+                      trust_remote_code=self.trust_remote_code)
 
     @property
     def quantizer(self) -> str:

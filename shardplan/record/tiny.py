@@ -14,6 +14,7 @@ from typing import Any
 
 from shardplan.errors import ShardplanError
 from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class
+from shardplan.record.publicfields import PUBLIC_FIELDS
 
 __all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny_config"]
 
@@ -27,6 +28,10 @@ _MODEL_TYPE_OF = {
     "LongcatFlashNgramForCausalLM": "longcat_flash",         # vLLM's _ARCHITECTURE_TO_MODEL_TYPE
     "Step3TextForCausalLM": "step3_text", "Step3p5ForCausalLM": "step3p5",                          # vLLM configs
 }
+
+# Architectures whose vLLM implementation reads the config of vLLM's own model_type, not that of the transformers
+# class of the same name (vLLM's InklingForCausalLM reads InklingModelConfig's use_embed_norm, d_rel, ...).
+_VLLM_MODEL_TYPE = {"InklingForCausalLM": "inkling_model"}
 
 _SIZES: dict[str, int] = {
     "hidden_size": 128, "n_embd": 128, "d_model": 128,
@@ -47,6 +52,11 @@ _SIZES: dict[str, int] = {
     "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
     "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_d_state": 16, "ssm_state_size": 16,
     "state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_ssm": 256, "time_step_rank": 8,
+    # sizes of the public fields (publicfields.py) the class defaults lack
+    "rotary_dim": 16, "swa_head_dim": 32, "swa_v_head_dim": 16, "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2, "expert_hidden_dim": 64, "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128,
+    "block_ff_dim": 256, "zero_expert_num": 2, "sliding_window_size": 64, "dense_intermediate_size": 256,
+
 }
 # Sizes that must agree with others in ways a generic shrink cannot know.
 _FIXES: dict[str, dict[str, Any]] = {
@@ -56,13 +66,19 @@ _FIXES: dict[str, dict[str, Any]] = {
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
     "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
-    "InklingForCausalLM": {"padded_vocab_size": 320},
+    "InklingForCausalLM": {"vocab_size": 320, "padded_vocab_size": 320, "unpadded_vocab_size": 300, "local_layer_ids": [0],
+                           "dense_mlp_idx": 1},  # layer 0 local and dense, layer 1 global and MoE
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
     "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+    "Lfm2ForCausalLM": {"layer_types": ["conv", "full_attention"]},
+    "Zamba2ForCausalLM": {"attention_hidden_size": 256, "attention_head_dim": 64,  # the class rule: 2 * hidden
+                          "hybrid_layer_ids": [2]},  # the shrunk layers_block_type's hybrid layer
+    # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
+    "KimiLinearForCausalLM": {"linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}},
 }
 # Fields whose None default the modeling code does not derive: set like the sizes above.
 _NONE_SIZES = ("head_dim", "num_key_value_heads")
@@ -90,6 +106,8 @@ def model_type_of(arch: str) -> str:
 
     # Several model_types can map to one class (llama4 and llama4_text -> Llama4ForCausalLM): the text-only config
     # (no sub-configs) is the one the causal-LM class is built from.
+    if arch in _VLLM_MODEL_TYPE:
+        return _VLLM_MODEL_TYPE[arch]
     candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
                   if name == arch and config_class(t) is not None]
     candidates.sort(key=lambda t: bool(getattr(config_class(t), "sub_configs", None)))
@@ -97,8 +115,9 @@ def model_type_of(arch: str) -> str:
         return candidates[0]
     if arch in _MODEL_TYPE_OF:
         return _MODEL_TYPE_OF[arch]
-    raise NoConfigClass(f"{arch}: its config class exists only as hub remote code (trust_remote_code), which "
-                        f"shardplan never runs; neither transformers nor vLLM ships one.")
+    raise NoConfigClass(f"{arch}: needs remote code: its config class exists only as the model's own code (neither "
+                        f"transformers nor vLLM ships one); record it from a local checkpoint directory with "
+                        f"--trust-remote-code, as vLLM does. The sweep has no such directory.")
 
 
 def tiny_config(arch: str) -> dict[str, Any]:
@@ -110,6 +129,20 @@ def tiny_config(arch: str) -> dict[str, Any]:
     except Exception as exc:
         raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
+    # vLLM reads some model types with its own class (deepseek_v32 with DeepseekV3Config, deepseek_v4, kimi_linear);
+    # transformers' class of the same model_type carries the published defaults for what vLLM's leaves out or None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    import transformers
+
+    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None)
+    if isinstance(own, type) and own is not cls:
+        try:
+            for key, value in own().to_dict().items():   # not per-layer lists: vLLM's class derives those its way
+                if defaults.get(key) is None and not isinstance(value, list):
+                    defaults[key] = value
+        except Exception:  # a transformers class without defaults of its own
+            pass
+    _merge(defaults, PUBLIC_FIELDS.get(arch, {}).get("fields", {}))
     config = _shrink(defaults)
     for key, value in list(config.items()):  # nested configs (text_config, DBRX's attn_config/ffn_config)
         if isinstance(value, dict) and (key in TEXT_CONFIG_KEYS or key.endswith("_config")):

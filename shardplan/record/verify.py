@@ -23,6 +23,9 @@ class RankVerdict:
     num_params: int = 0
     mismatched: list[str] = field(default_factory=list)   # replay differs from the real loader
     unwritten: list[str] = field(default_factory=list)    # still NaN after the real loader (nothing loads them)
+    # name -> (elements, of numel) no checkpoint tensor defines: vLLM's loader leaves them as allocated (padding such
+    # as Kimi-Linear's expert intermediate at TP > 1 without EP), and the plan does not write them either
+    undefined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -64,6 +67,7 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             verdict.mismatched.append(name)
         elif torch.isnan(t).any():
             verdict.unwritten.append(name)
+            verdict.undefined[name] = (int(torch.isnan(t).sum()), t.numel())
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:

@@ -19,7 +19,9 @@ import torch
 from shardplan.errors import ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
-from shardplan.plan.interp import MissingTensorError, PlanError, region_view, to_dtype
+from shardplan.plan.file.bounds import check_extents
+from shardplan.errors import MissingTensorError
+from shardplan.plan.interp import region_view, to_dtype
 from shardplan.plan.names import base_group
 from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
 from shardplan.runtime.pack import PackLayout
@@ -365,13 +367,12 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
                        f"plans")
     numels = np.asarray([p.numel for p in plan.params] + [0], dtype=np.int64)
     lo, hi, empty = class_extents(cols, "dst", index)
-    bad = ~empty & ((lo < 0) | (hi > numels[cols.param[index]]))
-    if bad.any():
-        j = int(np.nonzero(bad)[0][0])
+
+    def outside(j: int) -> str:
         i = int(index[j])
-        name = cols.param_names[cols.param[i]]
-        raise PlanError(f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of {name!r}, which "
-                        f"has {int(numels[cols.param[i]])}")
+        return (f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of "
+                f"{cols.param_names[cols.param[i]]!r}, which has {int(numels[cols.param[i]])}")
+    check_extents(lo, hi, empty, numels[cols.param[index]], outside)
     seen = np.zeros(n, dtype=bool)
     seen[index] = True
     names = layout.group_names

@@ -16,8 +16,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
+from shardplan.errors import PlanError
 from shardplan.plan.columns import columns_of
-from shardplan.plan.interp import PlanError
 from shardplan.plan.names import base_group, group_of
 from shardplan.runtime.packcols import layout_arrays
 from shardplan.runtime.tensors import align_up

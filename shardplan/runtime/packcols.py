@@ -12,7 +12,7 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
-from shardplan.plan.interp import PlanError
+from shardplan.errors import PlanError
 from shardplan.plan.overlap import overlapping_writes, param_shapes
 from shardplan.plan.names import group_of, group_order
 from shardplan.plan.rowkeys import Columns, distinct_rows, row_keys, stable_argsort

@@ -28,7 +28,8 @@ from typing import Mapping, Sequence
 import torch
 
 from shardplan.plan import ir
-from shardplan.plan.interp import MissingTensorError, ReplayError
+from shardplan.errors import MissingTensorError, ReplayError
+from shardplan.plan.names import SCALE_SUFFIX
 from shardplan.runtime import fp8kernel
 from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
@@ -47,7 +48,6 @@ QUANTIZERS = (REFERENCE,)
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SCALE_SUFFIX = "_scale_inv"
 
 
 class QuantizeError(ReplayError):

@@ -17,7 +17,9 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
-from shardplan.plan.interp import ForeignWriteError, PlanError, check_write_sizes, resolve_op, to_dtype, write_source
+from shardplan.errors import ForeignWriteError, PlanError
+from shardplan.plan.file.bounds import check_extents
+from shardplan.plan.interp import check_write_sizes, resolve_op, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
 from shardplan.runtime.packcols import class_extents, geometry_keys, ordinals
 from shardplan.runtime.tensors import (
@@ -445,14 +447,14 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
             raise PlanError(f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads "
                             f"{cols.source_name(index)!r}, which the sources table does not describe")
         lo, hi, empty = class_extents(cols, "src", rows)
-        bad = ~empty & ((lo < 0) | (hi > numel))
-        if bad.any():
-            j = int(np.nonzero(bad)[0][0])
+
+        def outside(j: int) -> str:
             index = int(rows[j])
             meta = sources[cols.source_name(index)]
-            raise PlanError(f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads elements "
-                            f"[{int(lo[j])}, {int(hi[j])}) of {meta.name!r}, which has {meta.numel} "
-                            f"({meta.dtype}{list(meta.shape)})")
+            return (f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads elements "
+                    f"[{int(lo[j])}, {int(hi[j])}) of {meta.name!r}, which has {meta.numel} "
+                    f"({meta.dtype}{list(meta.shape)})")
+        check_extents(lo, hi, empty, numel, outside)
         geo_id, geo_table = geometry_keys(cols)
         unbroadcastable = np.asarray([src is None for src, _ in geo_table], dtype=bool)[geo_id[rows]]
         if unbroadcastable.any():

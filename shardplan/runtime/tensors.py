@@ -8,7 +8,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from shardplan.plan import ir
-from shardplan.plan.interp import MissingTensorError, ReplayError, to_dtype
+from shardplan.errors import MissingTensorError, ReplayError
+from shardplan.plan.interp import to_dtype
 
 
 class TensorShapeError(ReplayError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from shardplan.plan import ir
-from shardplan.plan.names import group_of, group_order
+from shardplan.plan.names import group_layer, group_of, group_order
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
 from shardplan.runtime.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
@@ -74,8 +74,7 @@ def restrict(plan: ir.RankPlan, layers: Iterable[int] | None, rank: int | None =
 
 
 def num_decoder_layers(plan_file: PlanFile) -> int:
-    return 1 + max((int(g.split(".")[1]) for g in map(group_of, plan_file.sources) if g.startswith("layers.")),
-                   default=-1)
+    return 1 + max((group_layer(g) for g in map(group_of, plan_file.sources)), default=-1)
 
 
 def _consumer_ranks(plan_file: PlanFile, ranks: Sequence[int] | None, replicas: int) -> dict[int, int]:

@@ -19,8 +19,9 @@ import json
 from typing import Mapping, Sequence
 
 from shardplan.plan import ir
+from shardplan.plan.names import slot_of
 from shardplan.plan.placement import (EplbSlots, Placement, PlacementBinder, PlacementError, bound_name, make_placement,
-                                      slot_of, with_slot_aliases)
+                                      with_slot_aliases)
 from shardplan.sync.adapters import ReplayPacker
 from shardplan.sync.stages import Span
 from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name

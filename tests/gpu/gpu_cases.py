@@ -17,7 +17,8 @@ from shardplan.plan import ir
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import apply_reference, to_dtype
 from shardplan.runtime.apply import params_from_plan
-from shardplan.runtime.quantize import SCALE_SUFFIX, parse_quantizer, quantize_blocks, trainer_name_of
+from shardplan.plan.names import SCALE_SUFFIX
+from shardplan.runtime.quantize import parse_quantizer, quantize_blocks, trainer_name_of
 
 DEVICE = os.environ.get("SHARDPLAN_GPU_TIER_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"

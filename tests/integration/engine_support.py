@@ -110,14 +110,26 @@ def engine_kwargs(tp: int) -> dict:
                 max_num_batched_tokens=256, seed=0, tensor_parallel_size=tp, gpu_memory_utilization=0.5)
 
 
-def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True):
+def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None):
+    """`gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES; None: what the CPU picks)."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
+    extra = {}
+    if gemm is not None:
+        import engine_gemm
+        os.environ[engine_gemm.ENV] = gemm
+        here = str(Path(__file__).parent)   # the workers import engine_gemm
+        if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        extra.update(engine_gemm.ENGINE_KWARGS)
+    else:
+        os.environ.pop("SHARDPLAN_TEST_CPU_GEMM", None)
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     else:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    extra = {"weight_transfer_config": WeightTransferConfig(backend="shardplan")} if shardplan_backend else {}
+    if shardplan_backend:
+        extra["weight_transfer_config"] = WeightTransferConfig(backend="shardplan")
     return LLM(model=str(model_dir), **engine_kwargs(tp), **extra)
 
 
@@ -140,14 +152,17 @@ def greedy(llm) -> list[list[int]]:
 _FRESH: dict[tuple[str, int], list[list[int]]] = {}
 
 
-def fresh_tokens(model_dir: Path, tp: int) -> list[list[int]]:
+def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list[int]]:
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
     per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine."""
     import hashlib
-    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp)
+    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm)
     if key not in _FRESH:
-        llm = start_llm(model_dir, tp, shardplan_backend=False)
+        llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm)
         try:
+            if gemm is not None:
+                kinds = llm.collective_rpc("gemm_kinds")
+                assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds
             _FRESH[key] = greedy(llm)
         finally:
             stop_llm(llm)
@@ -155,11 +170,13 @@ def fresh_tokens(model_dir: Path, tp: int) -> list[list[int]]:
 
 
 # ---- the trainer process ----------------------------------------------------------------------------------------------
-def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir: str, conn, lr: float, seed: int):
+def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir: str, conn, lr: float, seed: int,
+                  save_pretrained: bool = False):
     """A separate trainer: a transformers model (fp32 master weights) taking AdamW steps on a fixed random batch,
     one shardplan TrainerRank; commands: ("step", k) -> saves checkpoint k (bf16) and returns its dir;
     ("sync", v) -> TrainerRank.sync(v); ("sync_slow", (v, seconds)) -> sync with a stall after the first group;
-    ("modules", None) -> whether vLLM was ever imported here."""
+    ("modules", None) -> whether vLLM was ever imported here. `save_pretrained`: checkpoints are a bf16 copy of the
+    model written by transformers' save_pretrained (tied weights stored once) instead of its state dict."""
     import sys
 
     from transformers import AutoModelForCausalLM
@@ -195,8 +212,13 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                state = {k: v.detach().to(torch.bfloat16) for k, v in checkpoint_state().items()}
-                path = write_checkpoint(Path(out_dir) / f"step{arg}", cfg, state)
+                path = Path(out_dir) / f"step{arg}"
+                if save_pretrained:
+                    import copy
+                    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(path)
+                else:
+                    state = {k: v.detach().to(torch.bfloat16) for k, v in checkpoint_state().items()}
+                    write_checkpoint(path, cfg, state)
                 conn.send(("ok", (str(path), float(loss))))
             elif cmd == "sync":
                 conn.send(("ok", rank.sync(arg)))
@@ -219,12 +241,13 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
 class Trainer:
     """The trainer process, driven over a pipe."""
 
-    def __init__(self, model_dir: Path, plan_path: Path, control, out_dir: Path, *, lr: float = 2e-2, seed: int = 0):
+    def __init__(self, model_dir: Path, plan_path: Path, control, out_dir: Path, *, lr: float = 2e-2, seed: int = 0,
+                 save_pretrained: bool = False):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_trainer_main, daemon=True,
                                 args=(str(model_dir), str(plan_path), control.host, control.port, str(out_dir), child,
-                                      lr, seed))
+                                      lr, seed, save_pretrained))
         self.proc.start()
         tag, err = self._recv(180)
         if tag != "ready":

@@ -122,7 +122,7 @@ def test_builtin_fingerprints_are_unchanged():
 
 
 def test_trainer_side_loads_a_shipped_plan_without_transformers_or_vllm():
-    code = ("import sys; from shardplan.plan import store; "
+    code = ("import sys; from shardplan.plan.file import store; "
             "p = store.load_plan('llama-3.1-8b', tp=2, rank=1, check_vllm=False); "
             "bad = [m for m in ('transformers', 'vllm', 'safetensors') if m in sys.modules]; "
             "assert not bad, bad; print(len(p.writes))")

@@ -13,18 +13,41 @@ import pytest
 from shardplan.record import coverage, tiny
 
 
-@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel", "Mamba2ForCausalLM", "PhiForCausalLM"])
+MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"}
+
+
+# MiniMax-M2 and Kimi-Linear need their public config fields (publicfields.py), Kimi-Linear also vLLM's CPU-worker
+# set-up and its dense layer's on-disk names; Qwen3.5 imports torchvision through transformers (record/cpushim)
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel", "Mamba2ForCausalLM", "PhiForCausalLM",
+                                  "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"])
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
     row = coverage.run_architecture(arch, tmp_path, tps=(2,))
     assert row["status"] == "pass", row
     (layout, result), = row["layouts"].items()
     assert result["ranks"] == result["equal"] == 2 and not result["mismatched"] and not result["fallbacks"]
-    assert layout == ("tp2-ep" if arch == "Qwen3NextForCausalLM" else "tp2")
+    assert layout == ("tp2-ep" if arch in MOE else "tp2")
+
+
+def test_tiny_configs_carry_the_public_field_set():
+    from shardplan.record.publicfields import PUBLIC_FIELDS
+
+    for arch, entry in PUBLIC_FIELDS.items():
+        assert entry["source"].strip(), arch
+        config = tiny.tiny_config(arch)
+        missing = set(entry["fields"]) - set(config)
+        assert not missing, (arch, sorted(missing))
+
+
+def test_a_tiny_config_its_class_refuses_is_a_fail_not_cannot(tmp_path, monkeypatch):
+    # the tiny config is the sweep's own: a config class refusing it is our failure, never "cannot run here"
+    monkeypatch.setitem(tiny._FIXES, "LlamaForCausalLM", {"hidden_size": "not a size"})
+    row = coverage.run_architecture("LlamaForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "FAIL" and "hidden_size" in row["reason"], row
 
 
 def test_an_architecture_without_a_config_class_says_why(tmp_path):
     row = coverage.run_architecture("BailingMoeForCausalLM", tmp_path)
-    assert row["status"] == "cannot" and "remote code" in row["reason"]
+    assert row["status"] == "cannot" and "remote code" in row["reason"] and "--trust-remote-code" in row["reason"]
 
 
 def test_every_registry_architecture_is_enumerated():

@@ -136,7 +136,8 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
     good = PlanFile.read(w.plan)
     h = good.header
     cases = {"config": dict(config_sha256="0" * 64), "layout": dict(layout=Layout(tp=2)),
-             "vLLM": dict(vllm_version="0.31.0"), "dtype": dict(dtype="float16")}
+             "vLLM": dict(vllm_version="0.31.0"), "dtype": dict(dtype="float16"),
+             "quantization": dict(quantizer="fp8-e4m3-block-amax448-v1/128x128")}   # a block-FP8 engine's plan
     for field, change in cases.items():
         fields = dict(model=h.model, architecture=h.architecture, config_sha256=h.config_sha256, layout=h.layout,
                       dtype=h.dtype, vllm_version=h.vllm_version)
@@ -175,7 +176,7 @@ def test_wrong_control_port_is_named_within_the_init_timeout(world):
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
     from shardplan.engine.trainer import ModuleSource
-    from shardplan.plan.interp import MissingTensorError
+    from shardplan.errors import MissingTensorError
     from safetensors.torch import load_file
 
     tensors = load_file(str(world.model / "model.safetensors"))

@@ -144,7 +144,8 @@ def test_bound_plan_equals_real_loader_with_that_placement(case, placement_seed,
 
 def _assert_alias_path_writes_the_same(plan_file, rank, checkpoint, placement, model) -> None:
     """The sync's path (the unbound plan's Replayer fed slot aliases, sync/placement.py) == the bound plan's."""
-    from shardplan.plan.placement import slot_of, with_slot_aliases
+    from shardplan.plan.names import slot_of
+    from shardplan.plan.placement import with_slot_aliases
     from shardplan.runtime.apply import params_from_plan
 
     unbound = plan_file.rank(rank)

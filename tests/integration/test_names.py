@@ -2,7 +2,9 @@
 
 For every architecture of the coverage sweep that has a config class, a tiny random model of its tiny config is saved
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
-the saved headers exactly. Architectures transformers cannot build must raise the named NamesError instead.
+the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
+revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts), which
+are then applied to the saved names. Architectures transformers cannot build must raise the named NamesError instead.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
-    FLOAT32_ON_DISK, NamesError, checkpoint_tensors, model_class, read_safetensors_header,
+    _DISK_NAME_FIXUPS, FLOAT32_ON_DISK, NamesError, checkpoint_tensors, model_class, read_safetensors_header,
+    transformers_config,
 )
 
 ARCHS = tiny.text_decoder_architectures()
@@ -35,6 +38,7 @@ def test_the_sweep_has_configs_for_most_architectures():
 def saved_headers(hf_config, arch: str, out: Path) -> dict:
     import torch
 
+    hf_config = transformers_config(hf_config, arch)   # vLLM's own class (kimi_linear) -> transformers'
     cls = model_class(arch, hf_config)
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
@@ -55,8 +59,8 @@ def builds_from_defaults(arch: str) -> bool:
 
     if not isinstance(getattr(transformers, arch, None), type):
         return False
-    hf_config = config_class(tiny.model_type_of(arch))()
     try:
+        hf_config = transformers_config(config_class(tiny.model_type_of(arch))(), arch)
         with torch.device("meta"):
             model_class(arch, hf_config)._from_config(hf_config, dtype=torch.bfloat16)
     except Exception:
@@ -89,6 +93,10 @@ def test_names_equal_save_pretrained(arch, tmp_path):
     # The released DeepSeek-V3-style checkpoints keep these in float32 although transformers builds them in bf16.
     fp32 = FLOAT32_ON_DISK.get(arch, ())
     expected = {n: (s, "float32" if n.endswith(fp32) else d) for n, (s, d) in expected.items()}
+    fixup = _DISK_NAME_FIXUPS.get(config["model_type"])
+    if fixup is not None:
+        renamed = ((fixup(n, view.text_config), v) for n, v in expected.items())
+        expected = {n: v for n, v in renamed if n is not None}
     assert set(derived) == set(expected), (sorted(set(derived) - set(expected))[:5],
                                            sorted(set(expected) - set(derived))[:5])
     wrong = {n: (derived[n], expected[n]) for n in derived if derived[n] != expected[n]}
@@ -173,3 +181,24 @@ def test_deepseek_v3_fp8_lists_the_public_fp8_checkpoint_exactly():
            fp8_checkpoint_tensors(checkpoint_tensors(spec, include_mtp=False), spec.config)}
     assert sorted(set(public) - set(got))[:5] == [] and sorted(set(got) - set(public))[:5] == []
     assert {n: v for n, v in got.items() if v != public[n]} == {}
+
+
+def _names(arch, tmp_path):
+    config = tiny.tiny_config(arch)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return {n: s for n, s, _ in checkpoint_tensors(models.resolve_model(str(tmp_path / "config.json")))}
+
+
+def test_kimi_linear_dense_first_layer_keeps_its_on_disk_mlp_names(tmp_path):
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct stores layer 0's dense MLP as mlp.*, the MoE layers as block_sparse_moe.*
+    names = _names("KimiLinearForCausalLM", tmp_path)
+    assert "model.layers.0.mlp.down_proj.weight" in names
+    assert not any(n.startswith("model.layers.0.block_sparse_moe.") for n in names)
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+
+
+def test_longcat_flash_zero_experts_have_no_tensors(tmp_path):
+    config = tiny.tiny_config("LongcatFlashForCausalLM")
+    names = _names("LongcatFlashForCausalLM", tmp_path)
+    experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}
+    assert experts == set(range(config["n_routed_experts"]))

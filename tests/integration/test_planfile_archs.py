@@ -4,12 +4,13 @@ and gives back exactly the recorded plan. Sessions and plans are shared with tes
 from __future__ import annotations
 
 import pytest
-
 import test_record_archs as archs_test
-from shardplan.plan.compile.compiler import canonical, compile_plans
-from shardplan.plan.layout import Layout
-from shardplan.plan.file.format import PlanFile, decode
+from reference import canonical
 from test_record_archs import arch_root  # noqa: F401  (fixture)
+
+from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.file.format import PlanFile, decode
+from shardplan.plan.layout import Layout
 
 CASES = [(arch, Layout(tp=2)) for arch in archs_test.ALL_ARCHS] + [
     (arch, Layout(tp=2, ep=True)) for arch in archs_test.ALL_ARCHS if archs_test._num_experts(arch)]

@@ -75,7 +75,7 @@ def test_uneven_expert_split_keeps_each_ranks_param_shapes():
     """10 experts over EP 4: ranks 0-1 stack 3 local experts, ranks 2-3 two. The plan file declares each rank's
     params with the shapes that rank's loader has (one shared shape per name gave ranks 2-3 the 3-expert shape),
     extended or exhaustive, through encode and decode."""
-    from shardplan.plan.compile.compiler import canonical
+    from reference import canonical
     from shardplan.plan.file.format import PlanFile, decode
 
     session, extended, exhaustive = _both("kimi-k2", Layout(tp=4, ep=True))

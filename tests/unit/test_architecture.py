@@ -14,9 +14,11 @@ FLOORS = {"errors": 0, "models": 0, "plan": 1, "runtime": 2, "transport": 3, "sy
 OPTIONAL = ("vllm", "transformers", "safetensors", "ray", "nixl", "mooncake", "torch.cuda", "matplotlib", "triton")
 # lines of Python per package (its own modules, not its sub-packages): a package that outgrows its budget is split
 # into rooms (sub-packages by concept, as plan/file/ and plan/compile/) or cut; raise a budget only with a reason
-BUDGETS = {"shardplan": 700, "shardplan.plan": 3000, "shardplan.plan.file": 2100, "shardplan.plan.compile": 1200,
+BUDGETS = {"shardplan": 800, "shardplan.plan": 3000, "shardplan.plan.file": 2100, "shardplan.plan.compile": 1200,
            "shardplan.runtime": 3500, "shardplan.transport": 1000, "shardplan.sync": 1750, "shardplan.record": 4300,
-           "shardplan.simulate": 1550, "shardplan.engine": 2400}
+           "shardplan.simulate": 1550, "shardplan.engine": 2400,
+           # import-only stand-ins for a CPU recording machine (README set-up details)
+           "shardplan.record.cpushim": 60, "shardplan.record.cpushim.torchvision": 100}
 
 
 def _modules():

@@ -43,6 +43,7 @@ def test_reversed_ranks_exit_2(capsys, monkeypatch):
     assert code == 2 and "reversed range" in err and "write 0-31" in err
 
 
+@pytest.mark.slow   # builds the config through transformers: `make test`, not `make test-fast`
 def test_unknown_override_key_names_the_closest(capsys, monkeypatch):
     _no_recording(monkeypatch)
     code, err = _main(capsys, "record", "--model", "llama-3.1-8b", "--override", "num_hiden_layers=2")
@@ -76,6 +77,7 @@ def test_inspect_uncovered_rank(capsys, tmp_path):
     assert cli.main(["inspect", str(path), "--rank", "1"]) == 0
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "truncated", "format1"])
 def test_inspect_odd_files_exit_2_without_traceback(kind, tmp_path):
     import os

@@ -9,20 +9,19 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from plan_worlds import plan_file_of, worlds
+from reference import rank_objects, reference_layout
 
 from shardplan.plan import ir
-from shardplan.plan.columns import LazyWrites, NameSourceIds, WriteColumns, columns_of, table_ids
 from shardplan.plan.body import SourceTable
-from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.interp import PlanError
-from shardplan.plan.layout import Layout
-from shardplan.plan.file.format import PlanBoundsError, PlanFile, PlanFileError, decode, encode
+from shardplan.plan.columns import LazyWrites, NameSourceIds, WriteColumns, columns_of, table_ids
+from shardplan.plan.file.format import PlanBoundsError, PlanFile, PlanFileError
+from shardplan.errors import PlanError
 from shardplan.runtime.apply import Applier, LayoutMismatchError
 from shardplan.runtime.pack import PackLayout, SegmentTable
-from shardplan.runtime.packref import reference_layout
 from shardplan.runtime.replay import Replayer
-from tests.unit.test_replay import worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANS = sorted(glob.glob(os.path.join(ROOT, "plans", "*.plan")))
@@ -41,6 +40,7 @@ def _meta_params(plan):
     return {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in plan.params}
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 @pytest.mark.parametrize("path", PLANS, ids=[os.path.basename(p) for p in PLANS])
 def test_shipped_plans_columnar_equals_objects(path):
     plan_file = PlanFile.read(path)
@@ -48,7 +48,7 @@ def test_shipped_plans_columnar_equals_objects(path):
     big = any(b in path for b in BIG)
     sample = [ranks[-1]] if big else sorted({ranks[0], ranks[-1]})
     for rank in sample:
-        plan, objects = plan_file.rank(rank), plan_file.rank_objects(rank)
+        plan, objects = plan_file.rank(rank), rank_objects(plan_file, rank)
         assert isinstance(plan.writes, LazyWrites) and len(plan.writes) == len(objects.writes)
         assert plan.params == objects.params and plan.fallbacks == objects.fallbacks
         assert plan.writes == objects.writes and plan.writes[-1] == objects.writes[-1]
@@ -64,13 +64,7 @@ def test_shipped_plans_columnar_equals_objects(path):
         assert len(applier._items) == sum(1 for s in layout.segments for r in s.refs if s.nbytes)
     if len(ranks) > 1 and not big:
         pair = [plan_file.rank(r) for r in ranks[:2]]
-        _assert_same_layout(PackLayout.from_plans(pair), [plan_file.rank_objects(r) for r in ranks[:2]])
-
-
-def _plan_file(plans, sources) -> PlanFile:
-    data = encode(compile_plans(plans, list(sources.values())), model="test/model", architecture="TestForCausalLM",
-                  config_sha256="0" * 64, layout=Layout(tp=len(plans)), dtype="bfloat16", vllm_version="0.32.0")
-    return PlanFile(*decode(data, "x.plan"), "x.plan")
+        _assert_same_layout(PackLayout.from_plans(pair), [rank_objects(plan_file, r) for r in ranks[:2]])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,13 +83,13 @@ def test_random_plans_columnar_equals_objects(world, alignment, max_group_bytes,
 
 def _check_random_plans(plans, sources, alignment, max_group_bytes):
     try:
-        plan_file = _plan_file(plans, sources)
+        plan_file = plan_file_of(plans, sources)
     except PlanFileError:   # e.g. a generated constant fill larger than its param: the writer refuses such plans
         assume(False)
     objects = []
     for p in plans:
         try:
-            objects.append(plan_file.rank_objects(p.rank))
+            objects.append(rank_objects(plan_file, p.rank))
         except PlanBoundsError as e:   # refused by the object path: the columnar one refuses it too
             with pytest.raises(type(e)):
                 plan_file.rank(p.rank)
@@ -112,7 +106,7 @@ def _check_random_plans(plans, sources, alignment, max_group_bytes):
 
 def test_lazy_writes_behave_like_a_tuple():
     plan_file = PlanFile.read(os.path.join(ROOT, "plans", "llama-3.1-8b--tp2--bfloat16.plan"))
-    plan, objects = plan_file.rank(1), plan_file.rank_objects(1)
+    plan, objects = plan_file.rank(1), rank_objects(plan_file, 1)
     writes = plan.writes
     assert len(writes) == len(objects.writes) and writes._all is None   # nothing built yet
     assert writes[0] == objects.writes[0] and writes[-1] == objects.writes[-1] and writes._all is None
@@ -157,7 +151,7 @@ def test_replayer_checks_columns_against_the_trainers_sources():
     plan = _small_plan()
     with pytest.raises(PlanError, match="reads 'model.layers.0.w.weight', which the sources table does not"):
         Replayer(plan, {"model.other": ir.TensorMeta("model.other", (8, 4), "bfloat16")})
-    with pytest.raises(PlanError, match=r"reads elements \[16, 32\) of 'model.layers.0.w.weight', which has 24"):
+    with pytest.raises(PlanBoundsError, match=r"reads elements \[16, 32\) of 'model.layers.0.w.weight', which has 24"):
         Replayer(plan, {"model.layers.0.w.weight": ir.TensorMeta("model.layers.0.w.weight", (6, 4), "bfloat16")})
     Replayer(plan, {"model.layers.0.w.weight": ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16")})
 
@@ -189,7 +183,7 @@ def test_segment_table_round_trips_segment_objects():
 def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, num_classes, wide_offsets):
     """plan/file/rank.py sorts (param, offset) in one packed key and breaks ties by a rank of the geometry classes; the
     definition is a stable lexsort over (param name, offset, sizes, strides), regions padded with -1."""
-    from shardplan.plan.file.rank import _canonical_order
+    from shardplan.plan.file.rank import canonical_order
     rng = np.random.default_rng(seed)
     names = [f"p{i}" for i in rng.permutation(5)]
     ndim = rng.integers(1, 4, size=num_classes)
@@ -203,10 +197,10 @@ def test_canonical_order_on_classes_equals_the_full_key_sort(seed, num_writes, n
     offsets = rng.integers(0, 4, size=num_writes) * (1 << 59 if wide_offsets else 1)   # wide: past one packed key
     rows = {"param": rng.integers(0, len(names), size=num_writes), "dst_offset": offsets,
             "dst_class": rng.integers(0, num_classes, size=num_writes)}
-    got = _canonical_order(rows, (ndim, sizes, strides), names, num_writes)
+    got = canonical_order(rows, (ndim, sizes, strides), names, num_writes)
     # rows out of plan order (small templates batched), their plan positions given: the same order of the writes
     moved = rng.permutation(num_writes)
-    got_moved = _canonical_order({k: v[moved] for k, v in rows.items()}, (ndim, sizes, strides), names, num_writes,
+    got_moved = canonical_order({k: v[moved] for k, v in rows.items()}, (ndim, sizes, strides), names, num_writes,
                                  moved)
     assert moved[got_moved].tolist() == got.tolist()
     klass = rows["dst_class"]
@@ -228,4 +222,4 @@ def test_writes_after_one_geometry_property_was_gathered(prop):
     plan = plan_file.rank(1)
     assert isinstance(plan.writes, LazyWrites)
     getattr(plan.writes.columns, prop)
-    assert tuple(plan.writes) == tuple(plan_file.rank_objects(1).writes)
+    assert tuple(plan.writes) == tuple(rank_objects(plan_file, 1).writes)

@@ -11,6 +11,7 @@ from shardplan.engine.protocol import EngineInitInfo
 from blocked_imports import run_without_vllm
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_trainer_side_imports_without_vllm_transformers_safetensors():
     out = run_without_vllm("""
         import shardplan.engine, shardplan.engine.trainer, shardplan.engine.clients

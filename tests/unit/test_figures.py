@@ -8,8 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
 from shardplan.plan.file.format import PlanBoundsError, PlanFileError
-from tests.unit.test_columns import _plan_file
-from tests.unit.test_replay import worlds
+from plan_worlds import plan_file_of, worlds
 
 from shardplan.plan import ir
 from shardplan.plan.names import layer_of
@@ -48,7 +47,7 @@ def test_rank_figures_of_random_plans(world):
     does; the figures weigh such reads by the param's layer variable.)"""
     plans, sources = world
     try:
-        plan_file = _plan_file([ir.RankPlan(i, p.params, p.writes) for i, p in enumerate(plans)], sources)
+        plan_file = plan_file_of([ir.RankPlan(i, p.params, p.writes) for i, p in enumerate(plans)], sources)
     except PlanFileError:
         assume(False)
     try:

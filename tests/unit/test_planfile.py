@@ -287,6 +287,7 @@ def test_corrupt_file_in_store_gives_named_error(tmp_path):
         PlanFile.read(path)
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
     """Plan loading, instantiation, replay and apply with vLLM, transformers and safetensors made unimportable."""
     path = tmp_path / "a.plan"
@@ -309,6 +310,7 @@ def _cli(*args, timeout=600):   # generous: a loaded 2-core box imports torch + 
                           timeout=timeout)
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_inspect_shipped_kimi_plan():
     """The full-size Kimi-K2 TP32+EP plan: 32 ranks, ~31x less than a full broadcast, no fallbacks; fast."""
     out = _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "5", timeout=60)
@@ -323,6 +325,7 @@ def test_inspect_shipped_kimi_plan():
 
 @pytest.mark.parametrize("fp8,bf16", [("kimi-k2-fp8--tp16-ep", "kimi-k2--tp16-ep"),
                                       ("qwen3-30b-a3b-fp8--tp4", "qwen3-30b-a3b--tp4")])
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_inspect_fp8_plan_next_to_bf16(fp8, bf16):
     """An FP8 plan's inspect shows fp8 + scale bytes per rank and what the same layout moves in BF16, computed from
     the FP8 plan alone: that BF16 figure is exactly the shipped BF16 plan's bytes per rank; the IR still prints."""
@@ -344,6 +347,7 @@ def test_inspect_fp8_plan_next_to_bf16(fp8, bf16):
     assert "BF16" not in inspect_plan(f"plans/{bf16}--bfloat16.plan")
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_cli_errors_are_clean():
     out = _cli("record", "--model", "no-such-model", "--tp", "2")
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -17,7 +17,7 @@ from shardplan.plan import interp, ir
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.file import format as planfile
 from shardplan.plan.file import skeletons as planskeleton
-from shardplan.plan.interp import ForeignWriteError, PlanTooLarge
+from shardplan.errors import ForeignWriteError, PlanTooLarge
 from shardplan.plan.layout import Layout
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.replay import Replayer

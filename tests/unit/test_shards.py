@@ -14,7 +14,7 @@ from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.shards import (ShardLayoutError, ShardOverlapError, TrainerShard, UnassignableWriteError, UncoveredSourceError, compose, ep_shards, full_box, layer_stage, local_tensors, plan_shards, pp_shards, replicate, split_range, tp_shards)
 from shardplan.plan.names import expert_of
-from test_replay import NAN, assert_matches_reference, bits_equal, random_tensors, worlds
+from plan_worlds import NAN, assert_matches_reference, bits_equal, random_tensors, worlds
 
 
 def replay_sharded(plans, sources, shards, full, alignment=256):

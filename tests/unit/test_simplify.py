@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import canonical, instantiate
 
 from shardplan.plan import ir
-from shardplan.plan.body import instantiate
-from shardplan.plan.compile.compiler import canonical, compile_plans
-from shardplan.plan.interp import apply_reference
+from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.compile.simplify import MAX_PIECES, simplify_write
+from shardplan.plan.interp import apply_reference
 from shardplan.plan.template import pure_view_form
 
 
@@ -152,6 +153,7 @@ def test_overlap_finder_is_exact_for_boxes(rnd):
     their dims split in two (as the rewrite's pieces are): True exactly where a write shares an element with another
     (brute force), so interleaved pieces of one destination are not taken for overlapping writes."""
     import numpy as np
+
     from shardplan.plan.overlap import overlapping_writes
     shape = tuple(rnd.randint(1, 6) for _ in range(rnd.randint(1, 3)))
     regions = []

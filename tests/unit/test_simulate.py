@@ -195,6 +195,7 @@ def test_fleet_refuses_two_ranks_on_one_gpu():
         Fleet(((0, 0),), ((0, 0),), 1)
 
 
+@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_simulator_imports_no_vllm_transformers_safetensors():
     out = run_without_vllm(f"""
         from shardplan.plan.file.format import PlanFile

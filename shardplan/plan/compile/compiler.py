@@ -14,7 +14,8 @@ fitted as an exact integer affine function of the variables. A hole that does no
 value (or by rank, when the rank takes fewer values), so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
 stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank instantiates without touching the others.
 
-`instantiate(body, rank)` rebuilds the rank's `ir.RankPlan`, equal to the direct recording (tests/test_compile.py).
+Instantiating a rank of the body (plan/file/rank.py; tests/reference.py's `instantiate`, write by write) rebuilds
+the rank's `ir.RankPlan`, equal to the direct recording (tests/integration/test_compile.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.body import Group, PlanBody, SourceTable, _write_sort_key, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
 from shardplan.plan.compile.simplify import compile_writes
-from shardplan.plan.names import layer_of
+from shardplan.plan.names import layer_of, with_layer
 from shardplan.plan.rowkeys import distinct_rows
 from shardplan.plan.template import build_trie, flatten_write, iter_trie, trie_from_rows, trie_node
 
@@ -53,6 +54,14 @@ def _fit(var_rows: np.ndarray, hole_rows: np.ndarray) -> tuple[np.ndarray | None
     return coeffs, -1
 
 
+def split_by_rank(num_ranks: int, num_hole_values: int) -> bool:
+    """The rank-group split rule, when a hole does not fit one affine function: split the rows by rank when that
+    makes fewer parts than splitting by the failing hole's value (pieces of a refined FP8 scale alternate between
+    ranks, head block and tail block, while their offsets move with every expert). `_make_groups` and
+    rankblocks.groups_of_blocks both split by it, so an extended layout templates as its full recording does."""
+    return 1 < num_ranks < num_hole_values
+
+
 def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: list[Group]) -> None:
     """Exact duplicates were removed per rank (and rank is a variable), so rows sharing variables differ in holes."""
     if len(distinct_rows(var_rows)[0]) < len(var_rows):
@@ -67,11 +76,8 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
     else:
         coeffs, bad = _fit(var_rows, hole_rows)
         if coeffs is None:
-            # split by the failing hole's value, or by rank when that makes fewer parts: pieces of a refined FP8
-            # scale alternate between ranks (head block, tail block) while their offsets move with every expert
             split = hole_rows[:, bad]
-            num_ranks = len(np.unique(var_rows[:, 0]))
-            if 1 < num_ranks < len(np.unique(split)):
+            if split_by_rank(len(np.unique(var_rows[:, 0])), len(np.unique(split))):
                 split = var_rows[:, 0]
             for value in np.unique(split):
                 mask = split == value
@@ -112,7 +118,7 @@ def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[i
                    sources: Sequence[ir.TensorMeta] | SourceTable,
                    rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
     """The templating half of compile_plans: `by_skeleton[(skeleton, num_name_vars)] = (var rows, hole rows)`, the
-    var rows being [rank, layer, name ints...]. Row order does not matter. plan/compile/extend.py feeds it rows it extended
+    var rows being [rank, layer, name ints...]. Row order does not matter. compile/extend.py feeds it rows it extended
     to unrecorded ranks, so both paths template through this one function."""
     groups: list[Group] = []
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
@@ -138,15 +144,6 @@ def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], pa
         not_needed=not_needed,
         rank_metas=rank_metas or {},
     )
-
-
-def canonical(plan: ir.RankPlan) -> ir.RankPlan:
-    """What instantiate() returns for a directly recorded plan: the reference for equality tests."""
-    free, kept = compile_writes(plan.writes)
-    free = sorted(set(free), key=_write_sort_key)
-    kept = sorted(kept, key=lambda w: w.param)
-    return ir.RankPlan(rank=plan.rank, params=tuple(sorted(plan.params, key=lambda p: p.name)),
-                       writes=tuple(free + kept), fallbacks=tuple(plan.fallbacks), not_needed=tuple(plan.not_needed))
 
 
 # ---- sampled recording: extend a few recorded layers to every layer of their class ---------------------------
@@ -252,7 +249,7 @@ def _layer_copies(name: str, full_layers: dict[int, list[int]], drop: set[int]) 
         return [name]
     if layer in drop:
         return []
-    return [name.replace(f"layers.{layer}.", f"layers.{new}.", 1) for new in full_layers.get(layer, [layer])]
+    return [with_layer(name, layer, new) for new in full_layers.get(layer, [layer])]
 
 
 def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardplan.plan.body import Group
-from shardplan.plan.compile.compiler import _fit, _make_groups
+from shardplan.plan.compile.compiler import _fit, _make_groups, split_by_rank
 from shardplan.plan.rowkeys import distinct_rows
 from shardplan.plan.template import trie_from_rows, trie_node
 
@@ -94,7 +94,7 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
         return
     column = num_vars + bad
     num_ranks = sum(len(b.ranks) for b in blocks)
-    if 1 < num_ranks < _num_values(blocks, column):   # _make_groups splits by rank when that makes fewer parts
+    if split_by_rank(num_ranks, _num_values(blocks, column)):
         for rank, b, j in sorted(((r, b, j) for b in blocks for j, r in enumerate(b.ranks.tolist())),
                                  key=lambda t: t[0]):
             groups_of_blocks(skeleton, [literal(rank, b.rows(j), num_vars, b.distinct)], num_vars, out)

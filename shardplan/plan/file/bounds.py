@@ -3,12 +3,22 @@ twice and inside a param of that rank; every region non-negative; every checkpoi
 (docs/plan-format.md, "Box rules"). Pure-view templates are checked vectorised, over all their writes at once."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.body import PlanBody
 from shardplan.plan.file.errors import PlanBoundsError, advice
-from shardplan.plan.template import pure_view_form
+
+
+def check_extents(lo, hi, empty, numel, message: Callable[[int], str]) -> None:
+    """The box rule every bounds check ends in: a non-empty box's element extent [lo, hi) lies inside [0, numel) of
+    its tensor (arrays, one entry per box). Raises PlanBoundsError with `message(i)` for the first box i that does
+    not: at load (`_inside` here) and at replay (runtime/replay.py's sources, runtime/apply.py's params) alike."""
+    lo, hi, numel = np.asarray(lo), np.asarray(hi), np.asarray(numel)
+    bad = ~np.asarray(empty, dtype=bool) & ((lo < 0) | (hi > numel))
+    if bad.any():
+        raise PlanBoundsError(message(int(np.nonzero(bad)[0][0])))
 
 
 def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
@@ -71,9 +81,11 @@ def _non_negative(region: ir.Region, rank, path) -> None:
 
 def _inside(region: ir.Region, meta: ir.TensorMeta, what: str, rank: int, path: str) -> None:
     lo, hi = region.extent()
-    if lo < 0 or hi > meta.numel or len(region.sizes) != len(region.strides):
-        raise PlanBoundsError(f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
-                              f"({meta.numel} elements). " + advice(path))
+    message = (f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
+               f"({meta.numel} elements). " + advice(path))
+    if len(region.sizes) != len(region.strides):
+        raise PlanBoundsError(message)
+    check_extents([lo], [hi], [False], [meta.numel], lambda _: message)
 
 
 def _overlapping(sizes, strides) -> np.ndarray:
@@ -86,49 +98,6 @@ def _overlapping(sizes, strides) -> np.ndarray:
     reach = np.take_along_axis(np.where(big, (sizes - 1) * strides, 0.0), order, 1).cumsum(axis=1)
     before = np.concatenate([np.zeros((len(s), 1)), reach[:, :-1]], axis=1)
     return (np.take_along_axis(big, order, 1) & (s <= before)).any(axis=1)
-
-
-def check_group_bounds(group, holes, body: PlanBody, rank_params: set, rank: int, path: str) -> None:
-    """Vectorised check of a pure-view template's writes (others are checked write by write, in check_bounds)."""
-    layout = pure_view_form(group.skeleton)
-    if layout is None or len(holes) == 0:
-        return
-    ptext, kp, nd, stext, ks, ns = layout
-
-    def check(first: int, ndim: int, name_cols: slice, text: str, lookup, what: str, dst: bool):
-        names_ix, inverse = np.unique(holes[:, name_cols], axis=0, return_inverse=True)
-        numels = []
-        for row in names_ix.tolist():
-            name = text.format(*row)
-            meta = lookup(name)
-            if meta is None:
-                raise PlanBoundsError(f"{path}: rank {rank}: {what} {name} is not declared for this rank. "
-                                      + advice(path))
-            numels.append(meta.numel)
-        numel = np.asarray(numels, dtype=np.float64)[inverse.reshape(-1)]
-        # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
-        offset = holes[:, first].astype(np.float64)
-        sizes = holes[:, first + 1:first + 1 + ndim].astype(np.float64)
-        strides = holes[:, first + 1 + ndim:first + 1 + 2 * ndim].astype(np.float64)
-        negative = (offset < 0) | (sizes < 0).any(axis=1) | (strides < 0).any(axis=1)
-        empty = (sizes == 0).any(axis=1)
-        hi = offset + ((sizes - 1) * strides).sum(axis=1) + 1
-        bad = negative | (~empty & (hi > numel))
-        if dst:
-            bad |= empty | _overlapping(sizes, strides)
-        if bad.any():
-            i = int(np.nonzero(bad)[0][0])
-            name = text.format(*holes[i, name_cols].tolist())
-            raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(holes[i, first])}, sizes "
-                                  f"{sizes[i].astype(np.int64).tolist()}, strides "
-                                  f"{strides[i].astype(np.int64).tolist()}) is negative, "
-                                  f"{'empty, self-overlapping, ' if dst else ''}or lies outside {what} {name} "
-                                  f"({int(numel[i])} elements). " + advice(path))
-    check(kp, nd, slice(0, kp), ptext, lambda n: body.meta(rank, n) if n in rank_params else None, "destination",
-          True)
-    first_src = kp + 1 + 2 * nd
-    check(first_src + ks, ns, slice(first_src, first_src + ks), stext, lambda n: _lookup(body.sources, n),
-          "source", False)
 
 
 def _lookup(table, name):

@@ -37,8 +37,7 @@ MAX_NUMEL = 1 << 48            # elements of one tensor; also bounds every integ
 MAX_TEXT = 4096
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-TENSOR_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                           "int64", "int32", "int16", "int8", "uint8", "bool"})
+TENSOR_DTYPES = frozenset(ir.ITEMSIZE)   # the one dtype table: plan/ir.py
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -51,7 +50,8 @@ LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
 HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model", "architecture", "config_sha256",
                  "layout", "dtype", "ranks", "num_writes", "num_sources")
 OPTIONAL_HEADER_FIELDS = ("quantizer",   # only in plans whose trainer quantizes (runtime/quantize.py)
-                          "eplb")       # only in plans with EPLB redundant expert slots (plan/placement.py)
+                          "eplb",       # only in plans with EPLB redundant expert slots (plan/placement.py)
+                          "trust_remote_code")  # only true: recorded running the model directory's own code
 _QUANTIZER = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}/[1-9][0-9]{0,4}x[1-9][0-9]{0,4}")
 
 
@@ -193,6 +193,9 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     if "quantizer" in raw:
         c.str_(raw["quantizer"], "header.quantizer", pattern=_QUANTIZER, rule="must be a quantizer id such as "
                "'fp8-e4m3-block-amax448-v1/128x128'")
+    if "trust_remote_code" in raw and raw["trust_remote_code"] is not True:
+        c.fail("header.trust_remote_code", raw["trust_remote_code"], "must be the msgpack bool true (the key is "
+               "absent when the recording ran no remote code)")
     if "eplb" in raw:
         try:
             EplbSlots.from_dict(raw["eplb"])

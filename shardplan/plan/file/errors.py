@@ -2,7 +2,7 @@
 the field), says what is wrong, and points at the docs to re-record."""
 from __future__ import annotations
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import PlanError, ShardplanError
 
 
 def advice(path) -> str:
@@ -50,8 +50,9 @@ class PlanOpNotAllowed(PlanFileError):
     pass
 
 
-class PlanBoundsError(PlanFileError):
-    pass
+class PlanBoundsError(PlanFileError, PlanError):
+    """A box outside its tensor, empty, negative or self-overlapping: raised at load (plan/file/rank.py, bounds.py) and
+    at replay (runtime/replay.py, runtime/apply.py: a plan built in memory), so it is a PlanError too."""
 
 
 class PlanUnreadable(PlanFileError):

@@ -30,17 +30,36 @@ import numpy as np
 
 from shardplan import __version__
 from shardplan.plan import ir
-from shardplan.plan.body import Group, PlanBody, SourceTable, instantiate, split_metas
+from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
+from shardplan.plan.columns import LazyWrites
+from shardplan.plan.file.checks import (  # noqa: F401
+    HEADER_FIELDS,
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    Checker,
+    check_body,
+    check_header,
+)
+from shardplan.plan.file.errors import (  # noqa: F401
+    PlanBoundsError,
+    PlanChecksumError,
+    PlanCorrupt,
+    PlanFieldError,
+    PlanFileError,
+    PlanFormatVersionError,
+    PlanLimitError,
+    PlanNotCanonical,
+    PlanOpNotAllowed,
+    PlanOversize,
+    PlanRankNotCovered,
+    PlanTruncated,
+    PlanUnreadable,
+    PlanWriteError,
+    advice,
+)
+from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots
-from shardplan.plan.file.bounds import check_bounds, check_group_bounds
-from shardplan.plan.file.checks import (HEADER_FIELDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, Checker, check_body,  # noqa: F401
-                        check_header)
-from shardplan.plan.file.errors import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFileError,  # noqa: F401
-                         PlanFormatVersionError, PlanLimitError, PlanNotCanonical, PlanOpNotAllowed, PlanOversize,
-                         PlanRankNotCovered, PlanTruncated, PlanUnreadable, PlanWriteError, advice)
-from shardplan.plan.columns import LazyWrites
-from shardplan.plan.file.rank import rank_columns
 from shardplan.plan.template import flatten_write, unflatten_write
 
 MAGIC = b"SHRDPLAN"
@@ -67,11 +86,15 @@ class PlanHeader:
     quantizer: str = ""
     # the EPLB expert slots the plan was recorded with (plan/placement.py); written only for EPLB plans
     eplb: EplbSlots | None = None
+    # the recording ran code from the model's own directory (record --trust-remote-code); written only when true
+    trust_remote_code: bool = False
 
     def to_dict(self) -> dict:
         extra = {"quantizer": self.quantizer} if self.quantizer else {}
         if self.eplb is not None:
             extra["eplb"] = self.eplb.to_dict()
+        if self.trust_remote_code:
+            extra["trust_remote_code"] = True
         return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
                 "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
                 "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
@@ -150,13 +173,15 @@ def _decode_body(raw, path: str) -> PlanBody:
 
 # ---- write ------------------------------------------------------------------------------------------------
 def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
-           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None) -> bytes:
+           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None,
+           trust_remote_code: bool = False) -> bytes:
     """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
     file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
     ranks = tuple(sorted(body.rank_params))
     header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb)
+                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb,
+                        trust_remote_code)
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
     sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
                        header_bytes, body_bytes])
@@ -352,20 +377,6 @@ class PlanFile:
                                             fallbacks=tuple(self.body.fallbacks.get(rank, ())))
         return self._cache[rank]
 
-    def rank_objects(self, rank: int) -> ir.RankPlan:
-        """The rank's plan with one `ir.Write` object per write (the pre-columnar path: tests and benchmarks compare
-        `rank` against it)."""
-        self.check_rank(rank)
-        rank_params = set(self.body.rank_params[rank])
-
-        def check(group, holes):
-            check_group_bounds(group, holes, self.body, rank_params, rank, self.path)
-        plan = instantiate(self.body, rank, check)
-        # writes of non-view templates and ordered writes were not covered by the vectorised check
-        num_free = len(plan.writes) - len(self.body.ordered.get(rank, ()))
-        generic = [w for w in plan.writes[:num_free] if not ir.is_pure_view(w)] + list(plan.writes[num_free:])
-        check_bounds(plan, self.body.sources, self.path, generic)
-        return plan
 
     def not_needed(self, rank: int) -> tuple[str, ...]:
         plan = self.rank(rank)

@@ -8,7 +8,7 @@ when asked). Templates of a few writes on the rank (qwen3-next: 111 of its 133 h
 numpy pass per hole layout, not per template. Param names are formatted once per distinct param, checkpoint tensors
 are found by id (`TableSourceIds`) without formatting their names. The box rules of docs/plan-format.md are checked
 on the columns; computed and ordered writes (rare) are built as `ir.Write` objects and checked one by one
-(file/bounds.py: check_bounds), as before. The result equals `body.instantiate` write for write
+(file/bounds.py: check_bounds), as before. The result equals tests/reference.py's `instantiate` write for write
 (tests/unit/test_columns.py).
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     positions = np.concatenate([b["position"] if isinstance(b["position"], np.ndarray) else
                                 np.arange(b["position"], b["position"] + len(b["param"])) for b in blocks]
                                ) if small else None
-    order = _canonical_order(rows, tables["dst"], names, num_free, positions)
+    order = canonical_order(rows, tables["dst"], names, num_free, positions)
     if ordered:
         order = np.concatenate([order, np.arange(num_free, len(rows["param"]), dtype=np.int64)])
     cols = {k: v[order] for k, v in rows.items()}
@@ -259,8 +259,9 @@ def _computed_objects(blocks, order, ordered, num_free) -> dict[int, ir.Write]:
     return out
 
 
-def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.ndarray | None = None) -> np.ndarray:
-    """compile.instantiate's order of the free writes (the first `num_free` rows): (param name, dst offset, dst
+def canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.ndarray | None = None) -> np.ndarray:
+    """The canonical order of a rank's free writes, once (tests/reference.py's write_sort_key restates it for
+    objects), here on columns (the first `num_free` rows): (param name, dst offset, dst
     sizes, dst strides), stable: ties keep template order (`positions`: each row's place in it, where the rows are
     not in that order). Regions compare as tuples: a shorter tuple first on a tie, which -1 padding reproduces
     (sizes >= 1 and strides >= 0 are checked)."""
@@ -298,8 +299,8 @@ def _canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.
 
 
 def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, path: str) -> None:
-    """bounds.check_group_bounds on one pure-view template's writes: the geometry (sizes, strides) is checked
-    once per class (distinct geometry), offsets and extents per write."""
+    """The box rules on one pure-view template's writes (as tests/reference.py's check_group_bounds): the geometry
+    (sizes, strides) is checked once per class (distinct geometry), offsets and extents per write."""
     _, t_sizes, t_strides = block[f"{side}_table"]
     klass = block[f"{side}_class"]
     numel = param_numels[block["param"]] if side == "dst" else block["src_numel"]

@@ -1,0 +1,71 @@
+"""Which GEMM vLLM's CPU build uses for unquantized linears and lm_heads, switched per engine for the live-engine
+tests (a worker extension: vLLM imports this module in every worker before it loads the model).
+
+`dispatch_cpu_unquantized_gemm` (vllm/model_executor/layers/utils.py) builds, at processing, one of: an sgl packed
+copy of the weight (`check_cpu_sgl_kernel`, which needs AMX: `torch.cpu._is_amx_tile_supported`), a oneDNN handle
+holding a reordered copy (`ops._supports_onednn`, and oneDNN able to build a bf16 matmul: AVX-512-BF16 or AMX), or
+plain `F.linear` on the param. Which one depends on the CPU, so a test passing on one box would prove nothing about
+another; SHARDPLAN_TEST_CPU_GEMM pins it:
+
+    sgl     the AMX check answered yes inside check_cpu_sgl_kernel only (its kernels also run on AVX-512 CPUs)
+    onednn  sgl off; oneDNN where it can build the primitive
+    torch   sgl and oneDNN off: F.linear on the param itself (no derived copy)
+
+`ENGINE_KWARGS` selects this module as the worker extension; `gemm_kinds` (an RPC) says what each layer got.
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "SHARDPLAN_TEST_CPU_GEMM"
+MODES = ("sgl", "onednn", "torch")
+ENGINE_KWARGS = {"worker_extension_cls": f"{__name__}.GemmPathExtension"}
+
+
+def _pin(mode: str) -> None:
+    import torch
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: one of {MODES}")
+    original = utils.check_cpu_sgl_kernel
+
+    def sgl_check(n, k, dtype):
+        if mode != "sgl":
+            return False
+        amx = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: True
+        try:
+            return original(n, k, dtype)
+        finally:
+            torch.cpu._is_amx_tile_supported = amx
+    utils.check_cpu_sgl_kernel = sgl_check
+    if mode == "torch":
+        ops._supports_onednn = False
+
+
+if os.environ.get(ENV):
+    _pin(os.environ[ENV])
+
+
+def gemm_kind(layer) -> str | None:
+    """What `dispatch_cpu_unquantized_gemm` gave `layer`, read from the closure it left in `layer.cpu_linear`."""
+    fn = getattr(layer, "cpu_linear", None)
+    if fn is None:
+        return None
+    free = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
+    for name, kind in (("handler", "onednn"), ("packed_weight", "sgl"), ("zen_weight", "zentorch")):
+        if name in free:
+            return kind
+    return "torch"
+
+
+class GemmPathExtension:
+    def gemm_kinds(self) -> dict[str, str]:
+        model = self.model_runner.get_model()
+        return {name: gemm_kind(m) for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
+
+    def shardplan_readers(self) -> list[str]:
+        """The modules the shardplan backend re-processes because they share storage with a param it writes."""
+        return sorted(name for name, _, _ in self.weight_transfer_engine.unpacker.readers.values())
