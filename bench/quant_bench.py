@@ -10,11 +10,13 @@ to the eager one (the GPU tier, tests/gpu, checks both against the CPU reference
 QuantizingReplayer's build time for the layer and for the whole rank (CPU work).
 
     python bench/quant_bench.py [--iters 20] [--json FILE]   (CUDA events, warm-up, medians of interleaved rounds)
+    python bench/quant_bench.py --build-only [--repeat 3]      (any machine: the build alone, wall and CPU time)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -84,13 +86,48 @@ def medians(fns: dict, iters: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def build_only(args) -> None:
+    """The device-independent part of a consumer rank's quantizing replay: instantiating the rank's plan from the plan
+    file, then building the QuantizingReplayer (plan geometry, rebased plans, the inner Replayer's layout and
+    batches). Binding (views, the fused kernel's program table, the CUDA graph) is per device and not in it."""
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; medians "
+          f"of {args.repeat} builds; wall ms / CPU ms (process time); bar: <= 100 ms per consumer rank")
+    print("| case | writes | instantiate rank | QuantizingReplayer build |")
+    print("|---|---|---|---|")
+    rows = []
+    for path, rank, _ in CASES:
+        plan_file = _plan_file(path)
+        times = {"instantiate": [], "build": []}
+        for _ in range(args.repeat):
+            w0, c0 = time.perf_counter(), time.process_time()
+            plan = plan_file.rank(rank)
+            w1, c1 = time.perf_counter(), time.process_time()
+            QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
+            w2, c2 = time.perf_counter(), time.process_time()
+            times["instantiate"].append(((w1 - w0) * 1e3, (c1 - c0) * 1e3))
+            times["build"].append(((w2 - w1) * 1e3, (c2 - c1) * 1e3))
+        med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+        row = dict(case=f"{Path(path).stem} rank {rank}", writes=len(plan.writes),
+                   **{f"{k}_{m}_ms": med[k][i] for k in med for i, m in enumerate(("wall", "cpu"))})
+        rows.append(row)
+        print(f"| {row['case']} | {row['writes']} | {med['instantiate'][0]:.0f} / {med['instantiate'][1]:.0f} | "
+              f"{med['build'][0]:.0f} / {med['build'][1]:.0f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, argv=sys.argv, rows=rows), indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--eager-iters", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warps", type=int, default=None, help="the kernel's num_warps (default fp8kernel.NUM_WARPS)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="time only building one consumer rank's QuantizingReplayer (CPU work; no GPU needed)")
+    ap.add_argument("--repeat", type=int, default=3, help="builds per case with --build-only (median reported)")
     args = ap.parse_args()
+    if args.build_only:
+        return build_only(args)
     if args.warps:
         fp8kernel.NUM_WARPS = args.warps
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"

@@ -413,6 +413,7 @@ class QuantizingBoundReplay:
                  fused: bool | None = None, **options):
         self.replayer = replayer
         self.sources: dict[str, tuple[torch.Tensor, tuple]] = {}
+        watched: dict[str, torch.Tensor] = {}
         given, device = replayer.inner.device, None
         for weight in replayer.quantized:
             box = replayer.boxes[weight]
@@ -434,6 +435,12 @@ class QuantizingBoundReplay:
                                         f"{describe_device(want)}: move it there or give the device it is on")
             device = device or t.device
             self.sources[weight] = (t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box)
+            watched[weight] = t
+        # the quantizer reads these through views (eager) or raw addresses (fused), which keep the old storage after
+        # `t.data = x` or `set_`: pack() compares their data pointers (the inner replay checks only what it reads)
+        self._watched_names, self._watched = list(watched), list(watched.values())
+        self._watched_ptrs = [t.data_ptr() for t in self._watched]
+        self._watched_index = list(range(len(self._watched)))
         device = resolve_device(given) or device or torch.device("cpu")
         self.device = device
         # what the trainer bound (the sync's binding cache compares these with the tensors of the next sync)
@@ -487,8 +494,6 @@ class QuantizingBoundReplay:
         cuda_graph = options.pop("cuda_graph", None)
         self.inner = rest.bind({**others, **self.staged}, out, cuda_graph=False, **options)
         self.out = self.inner.out
-        self._watched = list(self.kernel.tensors)
-        self._watched_ptrs = [t.data_ptr() for t in self._watched]
         self._graph = None
         if cuda_graph or (cuda_graph is None and device.type == "cuda"):
             try:
@@ -512,17 +517,21 @@ class QuantizingBoundReplay:
                 self.staged[weight].copy_(fp8)
                 self.staged[weight + SCALE_SUFFIX].copy_(scale)
 
+    def check(self) -> None:
+        """Raise StaleBindingError if a bound tensor or the buffer was reallocated since bind()."""
+        self.inner.check()
+        if not ptrs_unchanged(self._watched, self._watched_ptrs, self._watched_index):
+            name = next(w for w, t, p in zip(self._watched_names, self._watched, self._watched_ptrs)
+                        if t.data_ptr() != p)
+            raise StaleBindingError(f"{name!r} no longer has the storage it had at bind(): call bind() again "
+                                    f"after reallocating trainer tensors")
+
     def pack(self, *, check: bool = True) -> torch.Tensor:
+        if check:
+            self.check()
         if self.kernel is None:
             self.quantize()
-            return self.inner.pack(check=check)
-        if check:
-            self.inner.check()
-            if not ptrs_unchanged(self._watched, self._watched_ptrs, list(range(len(self._watched)))):
-                name = next(w for w, t, p in zip(self.kernel.plan.weights, self._watched, self._watched_ptrs)
-                            if t.data_ptr() != p)
-                raise StaleBindingError(f"{name!r} no longer has the storage it had at bind(): call bind() again "
-                                        f"after reallocating trainer tensors")
+            return self.inner.pack(check=False)
         self.quantize()
         with torch.no_grad():
             if self._graph is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 from typing import Mapping, Sequence
 
 import torch
@@ -69,7 +70,7 @@ class _Packs:
         _, sub, names, by_buffer, volatile = entry
         bound = by_buffer.get(out.data_ptr())
         if bound is not None:
-            if _same_tensors(bound.tensors, names, tensors):
+            if _same_tensors(bound, names, tensors):
                 try:
                     bound.pack(check=True)   # check(): the bound tensors and buffer still have their storage
                     return
@@ -79,15 +80,21 @@ class _Packs:
             entry[4] = volatile = True      # this source hands new tensors: bind per sync from now on
         fresh = sub.bind({n: tensors.get(n) for n in names}, out[:sub.layout.nbytes])
         fresh.pack(check=False)
+        fresh.given = tuple(fresh.tensors[n] for n in names)   # in `names` order, for _same_tensors' identity pass
         if self.cache or (self.cache is None and not volatile):
             if len(by_buffer) >= 4:
                 by_buffer.pop(next(iter(by_buffer)))
             by_buffer[out.data_ptr()] = fresh
 
 
-def _same_tensors(bound: Mapping[str, torch.Tensor], names: Sequence[str], given: Mapping[str, torch.Tensor]) -> bool:
+def _same_tensors(bound, names: Sequence[str], given: Mapping[str, torch.Tensor]) -> bool:
+    """The source handed the bound tensors again: the same objects (one C-level identity pass over `names`, ~10x
+    cheaper than reading each tensor's address), else per tensor the same storage address, shape and dtype. Whether
+    a bound object's storage was swapped in place (`t.data = x`, `set_`) is pack(check=True)'s data-pointer check."""
+    if all(map(operator.is_, map(given.get, names), bound.given)):
+        return True
     for n in names:
-        t, b = given.get(n), bound[n]
+        t, b = given.get(n), bound.tensors[n]
         if t is b:
             continue
         if t is None or t.data_ptr() != b.data_ptr() or t.shape != b.shape or t.dtype != b.dtype \

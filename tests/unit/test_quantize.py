@@ -194,3 +194,19 @@ def test_fused_path_names_a_non_finite_block_and_a_stale_tensor(monkeypatch):
 def test_fused_kernel_needs_cuda():
     with pytest.raises(QuantizeError, match="fused FP8 kernel cannot run here: .*CUDA"):
         QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=QID).bind(trainer_tensors(0), fused=True)
+
+
+@pytest.mark.parametrize("swap", ["data", "set_"])
+def test_eager_path_names_a_tensor_whose_storage_was_swapped(swap):
+    """The eager quantizer reads the trainer's weights through views made at bind(), which keep the old storage:
+    a swapped weight must be named, not quantized from its old bytes."""
+    tensors = trainer_tensors(3)
+    bound = QuantizingReplayer(rows_plan(1, 128, 256), SOURCES, quantizer=QID).bind(tensors, fused=False)
+    bound.pack()
+    new = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    if swap == "data":
+        tensors[W].data = new
+    else:
+        tensors[W].set_(new)
+    with pytest.raises(StaleBindingError, match="layer.proj.weight"):
+        bound.pack()

@@ -399,3 +399,36 @@ def test_devices_compare_by_what_they_resolve_to(monkeypatch):
         QuantizingReplayer(qplan, sources, quantizer="fp8-e4m3-block-amax448-v1/128x128", device=torch.device(
             "cuda")).bind({w: torch.zeros(128, 128, dtype=torch.bfloat16)})
     assert Replayer(plan, src, device="cpu").pack(tensors).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("change", ["in place", "fresh tensor", "data swapped", "set_", "same address, new view"])
+def test_sync_binding_cache_never_packs_stale(change):
+    """The sync packer's cached binding (sync/adapters._Packs) packs what the source hands *this* sync: an in-place
+    update through the bound binding, anything else (a fresh object, a bound object whose storage was swapped in
+    place) by a new bind, never the bytes of the old storage."""
+    from shardplan.sync.adapters import _Packs
+    plan, src = _small()
+    replayer = Replayer(plan, src)
+    out = torch.zeros(replayer.layout.nbytes, dtype=torch.uint8)
+    tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
+    packs = _Packs()
+    packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)
+    packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)   # cached from here on
+    bound = next(iter(packs.bound.values()))[3][out.data_ptr()]
+    new = torch.randn(4, 6).to(torch.bfloat16)
+    w = tensors["layers.0.w"]
+    if change == "in place":
+        w.copy_(new)
+    elif change == "fresh tensor":
+        tensors = {"layers.0.w": new.clone()}
+    elif change == "data swapped":
+        w.data = new.clone()
+    elif change == "set_":
+        w.set_(new.clone())
+    else:   # a new object over the bound storage: the binding still reads the right bytes
+        w.copy_(new)
+        tensors = {"layers.0.w": w.view(4, 6)}
+    packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)
+    assert torch.equal(out, replayer.pack({"layers.0.w": new}))
+    cached = next(iter(packs.bound.values()))[3].get(out.data_ptr())
+    assert (cached is bound) == (change in ("in place", "same address, new view"))
