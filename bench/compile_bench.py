@@ -19,6 +19,7 @@
 4. Plan size on disk and load + instantiate one rank: `instantiation_rows` (bench/instantiate_bench.py has the
    per-part table, Replayer and Applier included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_record(model: str, flags: list[str], out: Path,
-               src: str | None = None) -> tuple[float, float, str, Path, float]:
+def run_record(
+    model: str, flags: list[str], out: Path, src: str | None = None
+) -> tuple[float, float, str, Path, float]:
     """(wall s, peak RSS MiB, the `recording:` line, the plan, CPU s of the child: less disturbed by a loaded box)."""
     cmd = [sys.executable, "-m", "shardplan.cli", "record", "--model", model, *flags, "--out", str(out)]
     # `python -m` puts the working directory first on sys.path: the baseline's child runs in its tree
@@ -43,12 +45,12 @@ def run_record(model: str, flags: list[str], out: Path,
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=cwd)
     stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)   # the child's own peak RSS, not the max over all children
+    _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak RSS, not the max over all children
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{stdout[-3000:]}")
-    how = next((line[len("recording: "):] for line in stdout.splitlines() if line.startswith("recording:")), "")
+    how = next((line[len("recording: ") :] for line in stdout.splitlines() if line.startswith("recording:")), "")
     return wall, usage.ru_maxrss / 1024, how, next(out.glob("*.plan")), usage.ru_utime + usage.ru_stime
 
 
@@ -89,8 +91,9 @@ def instantiation_rows(plans: dict[str, Path]) -> list[tuple[str, str, str]]:
     for name, path in plans.items():
         rows.append((f"plan size {name}", f"{path.stat().st_size / 1024:.0f} KiB", "<= 2 MB"))
         cpu, wall = load_time(path)
-        rows.append((f"load + instantiate one rank, {name} (CPU / wall)", f"{cpu * 1e3:.1f} / {wall * 1e3:.1f} ms",
-                     "<= 50 ms"))
+        rows.append(
+            (f"load + instantiate one rank, {name} (CPU / wall)", f"{cpu * 1e3:.1f} / {wall * 1e3:.1f} ms", "<= 50 ms")
+        )
     return rows
 
 
@@ -115,6 +118,8 @@ print(statistics.median(cpu), statistics.median(wall))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     return float(out[0]), float(out[1])
+
+
 # ---- end of the LEAD section -------------------------------------------------------------------------------
 
 
@@ -125,8 +130,11 @@ def main() -> None:
     ap.add_argument("--families", default="tp-ep,tp,dp-ep")
     ap.add_argument("--exhaustive-ranks", type=int, default=2, help="ranks per layout recorded with --exhaustive")
     ap.add_argument("--skip-exhaustive", action="store_true")
-    ap.add_argument("--prove-all", action="store_true",
-                    help="prove every measured point against --exhaustive (default: the headline layouts only)")
+    ap.add_argument(
+        "--prove-all",
+        action="store_true",
+        help="prove every measured point against --exhaustive (default: the headline layouts only)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="alternated runs per point; the fastest of each is kept")
     ap.add_argument("--baseline-src", default=None, help="a tree whose shardplan runs each point too (baseline row)")
@@ -138,8 +146,11 @@ def main() -> None:
     kept: dict[str, tuple[list[str], Path]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        print(f"\n{'layout':<28} {'N':>4} {'one rank s':>10} {'all ranks s':>11} {'ratio':>6} {'RSS 1 / all MiB':>16}"
-              f" {'CPU 1 / all s':>14} {'ratio':>6}  how", flush=True)
+        print(
+            f"\n{'layout':<28} {'N':>4} {'one rank s':>10} {'all ranks s':>11} {'ratio':>6} {'RSS 1 / all MiB':>16}"
+            f" {'CPU 1 / all s':>14} {'ratio':>6}  how",
+            flush=True,
+        )
         for family in args.families.split(","):
             for n in counts:
                 flags = family_flags(family, n)
@@ -148,25 +159,34 @@ def main() -> None:
                 tag = f"{family}-{n}"
                 trees = [None] + ([args.baseline_src] if args.baseline_src else [])
                 runs: dict = {src: ([], []) for src in trees}
-                for i in range(args.repeat):   # alternated, the fastest of each: the box's load swings within minutes
+                for i in range(args.repeat):  # alternated, the fastest of each: the box's load swings within minutes
                     for src in trees:
                         where = "" if src is None else "base-"
-                        runs[src][0].append(run_record(args.model, [*flags, "--ranks", "0"],
-                                                       tmp / f"{where}{tag}-one-{i}", src))
+                        runs[src][0].append(
+                            run_record(args.model, [*flags, "--ranks", "0"], tmp / f"{where}{tag}-one-{i}", src)
+                        )
                         runs[src][1].append(run_record(args.model, flags, tmp / f"{where}{tag}-{i}", src))
-                for src in reversed(trees):   # the baseline's row first, this tree's under it
+                for src in reversed(trees):  # the baseline's row first, this tree's under it
                     one, rss_one, _, _, cpu_one = min(runs[src][0])
                     every, rss_all, how, plan, cpu_all = min(runs[src][1])
                     recorded = how.split("; ")[-1].split(",  ")[0] if how else ""
-                    label = ' '.join(flags) if src is None else f"{' '.join(flags)} baseline"
-                    print(f"{label:<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
-                          f"{rss_one:>7.0f} / {rss_all:<7.0f} {cpu_one:>6.1f} / {cpu_all:<5.1f} "
-                          f"{cpu_all / cpu_one:>5.2f}x "
-                          f"{recorded[:90]}", flush=True)
+                    label = " ".join(flags) if src is None else f"{' '.join(flags)} baseline"
+                    print(
+                        f"{label:<28} {n:>4} {one:>10.1f} {every:>11.1f} {every / one:>5.2f}x "
+                        f"{rss_one:>7.0f} / {rss_all:<7.0f} {cpu_one:>6.1f} / {cpu_all:<5.1f} "
+                        f"{cpu_all / cpu_one:>5.2f}x "
+                        f"{recorded[:90]}",
+                        flush=True,
+                    )
                 if args.baseline_src:
                     base_plan = min(runs[args.baseline_src][1])[3]
-                    rows.append((f"record {' '.join(flags)} (N={n}): same bytes as the baseline tree's",
-                                 str(base_plan.read_bytes() == plan.read_bytes()), "True"))
+                    rows.append(
+                        (
+                            f"record {' '.join(flags)} (N={n}): same bytes as the baseline tree's",
+                            str(base_plan.read_bytes() == plan.read_bytes()),
+                            "True",
+                        )
+                    )
                 rows.append((f"record {' '.join(flags)} (N={n}) / --ranks 0", f"{every / one:.2f}x", "<= 1.3x"))
                 if (family, n) in headline:
                     kept[headline[(family, n)]] = (flags, plan)
@@ -176,19 +196,40 @@ def main() -> None:
         for name, (flags, plan) in kept.items():
             shipped = ROOT / "plans" / f"{args.model}--{name}--bfloat16.plan"
             if shipped.exists():
-                rows.append((f"{name}: byte-identical to plans/{shipped.name}",
-                             str(plan.read_bytes() == shipped.read_bytes()), "True"))
+                rows.append(
+                    (
+                        f"{name}: byte-identical to plans/{shipped.name}",
+                        str(plan.read_bytes() == shipped.read_bytes()),
+                        "True",
+                    )
+                )
             if args.skip_exhaustive:
                 continue
-            world = int(subprocess.run([sys.executable, "-c", f"from shardplan.plan.file.format import PlanFile; "
-                                        f"print(len(PlanFile.read({str(plan)!r}).ranks))"],
-                                       capture_output=True, text=True, check=True).stdout)
+            world = int(
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        f"from shardplan.plan.file.format import PlanFile; "
+                        f"print(len(PlanFile.read({str(plan)!r}).ranks))",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
             subset = sorted(random.Random(args.seed).sample(range(world), min(args.exhaustive_ranks, world)))
-            wall, _, _, exhaustive, _ = run_record(args.model, [*flags, "--exhaustive", "--ranks",
-                                                             ",".join(map(str, subset))], tmp / f"{name}-ex")
-            rows.append((f"{name}: ranks {subset} equal to --exhaustive (random subset; a full exhaustive run takes "
-                         f"~{wall / len(subset) * world / 60:.0f} min)",
-                         str(same_ranks(plan, exhaustive, subset)), "True"))
+            wall, _, _, exhaustive, _ = run_record(
+                args.model, [*flags, "--exhaustive", "--ranks", ",".join(map(str, subset))], tmp / f"{name}-ex"
+            )
+            rows.append(
+                (
+                    f"{name}: ranks {subset} equal to --exhaustive (random subset; a full exhaustive run takes "
+                    f"~{wall / len(subset) * world / 60:.0f} min)",
+                    str(same_ranks(plan, exhaustive, subset)),
+                    "True",
+                )
+            )
         rows += instantiation_rows({name: plan for name, (_, plan) in kept.items() if name in headline.values()})
     print(f"\n{'measure':<100} {'value':>10} {'bar':>9}")
     for name, value, bar in rows:

@@ -27,6 +27,7 @@ process_weights_after_loading, per module class below the table), MoE prepack (t
 into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
 the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,37 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
-        "vocab_size": 1024, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
-        "bos_token_id": 1, "eos_token_id": 2}
-TINY_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
-                norm_topk_prob=True)
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+TINY_MOE = dict(
+    TINY,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
 PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44]]
 
 
@@ -65,6 +89,7 @@ def case_config(name: str, layers: int, overrides: list[str] = ()) -> tuple[dict
         return TINY_MOE, 2
     if name == "qwen3-30b-a3b":
         from shardplan.models import resolve_model
+
         cfg = dict(resolve_model("qwen3-30b-a3b", [f"num_hidden_layers={layers}", *overrides]).config)
         cfg["max_position_embeddings"] = 2048
         return cfg, 2
@@ -75,8 +100,8 @@ def write_checkpoints(root: Path, cfg: dict, tp: int):
     """Checkpoints A (the engine starts from it) and B (the update), and the plan recorded for A's config."""
     from safetensors.torch import save_file
 
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import write_plan
+    from shardplan.plan.layout import Layout
     from shardplan.record.session import RecordSession
 
     dirs = [root / "A", root / "B"]
@@ -103,6 +128,7 @@ def _gloo_receiver(port: int, pair: int, nbytes: int, rounds: int) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
+
     store = dist.PrefixStore(f"pair{pair}", dist.TCPStore("127.0.0.1", port, is_master=False))
     pg = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -121,23 +147,30 @@ class GlooCeiling:
         from datetime import timedelta
 
         import torch.distributed as dist
+
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_gloo_receiver, args=(self.server.port, i, n, iters + 1), daemon=True)
-                      for i, n in enumerate(nbytes_per_peer)]
+        self.procs = [
+            ctx.Process(target=_gloo_receiver, args=(self.server.port, i, n, iters + 1), daemon=True)
+            for i, n in enumerate(nbytes_per_peer)
+        ]
         for p in self.procs:
             p.start()
-        self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"pair{i}", self.server), 0, 2, timedelta(seconds=600))
-                       for i in range(len(self.procs))]
-        whole = torch.ones(max(nbytes_per_peer), dtype=torch.uint8)   # one buffer, read by every peer's send
+        self.groups = [
+            dist.ProcessGroupGloo(dist.PrefixStore(f"pair{i}", self.server), 0, 2, timedelta(seconds=600))
+            for i in range(len(self.procs))
+        ]
+        whole = torch.ones(max(nbytes_per_peer), dtype=torch.uint8)  # one buffer, read by every peer's send
         self.bufs = [whole[:n] for n in nbytes_per_peer]
         self.send()
 
     def send(self) -> float:
         import threading
+
         t = time.perf_counter()
-        threads = [threading.Thread(target=lambda g=g, b=b: g.send([b], 1, 0).wait())
-                   for g, b in zip(self.groups, self.bufs)]
+        threads = [
+            threading.Thread(target=lambda g=g, b=b: g.send([b], 1, 0).wait()) for g, b in zip(self.groups, self.bufs)
+        ]
         for th in threads:
             th.start()
         for th in threads:
@@ -150,8 +183,16 @@ class GlooCeiling:
         self.bufs = []
 
 
-ENGINE_STEPS = ("start", "materialize", "apply", "process", "moe prepack", "copy into kernel tensors", "finalize",
-                "readers")
+ENGINE_STEPS = (
+    "start",
+    "materialize",
+    "apply",
+    "process",
+    "moe prepack",
+    "copy into kernel tensors",
+    "finalize",
+    "readers",
+)
 
 
 def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip_prepack: bool = False) -> dict:
@@ -166,42 +207,57 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     t0 = time.perf_counter()
     (a, b), tensors_b, plan = write_checkpoints(root, cfg, tp)
     setup_s = time.perf_counter() - t0
-    if name == "qwen3-30b-a3b":   # give the generator's and save_file's copies back before the engine loads
+    if name == "qwen3-30b-a3b":  # give the generator's and save_file's copies back before the engine loads
         import ctypes
+
         from safetensors.torch import load_file
+
         del tensors_b
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         tensors_b = load_file(str(b / "model.safetensors"))
     from shardplan.plan.file.format import PlanFile
     from shardplan.runtime.pack import PackLayout
+
     plan_file = PlanFile.read(plan)
     layouts = [PackLayout.from_plans(plan_file.rank(r)) for r in range(tp)]
     per_peer = [lay.nbytes for lay in layouts]
-    layer_bytes = [max(g.nbytes for g in lay.groups) for lay in layouts]   # one decoder layer of each rank
+    layer_bytes = [max(g.nbytes for g in lay.groups) for lay in layouts]  # one decoder layer of each rank
     ceiling = GlooCeiling(per_peer, iters)
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    llm = LLM(model=str(a), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
-              max_num_seqs=4, max_num_batched_tokens=256, seed=0, tensor_parallel_size=tp,
-              weight_transfer_config=WeightTransferConfig(backend="shardplan"))
+    llm = LLM(
+        model=str(a),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        seed=0,
+        tensor_parallel_size=tp,
+        weight_transfer_config=WeightTransferConfig(backend="shardplan"),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def tokens():
-        return [list(o.outputs[0].token_ids) for o in
-                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        return [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        ]
 
     sync = EngineSync([llm], plan, config=SyncConfig(timeout_s=120))
     trainer = sync.trainer_rank(ModuleSource(tensors_b, sync.plan_file))
     pack_s: dict[int, float] = {}
     pack = trainer.packer.pack
 
-    def timed_pack(consumer, *args, **kwargs):   # the trainer's pack, per consumer lane (lanes run in threads)
+    def timed_pack(consumer, *args, **kwargs):  # the trainer's pack, per consumer lane (lanes run in threads)
         t = time.perf_counter()
         pack(consumer, *args, **kwargs)
         pack_s[consumer] = pack_s.get(consumer, 0.0) + time.perf_counter() - t
+
     trainer.packer.pack = timed_pack
-    sync.init()   # once per engine: not part of an update
+    sync.init()  # once per engine: not part of an update
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
@@ -220,7 +276,8 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         tokens_shardplan = tokens()
         if moe and skip_prepack:
             runs["shardplan_skip_prepack"].append(
-                sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds)
+                sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds
+            )
             tokens_skip = tokens()
         t = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
@@ -240,19 +297,40 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     for r in range(tp):
         steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in splits) for k in (*ENGINE_STEPS, "update")}
         steps["receive + verify"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
-        by_class = {k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
-                    for k in splits[0][r].get("process_by_class", {})}
-        ranks.append(dict(rank=r, trainer_pack_s=med(p.get(r, 0.0) for p in packs), seconds=steps,
-                          process_by_class=by_class,
-                          rss_before=med(s[r]["rss_before"] or 0 for s in splits),
-                          rss_peak=med(s[r]["rss_peak"] or 0 for s in splits), layer_bytes=layer_bytes[r]))
-    return dict(case=name, tp=tp, layers=cfg["num_hidden_layers"], overrides=list(overrides), setup_s=setup_s,
-                shipped_bytes=nbytes, ceiling_gloo_s=med(runs["gloo"]), checkpoint_bytes=full_bytes,
-                shardplan_s=med(runs["shardplan"]), vllm_reload_s=med(runs["vllm"]),
-                tokens_equal=tokens_shardplan == tokens_vllm, ranks=ranks, load=loads,
-                phases={k: med(p.get(k, 0.0) for p in phases) for k in phases[0]},
-                shardplan_skip_prepack_s=med(runs["shardplan_skip_prepack"]) if runs["shardplan_skip_prepack"] else None,
-                tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm, runs=runs)
+        by_class = {
+            k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
+            for k in splits[0][r].get("process_by_class", {})
+        }
+        ranks.append(
+            dict(
+                rank=r,
+                trainer_pack_s=med(p.get(r, 0.0) for p in packs),
+                seconds=steps,
+                process_by_class=by_class,
+                rss_before=med(s[r]["rss_before"] or 0 for s in splits),
+                rss_peak=med(s[r]["rss_peak"] or 0 for s in splits),
+                layer_bytes=layer_bytes[r],
+            )
+        )
+    return dict(
+        case=name,
+        tp=tp,
+        layers=cfg["num_hidden_layers"],
+        overrides=list(overrides),
+        setup_s=setup_s,
+        shipped_bytes=nbytes,
+        ceiling_gloo_s=med(runs["gloo"]),
+        checkpoint_bytes=full_bytes,
+        shardplan_s=med(runs["shardplan"]),
+        vllm_reload_s=med(runs["vllm"]),
+        tokens_equal=tokens_shardplan == tokens_vllm,
+        ranks=ranks,
+        load=loads,
+        phases={k: med(p.get(k, 0.0) for p in phases) for k in phases[0]},
+        shardplan_skip_prepack_s=med(runs["shardplan_skip_prepack"]) if runs["shardplan_skip_prepack"] else None,
+        tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm,
+        runs=runs,
+    )
 
 
 def main() -> None:
@@ -260,53 +338,101 @@ def main() -> None:
     parser.add_argument("--cases", default="tiny-dense,tiny-moe")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the cut qwen3-30b-a3b")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--override", action="append", default=[],
-                        help="KEY=VALUE on the cut qwen3-30b-a3b's config (e.g. num_experts=64 to fit a smaller box)")
-    parser.add_argument("--skip-prepack", action="store_true",
-                        help="MoE: also time a sync without the CPU prepack re-run (vLLM's own reload's work)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="KEY=VALUE on the cut qwen3-30b-a3b's config (e.g. num_experts=64 to fit a smaller box)",
+    )
+    parser.add_argument(
+        "--skip-prepack",
+        action="store_true",
+        help="MoE: also time a sync without the CPU prepack re-run (vLLM's own reload's work)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = [run_case(c, args.layers, args.iters, args.override, args.skip_prepack) for c in args.cases.split(",")]
     from rich.console import Console
     from rich.table import Table
+
     table = Table(title="one update of a live vLLM CPU engine (median)")
-    for col in ("case", "TP", "shipped / checkpoint", "shardplan sync s", "gloo send alone s",
-                "vLLM reload_weights s", "sync / gloo", "sync / reload", "same tokens", "load avg"):
+    for col in (
+        "case",
+        "TP",
+        "shipped / checkpoint",
+        "shardplan sync s",
+        "gloo send alone s",
+        "vLLM reload_weights s",
+        "sync / gloo",
+        "sync / reload",
+        "same tokens",
+        "load avg",
+    ):
         table.add_column(col)
     for r in results:
-        table.add_row(f"{r['case']} ({r['layers']} layers{''.join(', ' + o for o in r['overrides'])})", str(r["tp"]),
-                      f"{r['shipped_bytes'] / 2**20:.1f} / {r['checkpoint_bytes'] / 2**20:.1f} MiB",
-                      f"{r['shardplan_s']:.3f}", f"{r['ceiling_gloo_s']:.3f}", f"{r['vllm_reload_s']:.3f}",
-                      f"{r['shardplan_s'] / r['ceiling_gloo_s']:.2f}x", f"{r['shardplan_s'] / r['vllm_reload_s']:.2f}x",
-                      str(r["tokens_equal"]), " ".join(f"{x:.1f}" for x in r["load"]))
+        table.add_row(
+            f"{r['case']} ({r['layers']} layers{''.join(', ' + o for o in r['overrides'])})",
+            str(r["tp"]),
+            f"{r['shipped_bytes'] / 2**20:.1f} / {r['checkpoint_bytes'] / 2**20:.1f} MiB",
+            f"{r['shardplan_s']:.3f}",
+            f"{r['ceiling_gloo_s']:.3f}",
+            f"{r['vllm_reload_s']:.3f}",
+            f"{r['shardplan_s'] / r['ceiling_gloo_s']:.2f}x",
+            f"{r['shardplan_s'] / r['vllm_reload_s']:.2f}x",
+            str(r["tokens_equal"]),
+            " ".join(f"{x:.1f}" for x in r["load"]),
+        )
     console = Console(width=200)
     console.print(table)
     for r in results:
-        console.print(f"{r['case']}: the driver's phases of the shardplan sync (median s): "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
-        split = Table(title=f"{r['case']}: one shardplan update per engine rank (median s; process excludes the MoE "
-                            f"prepack re-run; receive + verify = update - the engine's own steps: waiting for the "
-                            f"bytes (the trainer packing, gloo) and checksumming them)")
-        cols = ["rank", "trainer pack", "receive + verify", *ENGINE_STEPS, "update", "RSS before", "RSS peak",
-                "peak - before", "one layer"]
+        console.print(
+            f"{r['case']}: the driver's phases of the shardplan sync (median s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+        )
+        split = Table(
+            title=f"{r['case']}: one shardplan update per engine rank (median s; process excludes the MoE "
+            f"prepack re-run; receive + verify = update - the engine's own steps: waiting for the "
+            f"bytes (the trainer packing, gloo) and checksumming them)"
+        )
+        cols = [
+            "rank",
+            "trainer pack",
+            "receive + verify",
+            *ENGINE_STEPS,
+            "update",
+            "RSS before",
+            "RSS peak",
+            "peak - before",
+            "one layer",
+        ]
         for col in cols:
             split.add_column(col)
-        mib = 2 ** 20
+        mib = 2**20
         for k in r["ranks"]:
             s = k["seconds"]
-            split.add_row(str(k["rank"]), f"{k['trainer_pack_s']:.3f}", f"{s['receive + verify']:.3f}",
-                          *(f"{s[x]:.3f}" for x in ENGINE_STEPS), f"{s['update']:.3f}",
-                          f"{k['rss_before'] / mib:.0f} MiB", f"{k['rss_peak'] / mib:.0f} MiB",
-                          f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB", f"{k['layer_bytes'] / mib:.0f} MiB")
+            split.add_row(
+                str(k["rank"]),
+                f"{k['trainer_pack_s']:.3f}",
+                f"{s['receive + verify']:.3f}",
+                *(f"{s[x]:.3f}" for x in ENGINE_STEPS),
+                f"{s['update']:.3f}",
+                f"{k['rss_before'] / mib:.0f} MiB",
+                f"{k['rss_peak'] / mib:.0f} MiB",
+                f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB",
+                f"{k['layer_bytes'] / mib:.0f} MiB",
+            )
         console.print(split)
         for k in r["ranks"]:
-            console.print(f"rank {k['rank']} process by module class (median s): "
-                          + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(),
-                                                                         key=lambda kv: -kv[1])))
+            console.print(
+                f"rank {k['rank']} process by module class (median s): "
+                + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
+            )
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:
-            print(f"{r['case']}: shardplan sync without the MoE prepack re-run (what vLLM's own reload does): "
-                  f"{r['shardplan_skip_prepack_s']:.3f} s; its tokens == vLLM reload's: {r['tokens_equal_skip_prepack']}")
+            print(
+                f"{r['case']}: shardplan sync without the MoE prepack re-run (what vLLM's own reload does): "
+                f"{r['shardplan_skip_prepack_s']:.3f} s; its tokens == vLLM reload's: {r['tokens_equal_skip_prepack']}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

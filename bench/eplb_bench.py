@@ -8,15 +8,16 @@ PLAN: a plan recorded with `shardplan record ... --ep --eplb-redundant R`. Times
   alias:       with_slot_aliases for every slot of the rank (what EplbPacker does, per group, at every sync)
   bind:        PlacementBinder.bind (a bound RankPlan, for the reference interpreter; cached by digest)
 """
+
 from __future__ import annotations
 
 import argparse
 import random
 import time
 
+from shardplan.plan.file.format import PlanFile
 from shardplan.plan.names import slot_of
 from shardplan.plan.placement import PlacementBinder, make_placement, with_slot_aliases
-from shardplan.plan.file.format import PlanFile
 
 
 def best(fn, repeat: int) -> tuple[float, object]:
@@ -41,8 +42,9 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for _ in slots.moe_layers:
-        row = list(range(slots.num_logical_experts)) + [rng.randrange(slots.num_logical_experts)
-                                                        for _ in range(slots.num_redundant_experts)]
+        row = list(range(slots.num_logical_experts)) + [
+            rng.randrange(slots.num_logical_experts) for _ in range(slots.num_redundant_experts)
+        ]
         rng.shuffle(row)
         rows.append(row)
     t_make, placement = best(lambda: make_placement(rows, slots), args.repeat)
@@ -51,9 +53,11 @@ def main() -> None:
     tensors = {n: object() for n in bound.sources_read()}
     t_alias, _ = best(lambda: with_slot_aliases(tensors, slot_names, placement), args.repeat)
     t_bind, _ = best(lambda: PlacementBinder(plan, slots).bind(placement), args.repeat)
-    print(f"{args.plan} rank {args.rank}: {len(plan.writes)} writes, {len(slot_names)} slot writes; "
-          f"E={slots.num_logical_experts} R={slots.num_redundant_experts} EP={slots.num_ep_ranks} "
-          f"{len(slots.moe_layers)} MoE layers")
+    print(
+        f"{args.plan} rank {args.rank}: {len(plan.writes)} writes, {len(slot_names)} slot writes; "
+        f"E={slots.num_logical_experts} R={slots.num_redundant_experts} EP={slots.num_ep_ranks} "
+        f"{len(slots.moe_layers)} MoE layers"
+    )
     print(f"  instantiate (baseline) {t_inst * 1e3:8.1f} ms")
     for name, t in (("make_placement", t_make), ("alias every slot", t_alias), ("bind", t_bind)):
         print(f"  {name:<22} {t * 1e3:8.1f} ms   {t / t_inst:5.2f}x instantiate")

@@ -23,6 +23,7 @@ then (printed as "-").
 
 `instantiation_table(paths, ...)` returns the rows (and `format_table(rows)` the text) for bench/compile_bench.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         import reference
     import torch
+
     from shardplan.plan.file.format import PlanFile, read_plan_bytes
     from shardplan.runtime.apply import Applier
     from shardplan.runtime.replay import Replayer
@@ -97,17 +99,24 @@ def measure(path: str, num_ranks: int, repeat: int, objects: bool = False) -> di
             times["applier"].append(t4 - t_applier)
         times["instantiate"].append(t1 - t0)
         times["replayer"].append(t3 - t2)
-    row = {"plan": os.path.basename(path), "ranks": sample, "writes": num_writes,
-           "read": statistics.median(reads), "decode": statistics.median(decodes)}
+    row = {
+        "plan": os.path.basename(path),
+        "ranks": sample,
+        "writes": num_writes,
+        "read": statistics.median(reads),
+        "decode": statistics.median(decodes),
+    }
     row.update({k: statistics.median(v) for k, v in times.items()})
     return {k: (v * 1e3 if isinstance(v, float) else v) for k, v in row.items()}
 
 
 def _decode(data: bytes, path: str):
     from shardplan.plan.file.format import decode
+
     header, body = decode(data, path)
-    try:   # the columnar tree numbers the source table's names once per file (cached on it): part of loading it
+    try:  # the columnar tree numbers the source table's names once per file (cached on it): part of loading it
         from shardplan.plan.columns import table_ids
+
         table_ids(body.sources)
     except ImportError:
         pass
@@ -126,16 +135,33 @@ def _clear_module_caches() -> None:
 def _baseline(path: str, num_ranks: int, repeat: int, src: str | None) -> dict:
     if src is None:
         return measure(path, num_ranks, repeat, objects=True)
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]); "
-            "import instantiate_bench as b; print(json.dumps(b.measure(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))")
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]); "
+        "import instantiate_bench as b; print(json.dumps(b.measure(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))"
+    )
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-    out = subprocess.run([sys.executable, "-c", code, os.path.abspath(src), os.path.dirname(os.path.abspath(__file__)),
-                          path, str(num_ranks), str(repeat)], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            os.path.abspath(src),
+            os.path.dirname(os.path.abspath(__file__)),
+            path,
+            str(num_ranks),
+            str(repeat),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def instantiation_table(paths: list[str] | None = None, num_ranks: int = 4, repeat: int = 3,
-                        baseline_src: str | None = None) -> list[dict]:
+def instantiation_table(
+    paths: list[str] | None = None, num_ranks: int = 4, repeat: int = 3, baseline_src: str | None = None
+) -> list[dict]:
     """Rows {plan, writes, ranks, new: {part: ms}, base: {part: ms}} for every plan (default: plans/*.plan)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = paths or sorted(glob.glob(os.path.join(root, "plans", "*.plan")))
@@ -149,7 +175,7 @@ def instantiation_table(paths: list[str] | None = None, num_ranks: int = 4, repe
 
 
 def _cell(new: float, base: float) -> str:
-    if base != base:   # nan: not reachable
+    if base != base:  # nan: not reachable
         return f"{new:7.1f} / {'-':>7}"
     return f"{new:7.1f} / {base:7.1f}"
 
@@ -157,14 +183,20 @@ def _cell(new: float, base: float) -> str:
 def format_table(rows: list[dict], header: bool = True) -> str:
     lines = []
     if header:
-        lines.append(f"{'plan':40} {'writes':>6}  " + "  ".join(f"{p + ' new/base ms':>19}" for p in PARTS)
-                     + f"  {'inst+rep+app':>19}")
+        lines.append(
+            f"{'plan':40} {'writes':>6}  "
+            + "  ".join(f"{p + ' new/base ms':>19}" for p in PARTS)
+            + f"  {'inst+rep+app':>19}"
+        )
     for r in rows:
         new, base = r["new"], r["base"]
         total_new = new["instantiate"] + new["replayer"] + new["applier"]
         total_base = base["instantiate"] + base["replayer"] + base["applier"]
-        lines.append(f"{r['plan'][:40]:40} {r['writes']:6d}  " + "  ".join(f"{_cell(new[p], base[p]):>19}" for p in PARTS)
-                     + f"  {_cell(total_new, total_base):>19}")
+        lines.append(
+            f"{r['plan'][:40]:40} {r['writes']:6d}  "
+            + "  ".join(f"{_cell(new[p], base[p]):>19}" for p in PARTS)
+            + f"  {_cell(total_new, total_base):>19}"
+        )
     return "\n".join(lines)
 
 
@@ -175,19 +207,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="decode repeats")
     parser.add_argument("--baseline-src", default=None, help="a tree whose shardplan is the baseline")
     parser.add_argument("--json", default=None, help="write the rows here")
-    parser.add_argument("--clock", choices=sorted(CLOCK), default=os.environ.get("SHARDPLAN_BENCH_CLOCK", "cpu"),
-                        help="process CPU time (default) or wall time")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCK),
+        default=os.environ.get("SHARDPLAN_BENCH_CLOCK", "cpu"),
+        help="process CPU time (default) or wall time",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCK[args.clock]
-    os.environ["SHARDPLAN_BENCH_CLOCK"] = args.clock   # the baseline child process uses the same clock
-    print(f"# {args.clock} time, gc.collect() before each timed part; load average {os.getloadavg()[0]:.1f}, "
-          f"{os.cpu_count()} CPUs; baseline: "
-          f"{args.baseline_src or 'object path of tests/reference.py (rank_objects + reference_layout)'}", flush=True)
+    os.environ["SHARDPLAN_BENCH_CLOCK"] = args.clock  # the baseline child process uses the same clock
+    print(
+        f"# {args.clock} time, gc.collect() before each timed part; load average {os.getloadavg()[0]:.1f}, "
+        f"{os.cpu_count()} CPUs; baseline: "
+        f"{args.baseline_src or 'object path of tests/reference.py (rank_objects + reference_layout)'}",
+        flush=True,
+    )
     rows = instantiation_table(args.plans, args.ranks, args.repeat, args.baseline_src)
     worst = max(r["new"]["instantiate"] + r["new"]["replayer"] + r["new"]["applier"] for r in rows)
-    print(f"# worst instantiate+Replayer+Applier: {worst:.1f} ms (bar 50 ms); load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"# worst instantiate+Replayer+Applier: {worst:.1f} ms (bar 50 ms); load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,6 +3,7 @@
 Shaped like the benches' PlanBuilder (`.plan()`, `.params`, `.writes`, `.sources`), so a real recorded plan can replace
 the synthesized ones: `--cases plan=plans/kimi-k2--tp32-ep--bfloat16.plan` (replay_bench, sync_bench).
 """
+
 from __future__ import annotations
 
 import functools

@@ -12,6 +12,7 @@ QuantizingReplayer's build time for the layer and for the whole rank (CPU work).
     python bench/quant_bench.py [--iters 20] [--json FILE]   (CUDA events, warm-up, medians of interleaved rounds)
     python bench/quant_bench.py --build-only [--repeat 3]      (any machine: the build alone, wall and CPU time)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,11 @@ from plan_cases import PlanLayer, _plan_file  # noqa: E402
 from shardplan.runtime import fp8kernel  # noqa: E402
 from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
 
-CASES = [("plans/kimi-k2-fp8--tp16-ep--bfloat16.plan", 0, 3), ("plans/kimi-k2-fp8--tp8-ep--bfloat16.plan", 0, 3),
-         ("plans/qwen3-30b-a3b-fp8--tp4--bfloat16.plan", 1, 3)]
+CASES = [
+    ("plans/kimi-k2-fp8--tp16-ep--bfloat16.plan", 0, 3),
+    ("plans/kimi-k2-fp8--tp8-ep--bfloat16.plan", 0, 3),
+    ("plans/qwen3-30b-a3b-fp8--tp4--bfloat16.plan", 1, 3),
+]
 
 
 def trainer_tensors(replayer: QuantizingReplayer, sources, device) -> dict[str, torch.Tensor]:
@@ -41,9 +45,13 @@ def trainer_tensors(replayer: QuantizingReplayer, sources, device) -> dict[str, 
     for name in sorted(replayer.sources_read()):
         meta = sources[name]
         t = torch.randn(meta.shape, generator=gen, device=device)
-        if t.dim() == 2:   # per-128-row magnitudes: distinct scales per block
-            t *= torch.rand((-(-t.shape[0] // 128), 1), generator=gen, device=device).repeat_interleave(128, 0)[
-                :t.shape[0]] * 8
+        if t.dim() == 2:  # per-128-row magnitudes: distinct scales per block
+            t *= (
+                torch.rand((-(-t.shape[0] // 128), 1), generator=gen, device=device).repeat_interleave(128, 0)[
+                    : t.shape[0]
+                ]
+                * 8
+            )
         out[name] = t.to(torch.bfloat16 if meta.dtype == "float8_e4m3fn" else getattr(torch, meta.dtype))
     return out
 
@@ -66,6 +74,7 @@ def traffic(replayer: QuantizingReplayer, tensors) -> int:
 
 def _names(w):
     from shardplan.plan import ir
+
     return ir.sources(w.src.leaf)
 
 
@@ -90,8 +99,10 @@ def build_only(args) -> None:
     """The device-independent part of a consumer rank's quantizing replay: instantiating the rank's plan from the plan
     file, then building the QuantizingReplayer (plan geometry, rebased plans, the inner Replayer's layout and
     batches). Binding (views, the fused kernel's program table, the CUDA graph) is per device and not in it."""
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; medians "
-          f"of {args.repeat} builds; wall ms / CPU ms (process time); bar: <= 100 ms per consumer rank")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; medians "
+        f"of {args.repeat} builds; wall ms / CPU ms (process time); bar: <= 100 ms per consumer rank"
+    )
     print("| case | writes | instantiate rank | QuantizingReplayer build |")
     print("|---|---|---|---|")
     rows = []
@@ -107,11 +118,17 @@ def build_only(args) -> None:
             times["instantiate"].append(((w1 - w0) * 1e3, (c1 - c0) * 1e3))
             times["build"].append(((w2 - w1) * 1e3, (c2 - c1) * 1e3))
         med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-        row = dict(case=f"{Path(path).stem} rank {rank}", writes=len(plan.writes),
-                   **{f"{k}_{m}_ms": med[k][i] for k in med for i, m in enumerate(("wall", "cpu"))})
+        row = dict(
+            case=f"{Path(path).stem} rank {rank}",
+            writes=len(plan.writes),
+            **{f"{k}_{m}_ms": med[k][i] for k in med for i, m in enumerate(("wall", "cpu"))},
+        )
         rows.append(row)
-        print(f"| {row['case']} | {row['writes']} | {med['instantiate'][0]:.0f} / {med['instantiate'][1]:.0f} | "
-              f"{med['build'][0]:.0f} / {med['build'][1]:.0f} |", flush=True)
+        print(
+            f"| {row['case']} | {row['writes']} | {med['instantiate'][0]:.0f} / {med['instantiate'][1]:.0f} | "
+            f"{med['build'][0]:.0f} / {med['build'][1]:.0f} |",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, argv=sys.argv, rows=rows), indent=1))
 
@@ -122,8 +139,11 @@ def main() -> None:
     ap.add_argument("--eager-iters", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warps", type=int, default=None, help="the kernel's num_warps (default fp8kernel.NUM_WARPS)")
-    ap.add_argument("--build-only", action="store_true",
-                    help="time only building one consumer rank's QuantizingReplayer (CPU work; no GPU needed)")
+    ap.add_argument(
+        "--build-only",
+        action="store_true",
+        help="time only building one consumer rank's QuantizingReplayer (CPU work; no GPU needed)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="builds per case with --build-only (median reported)")
     args = ap.parse_args()
     if args.build_only:
@@ -132,11 +152,15 @@ def main() -> None:
         fp8kernel.NUM_WARPS = args.warps
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev = torch.device("cuda")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; QuantizingReplayer.pack of one layer vs a "
-          f"same-run copy_ of the same bytes (read + written), medians of {args.iters} interleaved rounds; "
-          f"kernel num_warps {fp8kernel.NUM_WARPS}")
-    print("| case | GB moved | copy ms | fused ms (% copy) | fused, no graph ms (% copy) | eager ms (% copy) | "
-          "launches | build layer / rank ms |")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; QuantizingReplayer.pack of one layer vs a "
+        f"same-run copy_ of the same bytes (read + written), medians of {args.iters} interleaved rounds; "
+        f"kernel num_warps {fp8kernel.NUM_WARPS}"
+    )
+    print(
+        "| case | GB moved | copy ms | fused ms (% copy) | fused, no graph ms (% copy) | eager ms (% copy) | "
+        "launches | build layer / rank ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for path, rank, layer in CASES:
@@ -158,24 +182,45 @@ def main() -> None:
         moved = traffic(replayer, tensors)
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
         dst = torch.empty_like(src)
-        ms = medians({"copy": lambda d=dst, s=src: d.copy_(s), "fused": fused.pack, "nograph": nograph.pack,
-                      "kernel": fused.kernel.launch}, args.iters)
+        ms = medians(
+            {
+                "copy": lambda d=dst, s=src: d.copy_(s),
+                "fused": fused.pack,
+                "nograph": nograph.pack,
+                "kernel": fused.kernel.launch,
+            },
+            args.iters,
+        )
         ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
-        row = dict(case=case.label, gb=moved / 1e9, build_layer_ms=build_layer, build_rank_ms=build_rank,
-                   launches=fused.num_launches, programs=fused.kernel.num_programs,
-                   **{f"{k}_ms": v for k, v in ms.items()},
-                   **{f"{k}_pct": 100 * ms["copy"] / v for k, v in ms.items() if k != "copy"})
+        row = dict(
+            case=case.label,
+            gb=moved / 1e9,
+            build_layer_ms=build_layer,
+            build_rank_ms=build_rank,
+            launches=fused.num_launches,
+            programs=fused.kernel.num_programs,
+            **{f"{k}_ms": v for k, v in ms.items()},
+            **{f"{k}_pct": 100 * ms["copy"] / v for k, v in ms.items() if k != "copy"},
+        )
         rows.append(row)
-        print(f"| {case.label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
-              f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
-              f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |", flush=True)
-        print(f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
-              f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches")
+        print(
+            f"| {case.label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
+            f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
+            f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |",
+            flush=True,
+        )
+        print(
+            f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
+            f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches"
+        )
         del fused, nograph, eager, tensors, src, dst
         torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                   argv=sys.argv, rows=rows), indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv, rows=rows), indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

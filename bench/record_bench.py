@@ -10,6 +10,7 @@ loader is timed both as vLLM runs it (collector on) and with the collector pause
 the faster of the two, so the pause is not counted as a recording speed-up. Bar (issue 2): record <= 1.3x bare. Times are this process's CPU time (time.process_time),
 so other work on the machine does not skew the ratio; both runs are single-threaded Python.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def bare_load(model, tensors, *, collect: bool) -> float:
     def feed():
         for name, shape, dtype in tensors:
             yield name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
     if not collect:
         gc.disable()
     try:
@@ -35,8 +37,8 @@ def bare_load(model, tensors, *, collect: bool) -> float:
 
 
 def main() -> None:
-    from shardplan.record.build import build_for_recording
     from shardplan.plan.layout import Layout
+    from shardplan.record.build import build_for_recording
     from shardplan.record.loader import record_loader
     from shardplan.record.session import RecordSession
 
@@ -67,12 +69,29 @@ def main() -> None:
             num_writes = len(recording.writes)
             del model, recording
             gc.collect()
-        print("  raw", [round(x, 2) for x in bare_on], [round(x, 2) for x in bare], [round(x, 2) for x in recs], flush=True)
+        print(
+            "  raw",
+            [round(x, 2) for x in bare_on],
+            [round(x, 2) for x in bare],
+            [round(x, 2) for x in recs],
+            flush=True,
+        )
         b_on, b, r = statistics.median(bare_on), statistics.median(bare), statistics.median(recs)
-        rows.append((f"{args.model} tp{args.tp}{' ep' if ep else ''} rank {args.rank}", len(session.tensors),
-                     num_writes, b_on, b, r, r / min(b, b_on)))
-    print(f"{'case':<28} {'tensors':>8} {'writes':>7} {'bare s (gc on)':>15} {'bare s (gc off)':>16} "
-          f"{'record s':>9} {'ratio':>6}")
+        rows.append(
+            (
+                f"{args.model} tp{args.tp}{' ep' if ep else ''} rank {args.rank}",
+                len(session.tensors),
+                num_writes,
+                b_on,
+                b,
+                r,
+                r / min(b, b_on),
+            )
+        )
+    print(
+        f"{'case':<28} {'tensors':>8} {'writes':>7} {'bare s (gc on)':>15} {'bare s (gc off)':>16} "
+        f"{'record s':>9} {'ratio':>6}"
+    )
     for case, n, w, b_on, b, r, ratio in rows:
         print(f"{case:<28} {n:>8} {w:>7} {b_on:>15.2f} {b:>16.2f} {r:>9.2f} {ratio:>6.2f}")
 

@@ -11,6 +11,7 @@ the two rows; the child's own import and exit are not in it. `--baseline-src DIR
 `shardplan` is DIR's (`git archive REV shardplan | tar -x -C DIR`), on the row above. On a shared box, compare
 within one invocation: stage CPU seconds are short, so load swings them less than a whole command's wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ["session", "record + extend ranks", "body_from_flat", "extend_layers", "unwritten check", "figures",
-          "encode"]
+STAGES = ["session", "record + extend ranks", "body_from_flat", "extend_layers", "unwritten check", "figures", "encode"]
 
 CHILD = r"""
 import functools, json, resource, sys, time
@@ -66,8 +66,9 @@ print(json.dumps({"rc": rc, "stages": totals, "peak": peak()}))
 def run(src: Path, model: str, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-c", CHILD, str(src), "record", "--model", model, *flags, "--out", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(src)},
-                              cwd=str(src))
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(src)}, cwd=str(src)
+        )
     if proc.returncode:
         raise SystemExit(f"{shlex.join(cmd[3:])} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -83,8 +84,10 @@ def main() -> None:
     trees = ([("baseline", Path(args.baseline_src).resolve())] if args.baseline_src else []) + [("this tree", ROOT)]
     print(f"load average at start: {os.getloadavg()}", flush=True)
     head = "".join(f"{s[:14]:>15}" for s in STAGES)
-    print(f"\nCPU s per stage (peak RSS MiB when it ends)\n{'layout':<24} {'tree':<10} {'ranks':<6}{head}"
-          f"{'sum':>8}{'peak MiB':>9}")
+    print(
+        f"\nCPU s per stage (peak RSS MiB when it ends)\n{'layout':<24} {'tree':<10} {'ranks':<6}{head}"
+        f"{'sum':>8}{'peak MiB':>9}"
+    )
     for layout in args.layouts.split(";"):
         flags = shlex.split(layout)
         for name, src in trees:
@@ -99,8 +102,10 @@ def main() -> None:
                     cpu, rss = min(got)
                     total += cpu
                     cells += f"{cpu:>7.2f} ({rss:>4.0f})"
-                print(f"{layout:<24} {name:<10} {ranks:<6}{cells}{total:>8.2f}{min(r['peak'] for r in runs):>9.0f}",
-                      flush=True)
+                print(
+                    f"{layout:<24} {name:<10} {ranks:<6}{cells}{total:>8.2f}{min(r['peak'] for r in runs):>9.0f}",
+                    flush=True,
+                )
     print(f"load average at end: {os.getloadavg()}")
 
 

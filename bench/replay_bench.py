@@ -12,6 +12,7 @@ Bytes counted like the ceiling: bytes read + bytes written (pack: source bytes r
 packed bytes read + param bytes written). Padding is not counted. CUDA: events, warm-up, median of --iters runs;
 correctness (pack + apply == reference interpreter on CPU copies, bitwise) is checked before timing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from shardplan.plan import ir  # noqa: E402  # noqa: E402
+from shardplan.plan.interp import apply_reference, eval_view, region_view, to_dtype, write_source  # noqa: E402
 from shardplan.runtime.apply import Applier, params_from_plan  # noqa: E402
 from shardplan.runtime.replay import Replayer
 from shardplan.sync.adapters import _same_tensors  # noqa: E402
-from shardplan.plan.interp import apply_reference, eval_view, region_view, to_dtype, write_source  # noqa: E402
 
 
 # ---- plan synthesis (mimics vLLM's recorded loaders) ---------------------------------------------------------------
@@ -87,8 +88,13 @@ def llama70b_layer(layer: int = 0, tp: int = 8, rank: int = 0) -> PlanBuilder:
     b, pre = PlanBuilder(rank), f"model.layers.{layer}."
     q_rows, kv_rows, i_rows = num_heads * head_dim // tp, max(num_kv_heads // tp, 1) * head_dim, inter // tp
     qkv = b.param(pre + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden))
-    for k, (name, rows, dst_row) in enumerate([("q", num_heads * head_dim, 0), ("k", num_kv_heads * head_dim, q_rows),
-                                                ("v", num_kv_heads * head_dim, q_rows + kv_rows)]):
+    for k, (name, rows, dst_row) in enumerate(
+        [
+            ("q", num_heads * head_dim, 0),
+            ("k", num_kv_heads * head_dim, q_rows),
+            ("v", num_kv_heads * head_dim, q_rows + kv_rows),
+        ]
+    ):
         src = b.source(pre + f"self_attn.{name}_proj.weight", (rows, hidden))
         n = q_rows if k == 0 else kv_rows
         b.shard_rows(qkv, dst_row, src, rank * n % rows, n)
@@ -105,8 +111,9 @@ def llama70b_layer(layer: int = 0, tp: int = 8, rank: int = 0) -> PlanBuilder:
     return b
 
 
-def kimi_k2_layer(layer: int = 1, tp: int = 32, rank: int = 0, ep: bool = False, num_experts: int = 384,
-                  experts_per_rank: int = 12) -> PlanBuilder:
+def kimi_k2_layer(
+    layer: int = 1, tp: int = 32, rank: int = 0, ep: bool = False, num_experts: int = 384, experts_per_rank: int = 12
+) -> PlanBuilder:
     hidden, num_heads, q_lora, kv_lora, nope, rope, v_dim, moe_inter = 7168, 64, 1536, 512, 128, 64, 128, 2048
     b, pre = PlanBuilder(rank), f"model.layers.{layer}."
     att = pre + "self_attn."
@@ -140,22 +147,40 @@ def kimi_k2_layer(layer: int = 1, tp: int = 32, rank: int = 0, ep: bool = False,
         ex = mlp + f"experts.{e}."
         for k, name in enumerate(["gate_proj", "up_proj"]):
             src = b.source(ex + name + ".weight", (moe_inter, hidden))
-            b.copy(w13, box(b.params[w13].shape, (slot, k * inter, 0), (1, inter, hidden)),
-                   src, narrow((moe_inter, hidden), 0, first_row, inter))
+            b.copy(
+                w13,
+                box(b.params[w13].shape, (slot, k * inter, 0), (1, inter, hidden)),
+                src,
+                narrow((moe_inter, hidden), 0, first_row, inter),
+            )
         src = b.source(ex + "down_proj.weight", (hidden, moe_inter))
-        b.copy(w2, box(b.params[w2].shape, (slot, 0, 0), (1, hidden, inter)),
-               src, narrow((hidden, moe_inter), 1, first_row, inter))
+        b.copy(
+            w2,
+            box(b.params[w2].shape, (slot, 0, 0), (1, hidden, inter)),
+            src,
+            narrow((hidden, moe_inter), 1, first_row, inter),
+        )
     # vLLM's fused-MoE loader squeezes nothing: the dst box keeps the expert dim of size 1, the source has none
-    b.writes = [ir.Write(w.param, ir.Region(w.dst.offset, w.dst.sizes[1:], w.dst.strides[1:]), w.src)
-                if w.param in (w13, w2) else w for w in b.writes]
+    b.writes = [
+        ir.Write(w.param, ir.Region(w.dst.offset, w.dst.sizes[1:], w.dst.strides[1:]), w.src)
+        if w.param in (w13, w2)
+        else w
+        for w in b.writes
+    ]
     shared_inter = moe_inter // tp
     gate_up = b.param(mlp + "shared_experts.gate_up_proj.weight", (2 * shared_inter, hidden))
     for k, name in enumerate(["gate_proj", "up_proj"]):
-        b.shard_rows(gate_up, k * shared_inter, b.source(mlp + f"shared_experts.{name}.weight", (moe_inter, hidden)),
-                     rank * shared_inter, shared_inter)
+        b.shard_rows(
+            gate_up,
+            k * shared_inter,
+            b.source(mlp + f"shared_experts.{name}.weight", (moe_inter, hidden)),
+            rank * shared_inter,
+            shared_inter,
+        )
     down = b.param(mlp + "shared_experts.down_proj.weight", (hidden, shared_inter))
-    b.shard_cols(down, b.source(mlp + "shared_experts.down_proj.weight", (hidden, moe_inter)),
-                 rank * shared_inter, shared_inter)
+    b.shard_cols(
+        down, b.source(mlp + "shared_experts.down_proj.weight", (hidden, moe_inter)), rank * shared_inter, shared_inter
+    )
     for norm in ["input_layernorm", "post_attention_layernorm"]:
         b.replicate(b.param(pre + norm + ".weight", (hidden,)), b.source(pre + norm + ".weight", (hidden,)))
     return b
@@ -171,8 +196,9 @@ def tiny_boxes(num_boxes: int = 4096) -> PlanBuilder:
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------------------
-def make_tensors(sources: dict[str, ir.TensorMeta], device: str, stacked_experts: bool = False
-                 ) -> dict[str, torch.Tensor]:
+def make_tensors(
+    sources: dict[str, ir.TensorMeta], device: str, stacked_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """Random trainer tensors. stacked_experts: experts live in [E, ...] tensors (w1/w3/w2, torchtitan-style) and the
     HF names are views of them, so the replay's same-storage path applies."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -181,7 +207,7 @@ def make_tensors(sources: dict[str, ir.TensorMeta], device: str, stacked_experts
     for name, meta in sources.items():
         parts = name.split(".")
         if stacked_experts and "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            key = (".".join(parts[:parts.index("experts") + 1]), parts[-2])
+            key = (".".join(parts[: parts.index("experts") + 1]), parts[-2])
             stacks.setdefault(key, []).append(name)
             continue
         tensors[name] = torch.randn(meta.shape, generator=gen, device=device).to(to_dtype(meta.dtype))
@@ -208,13 +234,14 @@ def naive_apply(plan: ir.RankPlan, layout, params, buffer: torch.Tensor):
     """One Python copy_ per write: the baseline the batched Applier is compared with."""
     views = []
     for seg in layout.segments:
-        src = buffer[seg.offset:seg.offset + seg.nbytes].view(to_dtype(seg.dtype)).view(seg.shape)
+        src = buffer[seg.offset : seg.offset + seg.nbytes].view(to_dtype(seg.dtype)).view(seg.shape)
         for ref in seg.refs:
             views.append((region_view(params[ref.param], plan.writes[ref.index].dst), src))
 
     def run():
         for d, s in views:
             d.copy_(s)
+
     return run
 
 
@@ -231,9 +258,10 @@ class NaivePack:
                 continue
             w = plans[seg.refs[0].rank].writes[seg.refs[0].index]
             dtype = to_dtype(seg.dtype)
-            dsts.append(out[seg.offset:seg.offset + seg.nbytes].view(dtype).view(seg.shape))
-            srcs.append(eval_view(w.src, tensors).expand(w.dst.sizes) if ir.is_pure_view(w) else
-                        write_source(w, dtype, tensors))
+            dsts.append(out[seg.offset : seg.offset + seg.nbytes].view(dtype).view(seg.shape))
+            srcs.append(
+                eval_view(w.src, tensors).expand(w.dst.sizes) if ir.is_pure_view(w) else write_source(w, dtype, tensors)
+            )
         if strategy == "foreach":
             self.ops = [lambda: torch._foreach_copy_(dsts, srcs)] if dsts else []
         elif strategy == "loop":
@@ -320,12 +348,17 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     src = torch.empty(args.ceiling_mib << 20, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     # the same bytes as the pack (and the apply) moved by one contiguous copy_: no ceiling is closer to the work
-    same = {k: torch.empty(n // 2, dtype=torch.uint8, device=device).random_() for k, n in
-            (("pack", pack_bytes), ("apply", apply_bytes))}
+    same = {
+        k: torch.empty(n // 2, dtype=torch.uint8, device=device).random_()
+        for k, n in (("pack", pack_bytes), ("apply", apply_bytes))
+    }
     same_dst = {k: torch.empty_like(v) for k, v in same.items()}
     # check=False: the staleness check is host-side Python, reported separately below
-    fns = {"ceiling": lambda: dst.copy_(src), "copy-pack": lambda: same_dst["pack"].copy_(same["pack"]),
-           "copy-apply": lambda: same_dst["apply"].copy_(same["apply"])}
+    fns = {
+        "ceiling": lambda: dst.copy_(src),
+        "copy-pack": lambda: same_dst["pack"].copy_(same["pack"]),
+        "copy-apply": lambda: same_dst["apply"].copy_(same["apply"]),
+    }
     fns.update({s: (lambda b=b: b.pack(check=False)) for s, b in bounds.items()})
     fns["apply"] = lambda: applier.apply(bound.out)
     if graph_applier is not None:
@@ -347,15 +380,25 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
             print(f"#   op {i}: {op_seconds[i] * 1e6:8.1f} us  {getattr(op, 'label', '?')}", flush=True)
     rows = []
     for strategy, b in bounds.items():
-        row = dict(case=label, strategy=strategy, mib=replayer.layout.nbytes / 2**20, writes=len(plan.writes),
-                   tensors=len(bound.tensors), launches=b.num_launches, ceiling_gbps=ceiling / 1e9,
-                   pack_ms=seconds[strategy] * 1e3,
-                   pack_gbps=pack_bytes / seconds[strategy] / 1e9)
+        row = dict(
+            case=label,
+            strategy=strategy,
+            mib=replayer.layout.nbytes / 2**20,
+            writes=len(plan.writes),
+            tensors=len(bound.tensors),
+            launches=b.num_launches,
+            ceiling_gbps=ceiling / 1e9,
+            pack_ms=seconds[strategy] * 1e3,
+            pack_gbps=pack_bytes / seconds[strategy] / 1e9,
+        )
         apply_key = {"batched": "apply", "batched+graph": "apply+graph", "loop": "apply-naive"}.get(strategy)
         if apply_key in seconds:
             launches = {"apply": applier.num_launches, "apply+graph": 1}.get(apply_key, len(plan.writes))
-            row.update(apply_ms=seconds[apply_key] * 1e3, apply_gbps=apply_bytes / seconds[apply_key] / 1e9,
-                       apply_launches=launches)
+            row.update(
+                apply_ms=seconds[apply_key] * 1e3,
+                apply_gbps=apply_bytes / seconds[apply_key] / 1e9,
+                apply_launches=launches,
+            )
         if strategy == "batched":
             row["check_us"] = check_us
             row["same_tensors_us"] = same_us
@@ -381,16 +424,23 @@ def _timed(fn) -> float:
 
 
 def _fmt(row: dict) -> str:
-    apply = (f"{row['apply_gbps']:8.1f} {row['apply_pct']:5.0f}% {row['apply_pct_same']:5.0f}% "
-             f"{row['apply_launches']:6d}" if "apply_gbps" in row else f"{'':>8} {'':>6} {'':>6} {'':>6}")
-    return (f"| {row['case']:<34} | {row['strategy']:<15} | {row['mib']:8.1f} | {row['writes']:6d} | "
-            f"{row['launches']:6d} | {row['ceiling_gbps']:7.1f} | {row['pack_gbps']:8.1f} {row['pack_pct']:5.0f}% "
-            f"{row['pack_pct_same']:5.0f}% | {apply} |")
+    apply = (
+        f"{row['apply_gbps']:8.1f} {row['apply_pct']:5.0f}% {row['apply_pct_same']:5.0f}% {row['apply_launches']:6d}"
+        if "apply_gbps" in row
+        else f"{'':>8} {'':>6} {'':>6} {'':>6}"
+    )
+    return (
+        f"| {row['case']:<34} | {row['strategy']:<15} | {row['mib']:8.1f} | {row['writes']:6d} | "
+        f"{row['launches']:6d} | {row['ceiling_gbps']:7.1f} | {row['pack_gbps']:8.1f} {row['pack_pct']:5.0f}% "
+        f"{row['pack_pct_same']:5.0f}% | {apply} |"
+    )
 
 
 # %copy: of the same-run 1 GiB copy's bandwidth; %same: of a same-run copy_ of the same bytes (time / time)
-HEADER = ("| case                               | strategy        | MiB      | writes | launch | copy GB/s | "
-          "pack GB/s  %copy  %same | applyGB/s %copy  %same launch |")
+HEADER = (
+    "| case                               | strategy        | MiB      | writes | launch | copy GB/s | "
+    "pack GB/s  %copy  %same | applyGB/s %copy  %same launch |"
+)
 
 
 SEPARATOR = "|" + "|".join("---" for _ in range(HEADER.count("|") - 1)) + "|"
@@ -400,9 +450,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=20, help="timed runs per measurement (median reported)")
-    ap.add_argument("--experts", type=int, default=None,
-                    help="routed experts in the Kimi no-EP case (default 384 on cuda, 24 on cpu: the trainer "
-                         "holds every expert's full tensor, 33.8 GB per layer at 384)")
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="routed experts in the Kimi no-EP case (default 384 on cuda, 24 on cpu: the trainer "
+        "holds every expert's full tensor, 33.8 GB per layer at 384)",
+    )
     ap.add_argument("--cases", default="llama,kimi-ep,kimi,kimi-stacked,tiny")
     ap.add_argument("--no-check", action="store_true", help="skip the bitwise check against the reference")
     ap.add_argument("--ceiling-mib", type=int, default=1024, help="size of the copy that gives the ceiling")
@@ -414,19 +468,22 @@ def main() -> None:
     args = ap.parse_args()
     experts = args.experts or (384 if args.device == "cuda" else 24)
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu x{torch.get_num_threads()} threads"
-    print(f"# device {name}, torch {torch.__version__}; copy = {args.ceiling_mib} MiB copy_ (read + write), timed "
-          f"interleaved with each case; medians of {args.iters}")
+    print(
+        f"# device {name}, torch {torch.__version__}; copy = {args.ceiling_mib} MiB copy_ (read + write), timed "
+        f"interleaved with each case; medians of {args.iters}"
+    )
     print(HEADER)
     print(SEPARATOR)
     cases = {
         "llama": ("llama-3.1-70b layer, TP8 rank 0", lambda: llama70b_layer(), False),
         "kimi-ep": ("kimi-k2 layer 1, TP32+EP rank 0", lambda: kimi_k2_layer(ep=True), False),
         "kimi": (f"kimi-k2 layer 1, TP32 rank 0, {experts}E", lambda: kimi_k2_layer(num_experts=experts), False),
-        "kimi-stacked": (f"  same, trainer experts [E,I,H]", lambda: kimi_k2_layer(num_experts=experts), True),
+        "kimi-stacked": ("  same, trainer experts [E,I,H]", lambda: kimi_k2_layer(num_experts=experts), True),
         "tiny": ("tiny: 4096 boxes x 512 B", lambda: tiny_boxes(), False),
     }
     if args.plan:
         from plan_cases import PlanLayer
+
         for path in args.plan.split(","):
             layer = PlanLayer(path, args.plan_rank, args.plan_layer)
             cases[f"plan:{path}"] = (layer.label, lambda layer=layer: layer, False)
@@ -438,14 +495,18 @@ def main() -> None:
     for r in rows:
         if "check_us" in r:
             graph = next((g for g in rows if g["case"] == r["case"] and g["strategy"] == "batched+graph"), r)
-            print(f"# {r['case'].strip()}: bind-staleness check {r['check_us']:.1f} us per pack = "
-                  f"{100 * r['check_us'] / (graph['pack_ms'] * 1e3):.1f}% of the {graph['strategy']} pack "
-                  f"({graph['pack_ms']:.3f} ms); the sync's same-tensors pass {r['same_tensors_us']:.1f} us "
-                  f"({r['tensors']} tensors) = {100 * r['same_tensors_us'] / (graph['pack_ms'] * 1e3):.1f}%")
+            print(
+                f"# {r['case'].strip()}: bind-staleness check {r['check_us']:.1f} us per pack = "
+                f"{100 * r['check_us'] / (graph['pack_ms'] * 1e3):.1f}% of the {graph['strategy']} pack "
+                f"({graph['pack_ms']:.3f} ms); the sync's same-tensors pass {r['same_tensors_us']:.1f} us "
+                f"({r['tensors']} tensors) = {100 * r['same_tensors_us'] / (graph['pack_ms'] * 1e3):.1f}%"
+            )
     tiny = [r for r in rows if r["case"].startswith("tiny")]
     for r in tiny:
-        print(f"# tiny boxes, {r['strategy']}: pack {r['pack_ms'] * 1e3 / 4096:.2f} us/box"
-              + (f", apply {r['apply_ms'] * 1e3 / 4096:.2f} us/box" if "apply_ms" in r else ""))
+        print(
+            f"# tiny boxes, {r['strategy']}: pack {r['pack_ms'] * 1e3 / 4096:.2f} us/box"
+            + (f", apply {r['apply_ms'] * 1e3 / 4096:.2f} us/box" if "apply_ms" in r else "")
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, argv=sys.argv, rows=rows), f, indent=1)

@@ -21,6 +21,7 @@ verified sync (checksums on) completes.
 Plans are synthesized (bench/replay_bench.py's builders: Kimi-K2 TP32 rank with/without EP, Llama-3.1-70B TP8 rank);
 consumer j gets TP rank j. `--plan FILE` is a placeholder until plan files expand to RankPlans.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # the shared GPU hosts require multicast off
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the shared GPU hosts require multicast off
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -43,11 +44,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from shardplan.plan import ir  # noqa: E402  # noqa: E402
+from shardplan.plan.interp import apply_reference, to_dtype  # noqa: E402
 from shardplan.plan.names import group_of  # noqa: E402
 from shardplan.runtime.apply import params_from_plan  # noqa: E402
-from shardplan.plan.interp import apply_reference, to_dtype  # noqa: E402
-from shardplan.sync import (PART_BYTES, ApplyUnpacker, ConsumerSync, Coordinator, ReplayPacker,  # noqa: E402
-                            SyncConfig, TrainerSync, set_event_listener, spans_of)
+from shardplan.sync import (
+    PART_BYTES,
+    ApplyUnpacker,
+    ConsumerSync,
+    Coordinator,
+    ReplayPacker,  # noqa: E402
+    SyncConfig,
+    TrainerSync,
+    set_event_listener,
+    spans_of,
+)
 from shardplan.transport import Control, consumer_name, create  # noqa: E402
 
 # SHARDPLAN_TRACE=1: record the engine's timeline, (wall time, thread, event) per step, and log the last run's
@@ -60,17 +70,22 @@ if TRACE is not None:
 def small_layer(layer: int, tp: int, rank: int):
     """A Llama-shaped layer small enough for a CPU smoke run (hidden 1024, 8 heads / 8 KV heads, inter 2816)."""
     from replay_bench import PlanBuilder
+
     hidden, heads, inter = 1024, 8, 2816
     b, pre = PlanBuilder(rank), f"model.layers.{layer}."
     rows, i_rows = hidden // tp, inter // tp
     qkv = b.param(pre + "self_attn.qkv_proj.weight", (3 * rows, hidden))
     for k, name in enumerate("qkv"):
-        b.shard_rows(qkv, k * rows, b.source(pre + f"self_attn.{name}_proj.weight", (hidden, hidden)), rank * rows, rows)
+        b.shard_rows(
+            qkv, k * rows, b.source(pre + f"self_attn.{name}_proj.weight", (hidden, hidden)), rank * rows, rows
+        )
     o = b.param(pre + "self_attn.o_proj.weight", (hidden, rows))
     b.shard_cols(o, b.source(pre + "self_attn.o_proj.weight", (hidden, hidden)), rank * rows, rows)
     gate_up = b.param(pre + "mlp.gate_up_proj.weight", (2 * i_rows, hidden))
     for k, name in enumerate(["gate", "up"]):
-        b.shard_rows(gate_up, k * i_rows, b.source(pre + f"mlp.{name}_proj.weight", (inter, hidden)), rank * i_rows, i_rows)
+        b.shard_rows(
+            gate_up, k * i_rows, b.source(pre + f"mlp.{name}_proj.weight", (inter, hidden)), rank * i_rows, i_rows
+        )
     down = b.param(pre + "mlp.down_proj.weight", (hidden, i_rows))
     b.shard_cols(down, b.source(pre + "mlp.down_proj.weight", (hidden, inter)), rank * i_rows, i_rows)
     b.replicate(b.param(pre + "input_layernorm.weight", (hidden,)), b.source(pre + "input_layernorm.weight", (hidden,)))
@@ -79,14 +94,18 @@ def small_layer(layer: int, tp: int, rank: int):
 
 def case_builder(case: str):
     from replay_bench import kimi_k2_layer, llama70b_layer
+
     if case.startswith("plan="):  # a recorded plan file: layers 1.. of consumer ranks 0..N-1
         from plan_cases import PlanLayer
+
         path = case.split("=", 1)[1]
         return (lambda layer, rank: PlanLayer(path, rank, layer + 1), 3)
-    return {"llama": (lambda layer, rank: llama70b_layer(layer, tp=8, rank=rank), 8),
-            "kimi-ep": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=True), 3),
-            "kimi": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=False), 3),
-            "small": (lambda layer, rank: small_layer(layer, tp=8, rank=rank), 4)}[case]
+    return {
+        "llama": (lambda layer, rank: llama70b_layer(layer, tp=8, rank=rank), 8),
+        "kimi-ep": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=True), 3),
+        "kimi": (lambda layer, rank: kimi_k2_layer(layer + 1, tp=32, rank=rank, ep=False), 3),
+        "small": (lambda layer, rank: small_layer(layer, tp=8, rank=rank), 4),
+    }[case]
 
 
 def build_plans(case: str, num_layers: int, num_consumers: int):
@@ -120,7 +139,7 @@ def flat_groups(sources, device):
         for name in names:
             meta = sources[name]
             n = meta.numel * to_dtype(meta.dtype).itemsize
-            tensors[name] = flat[offsets[name]:offsets[name] + n].view(to_dtype(meta.dtype)).view(meta.shape)
+            tensors[name] = flat[offsets[name] : offsets[name] + n].view(to_dtype(meta.dtype)).view(meta.shape)
         flats[group] = flat
     return flats, tensors
 
@@ -161,8 +180,12 @@ class Switch:
 
 
 def param_sums(params) -> dict[str, int]:
-    return {n: int(t.view(-1).view(torch.uint8).view(torch.int32).sum(dtype=torch.int64)) if t.numel() * t.element_size() % 4 == 0
-            else int(t.view(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sorted(params.items())}
+    return {
+        n: int(t.view(-1).view(torch.uint8).view(torch.int32).sum(dtype=torch.int64))
+        if t.numel() * t.element_size() % 4 == 0
+        else int(t.view(-1).view(torch.uint8).sum(dtype=torch.int64))
+        for n, t in sorted(params.items())
+    }
 
 
 # ---- one process per GPU --------------------------------------------------------------------------------------------------
@@ -175,12 +198,13 @@ def log(me: str, text: str) -> None:
 
 def worker(index: int, args, controls: dict, out_queue) -> None:
     import gc
+
     device = torch.device(f"cuda:{index}") if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     for case in args.cases.split(","):
         run_case(index, case, device, args, Control(*controls[case]), out_queue)
-        gc.collect()   # a Kimi case holds ~100 GB on the trainer GPU: free it before the next case
+        gc.collect()  # a Kimi case holds ~100 GB on the trainer GPU: free it before the next case
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out_queue.put(("exit", index))
@@ -193,7 +217,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
     _, default_layers = case_builder(case)
     layers = args.layers or default_layers
     plans, sources = build_plans(case, layers, n)
-    if case == "kimi-ep":   # the trainer holds (and the broadcast baseline moves) every expert, not just the read ones
+    if case == "kimi-ep":  # the trainer holds (and the broadcast baseline moves) every expert, not just the read ones
         sources = {**build_plans("kimi", layers, 1)[1], **sources}
     config = SyncConfig(timeout_s=120, verify=False, announce_timeout_s=600)
     part_bytes = args.part_mib << 20 if args.part_mib else None
@@ -217,6 +241,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
         world = dist.ProcessGroupNCCL(store, index, n + 1, dist.ProcessGroupNCCL.Options())
     else:
         from datetime import timedelta
+
         world = dist.ProcessGroupGloo(store, index, n + 1, timedelta(seconds=300))
     groups = sorted({group_of(s) for s in sources}, key=lambda g: (len(g), g))
     bytes_per_consumer = None
@@ -242,7 +267,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
                 sync()
                 t_end = time.time()
                 ends = [float(control.get(f"{key}/end/{j}", 600, consumer_name(j))) for j in range(n)]
-                if it:   # the first is the warm-up
+                if it:  # the first is the warm-up
                     times.append(max(ends) - t0)
             else:
                 sync()
@@ -252,7 +277,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
                 sync()
                 t_end = time.time()
                 control.set(f"{key}/end/{index - 1}", repr(t_end))
-            if TRACE is not None and it == args.iters:   # the engine's timeline of the last run
+            if TRACE is not None and it == args.iters:  # the engine's timeline of the last run
                 events = ", ".join(f"{what} {1e3 * (t - t0):.2f}" for t, _, what in TRACE)
                 log(me, f"{case}: {label} trace (ms after go): {events}, end {1e3 * (t_end - t0):.2f}")
         return statistics.median(times) if times else 0.0
@@ -275,7 +300,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
 
     switch(True)
     engine_prepare()
-    engine_run()   # packs real bytes into both staging slots once, so transfer-only runs move real data
+    engine_run()  # packs real bytes into both staging slots once, so transfer-only runs move real data
     log(me, f"{case}: first sync done (pairs open, NCCL communicators up)")
     switch(False)
     t_sharded = timed("sharded", engine_run, engine_prepare)
@@ -304,6 +329,7 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
             works = [transport.pairs[consumer_name(j)].pg.send([raw[j]], 1, 0) for j in range(n)]
             for w in works:
                 w.wait()
+
         t_raw = timed("raw", raw_run)
     else:
         raw_buf = torch.zeros(bytes_per_consumer, dtype=torch.uint8, device=device)
@@ -314,45 +340,74 @@ def run_case(index: int, case: str, device: torch.device, args, control: Control
 
     # -- broadcast full layers, narrow on the consumer --
     if index == 0:
+
         def bcast_run():
             works = [world.broadcast([flats[g]], _root0()) for g in groups]
             for w in works:
                 w.wait()
+
         t_bcast = timed("broadcast", bcast_run)
     else:
         _, layout = flat_groups_meta(sources)
         biggest = max(layout[g][1] for g in groups)
         buckets = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(2)]
-        views = [{name: buckets[k][off:off + nb].view(to_dtype(sources[name].dtype)).view(sources[name].shape)
-                  for g in groups for name, (off, nb) in layout[g][0].items()} for k in range(2)]
-        writes_by_group = {g: ir.RankPlan(plan.rank, plan.params, tuple(w for w in plan.writes
-                                                                       if group_of(w.param) == g)) for g in groups}
+        views = [
+            {
+                name: buckets[k][off : off + nb].view(to_dtype(sources[name].dtype)).view(sources[name].shape)
+                for g in groups
+                for name, (off, nb) in layout[g][0].items()
+            }
+            for k in range(2)
+        ]
+        writes_by_group = {
+            g: ir.RankPlan(plan.rank, plan.params, tuple(w for w in plan.writes if group_of(w.param) == g))
+            for g in groups
+        }
 
         def bcast_run():
-            pending = world.broadcast([buckets[0][:layout[groups[0]][1]]], _root0())
+            pending = world.broadcast([buckets[0][: layout[groups[0]][1]]], _root0())
             for k, g in enumerate(groups):
                 pending.wait()
-                if k + 1 < len(groups):   # the next layer arrives while this one is narrowed
+                if k + 1 < len(groups):  # the next layer arrives while this one is narrowed
                     nxt = groups[k + 1]
-                    pending = world.broadcast([buckets[(k + 1) % 2][:layout[nxt][1]]], _root0())
+                    pending = world.broadcast([buckets[(k + 1) % 2][: layout[nxt][1]]], _root0())
                 apply_reference(writes_by_group[g], views[k % 2], params)
+
         for t in params.values():
             t.zero_()
         t_bcast = timed("broadcast", bcast_run)
         bcast_sums = param_sums(params)
         mismatched = [name for name in e2e_sums if e2e_sums[name] != bcast_sums[name]]
         out_queue.put(("check", case, index - 1, mismatched, bytes_per_consumer))
-        log(me, f"{case}: params after end-to-end sync == after broadcast+narrow: "
-                f"{'bitwise' if not mismatched else f'DIFFER in {mismatched[:5]}'}")
+        log(
+            me,
+            f"{case}: params after end-to-end sync == after broadcast+narrow: "
+            f"{'bitwise' if not mismatched else f'DIFFER in {mismatched[:5]}'}",
+        )
     if index == 0:
         full = sum(f.numel() for f in flats.values())
-        out_queue.put(("times", case, {"raw": t_raw, "sharded": t_sharded, "e2e": t_e2e, "broadcast": t_bcast,
-                                       "full_bytes": full, "num_writes": [len(p.writes) for p in plans]}))
+        out_queue.put(
+            (
+                "times",
+                case,
+                {
+                    "raw": t_raw,
+                    "sharded": t_sharded,
+                    "e2e": t_e2e,
+                    "broadcast": t_bcast,
+                    "full_bytes": full,
+                    "num_writes": [len(p.writes) for p in plans],
+                },
+            )
+        )
         useful = sum(totals)
-        log(me, f"{case}: useful {useful} B; ms raw {t_raw * 1e3:.2f} sharded {t_sharded * 1e3:.2f} "
-              f"e2e {t_e2e * 1e3:.2f} broadcast {t_bcast * 1e3:.2f}; GB/s raw {useful / t_raw / 1e9:.1f} sharded "
-              f"{useful / t_sharded / 1e9:.1f} e2e {useful / t_e2e / 1e9:.1f}; sharded/raw {t_raw / t_sharded:.3f} "
-              f"e2e/raw {t_e2e / t_raw:.3f} bcast/e2e {t_bcast / t_e2e:.2f}x")
+        log(
+            me,
+            f"{case}: useful {useful} B; ms raw {t_raw * 1e3:.2f} sharded {t_sharded * 1e3:.2f} "
+            f"e2e {t_e2e * 1e3:.2f} broadcast {t_bcast * 1e3:.2f}; GB/s raw {useful / t_raw / 1e9:.1f} sharded "
+            f"{useful / t_sharded / 1e9:.1f} e2e {useful / t_e2e / 1e9:.1f}; sharded/raw {t_raw / t_sharded:.3f} "
+            f"e2e/raw {t_e2e / t_raw:.3f} bcast/e2e {t_bcast / t_e2e:.2f}x",
+        )
     transport.close()
     try:
         world.abort()
@@ -393,16 +448,22 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5, help="timed runs per measurement (median), after one warm-up")
     ap.add_argument("--plan", default=None, help="also sync layers of these recorded plan files (comma list)")
     ap.add_argument("--json", default=None, help="write the rows here")
-    ap.add_argument("--part-mib", type=int, default=PART_BYTES >> 20,
-                    help="pipeline unit: decoder layers larger than this move in parts (0: whole layers)")
+    ap.add_argument(
+        "--part-mib",
+        type=int,
+        default=PART_BYTES >> 20,
+        help="pipeline unit: decoder layers larger than this move in parts (0: whole layers)",
+    )
     args = ap.parse_args()
     if args.plan:
         args.cases = ",".join([c for c in args.cases.split(",") if c] + [f"plan={p}" for p in args.plan.split(",")])
     if args.device == "cuda" and torch.cuda.device_count() < args.num_consumers + 1:
         raise SystemExit(f"need {args.num_consumers + 1} GPUs, found {torch.cuda.device_count()}")
-    print(f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version() if args.device == 'cuda' else '-'}, "
-          f"device {args.device}, consumers {args.num_consumers}, iters {args.iters}, parts of {args.part_mib} MiB",
-          flush=True)
+    print(
+        f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version() if args.device == 'cuda' else '-'}, "
+        f"device {args.device}, consumers {args.num_consumers}, iters {args.iters}, parts of {args.part_mib} MiB",
+        flush=True,
+    )
     servers = {case: Control.serve("127.0.0.1") for case in args.cases.split(",")}
     controls = {case: (c.host, c.port) for case, c in servers.items()}
     ctx = mp.get_context("spawn")
@@ -432,17 +493,30 @@ def main() -> None:
         bad = {j: m for j, m, _ in checks[case] if m}
         for what in ("raw", "sharded", "e2e", "broadcast"):
             moved = t["full_bytes"] * args.num_consumers if what == "broadcast" else nbytes
-            gbps = nbytes / t[what] / 1e9 if t[what] else 0.0   # useful bytes per second (what consumers need)
+            gbps = nbytes / t[what] / 1e9 if t[what] else 0.0  # useful bytes per second (what consumers need)
             ratio = t["raw"] / t[what] if t[what] else 0.0
             speedup = t["broadcast"] / t[what] if t[what] else 0.0
             print(f"{case:8} {what:10} {moved:12d} {t[what] * 1e3:9.2f} {gbps:8.1f} {ratio:10.3f} {speedup:8.2f}x")
-            out.append({"case": case, "what": what, "bytes_moved": moved, "useful_bytes": nbytes,
-                        "seconds": t[what], "useful_GBps": gbps, "raw_over_this": ratio, "bcast_over_this": speedup})
-        print(f"{case:8} bars: sharded >= 85% of raw p2p: {t['raw'] / t['sharded']:.3f} "
-              f"({'ok' if t['raw'] / t['sharded'] >= 0.85 else 'MISSED'}); end to end <= 1.15x raw: "
-              f"{t['e2e'] / t['raw']:.3f} ({'ok' if t['e2e'] / t['raw'] <= 1.15 else 'MISSED'}); "
-              f"params e2e == broadcast+narrow: {'bitwise' if not bad else f'DIFFER {bad}'}; "
-              f"writes per consumer {t['num_writes']}", flush=True)
+            out.append(
+                {
+                    "case": case,
+                    "what": what,
+                    "bytes_moved": moved,
+                    "useful_bytes": nbytes,
+                    "seconds": t[what],
+                    "useful_GBps": gbps,
+                    "raw_over_this": ratio,
+                    "bcast_over_this": speedup,
+                }
+            )
+        print(
+            f"{case:8} bars: sharded >= 85% of raw p2p: {t['raw'] / t['sharded']:.3f} "
+            f"({'ok' if t['raw'] / t['sharded'] >= 0.85 else 'MISSED'}); end to end <= 1.15x raw: "
+            f"{t['e2e'] / t['raw']:.3f} ({'ok' if t['e2e'] / t['raw'] <= 1.15 else 'MISSED'}); "
+            f"params e2e == broadcast+narrow: {'bitwise' if not bad else f'DIFFER {bad}'}; "
+            f"writes per consumer {t['num_writes']}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,4 +1,5 @@
 """Regenerate every plan shipped in plans/ (`make plans`). Each is recorded for all ranks of its layout."""
+
 import subprocess
 import sys
 from pathlib import Path

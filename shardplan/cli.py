@@ -1,4 +1,5 @@
 """`shardplan record | verify | inspect | models`: a thin layer over session / store / inspect."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,22 +26,37 @@ from shardplan.simulate import cli as simulate_cli
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="built-in short name or HF id (see `shardplan models`), a local HF "
-                                                  "directory, or a config.json path")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="built-in short name or HF id (see `shardplan models`), a local HF directory, or a config.json path",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (shapes the expert-parallel group)")
     p.add_argument("--ep", action="store_true", help="vLLM's enable_expert_parallel")
     p.add_argument("--ranks", default=None, help="global ranks to record, e.g. 0,3-5 (default: all)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
-                   help="whose loaders to record: vLLM's (default) or SGLang's (docs/sglang.md)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. num_hidden_layers=2 (repeatable; dotted keys for nested)",
+    )
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=["vllm", "sglang"],
+        help="whose loaders to record: vLLM's (default) or SGLang's (docs/sglang.md)",
+    )
     add_sglang_arguments(p)
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the config and model code in --model's local directory (its auto_map), as vLLM's "
-                        "--trust-remote-code does; never fetched from the hub. Recorded in the plan header")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the config and model code in --model's local directory (its auto_map), as vLLM's "
+        "--trust-remote-code does; never fetched from the hub. Recorded in the plan header",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,13 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     rec = sub.add_parser("record", help="record vLLM's loaders for a model and layout into a plan file")
     _layout_args(rec)
     rec.add_argument("--out", default=None, help="output directory (default: the per-user plan cache)")
-    rec.add_argument("--strict", action="store_true", help="fail on any loader that cannot be recorded, instead of "
-                                                           "recording it as a fallback")
-    rec.add_argument("--exhaustive", action="store_true", help="record every rank fully (no sampling); the output "
-                                                               "is byte-identical either way")
-    rec.add_argument("--eplb-redundant", type=int, default=None, metavar="R",
-                     help="for engines running vLLM's EPLB with R redundant expert slots (R >= 0; needs --ep): expert "
-                          "writes name their physical slot, bound to the live placement at every sync (docs/eplb.md)")
+    rec.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on any loader that cannot be recorded, instead of recording it as a fallback",
+    )
+    rec.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="record every rank fully (no sampling); the output is byte-identical either way",
+    )
+    rec.add_argument(
+        "--eplb-redundant",
+        type=int,
+        default=None,
+        metavar="R",
+        help="for engines running vLLM's EPLB with R redundant expert slots (R >= 0; needs --ep): expert "
+        "writes name their physical slot, bound to the live placement at every sync (docs/eplb.md)",
+    )
 
     ver = sub.add_parser("verify", help="prove replay == vLLM's real load_weights, bitwise, on random tensors")
     _layout_args(ver)
@@ -68,9 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--max-lines", type=int, default=200, help="IR lines to print (0: all)")
 
     sub.add_parser("models", help="list the built-in models")
-    cov = sub.add_parser("coverage", help="record + verify every text decoder vLLM implements (tiny configs, TP 1/2/4, "
-                                          "every rank) and write docs/coverage.md; options as python -m "
-                                          "shardplan.record.coverage --help", add_help=False)
+    cov = sub.add_parser(
+        "coverage",
+        help="record + verify every text decoder vLLM implements (tiny configs, TP 1/2/4, "
+        "every rank) and write docs/coverage.md; options as python -m "
+        "shardplan.record.coverage --help",
+        add_help=False,
+    )
     cov.add_argument("args", nargs=argparse.REMAINDER)
     simulate_cli.add_parser(sub)
     return parser
@@ -96,10 +127,15 @@ def _layout(args):
 def _session(args, layout, **kwargs):
     options = sglang_options(args)
     if options is None:
-        return RecordSession(args.model, layout, dtype=args.dtype, overrides=args.override,
-                             trust_remote_code=args.trust_remote_code, **kwargs)
-    return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options,
-                               **kwargs)
+        return RecordSession(
+            args.model,
+            layout,
+            dtype=args.dtype,
+            overrides=args.override,
+            trust_remote_code=args.trust_remote_code,
+            **kwargs,
+        )
+    return SglangRecordSession(args.model, layout, dtype=args.dtype, overrides=args.override, options=options, **kwargs)
 
 
 def _progress(total: int):
@@ -115,6 +151,7 @@ def _progress(total: int):
         if done[0] == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
     return tick
 
 
@@ -139,19 +176,20 @@ def _check_override_keys(model: str, overrides: list[str]) -> None:
 
         known |= set(AutoConfig.for_model(config["model_type"]).to_dict())
     except (ImportError, ValueError, KeyError, TypeError):
-        pass   # a model type transformers does not know: the config's own keys are all there is
+        pass  # a model type transformers does not know: the config's own keys are all there is
     for text, key in keyed:
         if key and key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else "see the model's config.json for its fields."
-            raise UnknownOverrideKey(f"--override {text!r}: {model} has no config field {key!r}; {hint} "
-                                     f"(`shardplan models` lists the built-ins; docs/recording.md)")
+            raise UnknownOverrideKey(
+                f"--override {text!r}: {model} has no config field {key!r}; {hint} "
+                f"(`shardplan models` lists the built-ins; docs/recording.md)"
+            )
 
 
 def _check_out(args, layout, ranks) -> os.PathLike:
     """The plan's path, after proving its directory is writable: before minutes of recording, not after."""
-    path = store.plan_path(resolve_model(args.model, args.override), layout, args.dtype, out_dir=args.out,
-                           ranks=ranks)
+    path = store.plan_path(resolve_model(args.model, args.override), layout, args.dtype, out_dir=args.out, ranks=ranks)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".shardplan-write-test-"):
@@ -159,8 +197,10 @@ def _check_out(args, layout, ranks) -> os.PathLike:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "the plan's file name is taken by a directory")
     except OSError as e:
-        raise OutputNotWritable(f"--out {args.out or path.parent}: cannot write {path} ({e.strerror or e}). Choose "
-                                f"a writable directory with --out; nothing was recorded.") from None
+        raise OutputNotWritable(
+            f"--out {args.out or path.parent}: cannot write {path} ({e.strerror or e}). Choose "
+            f"a writable directory with --out; nothing was recorded."
+        ) from None
     return path
 
 
@@ -169,9 +209,11 @@ def cmd_record(args) -> int:
     options = sglang_options(args)
     _check_override_keys(args.model, args.override)
     path = _check_out(args, layout, ranks)
-    if args.eplb_redundant is not None:   # its own file: a plan without the slots must not be found for an engine with them
+    if (
+        args.eplb_redundant is not None
+    ):  # its own file: a plan without the slots must not be found for an engine with them
         path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-eplb{args.eplb_redundant}--"))
-    if options is not None:   # its own file too: SGLang lays weights out differently from vLLM
+    if options is not None:  # its own file too: SGLang lays weights out differently from vLLM
         path = path.with_name(path.name.replace(f"--{layout.tag()}--", f"--{layout.tag()}-{options.tag()}--"))
     t0 = time.perf_counter()
     session = _session(args, layout, strict=args.strict, eplb_redundant=args.eplb_redundant)
@@ -181,13 +223,17 @@ def cmd_record(args) -> int:
     write_plan(path, data)
     print(f"{'rank':>5} {'recorded':>9} {'fallback':>9} {'not needed':>11} {'bytes':>12} {'seconds':>8}")
     for s in stats:
-        print(f"{s.rank:>5} {s.num_recorded:>9} {s.num_fallback:>9} {s.num_not_needed:>11} {human_bytes(s.nbytes):>12} "
-              f"{s.seconds:>8.2f}")
-    print(f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
-          f"tensors; plan {path} ({human_bytes(len(data))}); {time.perf_counter() - t0:.1f}s")
+        print(
+            f"{s.rank:>5} {s.num_recorded:>9} {s.num_fallback:>9} {s.num_not_needed:>11} {human_bytes(s.nbytes):>12} "
+            f"{s.seconds:>8.2f}"
+        )
+    print(
+        f"{len(ranks)} ranks of {session.spec.name} {layout.tag()} {args.dtype}: {len(session.tensors)} checkpoint "
+        f"tensors; plan {path} ({human_bytes(len(data))}); {time.perf_counter() - t0:.1f}s"
+    )
     print(f"recording: {recorded.how}")
     full = [s for s in stats if s.tier == "full"]
-    if full:   # the full tier is exact too, only slower: say why the fast one could not be used
+    if full:  # the full tier is exact too, only slower: say why the fast one could not be used
         print(f"recorder: full tier on {len(full)} of {len(stats)} ranks ({full[0].tier_note})")
     else:
         print("recorder: fast tier on every rank")
@@ -213,15 +259,19 @@ def cmd_verify(args) -> int:
         else:
             verdict = verify_rank(session.vllm_config, layout, rank, plan, checkpoint)
         failures += not verdict.ok
-        print(f"{rank:>5} {verdict.num_params:>7} {len(verdict.mismatched):>11} {len(verdict.unwritten):>10}  "
-              f"{'bitwise equal' if verdict.ok else 'MISMATCH'}")
+        print(
+            f"{rank:>5} {verdict.num_params:>7} {len(verdict.mismatched):>11} {len(verdict.unwritten):>10}  "
+            f"{'bitwise equal' if verdict.ok else 'MISMATCH'}"
+        )
         for name in verdict.mismatched:
             print(f"      mismatch: {name}")
         for name in verdict.unwritten:
             nan, numel = verdict.undefined.get(name, (0, 0))
             part = f"{nan} of {numel} elements" if nan < numel else "every element"
-            print(f"      not written by the real loader either (left NaN): {name}: {part}; no checkpoint tensor "
-                  f"defines them, so vLLM leaves them uninitialised and the plan does not write them")
+            print(
+                f"      not written by the real loader either (left NaN): {name}: {part}; no checkpoint tensor "
+                f"defines them, so vLLM leaves them uninitialised and the plan does not write them"
+            )
     engine = "SGLang" if args.engine == "sglang" else "vLLM"
     print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to {engine}'s load_weights")
     return 1 if failures else 0
@@ -242,8 +292,14 @@ def cmd_coverage(args) -> int:
     return coverage.main(args.args)
 
 
-_COMMANDS = {"record": cmd_record, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
-             "coverage": cmd_coverage, "simulate": simulate_cli.run}
+_COMMANDS = {
+    "record": cmd_record,
+    "verify": cmd_verify,
+    "inspect": cmd_inspect,
+    "models": cmd_models,
+    "coverage": cmd_coverage,
+    "simulate": simulate_cli.run,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ def exception_text(exc: BaseException, limit: int = 300) -> str:
             text = ""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "") if isinstance(text, str) else ""
     if len(line) > limit:
-        line = line[:limit - 3] + "..."
+        line = line[: limit - 3] + "..."
     return f"{name}: {line}" if line else f"{name} (no message)"
 
 

@@ -13,6 +13,7 @@ This module is the fingerprint side: plain JSON, no torch, transformers or vLLM,
 Reading a config the way vLLM does (config classes, aliases, nested text configs) is `shardplan.record.configs`;
 listing a checkpoint's tensors is `shardplan.record.checkpoint`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,9 +46,8 @@ class ConfigError(ShardplanError):
     """A config.json, checkpoint index/header or override is unusable; the message names the file and field."""
 
 
-
-
 # --------------------------------------------------------------------------------------------------- the spec
+
 
 def config_sha256(config: Mapping[str, Any]) -> str:
     """sha256 hex of the canonical JSON form of a config: the identity of a model for caching plans."""
@@ -65,6 +65,7 @@ class ModelSpec:
     name: built-in short name, or the absolute path given. hf_id: hub id for built-ins, else None.
     source_dir: the local checkpoint directory when one was given (its safetensors describe the real tensors).
     """
+
     name: str
     hf_id: str | None
     config: dict[str, Any]
@@ -105,12 +106,12 @@ class ModelSpec:
         weights here, and the original checkpoint stays readable (record.checkpoint).
         """
         config = self.config if config is None else config
-        target = (Path(dir).expanduser() if dir is not None
-                  else _cache_root() / "configs" / config_sha256(config)[:16])
+        target = Path(dir).expanduser() if dir is not None else _cache_root() / "configs" / config_sha256(config)[:16]
         if self.source_dir is not None and target.resolve() == Path(self.source_dir).resolve():
             raise ConfigError(
                 f"Refusing to materialize {self.origin} into its own checkpoint directory {target}: that would "
-                f"overwrite the original config.json. Pass another directory, or dir=None for the cache.")
+                f"overwrite the original config.json. Pass another directory, or dir=None for the cache."
+            )
         text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         config_path = target / "config.json"
         try:
@@ -129,7 +130,8 @@ class ModelSpec:
         except OSError as exc:
             raise ShardplanError(
                 f"Cannot write {config_path} for {self.origin}: {exc.strerror or exc}. Pass a writable directory "
-                f"to materialize(dir=...) or set XDG_CACHE_HOME to a writable location.") from exc
+                f"to materialize(dir=...) or set XDG_CACHE_HOME to a writable location."
+            ) from exc
         return str(target)
 
 
@@ -140,6 +142,7 @@ def _cache_root() -> Path:
 
 
 # --------------------------------------------------------------------------------------------------- built-ins
+
 
 @dataclass(frozen=True)
 class _BuiltIn:
@@ -160,8 +163,10 @@ def _builtins() -> tuple[dict[str, _BuiltIn], dict[str, str]]:
         raw = _read_json_object(path, f"built-in {short} ({path})")
         meta = raw.get("_shardplan")
         if not isinstance(meta, dict) or not isinstance(meta.get("hf_id"), str):
-            raise ConfigError(f"built-in {short} ({path}): field '_shardplan.hf_id' is missing; every built-in "
-                              f"config needs \"_shardplan\": {{\"hf_id\": ..., \"aliases\": [...]}}.")
+            raise ConfigError(
+                f"built-in {short} ({path}): field '_shardplan.hf_id' is missing; every built-in "
+                f'config needs "_shardplan": {{"hf_id": ..., "aliases": [...]}}.'
+            )
         hf_id = meta["hf_id"]
         aliases = tuple(meta.get("aliases", ()))
         by_name[short] = _BuiltIn(short, hf_id, aliases, path, _strip_own_keys(raw))
@@ -172,8 +177,10 @@ def _builtins() -> tuple[dict[str, _BuiltIn], dict[str, str]]:
         for key in (short, *hub_names, *aliases):
             key = key.lower()
             if lookup.get(key, short) != short:
-                raise ConfigError(f"built-in {short} ({path}): name {key!r} is already used by built-in "
-                                  f"{lookup[key]}; aliases must be unique.")
+                raise ConfigError(
+                    f"built-in {short} ({path}): name {key!r} is already used by built-in "
+                    f"{lookup[key]}; aliases must be unique."
+                )
             lookup[key] = short
     return by_name, lookup
 
@@ -188,13 +195,16 @@ def _unknown_model_message(spec: str) -> str:
     rows = "\n".join(f"  {short:<18} {hf_id:<40} {arch}" for short, hf_id, arch in list_models())
     looks_like_path = os.sep in spec or spec.startswith((".", "~")) or spec.endswith(".json")
     path_note = f"\nNo file or directory {spec!r} exists either." if looks_like_path else ""
-    return (f"Unknown model {spec!r}.{path_note}\n"
-            f"Built-in models (short name, HF id, architecture; names are case-insensitive):\n{rows}\n"
-            f"For any other model, pass a local directory containing its HF config.json (a downloaded snapshot; "
-            f"weights are optional), or the path of a config.json file. shardplan never downloads from the hub.")
+    return (
+        f"Unknown model {spec!r}.{path_note}\n"
+        f"Built-in models (short name, HF id, architecture; names are case-insensitive):\n{rows}\n"
+        f"For any other model, pass a local directory containing its HF config.json (a downloaded snapshot; "
+        f"weights are optional), or the path of a config.json file. shardplan never downloads from the hub."
+    )
 
 
 # --------------------------------------------------------------------------------------------------- resolving
+
 
 def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[str, Any] | None = None) -> ModelSpec:
     """Resolve a model name or path plus overrides to a ModelSpec.
@@ -227,8 +237,10 @@ def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[st
         source_dir, name, hf_id, origin = None, short, builtin.hf_id, f"built-in {short} ({builtin.path})"
         base = copy.deepcopy(builtin.config)
     elif path is not None and path.is_dir():
-        raise ConfigError(f"{path.resolve()} has no config.json. Point at an HF checkpoint directory (one that "
-                          f"contains config.json) or at a config.json file.")
+        raise ConfigError(
+            f"{path.resolve()} has no config.json. Point at an HF checkpoint directory (one that "
+            f"contains config.json) or at a config.json file."
+        )
     else:
         raise UnknownModelError(_unknown_model_message(text))
 
@@ -238,17 +250,25 @@ def resolve_model(spec: str | os.PathLike, overrides: Iterable[str] | Mapping[st
     try:
         sha = config_sha256(config)
     except (TypeError, ValueError) as exc:  # only reachable through dict overrides holding non-JSON values
-        raise ConfigError(f"{origin}: an override value is not JSON-serialisable ({exc}). Use numbers, strings, "
-                          f"booleans, null, lists and dicts.") from exc
-    return ModelSpec(name=name, hf_id=hf_id, config=config, config_sha256=sha,
-                     source_dir=str(source_dir) if source_dir is not None else None, base_config=base,
-                     overrides=tuple((key_path, copy.deepcopy(value)) for _, key_path, value in parsed))
+        raise ConfigError(
+            f"{origin}: an override value is not JSON-serialisable ({exc}). Use numbers, strings, "
+            f"booleans, null, lists and dicts."
+        ) from exc
+    return ModelSpec(
+        name=name,
+        hf_id=hf_id,
+        config=config,
+        config_sha256=sha,
+        source_dir=str(source_dir) if source_dir is not None else None,
+        base_config=base,
+        overrides=tuple((key_path, copy.deepcopy(value)) for _, key_path, value in parsed),
+    )
 
 
 # Bounds on what a config (or a checkpoint index, an override value) may hold, checked while reading: hub configs are
 # a few KB, nest 3-4 levels and hold int64-sized integers at most, so these only stop files that would otherwise end
 # in a bare RecursionError / ValueError or take gigabytes to read.
-MAX_CONFIG_BYTES = 64 << 20     # the largest hub index.json files (per-tensor weight maps) are a few MB
+MAX_CONFIG_BYTES = 64 << 20  # the largest hub index.json files (per-tensor weight maps) are a few MB
 MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_INT = (1 << 63) - 1  # |integer| in the int64 range, as every consumer (torch, vLLM) holds them
 
@@ -259,7 +279,7 @@ class _JsonBound(ValueError):
 
 def _bounded_int(text: str) -> int:
     digits = len(text.lstrip("-"))
-    if digits > 19:   # checked on the text, before int() spends time on (or refuses) thousands of digits
+    if digits > 19:  # checked on the text, before int() spends time on (or refuses) thousands of digits
         raise _JsonBound(f"an integer of {digits} digits ({text[:12]}...), beyond the int64 range")
     value = int(text)
     if abs(value) > MAX_CONFIG_INT:
@@ -270,18 +290,24 @@ def _bounded_int(text: str) -> int:
 def parse_json(text: str, origin: str, what: str = "JSON") -> Any:
     """`json.loads` with the bounds above; any failure is a ConfigError naming `origin` and the cause."""
     if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{origin} holds {len(text)} characters, more than the {MAX_CONFIG_BYTES} a {what} may: "
-                          f"it is not a model config. Point at the model's own config.json.")
+        raise ConfigError(
+            f"{origin} holds {len(text)} characters, more than the {MAX_CONFIG_BYTES} a {what} may: "
+            f"it is not a model config. Point at the model's own config.json."
+        )
     try:
         data = json.loads(text, parse_int=_bounded_int)
     except _JsonBound as exc:
         raise ConfigError(f"{origin} holds {exc}. Fix the value (configs hold sizes that fit in int64).") from None
     except RecursionError:
-        raise ConfigError(f"{origin} nests arrays/objects deeper than Python's JSON reader can follow (a {what} "
-                          f"nests a few levels, at most {MAX_CONFIG_DEPTH}). Fix the file.") from None
+        raise ConfigError(
+            f"{origin} nests arrays/objects deeper than Python's JSON reader can follow (a {what} "
+            f"nests a few levels, at most {MAX_CONFIG_DEPTH}). Fix the file."
+        ) from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
-                          f"Fix the file (or re-download config.json).") from None
+        raise ConfigError(
+            f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}. "
+            f"Fix the file (or re-download config.json)."
+        ) from None
     except ValueError as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ConfigError(f"{origin} cannot be read as JSON: {reason}. Fix the file.") from None
@@ -297,24 +323,28 @@ def check_json_value(value: Any, origin: str) -> None:
         if isinstance(node, (dict, list, tuple)):
             if depth >= MAX_CONFIG_DEPTH:
                 what = f"field {where!r}" if where else "the value"
-                raise ConfigError(f"{origin}: {what} nests more than {MAX_CONFIG_DEPTH} levels "
-                                  f"deep; a model config nests a few. Fix the file or the override.")
+                raise ConfigError(
+                    f"{origin}: {what} nests more than {MAX_CONFIG_DEPTH} levels "
+                    f"deep; a model config nests a few. Fix the file or the override."
+                )
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for k, v in items:
                 stack.append((v, depth + 1, f"{where}.{k}" if where else str(k)))
         elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_CONFIG_INT:
             what = f"field {where!r}" if where else "the value"
-            raise ConfigError(f"{origin}: {what} is an integer of "
-                              f"{node.bit_length()} bits, beyond the "
-                              f"int64 range. Fix the value.")
+            raise ConfigError(
+                f"{origin}: {what} is an integer of {node.bit_length()} bits, beyond the int64 range. Fix the value."
+            )
 
 
 def _read_json_object(path: Path, origin: str) -> dict[str, Any]:
     try:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{origin} is {size} bytes, more than the {MAX_CONFIG_BYTES} a config or index may: "
-                              f"it is not a model config. Point at the model's own config.json.")
+            raise ConfigError(
+                f"{origin} is {size} bytes, more than the {MAX_CONFIG_BYTES} a config or index may: "
+                f"it is not a model config. Point at the model's own config.json."
+            )
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"Cannot read {origin}: {exc.strerror or exc}.") from exc
@@ -342,18 +372,23 @@ def _parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> lis
         items = []
         for text in overrides:
             if not isinstance(text, str) or "=" not in text:
-                raise ConfigError(f"Bad override {_safe_repr(text)}: expected key=value, e.g. num_hidden_layers=2 or "
-                                  f"rope_scaling.factor=8.0.")
+                raise ConfigError(
+                    f"Bad override {_safe_repr(text)}: expected key=value, e.g. num_hidden_layers=2 or "
+                    f"rope_scaling.factor=8.0."
+                )
             key, raw = text.split("=", 1)
             raw = raw.strip()
             try:
                 value = json.loads(raw, parse_int=_bounded_int)
             except _JsonBound as exc:
-                raise ConfigError(f"Bad override {_short(text)}: the value is {exc}. Configs hold sizes that fit in "
-                                  f"int64.") from None
+                raise ConfigError(
+                    f"Bad override {_short(text)}: the value is {exc}. Configs hold sizes that fit in int64."
+                ) from None
             except RecursionError:
-                raise ConfigError(f"Bad override {_short(text)}: the value nests deeper than Python's JSON reader "
-                                  f"can follow (at most {MAX_CONFIG_DEPTH} levels).") from None
+                raise ConfigError(
+                    f"Bad override {_short(text)}: the value nests deeper than Python's JSON reader "
+                    f"can follow (at most {MAX_CONFIG_DEPTH} levels)."
+                ) from None
             except ValueError:
                 value = raw  # not JSON: a plain string such as torch_dtype=bfloat16
             items.append((text, key, value))
@@ -362,11 +397,14 @@ def _parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> lis
         check_json_value(value, f"override {_short(text)}")
         key_path = tuple(part.strip() for part in key.strip().split("."))
         if len(key_path) > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"Bad override {_short(text)}: the key has {len(key_path)} dotted parts; a config nests "
-                              f"at most {MAX_CONFIG_DEPTH} levels.")
+            raise ConfigError(
+                f"Bad override {_short(text)}: the key has {len(key_path)} dotted parts; a config nests "
+                f"at most {MAX_CONFIG_DEPTH} levels."
+            )
         if not all(key_path):
-            raise ConfigError(f"Bad override {text!r}: the key {key.strip()!r} has an empty part; use key=value "
-                              f"or dotted.key=value.")
+            raise ConfigError(
+                f"Bad override {text!r}: the key {key.strip()!r} has an empty part; use key=value or dotted.key=value."
+            )
         parsed.append((text, key_path, value))
     return parsed
 
@@ -374,7 +412,7 @@ def _parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> lis
 def _safe_repr(value: Any) -> str:
     try:
         text = repr(value)
-    except (ValueError, RecursionError):   # an int of thousands of digits, a self-nested list
+    except (ValueError, RecursionError):  # an int of thousands of digits, a self-nested list
         return f"<{type(value).__name__} that cannot be shown>"
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -383,19 +421,21 @@ def _short(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:77] + "...")
 
 
-def _apply_overrides(config: dict[str, Any], overrides: list[tuple[str, tuple[str, ...], Any]],
-                     origin: str) -> dict[str, Any]:
+def _apply_overrides(
+    config: dict[str, Any], overrides: list[tuple[str, tuple[str, ...], Any]], origin: str
+) -> dict[str, Any]:
     config = copy.deepcopy(config)
     for text, key_path, value in overrides:
         node = config
         for depth, part in enumerate(key_path[:-1]):
             child = node.setdefault(part, {})  # a missing parent becomes a new mapping
             if not isinstance(child, dict):
-                parent = ".".join(key_path[:depth + 1])
+                parent = ".".join(key_path[: depth + 1])
                 raise ConfigError(
                     f"Bad override {text!r} for {origin}: field '{parent}' is {json.dumps(child)}, not a mapping, "
                     f"so '{'.'.join(key_path)}' cannot be set inside it. Set the whole field instead, e.g. "
-                    f"'{parent}={{\"{key_path[depth + 1]}\": ...}}'.")
+                    f"'{parent}={{\"{key_path[depth + 1]}\": ...}}'."
+                )
             node = child
         node[key_path[-1]] = copy.deepcopy(value)
     return config
@@ -405,17 +445,22 @@ def _validate_config(config: dict[str, Any], origin: str, overridden: bool) -> N
     where = f"{origin} (after overrides)" if overridden else origin
 
     def fail(field: str, problem: str, example: str) -> None:
-        raise ConfigError(f"{where}: field '{field}' {problem}. Fix config.json or pass an override such as "
-                          f"{example}.")
+        raise ConfigError(f"{where}: field '{field}' {problem}. Fix config.json or pass an override such as {example}.")
 
     archs = config.get("architectures")
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
-        fail("architectures", "is missing" if archs is None else f"must be a non-empty list of class names, got "
-             f"{json.dumps(archs)}", "'architectures=[\"LlamaForCausalLM\"]'")
+        fail(
+            "architectures",
+            "is missing" if archs is None else f"must be a non-empty list of class names, got {json.dumps(archs)}",
+            "'architectures=[\"LlamaForCausalLM\"]'",
+        )
     model_type = config.get("model_type")
     if not (isinstance(model_type, str) and model_type):
-        fail("model_type", "is missing" if model_type is None else f"must be a string, got {json.dumps(model_type)}",
-             "model_type=llama")
+        fail(
+            "model_type",
+            "is missing" if model_type is None else f"must be a string, got {json.dumps(model_type)}",
+            "model_type=llama",
+        )
     # Absent sizes are not an error here: the config class supplies aliases (GPT-2's n_layer) and defaults, and
     # record.configs.hf_view checks the sizes as vLLM reads them. A size spelled out in the file must still be sane.
     for field in _REQUIRED_POSITIVE_INTS:

@@ -7,6 +7,7 @@ ask `archs.examples(ci=..., thorough=...)` for their example budget; the ci and 
 test here wants (no deadline: model builds and vLLM config creation take seconds on a loaded machine), so tests that
 pin their own `max_examples` keep it under them.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def pytest_collection_modifyitems(config, items):
         pinned = getattr(test, "_hypothesis_internal_use_settings", None)
         if pinned is not None and pinned.max_examples > FAST_EXAMPLES:
             test._hypothesis_internal_use_settings = settings(pinned, max_examples=FAST_EXAMPLES)
+
 
 # The on-disk checkpoint-names cache (record/checkpoint.py) would carry one test's listing into another (and across
 # runs): a list cached by a recording inside a vLLM config context is served where a test expects the build itself to

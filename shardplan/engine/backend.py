@@ -16,6 +16,7 @@ A failed update raises (SyncFailed naming the peers); the model is whole again b
 either this version (its update completed and was processed) or what it held before. `state()` says which
 (version, complete); the trainer side keeps the engine paused and its weight version "<v>:incomplete" (docs/engine.md).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from shardplan.engine.eplb import EngineEplb
 from shardplan.engine.errors import EngineControlUnreachable, EngineError, EngineNotInitialized, EnginePlanMismatch
@@ -33,10 +33,10 @@ from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
 from shardplan.engine.reload import ReloadUnpacker
 from shardplan.engine.sharding import sharded_plan, shards_from_json
 from shardplan.models import resolve_model
-from shardplan.plan.layout import Layout
-from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.file.store import load_plan
+from shardplan.plan.layout import Layout
+from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.runtime.shards import ShardError
 from shardplan.sync import ConsumerSync, SyncConfig, SyncState
 from shardplan.sync.placement import publish_placement
@@ -57,22 +57,29 @@ class ShardplanUpdateInfo(EngineUpdateInfo, WeightTransferUpdateInfo):
 
 
 def engine_layout(parallel_config) -> Layout:
-    return Layout(tp=parallel_config.tensor_parallel_size, pp=parallel_config.pipeline_parallel_size,
-                  dp=parallel_config.data_parallel_size, ep=bool(parallel_config.enable_expert_parallel))
+    return Layout(
+        tp=parallel_config.tensor_parallel_size,
+        pp=parallel_config.pipeline_parallel_size,
+        dp=parallel_config.data_parallel_size,
+        ep=bool(parallel_config.enable_expert_parallel),
+    )
 
 
 def worker_plan_rank(parallel_config, layout: Layout) -> int:
     """vLLM's worker (data-parallel index, pipeline stage, tensor-parallel rank) -> the plan's global rank (shardplan
     numbers ranks as vLLM's world: dp x pp x tp, tp fastest; shardplan.plan.layout)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
     dp_rank = getattr(parallel_config, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = parallel_config.data_parallel_rank
     return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
 
 
-ONLINE_UNPROVEN = ("; online quantization (`quantization=...` over an unquantized checkpoint) is not supported: no "
-                   "plan is recorded for it and no machine here has run it (docs/engine.md)")
+ONLINE_UNPROVEN = (
+    "; online quantization (`quantization=...` over an unquantized checkpoint) is not supported: no "
+    "plan is recorded for it and no machine here has run it (docs/engine.md)"
+)
 
 
 def plan_quantization(header) -> str:
@@ -103,6 +110,7 @@ def engine_quantization(model_config) -> str:
 def _named(method):
     """vLLM's collective_rpc passes a worker's exception on as its message only: put the error's class name in front
     so the trainer side can raise the same named error (shardplan.engine.errors.raise_named)."""
+
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         try:
@@ -112,6 +120,7 @@ def _named(method):
             if str(e).startswith(name):
                 raise
             raise type(e)(f"{name}: {e}") from None
+
     return wrapper
 
 
@@ -127,8 +136,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.rank: int | None = None
         self.last_error: str = ""
         self.eplb: EngineEplb | None = None
-        self.placement_stale = False   # the last update's placement changed under it (EplbPlacementChanged)
-        self.last_update: dict = {}    # the last update's seconds per step and memory (bench/engine_bench.py)
+        self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
+        self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     @_named
@@ -140,34 +149,43 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         rank = worker_plan_rank(pc, layout)
         plan = plan_file.rank(rank)
         sharded = None
-        if init_info.trainer_shards:   # sharded trainers: re-plan the writes against their boxes, as they do
+        if init_info.trainer_shards:  # sharded trainers: re-plan the writes against their boxes, as they do
             try:
                 sharded = sharded_plan(plan_file, shards_from_json(init_info.trainer_shards))
-            except ShardError as e:   # the driver planned the same boxes first, so this is a disagreement
-                raise EnginePlanMismatch(f"the trainers' shards cannot serve {plan_file.path}: "
-                                         f"{type(e).__name__}: {e}") from None
+            except ShardError as e:  # the driver planned the same boxes first, so this is a disagreement
+                raise EnginePlanMismatch(
+                    f"the trainers' shards cannot serve {plan_file.path}: {type(e).__name__}: {e}"
+                ) from None
         # every connect below is bounded by timeout_s; the new control channel is reached before the old sync is
         # left, so a wrong control_port is named within timeout_s and the engine keeps the sync it had
-        config = SyncConfig(timeout_s=init_info.timeout_s, verify=init_info.verify,
-                            announce_timeout_s=init_info.announce_timeout_s)
+        config = SyncConfig(
+            timeout_s=init_info.timeout_s, verify=init_info.verify, announce_timeout_s=init_info.announce_timeout_s
+        )
         control = Control(init_info.control_host, int(init_info.control_port), connect_timeout_s=config.timeout_s)
         try:
             control.prewarm(1)
         except ControlUnreachable as e:
             raise EngineControlUnreachable(str(e)) from None
-        if self.consumer is not None:   # init again (a new trainer run): leave the old sync cleanly
+        if self.consumer is not None:  # init again (a new trainer run): leave the old sync cleanly
             self.shutdown()
-        self.unpacker = ReloadUnpacker(self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes,
-                                       sharded=sharded)
+        self.unpacker = ReloadUnpacker(
+            self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes, sharded=sharded
+        )
         name = f"consumer{rank}"
         options = dict(init_info.transport_options)
         options.setdefault("timeout_s", config.timeout_s)
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
-        logger.info("shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s", rank,
-                    plan_file.path, layout.tag(), name, init_info.transport,
-                    "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks")
+        logger.info(
+            "shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s",
+            rank,
+            plan_file.path,
+            layout.tag(),
+            name,
+            init_info.transport,
+            "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks",
+        )
 
     def _check_eplb(self, plan_file) -> EngineEplb | None:
         """EnginePlanMismatch unless the plan's EPLB slots are the engine's (docs/eplb.md); the worker's EPLB reader."""
@@ -195,41 +213,54 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             try:
                 plan_file = load_plan(model_dir, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, dtype=dtype)
             except Exception as e:  # noqa: BLE001 - PlanNotFound / StalePlan / a model shardplan cannot resolve
-                raise EnginePlanMismatch(f"no usable plan for {model_dir} at {layout.tag()} "
-                                         f"{dtype}: {e}") from None
+                raise EnginePlanMismatch(f"no usable plan for {model_dir} at {layout.tag()} {dtype}: {e}") from None
         header, where = plan_file.header, plan_file.path
-        hint = f"record the plan for this engine: shardplan record --model {model_dir} --tp {layout.tp}" + \
-            (f" --pp {layout.pp}" if layout.pp > 1 else "") + (f" --dp {layout.dp}" if layout.dp > 1 else "") + \
-            (" --ep" if layout.ep else "") + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
+        hint = (
+            f"record the plan for this engine: shardplan record --model {model_dir} --tp {layout.tp}"
+            + (f" --pp {layout.pp}" if layout.pp > 1 else "")
+            + (f" --dp {layout.dp}" if layout.dp > 1 else "")
+            + (" --ep" if layout.ep else "")
+            + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
+        )
         if info.plan_sha256 and info.plan_sha256 != plan_file.digest:
-            raise EnginePlanMismatch(f"{where} (sha256 {plan_file.digest[:12]}) is not the "
-                                     f"trainer's plan ({info.plan_sha256[:12]}): both sides must read the same file")
+            raise EnginePlanMismatch(
+                f"{where} (sha256 {plan_file.digest[:12]}) is not the "
+                f"trainer's plan ({info.plan_sha256[:12]}): both sides must read the same file"
+            )
         if header.layout != layout:
-            raise EnginePlanMismatch(f"{where} is for layout {header.layout.tag()}, the engine runs "
-                                     f"{layout.tag()}; {hint}")
+            raise EnginePlanMismatch(
+                f"{where} is for layout {header.layout.tag()}, the engine runs {layout.tag()}; {hint}"
+            )
         if header.dtype != dtype:
-            raise EnginePlanMismatch(f"{where} is for dtype {header.dtype}, the engine runs "
-                                     f"{dtype}; {hint}")
+            raise EnginePlanMismatch(f"{where} is for dtype {header.dtype}, the engine runs {dtype}; {hint}")
         planned, running = plan_quantization(header), engine_quantization(self.model_config)
         if planned != running:
-            raise EnginePlanMismatch(f"{where} is for an engine with quantization {planned!r}, the engine runs "
-                                     f"{running!r}: the params it writes would have other dtypes and shapes"
-                                     f"{ONLINE_UNPROVEN if running.startswith('online') else ''}; {hint}")
+            raise EnginePlanMismatch(
+                f"{where} is for an engine with quantization {planned!r}, the engine runs "
+                f"{running!r}: the params it writes would have other dtypes and shapes"
+                f"{ONLINE_UNPROVEN if running.startswith('online') else ''}; {hint}"
+            )
         here = vllm.__version__.split("+")[0]
         if header.vllm_version.split("+")[0] != here:
-            raise EnginePlanMismatch(f"{where} was recorded with vLLM {header.vllm_version}, the "
-                                     f"engine runs vLLM {here}: its loaders may differ; {hint}")
+            raise EnginePlanMismatch(
+                f"{where} was recorded with vLLM {header.vllm_version}, the "
+                f"engine runs vLLM {here}: its loaders may differ; {hint}"
+            )
         if info.check_config:
             try:
                 sha = resolve_model(model_dir).config_sha256
             except Exception as e:  # noqa: BLE001 - the message says how to proceed
-                raise EnginePlanMismatch(f"cannot read the engine's model config {model_dir!r} to "
-                                         f"compare it with {where}'s ({e}); pass check_config=False to skip this "
-                                         f"check knowingly") from None
+                raise EnginePlanMismatch(
+                    f"cannot read the engine's model config {model_dir!r} to "
+                    f"compare it with {where}'s ({e}); pass check_config=False to skip this "
+                    f"check knowingly"
+                ) from None
             if sha != header.config_sha256:
-                raise EnginePlanMismatch(f"{where} was recorded for model config "
-                                         f"{header.config_sha256[:12]} ({header.model}), the engine serves "
-                                         f"{model_dir} (config {sha[:12]}); {hint}")
+                raise EnginePlanMismatch(
+                    f"{where} was recorded for model config "
+                    f"{header.config_sha256[:12]} ({header.model}), the engine serves "
+                    f"{model_dir} (config {sha[:12]}); {hint}"
+                )
         return plan_file
 
     # -- one sync ------------------------------------------------------------------------------------------------------
@@ -250,7 +281,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         t0 = time.perf_counter()
         try:
             placement = None
-            if self.eplb is not None:   # drain an in-flight rebalance, then say which expert each slot holds
+            if self.eplb is not None:  # drain an in-flight rebalance, then say which expert each slot holds
                 placement = self.eplb.before_update()
                 publish_placement(self.control, int(update_info.version), self.consumer.name, placement)
             self.consumer.sync(int(update_info.version))
@@ -268,19 +299,27 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             seconds = dict(self.unpacker.seconds)
             seconds["start"] = getattr(self, "_start_s", 0.0)
             seconds["update"] = time.perf_counter() - t0
-            self.last_update = {"seconds": seconds, "process_by_class": dict(self.unpacker.process_by_class),
-                                "rss_before": getattr(self, "_rss_before", None),
-                                "rss_peak": _peak_rss()}
+            self.last_update = {
+                "seconds": seconds,
+                "process_by_class": dict(self.unpacker.process_by_class),
+                "rss_before": getattr(self, "_rss_before", None),
+                "rss_peak": _peak_rss(),
+            }
 
     def finish_weight_update(self) -> None:
         if self.unpacker is not None:
-            self.unpacker.end(self.model_config)   # a start without an update: put the kernel tensors back
+            self.unpacker.end(self.model_config)  # a start without an update: put the kernel tensors back
 
     def state(self) -> dict:
         """(version, complete) of the weights this worker holds, and the last sync's error."""
         st = self.consumer.state if self.consumer is not None else SyncState(0, True)
-        return {"rank": self.rank, "version": st.version, "complete": st.complete and not self.placement_stale,
-                "error": self.last_error, "last_update": self.last_update}
+        return {
+            "rank": self.rank,
+            "version": st.version,
+            "complete": st.complete and not self.placement_stale,
+            "error": self.last_error,
+            "last_update": self.last_update,
+        }
 
     def shutdown(self) -> None:
         if self.consumer is not None:

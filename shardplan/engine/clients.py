@@ -5,6 +5,7 @@ Each client has vLLM's VLLMWeightSyncClient methods (init_weight_transfer_engine
 update_weights, finish_weight_update), so vLLM's own HTTPVLLMWeightSyncClient / RayVLLMWeightSyncClient fit where
 these do, plus what the failure semantics need: pause / resume / is_paused and the weight version.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,7 +65,7 @@ class LLMClient(_Calls):
 
     def finish_weight_update(self, weight_version=None):
         self._call("finish_weight_update", self.llm.finish_weight_update, weight_version)
-        self.llm.reset_prefix_cache()   # KV blocks computed with the old weights must not be reused
+        self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
 
     def pause(self):
         self._call("pause", self.llm.sleep, level=0)
@@ -98,8 +99,10 @@ class AsyncLLMClient(_Calls):
         handler = getattr(engine, "output_handler", None)
         self.loop = loop or (handler.get_loop() if handler is not None else None)
         if self.loop is None:
-            raise TypeError("AsyncLLMClient needs the AsyncLLM's event loop: pass loop= (the loop it serves on), or "
-                            "build the AsyncLLM inside that loop")
+            raise TypeError(
+                "AsyncLLMClient needs the AsyncLLM's event loop: pass loop= (the loop it serves on), or "
+                "build the AsyncLLM inside that loop"
+            )
 
     def _run(self, what: str, method: str, *args, **kwargs):
         try:
@@ -107,16 +110,24 @@ class AsyncLLMClient(_Calls):
         except RuntimeError:
             running = None
         if running is self.loop:
-            raise EngineCallFailed(f"{self.name}: {what} called from the AsyncLLM's own event loop thread would deadlock; "
-                               f"run the sync in another thread (await asyncio.to_thread(sync.sync, version))")
-        return self._call(what, lambda: asyncio.run_coroutine_threadsafe(
-            getattr(self.engine, method)(*args, **kwargs), self.loop).result())
+            raise EngineCallFailed(
+                f"{self.name}: {what} called from the AsyncLLM's own event loop thread would deadlock; "
+                f"run the sync in another thread (await asyncio.to_thread(sync.sync, version))"
+            )
+        return self._call(
+            what,
+            lambda: asyncio.run_coroutine_threadsafe(getattr(self.engine, method)(*args, **kwargs), self.loop).result(),
+        )
 
     # the weight-transfer calls go through collective_rpc with plain dicts, as AsyncLLM's own methods do with vLLM's
     # request objects (which would need vLLM on the trainer side)
     def init_weight_transfer_engine(self, init_info):
-        self._run("init_weight_transfer_engine", "collective_rpc", "init_weight_transfer_engine",
-                  kwargs={"init_info": init_info})
+        self._run(
+            "init_weight_transfer_engine",
+            "collective_rpc",
+            "init_weight_transfer_engine",
+            kwargs={"init_info": init_info},
+        )
 
     def start_weight_update(self):
         self._run("start_weight_update", "start_weight_update")
@@ -129,7 +140,7 @@ class AsyncLLMClient(_Calls):
 
     def finish_weight_update(self, weight_version=None):
         self._run("finish_weight_update", "finish_weight_update", weight_version)
-        self._run("reset_prefix_cache", "reset_prefix_cache")   # KV blocks of the old weights must not be reused
+        self._run("reset_prefix_cache", "reset_prefix_cache")  # KV blocks of the old weights must not be reused
 
     def pause(self):
         self._run("pause", "pause_generation", mode="abort", clear_cache=True)
@@ -160,8 +171,9 @@ class HttpClient(_Calls):
 
     def _request(self, method: str, route: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base_url + route, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 text = resp.read().decode()
@@ -170,8 +182,13 @@ class HttpClient(_Calls):
         return json.loads(text) if text.strip() else {}
 
     def init_weight_transfer_engine(self, init_info):
-        self._call("init_weight_transfer_engine", self._request, "POST", "/init_weight_transfer_engine",
-                   {"init_info": init_info})
+        self._call(
+            "init_weight_transfer_engine",
+            self._request,
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": init_info},
+        )
 
     def start_weight_update(self):
         self._call("start_weight_update", self._request, "POST", "/start_weight_update")
@@ -216,6 +233,7 @@ class RayClient(_Calls):
 
     def _get(self, what: str, method: str, *args, **kwargs):
         import ray
+
         return self._call(what, lambda: ray.get(getattr(self.handle, method).remote(*args, **kwargs)))
 
     def init_weight_transfer_engine(self, init_info):
@@ -239,8 +257,13 @@ class RayClient(_Calls):
 
     def is_paused(self) -> bool:
         import ray
-        return bool(self._call("is_paused", lambda: ray.get(self.handle.__ray_call__.remote(
-            lambda actor: actor.llm_engine.is_sleeping()))))
+
+        return bool(
+            self._call(
+                "is_paused",
+                lambda: ray.get(self.handle.__ray_call__.remote(lambda actor: actor.llm_engine.is_sleeping())),
+            )
+        )
 
     def set_weight_version(self, version):
         self._get("update_weight_version", "update_weight_version", version)
@@ -264,5 +287,7 @@ def as_client(engine, name: str | None = None) -> EngineClient:
         return AsyncLLMClient(engine, name=name or "async-llm")
     if hasattr(engine, "llm_engine") and hasattr(engine, "update_weights"):
         return LLMClient(engine, name or "llm")
-    raise TypeError(f"cannot drive {type(engine).__name__}: pass a vllm.LLM or AsyncLLM, a Ray actor handle, the base URL of a "
-                    f"`vllm serve` (VLLM_SERVER_DEV_MODE=1), or an object with the EngineClient methods")
+    raise TypeError(
+        f"cannot drive {type(engine).__name__}: pass a vllm.LLM or AsyncLLM, a Ray actor handle, the base URL of a "
+        f"`vllm serve` (VLLM_SERVER_DEV_MODE=1), or an object with the EngineClient methods"
+    )

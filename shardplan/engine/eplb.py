@@ -15,6 +15,7 @@ At each update the backend (engine/backend.py) calls `EngineEplb.before_update()
 and `after_update(placement)` checks that the engine still holds that placement (EplbPlacementChanged otherwise: the
 slots would hold the experts of another placement).
 """
+
 from __future__ import annotations
 
 import gc
@@ -47,8 +48,9 @@ def find_eplb_state(model):
 
     moe = _moe_model(model)
     for obj in gc.get_objects():
-        if isinstance(obj, EplbState) and any(getattr(ms, "model", None) in (moe, model)
-                                              for ms in obj.model_states.values()):
+        if isinstance(obj, EplbState) and any(
+            getattr(ms, "model", None) in (moe, model) for ms in obj.model_states.values()
+        ):
             return obj
     return None
 
@@ -60,15 +62,18 @@ def placement_from_logical_maps(model, slots: EplbSlots) -> list[list[int]]:
         state = getattr(layer, "eplb_state", None)
         l2p = getattr(state, "logical_to_physical_map", None)
         if l2p is None:
-            raise EplbPlacementUnavailable("the engine's MoE layers hold no EPLB maps (EplbState.add_model has not "
-                                           "run): the engine must be started with EPLB before syncing")
+            raise EplbPlacementUnavailable(
+                "the engine's MoE layers hold no EPLB maps (EplbState.add_model has not "
+                "run): the engine must be started with EPLB before syncing"
+            )
         counts = state.logical_replica_count.tolist()
         row = [-1] * slots.num_physical_experts
         for expert, slots_of_expert in enumerate(l2p.tolist()):
-            for p in slots_of_expert[:counts[expert]]:
+            for p in slots_of_expert[: counts[expert]]:
                 if not 0 <= p < len(row):
-                    raise PlacementShapeError(f"the engine maps expert {expert} to slot {p}; the plan has "
-                                              f"{len(row)} slots per MoE layer")
+                    raise PlacementShapeError(
+                        f"the engine maps expert {expert} to slot {p}; the plan has {len(row)} slots per MoE layer"
+                    )
                 row[p] = expert
         rows.append(row)
     return rows
@@ -82,17 +87,19 @@ class EngineEplb:
         self.layers = tuple(moe_layer_indices(model))
         missing = [x for x in self.layers if x not in slots.moe_layers]
         if missing or list(self.layers) != sorted(self.layers):
-            raise PlacementShapeError(f"the engine's MoE layers {list(self.layers)[:8]} are not among the plan's "
-                                      f"{list(slots.moe_layers)[:8]}: the plan is for another model")
+            raise PlacementShapeError(
+                f"the engine's MoE layers {list(self.layers)[:8]} are not among the plan's "
+                f"{list(slots.moe_layers)[:8]}: the plan is for another model"
+            )
         self.state = find_eplb_state(model) if eplb_state == "find" else eplb_state
 
     def _model_state(self):
         if self.state is None:
             return None
         moe = _moe_model(self.model)
-        return next((ms for ms in self.state.model_states.values() if getattr(ms, "model", None) in (moe,
-                                                                                                       self.model)),
-                    None)
+        return next(
+            (ms for ms in self.state.model_states.values() if getattr(ms, "model", None) in (moe, self.model)), None
+        )
 
     def drain(self) -> None:
         ms = self._model_state()
@@ -102,7 +109,8 @@ class EngineEplb:
                     "the engine runs asynchronous EPLB rebalancing (eplb_config.use_async, the default) and its "
                     "EplbState could not be found to drain an in-flight rebalance, which could overwrite the new "
                     "experts with stale ones after the update; start the engine with "
-                    "--eplb-config '{\"use_async\": false}' or from a vLLM whose model runner holds an EplbState")
+                    "--eplb-config '{\"use_async\": false}' or from a vLLM whose model runner holds an EplbState"
+                )
             return
         if getattr(self.state, "is_async", False) and ms.rebalanced:
             self.state.drain_async()
@@ -111,11 +119,15 @@ class EngineEplb:
 
     def placement(self) -> Placement:
         ms = self._model_state()
-        rows = ms.physical_to_logical_map.tolist() if ms is not None else \
-            placement_from_logical_maps(self.model, self.slots)
+        rows = (
+            ms.physical_to_logical_map.tolist()
+            if ms is not None
+            else placement_from_logical_maps(self.model, self.slots)
+        )
         if len(rows) != len(self.layers):
-            raise PlacementShapeError(f"the engine's physical_to_logical_map has {len(rows)} rows for "
-                                      f"{len(self.layers)} MoE layers")
+            raise PlacementShapeError(
+                f"the engine's physical_to_logical_map has {len(rows)} rows for {len(self.layers)} MoE layers"
+            )
         return make_placement(rows, self.slots, layers=self.layers)
 
     def before_update(self) -> Placement:
@@ -126,10 +138,20 @@ class EngineEplb:
         now = self.placement()
         if now.digest != placement.digest:
             changed = [x for x in now.rows if now.rows[x] != placement.rows.get(x)]
-            raise EplbPlacementChanged(f"the engine's EPLB placement changed during the update (MoE layers "
-                                       f"{changed[:8]}): the experts were written for placement {placement.digest}, "
-                                       f"the engine now routes by {now.digest}; sync again")
+            raise EplbPlacementChanged(
+                f"the engine's EPLB placement changed during the update (MoE layers "
+                f"{changed[:8]}): the experts were written for placement {placement.digest}, "
+                f"the engine now routes by {now.digest}; sync again"
+            )
 
 
-__all__ = ["EngineEplb", "EplbPlacementChanged", "EplbPlacementUnavailable", "EplbRebalanceInFlight", "PlacementError",
-           "find_eplb_state", "moe_layer_indices", "placement_from_logical_maps"]
+__all__ = [
+    "EngineEplb",
+    "EplbPlacementChanged",
+    "EplbPlacementUnavailable",
+    "EplbRebalanceInFlight",
+    "PlacementError",
+    "find_eplb_state",
+    "moe_layer_indices",
+    "placement_from_logical_maps",
+]

@@ -3,6 +3,7 @@
 Worker-side errors cross vLLM's collective_rpc as text; `raise_named` on the trainer side turns the text back into
 the named class so callers can `except EnginePlanMismatch` whether the check ran in this process or in a worker.
 """
+
 from __future__ import annotations
 
 import re
@@ -66,9 +67,19 @@ class EngineCallFailed(EngineError):
     """An engine call (RPC or HTTP route) failed for a reason that is not one of the named errors above."""
 
 
-_NAMED = {cls.__name__: cls for cls in (EnginePlanMismatch, EplbNotSupported, EplbRebalanceInFlight,
-                                         EplbPlacementChanged, EplbPlacementUnavailable, EngineUnsupported,
-                                         EngineNotInitialized, EngineControlUnreachable)}
+_NAMED = {
+    cls.__name__: cls
+    for cls in (
+        EnginePlanMismatch,
+        EplbNotSupported,
+        EplbRebalanceInFlight,
+        EplbPlacementChanged,
+        EplbPlacementUnavailable,
+        EngineUnsupported,
+        EngineNotInitialized,
+        EngineControlUnreachable,
+    )
+}
 
 
 def raise_named(error: BaseException, what: str) -> None:

@@ -6,6 +6,7 @@ It also gives vLLM's worker class one read-only RPC method, `shardplan_state` (t
 last error on that worker), so that `collective_rpc("shardplan_state")` and the dev HTTP route /collective_rpc can
 ask for it by name (a callable would need VLLM_ALLOW_INSECURE_SERIALIZATION=1).
 """
+
 from __future__ import annotations
 
 from shardplan.engine.protocol import BACKEND, STATE_RPC
@@ -21,13 +22,16 @@ def worker_state(worker) -> dict:
 
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "shardplan.engine.backend", "ShardplanWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "shardplan.engine.backend", "ShardplanWeightTransferEngine"
+        )
     except ValueError:
-        pass   # vLLM may load plugins more than once per process (vllm/plugins/__init__.py)
+        pass  # vLLM may load plugins more than once per process (vllm/plugins/__init__.py)
     try:
         from vllm.v1.worker.worker_base import WorkerBase
-    except ImportError:   # another vLLM layout: the state RPC is unavailable, the backend works regardless
+    except ImportError:  # another vLLM layout: the state RPC is unavailable, the backend works regardless
         return
     if not hasattr(WorkerBase, STATE_RPC):
         setattr(WorkerBase, STATE_RPC, worker_state)

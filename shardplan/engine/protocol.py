@@ -3,18 +3,20 @@
 
 Both travel as JSON-able dicts: over collective_rpc, Ray, or the HTTP routes of `vllm serve`.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-BACKEND = "shardplan"   # the name under which the plugin registers the backend (--weight-transfer-config)
-STATE_RPC = "shardplan_state"   # the worker RPC method the plugin adds (shardplan.engine.plugin)
+BACKEND = "shardplan"  # the name under which the plugin registers the backend (--weight-transfer-config)
+STATE_RPC = "shardplan_state"  # the worker RPC method the plugin adds (shardplan.engine.plugin)
 
 
 @dataclass
 class EngineInitInfo:
     """Sent once, to every worker, by init_weight_transfer_engine."""
+
     control_host: str = ""
     """Host and port of the sync's control channel (shardplan.transport.Control, hosted by the driver)."""
     control_port: int = 0
@@ -47,6 +49,7 @@ class EngineInitInfo:
 @dataclass
 class EngineUpdateInfo:
     """Sent per sync, to every worker, by update_weights."""
+
     version: int = 0
     rerun_moe_prepack: bool = True
     """Re-run the CPU MoE experts' prepack that vLLM 0.32 skips on updates (shardplan.engine.reload). Leave it on;

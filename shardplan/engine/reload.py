@@ -24,6 +24,7 @@ test_moe_update_reruns_the_cpu_prepack_vllm_032_skips).
 Fallback tensors (loaders shardplan could not record) go through the model's real `load_weights` under the same
 reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,17 +50,24 @@ _SOLE_STORAGE_USES = torch._C._storage_Use_Count(torch.empty(1).untyped_storage(
 
 def _skips_moe_prepack_on_update() -> bool:
     import vllm
+
     return vllm.__version__.startswith("0.32.")
-
-
 
 
 class ReloadUnpacker:
     """shardplan.sync Unpacker that writes into a live vLLM model through layerwise reload (see the module doc).
     Built once per engine (init_transfer_engine); `begin()` / `end()` bracket every sync."""
 
-    def __init__(self, model: torch.nn.Module, plan, sources: Mapping, *, alignment: int = 256,
-                 max_group_bytes: int | None = None, sharded=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan,
+        sources: Mapping,
+        *,
+        alignment: int = 256,
+        max_group_bytes: int | None = None,
+        sharded=None,
+    ):
         """`sharded`: the ShardedPlan of sharded trainers (engine.sharding.sharded_plan): each group's buffer is
         then every trainer's part of it, one after the other (shardplan.runtime.pack.sharded_bases)."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
@@ -72,13 +80,13 @@ class ReloadUnpacker:
         if sharded is None:
             self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
             self.fallbacks = fallback_slots(plan, self.layout, self.sources) if plan.fallbacks else {}
-            self.parts = {0: self.layout}   # one part per trainer that sends into a group; here: all from one
+            self.parts = {0: self.layout}  # one part per trainer that sends into a group; here: all from one
             self.appliers = {0: Applier(plan, self.layout, self._meta_params, fallback_loader=self._load_fallback)}
             self._stamp = layout_stamp((plan.rank,), self.layout.digest, reads_digest(plan), self.fallbacks)
             self._sizes = {g.name: g.nbytes for g in self.layout.groups}
             for group, slots in self.fallbacks.items():
                 self._sizes[group] = slots[-1].offset + slots[-1].nbytes
-        else:   # the same parts, appliers, sizes and stamp as sync.ShardedUnpacker's, bound to meta stand-ins
+        else:  # the same parts, appliers, sizes and stamp as sync.ShardedUnpacker's, bound to meta stand-ins
             inner = ShardedUnpacker(sharded, plan.rank, self._meta_params, alignment=alignment)
             self.fallbacks, self.parts, self.appliers = {}, inner.parts, inner.appliers
             self._stamp, self._sizes = inner.stamp(), inner.sizes()
@@ -89,27 +97,33 @@ class ReloadUnpacker:
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:
-                raise EnginePlanMismatch(f"rank {plan.rank}: the plan writes {name!r}, but the live model has no module "
-                                         f"{module_name!r}: the plan was recorded for another model") from None
+                raise EnginePlanMismatch(
+                    f"rank {plan.rank}: the plan writes {name!r}, but the live model has no module "
+                    f"{module_name!r}: the plan was recorded for another model"
+                ) from None
             if is_deferred_attention_layer(module):
-                raise EngineUnsupported(f"rank {plan.rank}: the plan writes {name!r} of an attention layer, whose "
-                                        f"scales vLLM re-loads only through its own loaders at finalize; not "
-                                        f"supported by the shardplan backend yet")
+                raise EngineUnsupported(
+                    f"rank {plan.rank}: the plan writes {name!r} of an attention layer, whose "
+                    f"scales vLLM re-loads only through its own loaders at finalize; not "
+                    f"supported by the shardplan backend yet"
+                )
             info = get_layerwise_info(module)
             restore_params, restore_buffers = info.restore_metadata
             meta = restore_params.get(attr, restore_buffers.get(attr))
             if meta is None and isinstance(getattr(module, attr, None), torch.Tensor):
-                meta = getattr(module, attr)   # e.g. a bias: vLLM's reload keeps it live rather than on meta
+                meta = getattr(module, attr)  # e.g. a bias: vLLM's reload keeps it live rather than on meta
             want = metas[name]
             if meta is None or tuple(meta.shape) != tuple(want.shape) or meta.dtype != to_dtype(want.dtype):
                 got = "absent" if meta is None else f"{str(meta.dtype).removeprefix('torch.')}{list(meta.shape)}"
-                raise EnginePlanMismatch(f"rank {plan.rank}: param {name!r} is {got} in the live model (before "
-                                         f"processing) but {want.dtype}{list(want.shape)} in the plan: the plan was "
-                                         f"recorded for another model, layout or dtype")
+                raise EnginePlanMismatch(
+                    f"rank {plan.rank}: param {name!r} is {got} in the live model (before "
+                    f"processing) but {want.dtype}{list(want.shape)} in the plan: the plan was "
+                    f"recorded for another model, layout or dtype"
+                )
             self.targets[name] = (module, attr)
         # which modules each group (or part of a group) writes, and which groups write each module
         self.group_modules: dict[str, list[torch.nn.Module]] = {}
-        self.group_params: dict[tuple[int, str], list[str]] = {}   # (part, group) -> params
+        self.group_params: dict[tuple[int, str], list[str]] = {}  # (part, group) -> params
         self.module_groups: dict[torch.nn.Module, set[str]] = {}
         for t, layout in self.parts.items():
             for g in layout.groups:
@@ -125,12 +139,12 @@ class ReloadUnpacker:
         self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
-        self._processed: set[int] = set()   # ids of the modules processed in this sync
-        self._scratch: dict[int, list] = {}   # byte size -> storages of processed modules, for the next (one sync)
-        self.seconds: dict[str, float] = defaultdict(float)   # this sync's time per step (bench/engine_bench.py)
-        self.process_by_class: dict[str, float] = defaultdict(float)   # this sync's "process" per module class
+        self._processed: set[int] = set()  # ids of the modules processed in this sync
+        self._scratch: dict[int, list] = {}  # byte size -> storages of processed modules, for the next (one sync)
+        self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
+        self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
         self.active = False
-        self.rerun_moe_prepack = True   # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
+        self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
 
     def _refuse_unwritten_params(self) -> None:
         """Every loadable param of the live model must be written by the plan. One the plan never writes would keep
@@ -141,6 +155,7 @@ class ReloadUnpacker:
         tensors may write any param through vLLM's loaders, so it only warns."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
         written = {(id(m), a) for m, a in self.targets.values()}
         written_tensors = {id(t) for m, a in self.targets.values() if (t := getattr(m, a, None)) is not None}
         missing = []
@@ -153,8 +168,10 @@ class ReloadUnpacker:
                     missing.append(f"{module_name}.{attr}" if module_name else attr)
         if not missing:
             return
-        text = (f"rank {self.plan.rank}: the plan never writes {len(missing)} param(s) of the live model, e.g. "
-                f"{missing[:4]}: the update would report a complete version over their old or uninitialised values")
+        text = (
+            f"rank {self.plan.rank}: the plan never writes {len(missing)} param(s) of the live model, e.g. "
+            f"{missing[:4]}: the update would report a complete version over their old or uninitialised values"
+        )
         if self.plan.fallbacks:
             logger.warning("shardplan: %s (unless the plan's fallback tensors load them)", text)
             return
@@ -169,8 +186,9 @@ class ReloadUnpacker:
         quantization method on a shared param is refused by name."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
         written_modules = {id(m) for m, _ in self.targets.values()}
-        by_storage: dict[int, tuple[str, int]] = {}   # storage address -> (written param, id of its module)
+        by_storage: dict[int, tuple[str, int]] = {}  # storage address -> (written param, id of its module)
         for name, (module, attr) in self.targets.items():
             t = getattr(module, attr, None)
             if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta:
@@ -179,17 +197,20 @@ class ReloadUnpacker:
         for module_name, module in self.model.named_modules():
             if id(module) in written_modules:
                 continue
-            shared = [by_storage[t.untyped_storage().data_ptr()] for _, t in
-                      chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
-                      if t.numel() and not t.is_meta and t.untyped_storage().data_ptr() in by_storage]
+            shared = [
+                by_storage[t.untyped_storage().data_ptr()]
+                for _, t in chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+                if t.numel() and not t.is_meta and t.untyped_storage().data_ptr() in by_storage
+            ]
             quant_method = getattr(module, "quant_method", None)
             if not shared or not isinstance(quant_method, QuantizeMethodBase):
-                continue   # nothing derived: it reads the shared tensor itself
+                continue  # nothing derived: it reads the shared tensor itself
             if not isinstance(quant_method, UnquantizedEmbeddingMethod):
                 raise EngineUnsupported(
                     f"rank {self.plan.rank}: {module_name!r} ({type(quant_method).__name__}) shares storage with "
                     f"{sorted({n for n, _ in shared})}, which the plan writes, and its processing is not known to be "
-                    f"safe to re-run in place: an update would leave its derived weights stale; not supported yet")
+                    f"safe to re-run in place: an update would leave its derived weights stale; not supported yet"
+                )
             readers[module] = (module_name, sorted({n for n, _ in shared}), sorted({m for _, m in shared}))
         return readers
 
@@ -228,11 +249,11 @@ class ReloadUnpacker:
             names = self.group_params[t, group]
             sub = self.appliers[t].for_group(group)
             sub.rebind({n: getattr(*self.targets[n]) for n in names})
-            sub.apply(buffer[base:base + self.parts[t].group(group).nbytes])
-            sub.rebind({n: self._meta_params[n] for n in names})   # drop views of them
+            sub.apply(buffer[base : base + self.parts[t].group(group).nbytes])
+            sub.rebind({n: self._meta_params[n] for n in names})  # drop views of them
         for f in self.fallbacks.get(group, ()):
             meta = self.sources[f.name]
-            tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
+            tensor = buffer[f.offset : f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
             self._load_fallback(f.name, tensor)
         clock["apply"] += time.perf_counter() - t1
         for module in self.group_modules.get(group, ()):
@@ -244,6 +265,7 @@ class ReloadUnpacker:
     # -- one sync --
     def begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         initialize_layerwise_reload(self.model)
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
@@ -257,11 +279,12 @@ class ReloadUnpacker:
         """Finish the reload whatever happened: layers whose update did not complete get their kernel tensors (the
         weights they held before this sync) back, so the model is whole again, each layer at one version."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
         if not self.active:
             return
         self.active = False
         self._scratch = {}
-        for (t, group), names in self.group_params.items():   # no view of a materialized param may outlive the sync
+        for (t, group), names in self.group_params.items():  # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
         t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, model_config)
@@ -273,6 +296,7 @@ class ReloadUnpacker:
     def _materialize(self, group: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
         for module in self.group_modules[group]:
             if id(module) not in self._materialized:
                 info = LAYERWISE_INFO[module]
@@ -288,6 +312,7 @@ class ReloadUnpacker:
         4 KiB, which cost more than the write itself; reused storage is already mapped. Keeps the extra memory of an
         update at one module's pre-processing tensors."""
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
         with torch.no_grad():
             for tensor in get_layer_tensors(module).values():
                 stack = self._scratch.get(tensor.untyped_storage().nbytes())
@@ -306,9 +331,13 @@ class ReloadUnpacker:
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-        from vllm.model_executor.model_loader.reload.layerwise import (LAYERWISE_INFO, _copy_and_restore_kernel_tensors,
-                                                                       _get_original_loader)
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            _copy_and_restore_kernel_tensors,
+            _get_original_loader,
+        )
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
         clock, t0 = self.seconds, time.perf_counter()
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
@@ -354,10 +383,11 @@ def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None)
     if not _skips_moe_prepack_on_update():
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
     if not isinstance(quant_method, UnquantizedFusedMoEMethod) or getattr(quant_method, "moe_kernel", None) is None:
         return
     if getattr(quant_method.unquantized_backend, "name", "") in ("TPU", "OOT"):
-        return   # these return before _setup_kernel: nothing was skipped
+        return  # these return before _setup_kernel: nothing was skipped
     experts = quant_method.moe_kernel.fused_experts
     if info is not None and _prepack_into_kernel_tensors(module, experts, info):
         return
@@ -367,8 +397,8 @@ def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None)
 def _prepack_into_kernel_tensors(module: torch.nn.Module, experts, info) -> bool:
     """CPUUnquantizedExperts.process_weights_after_loading with the prepack's output the kernel tensors; False
     (nothing done) where the step is not that one."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import is_zentorch_moe_supported
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts, is_zentorch_moe_supported
+
     if type(experts).process_weights_after_loading is not CPUUnquantizedExperts.process_weights_after_loading:
         return False
     if info.kernel_tensors is None or not hasattr(torch.ops._C, "prepack_moe_weight"):
@@ -388,5 +418,5 @@ def _prepack_into_kernel_tensors(module: torch.nn.Module, experts, info) -> bool
     with torch.no_grad():
         for name, src, dst in pairs:
             torch.ops._C.prepack_moe_weight(src.contiguous(), dst.data, experts.isa)
-            setattr(module, name, dst)   # the kernel tensor itself: the copy into it afterwards is a no-op
+            setattr(module, name, dst)  # the kernel tensor itself: the copy into it afterwards is a no-op
     return True

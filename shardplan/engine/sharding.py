@@ -10,6 +10,7 @@ Boxes of DTensors come from torch's own local-shape/offset rule for every coordi
 an engine) can know every rank's box without holding the DTensors: `placement_shards`. Shard(d) and Replicate are
 supported; Partial (unreduced) and strided shards (_StridedShard: not one box per rank) are refused by name.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -17,43 +18,52 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
 # torch's own rule for a shard's local shape and global offset, for any mesh coordinate (plain data in, no mesh needed)
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
+)
 
 from shardplan.engine.errors import EngineUnsupported
 from shardplan.plan import ir
 from shardplan.runtime.shards import Box, ShardedPlan, ShardLayoutError, TrainerShard, full_box, plan_shards
 
 
-def placement_boxes(shape: Sequence[int], mesh: Sequence, placements: Sequence, name: str = "tensor"
-                    ) -> dict[int, Box]:
+def placement_boxes(shape: Sequence[int], mesh: Sequence, placements: Sequence, name: str = "tensor") -> dict[int, Box]:
     """Global rank -> the box of a tensor of `shape` that rank holds, for a DTensor on `mesh` (nested lists of global
     ranks, e.g. DeviceMesh.mesh.tolist()) with `placements` (one per mesh dim)."""
     mesh_t = torch.as_tensor(mesh)
     if len(placements) != mesh_t.dim():
         raise ShardLayoutError(f"{name}: {len(placements)} placements for a {mesh_t.dim()}-D mesh")
     for p in placements:
-        if type(p) is not Shard and not isinstance(p, Replicate):   # _StridedShard subclasses Shard
-            raise ShardLayoutError(f"{name}: placement {p!r} is not supported for a sync (only Shard(dim) and "
-                                   f"Replicate hold one box per rank): redistribute it first (e.g. "
-                                   f"tensor.redistribute(placements=[Shard(0)]) or full_tensor())")
+        if type(p) is not Shard and not isinstance(p, Replicate):  # _StridedShard subclasses Shard
+            raise ShardLayoutError(
+                f"{name}: placement {p!r} is not supported for a sync (only Shard(dim) and "
+                f"Replicate hold one box per rank): redistribute it first (e.g. "
+                f"tensor.redistribute(placements=[Shard(0)]) or full_tensor())"
+            )
     boxes = {}
     for coord in itertools.product(*(range(n) for n in mesh_t.shape)):
-        local, offset = _compute_local_shape_and_global_offset(tuple(shape), tuple(mesh_t.shape), list(coord),
-                                                               list(placements))
+        local, offset = _compute_local_shape_and_global_offset(
+            tuple(shape), tuple(mesh_t.shape), list(coord), list(placements)
+        )
         boxes[int(mesh_t[coord])] = tuple((int(o), int(o) + int(n)) for o, n in zip(offset, local))
     return boxes
 
 
-def placement_shards(metas: Mapping[str, ir.TensorMeta | Sequence[int]], mesh: Sequence,
-                     placements: Callable[[str], Sequence]) -> list[TrainerShard]:
+def placement_shards(
+    metas: Mapping[str, ir.TensorMeta | Sequence[int]], mesh: Sequence, placements: Callable[[str], Sequence]
+) -> list[TrainerShard]:
     """Every rank's boxes of the named tensors for DTensor placements `placements(name)` on `mesh`, without the
     DTensors (e.g. in a driver process): FSDP2 is `lambda name: [Shard(0)]` on a 1-D mesh of the trainer ranks."""
     shards = []
     for name, meta in metas.items():
         shape = meta.shape if isinstance(meta, ir.TensorMeta) else tuple(meta)
-        shards += [TrainerShard(name, r, box)
-                   for r, box in sorted(placement_boxes(shape, mesh, placements(name), name).items())]
+        shards += [
+            TrainerShard(name, r, box)
+            for r, box in sorted(placement_boxes(shape, mesh, placements(name), name).items())
+        ]
     return shards
 
 
@@ -93,9 +103,11 @@ def shards_to_json(shards: Sequence[TrainerShard]) -> dict[str, list]:
 
 def shards_from_json(obj: Mapping[str, list]) -> list[TrainerShard]:
     try:
-        return [TrainerShard(str(name), int(rank), tuple((int(flat[i]), int(flat[i + 1]))
-                                                         for i in range(0, len(flat), 2)))
-                for name, entries in obj.items() for rank, flat in entries]
+        return [
+            TrainerShard(str(name), int(rank), tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)))
+            for name, entries in obj.items()
+            for rank, flat in entries
+        ]
     except (TypeError, ValueError, IndexError) as e:
         raise ShardLayoutError(f"trainer_shards is not {{name: [[rank, [start, stop, ...]], ...]}}: {e}") from None
 
@@ -104,15 +116,21 @@ def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
     """Every engine rank's writes re-planned against the trainer ranks' boxes (the same on both sides of a sync)."""
     plans = [plan_file.rank(r) for r in plan_file.ranks]
     if plan_file.header.eplb is not None:
-        raise EngineUnsupported(f"{plan_file.path} has EPLB slots: sharded trainers are not supported with EPLB "
-                                f"(any expert may move to any slot); gather the experts (whole tensors)")
+        raise EngineUnsupported(
+            f"{plan_file.path} has EPLB slots: sharded trainers are not supported with EPLB "
+            f"(any expert may move to any slot); gather the experts (whole tensors)"
+        )
     if plan_file.header.quantizer:
-        raise EngineUnsupported(f"{plan_file.path} is a block-FP8 plan ({plan_file.header.quantizer}): sharded "
-                                f"trainers are not quantized on replay yet (a 128x128 block may span two trainers' "
-                                f"shards); send whole BF16 tensors")
+        raise EngineUnsupported(
+            f"{plan_file.path} is a block-FP8 plan ({plan_file.header.quantizer}): sharded "
+            f"trainers are not quantized on replay yet (a 128x128 block may span two trainers' "
+            f"shards); send whole BF16 tensors"
+        )
     with_fallbacks = [p for p in plans if p.fallbacks]
     if with_fallbacks:
-        raise EngineUnsupported(f"{plan_file.path}: ranks {[p.rank for p in with_fallbacks][:8]} have fallback "
-                                f"tensors ({with_fallbacks[0].fallbacks[0].source}, ...), which sharded trainers "
-                                f"cannot send yet; send whole tensors")
+        raise EngineUnsupported(
+            f"{plan_file.path}: ranks {[p.rank for p in with_fallbacks][:8]} have fallback "
+            f"tensors ({with_fallbacks[0].fallbacks[0].source}, ...), which sharded trainers "
+            f"cannot send yet; send whole tensors"
+        )
     return plan_shards(plans, plan_file.sources, shards)

@@ -18,6 +18,7 @@ Failure semantics (docs/engine.md): an engine whose update did not complete rais
 weight version "<v>:incomplete" and stays paused; every layer holds one version (v or the one before). The next
 complete sync repairs it and resumes it; `resume(force=True)` serves the mixed weights knowingly.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,9 +34,9 @@ from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncompl
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.errors import MissingTensorError
+from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import to_dtype
 from shardplan.plan.names import group_of
-from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.quantize import trainer_meta, trainer_name_of
 from shardplan.runtime.shards import ShardLayoutError, TrainerShard
 from shardplan.runtime.tensors import TensorShapeError
@@ -59,8 +60,14 @@ class ModuleSource:
     by themselves, and every rank's box comes from their placements (`self.shards`); plain local shards need
     `shards=` (every rank's TrainerShard boxes, e.g. shardplan.runtime.shards.tp_shards) and this process's `rank`."""
 
-    def __init__(self, tensors: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
-                 plan, *, shards: Sequence[TrainerShard] | None = None, rank: int | None = None):
+    def __init__(
+        self,
+        tensors: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+        plan,
+        *,
+        shards: Sequence[TrainerShard] | None = None,
+        rank: int | None = None,
+    ):
         plan_file = _plan_file(plan)
         self._tensors = tensors
         self._staged: dict[str, torch.Tensor] = {}
@@ -68,14 +75,19 @@ class ModuleSource:
         for r in plan_file.ranks:
             p = plan_file.rank(r)
             read |= p.sources_read() | {f.source for f in p.fallbacks}
-        if plan_file.header.eplb is not None:   # EPLB: any expert can move to any slot, so all are needed
-            read = expert_sources([plan_file.rank(r) for r in plan_file.ranks], plan_file.header.eplb,
-                                  plan_file.sources)
+        if plan_file.header.eplb is not None:  # EPLB: any expert can move to any slot, so all are needed
+            read = expert_sources(
+                [plan_file.rank(r) for r in plan_file.ranks], plan_file.header.eplb, plan_file.sources
+            )
         quantizer = plan_file.header.quantizer
         if quantizer:
             read = {trainer_name_of(n, plan_file.sources) for n in read}
-        self.metas = {n: trainer_meta(plan_file.sources[n], plan_file.sources, plan_file.header.dtype)
-                      if quantizer else plan_file.sources[n] for n in sorted(read)}
+        self.metas = {
+            n: trainer_meta(plan_file.sources[n], plan_file.sources, plan_file.header.dtype)
+            if quantizer
+            else plan_file.sources[n]
+            for n in sorted(read)
+        }
         have = self._all()
         if shards is None and any(isinstance(t, DTensor) for t in have.values()):
             shards = dtensor_shards({n: t for n, t in have.items() if n in self.metas})
@@ -86,32 +98,46 @@ class ModuleSource:
         if self.shards is not None and rank is None:
             raise ShardLayoutError("ModuleSource(shards=...) needs this trainer's rank=")
         # name -> the box this rank holds (all of it, when whole)
-        self._boxes = ({n: tuple((0, s) for s in m.shape) for n, m in self.metas.items()} if self.shards is None else
-                       {s.name: s.box for s in self.shards if s.rank == rank and s.name in self.metas
-                        and all(a < b for a, b in s.box)})
+        self._boxes = (
+            {n: tuple((0, s) for s in m.shape) for n, m in self.metas.items()}
+            if self.shards is None
+            else {
+                s.name: s.box
+                for s in self.shards
+                if s.rank == rank and s.name in self.metas and all(a < b for a, b in s.box)
+            }
+        )
         self.by_group: dict[str, list[str]] = {}
         for n in self._boxes:
             self.by_group.setdefault(group_of(n), []).append(n)
         missing = [n for n in self._boxes if n not in have]
         if missing:
-            raise MissingTensorError(f"the trainer's tensors lack {len(missing)} that the engines need"
-                                     f"{'' if self.shards is None else f' from rank {rank}'}: "
-                                     f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (names as in the checkpoint)")
+            raise MissingTensorError(
+                f"the trainer's tensors lack {len(missing)} that the engines need"
+                f"{'' if self.shards is None else f' from rank {rank}'}: "
+                f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (names as in the checkpoint)"
+            )
         for n, box in self._boxes.items():
             self._check(n, have[n], box)
 
     def _check(self, name: str, tensor: torch.Tensor, box) -> None:
-        whole_shape = self.shards is None or isinstance(tensor, DTensor)   # a plain shard has its box's shape
+        whole_shape = self.shards is None or isinstance(tensor, DTensor)  # a plain shard has its box's shape
         if whole_shape and tuple(tensor.shape) != tuple(self.metas[name].shape):
-            raise TensorShapeError(f"trainer tensor {name!r} has shape {list(tensor.shape)}, the plan expects "
-                                   f"{list(self.metas[name].shape)}: the plan was recorded for another model")
+            raise TensorShapeError(
+                f"trainer tensor {name!r} has shape {list(tensor.shape)}, the plan expects "
+                f"{list(self.metas[name].shape)}: the plan was recorded for another model"
+            )
         local, held = local_box(tensor)
         if held is not None and held != tuple(box):
-            raise ShardLayoutError(f"trainer rank {self.rank}'s DTensor {name!r} holds box {list(held)}, the sync's "
-                                   f"layout says {list(box)}: pass the same shards to every rank and the driver")
+            raise ShardLayoutError(
+                f"trainer rank {self.rank}'s DTensor {name!r} holds box {list(held)}, the sync's "
+                f"layout says {list(box)}: pass the same shards to every rank and the driver"
+            )
         if tuple(local.shape) != tuple(b - a for a, b in box):
-            raise TensorShapeError(f"trainer rank {self.rank}'s shard of {name!r} has shape {list(local.shape)}, its "
-                                   f"box {list(box)} needs {[b - a for a, b in box]}")
+            raise TensorShapeError(
+                f"trainer rank {self.rank}'s shard of {name!r} has shape {list(local.shape)}, its "
+                f"box {list(box)} needs {[b - a for a, b in box]}"
+            )
 
     def _all(self) -> Mapping[str, torch.Tensor]:
         t = self._tensors
@@ -149,10 +175,20 @@ class TrainerRank:
     for sharded trainers, a ShardedPacker of the pieces plan_shards gives this rank). `shards`: every trainer rank's
     boxes (default: the source's own, e.g. from its DTensors); the driver must get the same (EngineSync(shards=))."""
 
-    def __init__(self, plan, source, control: Control, *, rank: int = 0, transport: str = "nccl",
-                 transport_options: Mapping | None = None, config: SyncConfig | None = None,
-                 device: torch.device | str = "cpu", max_group_bytes: int = PART_BYTES,
-                 shards: Sequence[TrainerShard] | None = None):
+    def __init__(
+        self,
+        plan,
+        source,
+        control: Control,
+        *,
+        rank: int = 0,
+        transport: str = "nccl",
+        transport_options: Mapping | None = None,
+        config: SyncConfig | None = None,
+        device: torch.device | str = "cpu",
+        max_group_bytes: int = PART_BYTES,
+        shards: Sequence[TrainerShard] | None = None,
+    ):
         plan_file = _plan_file(plan)
         plans = [plan_file.rank(r) for r in plan_file.ranks]
         config = config or SyncConfig()
@@ -160,10 +196,17 @@ class TrainerRank:
         if shards is not None and getattr(source, "rank", rank) not in (None, rank):
             raise ShardLayoutError(f"TrainerRank rank={rank} is given the source of trainer rank {source.rank}")
         if shards is None:
-            self.packer = make_packer(plans, plan_file.sources, plan_file.header.eplb, control,
-                                      timeout_s=config.timeout_s, device=device, max_group_bytes=max_group_bytes,
-                                      quantizer=plan_file.header.quantizer)
-        else:   # sharded groups are not cut into parts (max_group_bytes): every trainer's part of a group is whole
+            self.packer = make_packer(
+                plans,
+                plan_file.sources,
+                plan_file.header.eplb,
+                control,
+                timeout_s=config.timeout_s,
+                device=device,
+                max_group_bytes=max_group_bytes,
+                quantizer=plan_file.header.quantizer,
+            )
+        else:  # sharded groups are not cut into parts (max_group_bytes): every trainer's part of a group is whole
             self.packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device)
         options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
@@ -195,15 +238,20 @@ class EngineSyncReport:
     engines: list[EngineOutcome] = field(default_factory=list)
     trainer: SyncReport | None = None
     trainer_error: str = ""
-    phases: dict[str, float] = field(default_factory=dict)   # seconds: pause, init (first), start, update, finish
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: pause, init (first), start, update, finish
 
     def __str__(self) -> str:
         state = "complete" if self.complete else "INCOMPLETE"
-        lines = [f"version {self.version}: {state} in {self.seconds:.3f} s "
-                 + " ".join(f"{k} {v:.3f}" for k, v in self.phases.items())]
+        lines = [
+            f"version {self.version}: {state} in {self.seconds:.3f} s "
+            + " ".join(f"{k} {v:.3f}" for k, v in self.phases.items())
+        ]
         for e in self.engines:
-            lines.append(f"  {e.name}: {'ok' if e.complete else 'failed'} weight_version={e.weight_version!r}"
-                         + (f" paused={e.paused}" if e.paused is not None else "") + (f" {e.error}" if e.error else ""))
+            lines.append(
+                f"  {e.name}: {'ok' if e.complete else 'failed'} weight_version={e.weight_version!r}"
+                + (f" paused={e.paused}" if e.paused is not None else "")
+                + (f" {e.error}" if e.error else "")
+            )
         if self.trainer_error:
             lines.append(f"  trainer: {self.trainer_error}")
         return "\n".join(lines)
@@ -221,10 +269,22 @@ class EngineSync:
     """The driver of live-engine syncs (one per RL job; the trainer's rank 0, or the controller): hosts the control
     channel and the coordinator, and drives the engines' weight-transfer calls around each version."""
 
-    def __init__(self, engines: Sequence, plan, *, num_trainers: int | None = None, transport: str = "nccl",
-                 transport_options: Mapping | None = None, config: SyncConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0, engine_plan_path: str | None = None, max_group_bytes: int = PART_BYTES,
-                 check_config: bool = True, shards: Sequence[TrainerShard] | None = None):
+    def __init__(
+        self,
+        engines: Sequence,
+        plan,
+        *,
+        num_trainers: int | None = None,
+        transport: str = "nccl",
+        transport_options: Mapping | None = None,
+        config: SyncConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        engine_plan_path: str | None = None,
+        max_group_bytes: int = PART_BYTES,
+        check_config: bool = True,
+        shards: Sequence[TrainerShard] | None = None,
+    ):
         """`shards`: the trainer ranks' boxes when they hold shards (sharding.dtensor_shards / placement_shards, or
         TrainerShard lists); None: every trainer rank holds whole tensors. `num_trainers` defaults to the ranks in
         `shards` (1 without)."""
@@ -236,30 +296,50 @@ class EngineSync:
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
         if self.shards is None:
-            packer = make_packer(plans, self.plan_file.sources, self.plan_file.header.eplb,
-                                 max_group_bytes=max_group_bytes, quantizer=self.plan_file.header.quantizer)
+            packer = make_packer(
+                plans,
+                self.plan_file.sources,
+                self.plan_file.header.eplb,
+                max_group_bytes=max_group_bytes,
+                quantizer=self.plan_file.header.quantizer,
+            )
         else:
             packer = ShardedPacker(sharded_plan(self.plan_file, self.shards), min(s.rank for s in self.shards))
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(
-            control_host=host, control_port=self.control.port, transport=transport,
+            control_host=host,
+            control_port=self.control.port,
+            transport=transport,
             transport_options=dict(transport_options or {}),
             plan_path=self.plan_file.path if engine_plan_path is None else engine_plan_path,
-            plan_sha256=self.plan_file.digest, timeout_s=self.config.timeout_s,
-            announce_timeout_s=self.config.announce_timeout_s, verify=self.config.verify,
-            max_group_bytes=max_group_bytes, check_config=check_config,
-            trainer_shards=shards_to_json(self.shards) if self.shards is not None else {})
+            plan_sha256=self.plan_file.digest,
+            timeout_s=self.config.timeout_s,
+            announce_timeout_s=self.config.announce_timeout_s,
+            verify=self.config.verify,
+            max_group_bytes=max_group_bytes,
+            check_config=check_config,
+            trainer_shards=shards_to_json(self.shards) if self.shards is not None else {},
+        )
         self.transport, self.transport_options = transport, dict(transport_options or {})
         self.initialized = False
         self.version = 0
-        self.incomplete: set[str] = set()   # engines whose last update did not complete (kept paused)
+        self.incomplete: set[str] = set()  # engines whose last update did not complete (kept paused)
 
     def trainer_rank(self, source, *, rank: int = 0, device: torch.device | str = "cpu") -> TrainerRank:
         """A TrainerRank of this sync in this process (same plan, control channel, transport and part size)."""
-        return TrainerRank(self.plan_file, source, self.control, rank=rank, transport=self.transport,
-                           transport_options=self.transport_options, config=self.config, device=device,
-                           max_group_bytes=self.init_info.max_group_bytes, shards=self.shards)
+        return TrainerRank(
+            self.plan_file,
+            source,
+            self.control,
+            rank=rank,
+            transport=self.transport,
+            transport_options=self.transport_options,
+            config=self.config,
+            device=device,
+            max_group_bytes=self.init_info.max_group_bytes,
+            shards=self.shards,
+        )
 
     def init(self) -> None:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
@@ -270,16 +350,18 @@ class EngineSync:
             engine.init_weight_transfer_engine(info)
             for state in engine.worker_states() or ():
                 rank = state.get("rank")
-                if rank in served:   # its join replaced the other engine's consumer<rank>
+                if rank in served:  # its join replaced the other engine's consumer<rank>
                     raise EnginePlanMismatch(
                         f"{engine.name} and {served[rank]} both serve plan rank {rank} of {self.plan_file.path}: one "
                         f"EngineSync drives engines that together form the plan's layout (e.g. the DP ranks of a "
-                        f"dp=N plan); independent replicas of one layout need one EngineSync each")
+                        f"dp=N plan); independent replicas of one layout need one EngineSync each"
+                    )
                 served[rank] = engine.name
         self.initialized = True
 
-    def sync(self, version: int | None = None, *, trainer: TrainerRank | None = None,
-             update_options: Mapping | None = None) -> EngineSyncReport:
+    def sync(
+        self, version: int | None = None, *, trainer: TrainerRank | None = None, update_options: Mapping | None = None
+    ) -> EngineSyncReport:
         """One version, to every engine: pause, init (first time), start, update (with `trainer` sending in this
         process, if given), finish with the version, resume. Raises SyncIncomplete (with the report) if any engine's
         update did not complete: those engines stay paused, weight version "<v>:incomplete"."""
@@ -297,7 +379,7 @@ class EngineSync:
             engine.pause()
         t = phase("pause", t)
         started: list[EngineClient] = []
-        try:   # nothing written yet: on any failure here the engines are put back as they were and resumed
+        try:  # nothing written yet: on any failure here the engines are put back as they were and resumed
             if not self.initialized:
                 self.init()
                 t = phase("init", t)
@@ -307,14 +389,14 @@ class EngineSync:
             self.coordinator.announce(version)
         except BaseException:
             for engine in started:
-                _quietly(engine.finish_weight_update, None)   # the backend puts the kernel tensors back
+                _quietly(engine.finish_weight_update, None)  # the backend puts the kernel tensors back
             for engine in self.engines:
-                if engine.name not in self.incomplete:   # an engine left incomplete earlier stays paused
+                if engine.name not in self.incomplete:  # an engine left incomplete earlier stays paused
                     _quietly(engine.resume)
             raise
         self.version = version
         for engine in self.engines:
-            engine.set_weight_version(f"{version}:incomplete")   # until finish says otherwise, even if we die
+            engine.set_weight_version(f"{version}:incomplete")  # until finish says otherwise, even if we die
         t = phase("start", t)
         errors: dict[str, BaseException] = {}
         trainer_out: list = []
@@ -331,8 +413,9 @@ class EngineSync:
             except BaseException as e:  # noqa: BLE001 - reported with the engines' outcome
                 trainer_out.append(e)
 
-        threads = [threading.Thread(target=update, args=(e,), daemon=True, name=f"update {e.name}")
-                   for e in self.engines]
+        threads = [
+            threading.Thread(target=update, args=(e,), daemon=True, name=f"update {e.name}") for e in self.engines
+        ]
         if trainer is not None:
             threads.append(threading.Thread(target=send, daemon=True, name="trainer send"))
         for th in threads:
@@ -352,16 +435,19 @@ class EngineSync:
                 engine.finish_weight_update(str(version))
                 engine.resume()
                 self.incomplete.discard(engine.name)
-            else:   # workers whose own part completed still hold an open update: close it (no-op elsewhere)
+            else:  # workers whose own part completed still hold an open update: close it (no-op elsewhere)
                 _quietly(engine.finish_weight_update, None)
                 self.incomplete.add(engine.name)
             report.engines.append(self._outcome(engine, error))
         phase("finish", t)
         report.seconds = time.monotonic() - start
         if errors:
-            raise SyncIncomplete(f"version {version} did not complete on {sorted(errors)}: they stay paused with "
-                                 f"weight version '{version}:incomplete' until a later sync completes or "
-                                 f"resume(force=True)\n{report}", report)
+            raise SyncIncomplete(
+                f"version {version} did not complete on {sorted(errors)}: they stay paused with "
+                f"weight version '{version}:incomplete' until a later sync completes or "
+                f"resume(force=True)\n{report}",
+                report,
+            )
         return report
 
     def _outcome(self, engine: EngineClient, error: BaseException | None) -> EngineOutcome:
@@ -378,9 +464,11 @@ class EngineSync:
         """Resume every engine. Engines whose last update did not complete hold a mix of two versions (per layer):
         refused unless force=True."""
         if self.incomplete and not force:
-            raise SyncIncomplete(f"{sorted(self.incomplete)} hold an incomplete update (weight version "
-                                 f"'{self.version}:incomplete'); sync again, or resume(force=True) to serve "
-                                 f"the mixed weights knowingly")
+            raise SyncIncomplete(
+                f"{sorted(self.incomplete)} hold an incomplete update (weight version "
+                f"'{self.version}:incomplete'); sync again, or resume(force=True) to serve "
+                f"the mixed weights knowingly"
+            )
         for engine in self.engines:
             engine.resume()
         self.incomplete.clear()

@@ -15,6 +15,7 @@ Source ids come from a `SourceIds` table: `TableSourceIds` numbers the names of 
 without materialising them (the id of `model.layers.{}.x` with holes [7] is found by a binary search over the
 template's expanded index), `NameSourceIds` numbers explicit names (plans built from objects).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -92,7 +93,7 @@ class TableSourceIds(SourceIds):
             width = text.count("{}")
             rows = expand_trie(index, width) if index is not None else np.zeros((1, 0), dtype=np.int64)
             keyed = row_keys(rows)
-            if keyed is None:   # a radix too wide for int64 keys: file/checks.py's hole limits make this unreachable
+            if keyed is None:  # a radix too wide for int64 keys: file/checks.py's hole limits make this unreachable
                 keys, order = None, np.lexsort(rows.T[::-1]) if width else np.arange(len(rows))
             else:
                 # an index trie expands in lexicographic order (its runs are sorted and disjoint): no sort then
@@ -101,10 +102,17 @@ class TableSourceIds(SourceIds):
                 sorted_keys = keyed[0][order]
                 highs = rows.max(axis=0) if len(rows) else keyed[1]
                 # every key of the box [lows, highs] (an in-range query can be any of them, present or not)
-                span = int(np.prod([int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), highs.tolist())],
-                                   dtype=object)) if len(rows) else 0
+                span = (
+                    int(
+                        np.prod(
+                            [int(h) - int(lo) + 1 for lo, h in zip(keyed[1].tolist(), highs.tolist())], dtype=object
+                        )
+                    )
+                    if len(rows)
+                    else 0
+                )
                 lut = None
-                if span <= 4 * len(rows) + 4096:   # a small key range: position by table lookup, no search
+                if span <= 4 * len(rows) + 4096:  # a small key range: position by table lookup, no search
                     lut = np.full(span, -1, dtype=np.int64)
                     lut[sorted_keys] = np.arange(len(rows), dtype=np.int64)
                 keys = (sorted_keys, keyed[1], highs, keyed[2], lut)
@@ -116,8 +124,9 @@ class TableSourceIds(SourceIds):
             bases.append(total)
             total += len(rows)
         self.bases = np.asarray(bases + [total], dtype=np.int64)
-        self.row_numels = np.asarray([int(np.prod(s, dtype=np.int64)) if s else 1 for s, _ in self.metas_by_row],
-                                     dtype=np.int64)
+        self.row_numels = np.asarray(
+            [int(np.prod(s, dtype=np.int64)) if s else 1 for s, _ in self.metas_by_row], dtype=np.int64
+        )
 
     def ids(self, text: str, holes: np.ndarray) -> np.ndarray:
         return self.ids_numels(text, holes)[0]
@@ -151,7 +160,7 @@ class TableSourceIds(SourceIds):
                 qkeys = np.zeros(m, dtype=np.int64)
                 for c, lo, hi, mult in zip(query, lows.tolist(), highs.tolist(), mults.tolist()):
                     in_range &= (c >= lo) & (c <= hi)
-                    qkeys += (c - lo) * mult   # a key is injective only in range: `in_range` guards the rest
+                    qkeys += (c - lo) * mult  # a key is injective only in range: `in_range` guards the rest
                 qkeys = np.where(in_range, qkeys, 0)
                 if lut is not None:
                     pos = lut[qkeys]
@@ -209,10 +218,24 @@ def table_ids(table) -> SourceIds:
 class WriteColumns:
     """One rank's writes as columns (see the module docstring). Build with `from_writes` or plan/file/rank.py."""
 
-    def __init__(self, param_names: Sequence[str], param, dst_offset, dst_ndim, dst_sizes, dst_strides, src,
-                 src_offset, src_ndim, src_sizes, src_strides, computed: Mapping[int, ir.Write], sources: SourceIds,
-                 classes: Mapping[str, np.ndarray] | None = None,
-                 tables: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None):
+    def __init__(
+        self,
+        param_names: Sequence[str],
+        param,
+        dst_offset,
+        dst_ndim,
+        dst_sizes,
+        dst_strides,
+        src,
+        src_offset,
+        src_ndim,
+        src_sizes,
+        src_strides,
+        computed: Mapping[int, ir.Write],
+        sources: SourceIds,
+        classes: Mapping[str, np.ndarray] | None = None,
+        tables: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
+    ):
         # `tables` (with `classes`): a side's geometry as (ndim, sizes, strides) per class, its per-write
         # `*_ndim/_sizes/_strides` left None: gathered only when asked (the hot consumers read classes)
         self.param_names = tuple(param_names)
@@ -222,11 +245,18 @@ class WriteColumns:
         self.src_offset = np.asarray(src_offset, dtype=np.int64)
         self._geometry: dict[tuple[str, int], np.ndarray] = {}
         self._tables = dict(tables or {})
-        for side, ndim, sizes, strides in (("dst", dst_ndim, dst_sizes, dst_strides),
-                                           ("src", src_ndim, src_sizes, src_strides)):
+        for side, ndim, sizes, strides in (
+            ("dst", dst_ndim, dst_sizes, dst_strides),
+            ("src", src_ndim, src_sizes, src_strides),
+        ):
             if side not in self._tables:
-                self._geometry.update({(side, 0): np.asarray(ndim, dtype=np.int64), (side, 1): _matrix(sizes, 1),
-                                       (side, 2): _matrix(strides, 0)})
+                self._geometry.update(
+                    {
+                        (side, 0): np.asarray(ndim, dtype=np.int64),
+                        (side, 1): _matrix(sizes, 1),
+                        (side, 2): _matrix(strides, 0),
+                    }
+                )
         self.computed = dict(computed)
         self.sources = sources
         self._cache: dict = {}
@@ -252,8 +282,11 @@ class WriteColumns:
             ndim, sizes, strides = self._tables[side]
             klass = self._classes[side][rows]
             return ndim[klass], np.take(sizes, klass, axis=0), np.take(strides, klass, axis=0)
-        return self._side(side, 0)[rows], np.take(self._side(side, 1), rows, axis=0), np.take(self._side(side, 2), rows,
-                                                                                             axis=0)
+        return (
+            self._side(side, 0)[rows],
+            np.take(self._side(side, 1), rows, axis=0),
+            np.take(self._side(side, 2), rows, axis=0),
+        )
 
     def geometry_width(self, side: str) -> int:
         """Columns of the `side` sizes/strides matrices (the widest region, padded)."""
@@ -268,14 +301,20 @@ class WriteColumns:
         if got is None:
             classes = self._classes.get(side)
             if classes is None:
-                matrix = np.concatenate([getattr(self, f"{side}_ndim")[:, None], getattr(self, f"{side}_sizes"),
-                                         getattr(self, f"{side}_strides")], axis=1)
+                matrix = np.concatenate(
+                    [
+                        getattr(self, f"{side}_ndim")[:, None],
+                        getattr(self, f"{side}_sizes"),
+                        getattr(self, f"{side}_strides"),
+                    ],
+                    axis=1,
+                )
                 first, classes = distinct_rows(matrix)
             else:
                 first = np.full(int(classes.max(initial=-1)) + 1, len(classes), dtype=np.int64)
                 np.minimum.at(first, classes, np.arange(len(classes), dtype=np.int64))
                 used = first < len(classes)
-                if not used.all():   # renumber densely
+                if not used.all():  # renumber densely
                     remap = np.cumsum(used) - 1
                     classes, first = remap[classes], first[used]
             got = self._cache[key] = (classes, first)
@@ -286,7 +325,7 @@ class WriteColumns:
 
     def written_params(self) -> tuple[str, ...]:
         """Names of the params the writes write, sorted."""
-        written = np.flatnonzero(np.bincount(self.param, minlength=len(self.param_names)))   # no sort: O(writes)
+        written = np.flatnonzero(np.bincount(self.param, minlength=len(self.param_names)))  # no sort: O(writes)
         return tuple(sorted(self.param_names[i] for i in written.tolist()))
 
     def sources_of(self, i: int) -> tuple[str, ...]:
@@ -300,22 +339,30 @@ class WriteColumns:
         return self.src >= 0
 
     @classmethod
-    def from_writes(cls, params: Sequence[ir.TensorMeta] | Sequence[str], writes: Sequence[ir.Write],
-                    sources: SourceIds | None = None) -> "WriteColumns":
+    def from_writes(
+        cls,
+        params: Sequence[ir.TensorMeta] | Sequence[str],
+        writes: Sequence[ir.Write],
+        sources: SourceIds | None = None,
+    ) -> "WriteColumns":
         names = tuple(p if isinstance(p, str) else p.name for p in params)
         index = {n: i for i, n in enumerate(names)}
         extra = sorted({w.param for w in writes} - set(index))
-        names += tuple(extra)   # writes to params the plan does not declare: the consumers' checks name them
+        names += tuple(extra)  # writes to params the plan does not declare: the consumers' checks name them
         index.update({n: len(index) + i for i, n in enumerate(extra)})
         if sources is None:
             sources = NameSourceIds(sorted({w.src.leaf.name for w in writes if ir.is_pure_view(w)}))
-        width = max([len(w.dst.sizes) for w in writes] + [len(w.src.region.sizes) for w in writes if ir.is_pure_view(w)]
-                    + [1])
+        width = max(
+            [len(w.dst.sizes) for w in writes] + [len(w.src.region.sizes) for w in writes if ir.is_pure_view(w)] + [1]
+        )
         n = len(writes)
-        cols = {k: np.zeros(n, dtype=np.int64) for k in ("param", "dst_offset", "dst_ndim", "src", "src_offset",
-                                                          "src_ndim")}
-        mats = {k: np.full((n, width), 1 if k.endswith("sizes") else 0, dtype=np.int64)
-                for k in ("dst_sizes", "dst_strides", "src_sizes", "src_strides")}
+        cols = {
+            k: np.zeros(n, dtype=np.int64) for k in ("param", "dst_offset", "dst_ndim", "src", "src_offset", "src_ndim")
+        }
+        mats = {
+            k: np.full((n, width), 1 if k.endswith("sizes") else 0, dtype=np.int64)
+            for k in ("dst_sizes", "dst_strides", "src_sizes", "src_strides")
+        }
         computed = {}
         pure_names = []
         for i, w in enumerate(writes):
@@ -329,21 +376,36 @@ class WriteColumns:
                 cols["src"][i] = -1
         if pure_names:
             cols["src"][[i for i, _ in pure_names]] = sources.ids_of_names(n for _, n in pure_names)
-        return cls(names, cols["param"], cols["dst_offset"], cols["dst_ndim"], mats["dst_sizes"], mats["dst_strides"],
-                   cols["src"], cols["src_offset"], cols["src_ndim"], mats["src_sizes"], mats["src_strides"],
-                   computed, sources)
+        return cls(
+            names,
+            cols["param"],
+            cols["dst_offset"],
+            cols["dst_ndim"],
+            mats["dst_sizes"],
+            mats["dst_strides"],
+            cols["src"],
+            cols["src_offset"],
+            cols["src_ndim"],
+            mats["src_sizes"],
+            mats["src_strides"],
+            computed,
+            sources,
+        )
 
     # -- one write back as objects (cached: regions and names repeat) --
     def _region(self, side: str, i: int) -> ir.Region:
-        if (side, 1) in self._geometry:   # per-write matrices exist (built, or gathered by a property: maybe not all)
+        if (side, 1) in self._geometry:  # per-write matrices exist (built, or gathered by a property: maybe not all)
             ndim = int(self._side(side, 0)[i])
             geometry = (tuple(self._side(side, 1)[i, :ndim].tolist()), tuple(self._side(side, 2)[i, :ndim].tolist()))
-        else:   # per class, kept
+        else:  # per class, kept
             klass = ("class", side, int(self._classes[side][i]))
             geometry = self._cache.get(klass)
             if geometry is None:
                 ndim, sizes, strides = (t[klass[2]] for t in self._tables[side])
-                geometry = self._cache[klass] = (tuple(sizes[:int(ndim)].tolist()), tuple(strides[:int(ndim)].tolist()))
+                geometry = self._cache[klass] = (
+                    tuple(sizes[: int(ndim)].tolist()),
+                    tuple(strides[: int(ndim)].tolist()),
+                )
         key = (side, int(getattr(self, f"{side}_offset")[i])) + geometry
         region = self._cache.get(key)
         if region is None:
@@ -364,8 +426,11 @@ class WriteColumns:
         w = self.computed.get(i)
         if w is not None:
             return w
-        return ir.Write(self.param_names[self.param[i]], self.dst(i),
-                        ir.View(ir.Source(self.source_name(i)), self._region("src", i)))
+        return ir.Write(
+            self.param_names[self.param[i]],
+            self.dst(i),
+            ir.View(ir.Source(self.source_name(i)), self._region("src", i)),
+        )
 
     def src_view(self, i: int) -> ir.View:
         return self.write(i).src
@@ -379,8 +444,8 @@ def _matrix(values, pad: int) -> np.ndarray:
 def _put(cols: dict, mats: dict, side: str, i: int, region: ir.Region) -> None:
     cols[f"{side}_offset"][i] = region.offset
     cols[f"{side}_ndim"][i] = len(region.sizes)
-    mats[f"{side}_sizes"][i, :len(region.sizes)] = region.sizes
-    mats[f"{side}_strides"][i, :len(region.strides)] = region.strides
+    mats[f"{side}_sizes"][i, : len(region.sizes)] = region.sizes
+    mats[f"{side}_strides"][i, : len(region.strides)] = region.strides
 
 
 class LazyWrites(Sequence):

@@ -4,6 +4,7 @@
 loader did, replayed. The recorder's verify and every runtime test compare against it, so it is kept small and
 obvious, and it sits at the bottom of the package (torch and `shardplan.plan.ir` only).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,10 @@ from shardplan.plan import ir
 def resolve_op(name: str) -> Callable:
     """The callable for an op name, through the allowlist only: "Tensor.x" -> torch.Tensor.x, "torch.x" -> torch.x."""
     if name not in ir.ALLOWED_OPS:
-        raise DisallowedOpError(f"op {name!r} is not in shardplan.plan.ir.ALLOWED_OPS; a plan may only name allowlisted "
-                                f"ops: re-record the plan, or extend the allowlist if the op is a pure tensor op")
+        raise DisallowedOpError(
+            f"op {name!r} is not in shardplan.plan.ir.ALLOWED_OPS; a plan may only name allowlisted "
+            f"ops: re-record the plan, or extend the allowlist if the op is a pure tensor op"
+        )
     owner, _, attr = name.partition(".")
     fn = getattr(torch.Tensor if owner == "Tensor" else torch, attr, None)
     if fn is None:
@@ -40,13 +43,17 @@ def region_view(base: torch.Tensor, region: ir.Region) -> torch.Tensor:
     return base.as_strided(region.sizes, region.strides, base.storage_offset() + region.offset)
 
 
-def eval_view(view: ir.View, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None,
-              limit: "Budget | None" = None) -> torch.Tensor:
+def eval_view(
+    view: ir.View,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    limit: "Budget | None" = None,
+) -> torch.Tensor:
     """Reference semantics of `View`: evaluate the leaf, take the region of its storage (relative to the leaf's own
     storage offset). Source leaves are contiguous tensors of the plan's shape; a Call result is addressed the way the
     recorder saw it (the op's own output strides), as the recorder saw it. `limit`: see check_write_sizes."""
     base = eval_leaf(view.leaf, tensors, device, limit)
-    if limit is not None:   # on meta, as_strided does not check the storage bounds a real tensor's does
+    if limit is not None:  # on meta, as_strided does not check the storage bounds a real tensor's does
         lo, hi = view.region.extent()
         have = base.untyped_storage().nbytes() // base.element_size() - base.storage_offset()
         if view.region.numel and (lo < 0 or hi > have):
@@ -54,8 +61,12 @@ def eval_view(view: ir.View, tensors: Mapping[str, torch.Tensor], device: torch.
     return region_view(base, view.region)
 
 
-def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.device | str | None = None,
-              limit: "Budget | None" = None) -> torch.Tensor:
+def eval_leaf(
+    leaf: ir.Leaf,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    limit: "Budget | None" = None,
+) -> torch.Tensor:
     if device is None:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
     if isinstance(leaf, ir.Source):
@@ -64,22 +75,27 @@ def eval_leaf(leaf: ir.Leaf, tensors: Mapping[str, torch.Tensor], device: torch.
         return tensors[leaf.name]
     if isinstance(leaf, ir.Full):
         if limit is not None:
-            limit.take(math.prod(leaf.sizes), ir.itemsize(leaf.dtype) if leaf.dtype in ir.ITEMSIZE else 8,
-                       f"full({list(leaf.sizes)})")
+            limit.take(
+                math.prod(leaf.sizes),
+                ir.itemsize(leaf.dtype) if leaf.dtype in ir.ITEMSIZE else 8,
+                f"full({list(leaf.sizes)})",
+            )
         return torch.full(leaf.sizes, leaf.value, dtype=to_dtype(leaf.dtype), device=device)
     if isinstance(leaf, ir.Call):
         # never into a tensor the plan did not make (plan files and Replayer refuse such a plan before this)
         if leaf.op in ir.INPLACE_OPS or any(key == "out" for key, _ in leaf.kwargs):
             target = ir.inplace_target(leaf)
             if target is None or any(key == "out" for key, _ in leaf.kwargs) or not ir.made_by_plan(target.leaf):
-                raise ForeignWriteError(f"refusing to replay {leaf.op}: it would write into a tensor the plan did not "
-                                        f"make ({ir.foreign_write(leaf)})")
+                raise ForeignWriteError(
+                    f"refusing to replay {leaf.op}: it would write into a tensor the plan did not "
+                    f"make ({ir.foreign_write(leaf)})"
+                )
         inputs = [eval_view(v, tensors, device, limit) for v in leaf.inputs]
         args = [_literal(a, inputs, device) for a in leaf.args]
         kwargs = {k: _literal(v, inputs, device) for k, v in leaf.kwargs}
         fn = resolve_op(leaf.op)
-        if limit is not None and leaf.op in ir.UNARY_OPS:   # elementwise: its shape rule, without torch's Python
-            x = inputs[0]                                    # meta kernel for exp (a ~6 s import on first use)
+        if limit is not None and leaf.op in ir.UNARY_OPS:  # elementwise: its shape rule, without torch's Python
+            x = inputs[0]  # meta kernel for exp (a ~6 s import on first use)
             result = torch.empty_like(x, dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype())
         else:
             result = fn(*args, **kwargs)
@@ -122,8 +138,10 @@ class Budget:
 
     def take(self, numel: int, itemsize: int, what: str) -> None:
         if numel > self.limit:
-            raise PlanTooLarge(f"{what} makes a tensor of {numel} elements, more than the {self.limit} this write may "
-                               f"(the elements its rank's params hold, or the sources it reads, whichever is more)")
+            raise PlanTooLarge(
+                f"{what} makes a tensor of {numel} elements, more than the {self.limit} this write may "
+                f"(the elements its rank's params hold, or the sources it reads, whichever is more)"
+            )
         self.peak += numel * itemsize
 
 
@@ -144,21 +162,19 @@ def check_write_sizes(write: ir.Write, sources: Mapping[str, ir.TensorMeta], ran
     except RuntimeError:
         broadcast = False
     if not broadcast:
-        raise PlanError(f"the value's sizes {list(value.shape)} do not broadcast to the destination's "
-                        f"{list(write.dst.sizes)}")
+        raise PlanError(
+            f"the value's sizes {list(value.shape)} do not broadcast to the destination's {list(write.dst.sizes)}"
+        )
     return budget.peak
 
 
-def write_source(write: ir.Write, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor], device=None
-                 ) -> torch.Tensor:
+def write_source(write: ir.Write, dtype: torch.dtype, tensors: Mapping[str, torch.Tensor], device=None) -> torch.Tensor:
     """The bytes a write puts into its destination: src evaluated, broadcast to dst sizes, in the dst dtype."""
     return eval_view(write.src, tensors, device).to(dtype).expand(write.dst.sizes)
 
 
-def apply_reference(plan: ir.RankPlan, tensors: Mapping[str, torch.Tensor],
-                    params: Mapping[str, torch.Tensor]) -> None:
+def apply_reference(plan: ir.RankPlan, tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
     """The plan's meaning, one write at a time, in order: what every fast path must reproduce bit for bit."""
     with torch.no_grad():
         for w in plan.writes:
             region_view(params[w.param], w.dst).copy_(eval_view(w.src, tensors, params[w.param].device))
-

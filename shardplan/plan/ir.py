@@ -22,25 +22,74 @@ recording order for those and sorts the rest.
 
 This module imports nothing heavy (no torch, no vLLM): the trainer loads plans with it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Union
 
 # Python-level ops a Call may name. Replay resolves them through this table only (see replay.resolve_op).
-ALLOWED_OPS: frozenset[str] = frozenset({
-    "Tensor.reshape", "Tensor.view", "Tensor.contiguous", "Tensor.clone", "Tensor.flatten",
-    "Tensor.__getitem__", "Tensor.index_select", "Tensor.repeat", "Tensor.repeat_interleave",
-    "Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.type_as",
-    "Tensor.narrow", "Tensor.transpose", "Tensor.t", "Tensor.permute", "Tensor.unsqueeze", "Tensor.squeeze",
-    "Tensor.expand", "Tensor.chunk", "Tensor.split", "Tensor.unbind", "Tensor.view_as", "Tensor.reshape_as",
-    "Tensor.mul", "Tensor.add", "Tensor.sub", "Tensor.div", "Tensor.neg", "Tensor.__mul__", "Tensor.__add__",
-    "Tensor.__sub__", "Tensor.__truediv__", "Tensor.__neg__",
-    "Tensor.zero_", "Tensor.fill_", "Tensor.mul_", "Tensor.add_", "Tensor.div_", "Tensor.sub_", "Tensor.copy_",
-    "torch.cat", "torch.concat", "torch.stack", "torch.flatten", "torch.transpose", "torch.narrow",
-    "torch.index_select", "torch.chunk", "torch.split", "torch.reshape", "torch.zeros_like", "torch.empty_like",
-    "torch.exp", "Tensor.exp",
-})
+ALLOWED_OPS: frozenset[str] = frozenset(
+    {
+        "Tensor.reshape",
+        "Tensor.view",
+        "Tensor.contiguous",
+        "Tensor.clone",
+        "Tensor.flatten",
+        "Tensor.__getitem__",
+        "Tensor.index_select",
+        "Tensor.repeat",
+        "Tensor.repeat_interleave",
+        "Tensor.to",
+        "Tensor.float",
+        "Tensor.half",
+        "Tensor.bfloat16",
+        "Tensor.type_as",
+        "Tensor.narrow",
+        "Tensor.transpose",
+        "Tensor.t",
+        "Tensor.permute",
+        "Tensor.unsqueeze",
+        "Tensor.squeeze",
+        "Tensor.expand",
+        "Tensor.chunk",
+        "Tensor.split",
+        "Tensor.unbind",
+        "Tensor.view_as",
+        "Tensor.reshape_as",
+        "Tensor.mul",
+        "Tensor.add",
+        "Tensor.sub",
+        "Tensor.div",
+        "Tensor.neg",
+        "Tensor.__mul__",
+        "Tensor.__add__",
+        "Tensor.__sub__",
+        "Tensor.__truediv__",
+        "Tensor.__neg__",
+        "Tensor.zero_",
+        "Tensor.fill_",
+        "Tensor.mul_",
+        "Tensor.add_",
+        "Tensor.div_",
+        "Tensor.sub_",
+        "Tensor.copy_",
+        "torch.cat",
+        "torch.concat",
+        "torch.stack",
+        "torch.flatten",
+        "torch.transpose",
+        "torch.narrow",
+        "torch.index_select",
+        "torch.chunk",
+        "torch.split",
+        "torch.reshape",
+        "torch.zeros_like",
+        "torch.empty_like",
+        "torch.exp",
+        "Tensor.exp",
+    }
+)
 # Elementwise ops that take exactly one tensor (`["a", 0]`) and nothing else: the plan-file check refuses any other
 # argument (an `out=` would write into a trainer tensor). `exp` is here for the Mamba family's A_log loaders, which
 # write `-torch.exp(A_log.float())` (vLLM's mamba_mixer.A_weight_loader and mamba_mixer2's composed_weight_loader).
@@ -54,17 +103,38 @@ UNARY_OPS: frozenset[str] = frozenset({"torch.exp", "Tensor.exp"})
 # interpreter never runs one. No op may take an `out=` (it would write into whatever tensor it names).
 INPLACE_OPS: frozenset[str] = frozenset(op for op in ALLOWED_OPS if op.endswith("_") and not op.endswith("__"))
 # Ops whose result is always new storage, never a view of (or the same tensor as) an input.
-FRESH_OPS: frozenset[str] = frozenset({
-    "Tensor.clone", "torch.cat", "torch.concat", "torch.stack", "Tensor.repeat", "Tensor.repeat_interleave",
-    "Tensor.index_select", "torch.index_select", "torch.zeros_like", "torch.empty_like", "torch.exp", "Tensor.exp",
-    "Tensor.mul", "Tensor.add", "Tensor.sub", "Tensor.div", "Tensor.neg", "Tensor.__mul__", "Tensor.__add__",
-    "Tensor.__sub__", "Tensor.__truediv__", "Tensor.__neg__",
-})
+FRESH_OPS: frozenset[str] = frozenset(
+    {
+        "Tensor.clone",
+        "torch.cat",
+        "torch.concat",
+        "torch.stack",
+        "Tensor.repeat",
+        "Tensor.repeat_interleave",
+        "Tensor.index_select",
+        "torch.index_select",
+        "torch.zeros_like",
+        "torch.empty_like",
+        "torch.exp",
+        "Tensor.exp",
+        "Tensor.mul",
+        "Tensor.add",
+        "Tensor.sub",
+        "Tensor.div",
+        "Tensor.neg",
+        "Tensor.__mul__",
+        "Tensor.__add__",
+        "Tensor.__sub__",
+        "Tensor.__truediv__",
+        "Tensor.__neg__",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Region:
     """as_strided geometry: storage offset, sizes and strides, in elements of the base tensor."""
+
     offset: int
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
@@ -104,8 +174,19 @@ def full_region(shape: Iterable[int]) -> Region:
 
 # Bytes per element of every dtype a plan may name; a plan naming any other dtype is refused on load.
 ITEMSIZE: Mapping[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e8m0fnu": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 
 
@@ -139,6 +220,7 @@ class TensorMeta:
 @dataclass(frozen=True, slots=True)
 class Arg:
     """Placeholder for the i-th tensor input of a Call."""
+
     index: int
 
 
@@ -157,6 +239,7 @@ class Slice:
 @dataclass(frozen=True, slots=True)
 class Const:
     """A small constant tensor taken from the model at record time (e.g. an index tensor)."""
+
     dtype: str
     shape: tuple[int, ...]
     values: tuple  # flat, row-major
@@ -174,9 +257,9 @@ class Source:
 @dataclass(frozen=True, slots=True)
 class Call:
     op: str
-    args: tuple           # Literal*, tensors replaced by Arg(i)
-    kwargs: tuple         # ((key, Literal), ...)
-    inputs: tuple         # View*
+    args: tuple  # Literal*, tensors replaced by Arg(i)
+    kwargs: tuple  # ((key, Literal), ...)
+    inputs: tuple  # View*
     out: int | None = None  # index into a tuple result (non-view multi-output ops)
 
 
@@ -213,10 +296,11 @@ class Write:
 @dataclass(frozen=True, slots=True)
 class Fallback:
     """A checkpoint tensor whose loader could not be recorded: the consumer needs it whole and runs the real loader."""
+
     source: str
-    op: str        # the op that stopped recording, e.g. "Tensor.item"
+    op: str  # the op that stopped recording, e.g. "Tensor.item"
     reason: str
-    loader: str    # qualified name of the weight_loader function, or "" when unknown
+    loader: str  # qualified name of the weight_loader function, or "" when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,8 +415,10 @@ def leaf_str(leaf: Leaf, source_shapes: Mapping[str, tuple[int, ...]]) -> str:
         text = f"{leaf.op}({', '.join(x for x in (args, kw) if x)})"
         return text if leaf.out is None else f"{text}[{leaf.out}]"
     if isinstance(leaf, Update):
-        return (f"update({leaf_str(leaf.base, source_shapes)}, {region_str(None, leaf.region)}, "
-                f"{view_str(leaf.value, source_shapes)})")
+        return (
+            f"update({leaf_str(leaf.base, source_shapes)}, {region_str(None, leaf.region)}, "
+            f"{view_str(leaf.value, source_shapes)})"
+        )
     raise TypeError(f"not a plan leaf: {leaf!r}")
 
 
@@ -344,8 +430,9 @@ def view_str(view: View, source_shapes: Mapping[str, tuple[int, ...]]) -> str:
     return base + region_str(shape, view.region)
 
 
-def format_write(w: Write, param_shapes: Mapping[str, tuple[int, ...]],
-                 source_shapes: Mapping[str, tuple[int, ...]]) -> str:
+def format_write(
+    w: Write, param_shapes: Mapping[str, tuple[int, ...]], source_shapes: Mapping[str, tuple[int, ...]]
+) -> str:
     shape = param_shapes.get(w.param)
     dst = "" if shape is not None and w.dst == full_region(shape) else region_str(shape, w.dst)
     return f"{w.param}{dst} <- {view_str(w.src, source_shapes)}"
@@ -358,7 +445,8 @@ def _lit_str(lit, ins: list[str]) -> str:
         return f"torch.{lit.name}"
     if isinstance(lit, Slice):
         return f"{'' if lit.start is None else lit.start}:{'' if lit.stop is None else lit.stop}" + (
-            "" if lit.step is None else f":{lit.step}")
+            "" if lit.step is None else f":{lit.step}"
+        )
     if isinstance(lit, Const):
         vals = list(lit.values[:8]) + (["..."] if len(lit.values) > 8 else [])
         return f"const({lit.dtype}{list(lit.shape)}: {vals})"
@@ -423,7 +511,9 @@ def foreign_write(leaf: Leaf) -> str | None:
                 if target is None:
                     return f"in-place {node.op} does not name its target as its first argument"
                 if not made_by_plan(target.leaf):
-                    return (f"in-place {node.op} writes into {leaf_str(target.leaf, {})[:120]}, which is not a tensor "
-                            f"the plan made (only a copy such as Tensor.clone may be modified in place)")
+                    return (
+                        f"in-place {node.op} writes into {leaf_str(target.leaf, {})[:120]}, which is not a tensor "
+                        f"the plan made (only a copy such as Tensor.clone may be modified in place)"
+                    )
             stack += [v.leaf for v in node.inputs]
     return None

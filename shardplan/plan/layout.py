@@ -3,6 +3,7 @@
 vLLM numbers ranks as world = dp x pp x tp with tp fastest (initialize_model_parallel); the expert-parallel group of a
 pipeline stage is its dp x tp ranks. Plans are keyed by the global rank in that numbering.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,8 +70,12 @@ class Layout:
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
         """Exact types only: `"ep": "false"` or `"tp": 2.0` is refused, never coerced."""
-        if not isinstance(d, dict) or set(d) != {"tp", "pp", "dp", "ep"} or type(d["ep"]) is not bool or \
-                any(type(d[k]) is not int for k in ("tp", "pp", "dp")):
+        if (
+            not isinstance(d, dict)
+            or set(d) != {"tp", "pp", "dp", "ep"}
+            or type(d["ep"]) is not bool
+            or any(type(d[k]) is not int for k in ("tp", "pp", "dp"))
+        ):
             raise LayoutError(f"a layout is {{tp: int, pp: int, dp: int, ep: bool}}, got {d!r}")
         return cls(tp=d["tp"], pp=d["pp"], dp=d["dp"], ep=d["ep"])
 
@@ -90,14 +95,16 @@ def parse_ranks(text: str | None, world_size: int) -> list[int]:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
                 if lo > hi:
-                    raise LayoutError(f"--ranks {text!r}: {part!r} is a reversed range (it holds no rank); "
-                                      f"write {hi}-{lo}")
+                    raise LayoutError(
+                        f"--ranks {text!r}: {part!r} is a reversed range (it holds no rank); write {hi}-{lo}"
+                    )
                 ranks.update(range(lo, hi + 1))
             else:
                 ranks.add(int(part))
         except ValueError:
-            raise LayoutError(f"--ranks {text!r}: cannot parse {part!r}; use a list like 0,3-5 "
-                              f"(ranks 0..{world_size - 1}, or 'all')") from None
+            raise LayoutError(
+                f"--ranks {text!r}: cannot parse {part!r}; use a list like 0,3-5 (ranks 0..{world_size - 1}, or 'all')"
+            ) from None
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
         raise LayoutError(f"--ranks: {bad} outside 0..{world_size - 1} for world size {world_size}")

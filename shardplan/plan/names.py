@@ -3,6 +3,7 @@
 Every stage keys on these (compile fits layer holes, the pack layout groups by layer, the sync pipelines groups,
 trainer shards place experts and PP stages), so they are defined once, here.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,7 @@ def layer_of(name: str) -> int:
 def layer_hole(template: str) -> int | None:
     """Index, among a name template's holes, of its layer index (`layers.{}.`), None when it has none."""
     m = _LAYER_TEMPLATE.search(template)
-    return template[:m.start()].count("{}") if m else None
+    return template[: m.start()].count("{}") if m else None
 
 
 def without_layer(name: str, layer: int) -> str:
@@ -68,7 +69,7 @@ def slot_of(name: str) -> int | None:
 def slot_to_expert(name: str, expert: int) -> str:
     """`...experts.slot.<p>.w` -> `...experts.<expert>.w`."""
     m = _SLOT.search(name)
-    return f"{name[:m.start()]}.experts.{expert}.{name[m.end():]}"
+    return f"{name[: m.start()]}.experts.{expert}.{name[m.end() :]}"
 
 
 def scale_name(weight: str) -> str:

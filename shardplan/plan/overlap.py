@@ -9,6 +9,7 @@ scale (plan/compile/simplify.py) interleave: a rank's column block next to anoth
 extents, no shared element. So the pack layout and the applier (`overlapping_writes`, vectorised) compare writes
 whose extents meet as boxes of their param, and only those that share an element count as overlapping.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,7 +31,7 @@ def overlapping_pairs(spans: Iterable[tuple[str, int, int, K]]) -> Iterator[tupl
             by_param.setdefault(param, []).append((lo, hi, key))
     for items in by_param.values():
         items.sort(key=lambda item: (item[0], item[1]))
-        active: list[tuple[int, int, K]] = []   # heap of (hi, order, key) still open at the current lo
+        active: list[tuple[int, int, K]] = []  # heap of (hi, order, key) still open at the current lo
         for order, (lo, hi, key) in enumerate(items):
             while active and active[0][0] <= lo:
                 heapq.heappop(active)
@@ -60,6 +61,7 @@ def overlap_clusters(writes: Sequence[ir.Write]) -> list[list[int]]:
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
+
     for a, b in overlapping_pairs(write_spans(writes)):
         parent[find(a)] = find(b)
     clusters: dict[int, list[int]] = {}
@@ -82,8 +84,9 @@ def overlap_levels(spans: Iterable[tuple[str, int, int, int]]) -> dict[int, int]
 
 
 # ---- the vectorised finder: extents, then boxes where extents meet ------------------------------------------------
-def overlapping_writes(param: np.ndarray, offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray,
-                       shapes: np.ndarray) -> np.ndarray:
+def overlapping_writes(
+    param: np.ndarray, offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: np.ndarray
+) -> np.ndarray:
     """Per write (rows; `sizes`/`strides` padded with 1/0, `shapes` the param's shape as the write's plan declares
     it, padded with trailing 1s): whether its destination may share an element with another write of the same param
     id. Extents first: writes whose extents meet nobody's are clear. Where extents meet, the writes are compared as
@@ -105,9 +108,9 @@ def overlapping_writes(param: np.ndarray, offset: np.ndarray, sizes: np.ndarray,
     ranked = ranked.reshape(-1)
     span = len(ranked) + 1
     p = param[order]
-    lo_r, hi_r = ranked[:len(order)] + p * span, ranked[len(order):] + p * span
+    lo_r, hi_r = ranked[: len(order)] + p * span, ranked[len(order) :] + p * span
     reach = np.maximum.accumulate(hi_r)
-    run = np.cumsum(np.concatenate([[True], lo_r[1:] >= reach[:-1]])) - 1   # runs of meeting extents
+    run = np.cumsum(np.concatenate([[True], lo_r[1:] >= reach[:-1]])) - 1  # runs of meeting extents
     counts = np.bincount(run)
     met = order[counts[run] > 1]
     if not len(met):
@@ -124,23 +127,24 @@ def overlapping_writes(param: np.ndarray, offset: np.ndarray, sizes: np.ndarray,
     clear = known[a] & known[b] & (met_shapes[a] == met_shapes[b]).all(axis=1) & apart
     out[met[a]] = ~clear
     out[met[b]] = ~clear
-    for first, length in zip(starts[lengths > 2].tolist(), lengths[lengths > 2].tolist()):   # pairwise, in Python
+    for first, length in zip(starts[lengths > 2].tolist(), lengths[lengths > 2].tolist()):  # pairwise, in Python
         members = np.arange(first, first + length)
         if length > MAX_BOX_RUN or not known[members].all() or not (met_shapes[members] == met_shapes[first]).all():
             out[met[members]] = True
             continue
-        lo_m, hi_m = box_lo[members], box_hi[members]   # [k, dims]
+        lo_m, hi_m = box_lo[members], box_hi[members]  # [k, dims]
         clash = ~((hi_m[:, None, :] <= lo_m[None, :, :]) | (hi_m[None, :, :] <= lo_m[:, None, :])).any(axis=2)
         np.fill_diagonal(clash, False)
         out[met[members]] = clash.any(axis=1)
     return out
 
 
-MAX_BOX_RUN = 16   # writes with meeting extents compared as boxes, pairwise (an upsampled scale: 2-3 pieces)
+MAX_BOX_RUN = 16  # writes with meeting extents compared as boxes, pairwise (an upsampled scale: 2-3 pieces)
 
 
-def _boxes(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: np.ndarray
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _boxes(
+    offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: [lo, hi) per param dim of the destination as a box of its param, and whether it is one (dims of
     size > 1 walking param dims with step 1, a param dim possibly in row blocks: `_box_lengths`)."""
     num, dims = shapes.shape
@@ -152,8 +156,8 @@ def _boxes(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: n
     width = sizes.shape[1]
     for c, row in enumerate(geometry[first].tolist()):
         rows = np.flatnonzero(inverse == c)
-        shape = row[2 * width:]
-        lengths = _box_lengths(row[:width], row[width:2 * width], shape)
+        shape = row[2 * width :]
+        lengths = _box_lengths(row[:width], row[width : 2 * width], shape)
         if lengths is None:
             continue
         cst = ir.contiguous_strides(shape)
@@ -161,7 +165,8 @@ def _boxes(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray, shapes: n
         box_lo[rows] = start
         box_hi[rows] = start + np.asarray(lengths, dtype=np.int64)
         known[rows] = (box_hi[rows] <= np.asarray(shape, dtype=np.int64)).all(axis=1) & (
-            offset[rows] < max(1, int(np.prod(shape, dtype=np.int64))))
+            offset[rows] < max(1, int(np.prod(shape, dtype=np.int64)))
+        )
     return box_lo, box_hi, known
 
 
@@ -174,8 +179,14 @@ def _box_lengths(sizes: list[int], strides: list[int], shape: list[int]) -> list
     for n, st in zip(sizes, strides):
         if n == 1:
             continue
-        d = next((d for d in range(len(shape)) if shape[d] > 1 and cst[d] <= st
-                  and (d == 0 or st < cst[d - 1]) and st % cst[d] == 0), None)
+        d = next(
+            (
+                d
+                for d in range(len(shape))
+                if shape[d] > 1 and cst[d] <= st and (d == 0 or st < cst[d - 1]) and st % cst[d] == 0
+            ),
+            None,
+        )
         if d is None:
             return None
         by_dim.setdefault(d, []).append((st, n))

@@ -4,6 +4,7 @@ numbered (plan/columns.py, plan/file/rank.py and runtime/packcols.py build on th
 Column by column where it matters: numpy's integer matmul and its reductions along a short last axis cost ~10-15x the
 equivalent 1-D passes over columns (`Columns` holds a matrix as its columns).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,11 +28,13 @@ def expand_trie(node, width: int) -> np.ndarray:
                 parts.append(values[:, None])
             else:
                 sub = rec(child)
-                parts.append(np.concatenate([np.repeat(values, len(sub))[:, None], np.tile(sub, (len(values), 1))],
-                                            axis=1))
+                parts.append(
+                    np.concatenate([np.repeat(values, len(sub))[:, None], np.tile(sub, (len(values), 1))], axis=1)
+                )
         out = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)
         cache[id(node)] = out
         return out
+
     rows = rec(node)
     return rows.reshape(len(rows), width)
 
@@ -45,8 +48,9 @@ def row_keys(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     if k == 0:
         return np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     lows = np.asarray([int(c.min()) if n else 0 for c in rows.arrays], dtype=np.int64)
-    spans = np.asarray([int(c.max()) - int(lo) + 1 if n else 1 for c, lo in zip(rows.arrays, lows.tolist())],
-                       dtype=object)   # Python ints: a hostile span does not wrap
+    spans = np.asarray(
+        [int(c.max()) - int(lo) + 1 if n else 1 for c, lo in zip(rows.arrays, lows.tolist())], dtype=object
+    )  # Python ints: a hostile span does not wrap
     mults = np.ones(k, dtype=np.int64)
     total = 1
     for j in range(k - 1, -1, -1):
@@ -55,9 +59,9 @@ def row_keys(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if total >= 1 << 62:
             return None
     keys = np.zeros(n, dtype=np.int64)
-    term = np.empty(n, dtype=np.int64)   # one scratch column, in place: fresh temporaries cost page faults
+    term = np.empty(n, dtype=np.int64)  # one scratch column, in place: fresh temporaries cost page faults
     for c, lo, m, span in zip(rows.arrays, lows.tolist(), mults.tolist(), spans.tolist()):
-        if span > 1:   # a constant column adds nothing
+        if span > 1:  # a constant column adds nothing
             np.subtract(c, lo, out=term)
             if m != 1:
                 term *= m
@@ -77,7 +81,7 @@ class Columns:
         return cls([matrix[:, j] for j in range(matrix.shape[1])], len(matrix))
 
     def matrix(self) -> np.ndarray:
-        return (np.stack(self.arrays, axis=1) if self.arrays else np.zeros((self.n, 0), dtype=np.int64))
+        return np.stack(self.arrays, axis=1) if self.arrays else np.zeros((self.n, 0), dtype=np.int64)
 
 
 _HASH = np.random.default_rng(20261201).integers(1, 1 << 63, size=64, dtype=np.int64).astype(np.uint64) | 1
@@ -91,12 +95,12 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     keyed = row_keys(matrix)
-    if keyed is None and isinstance(matrix, Columns):   # renumber the widest columns densely until the radix fits
+    if keyed is None and isinstance(matrix, Columns):  # renumber the widest columns densely until the radix fits
         arrays = list(matrix.arrays)
         spans = [int(c.max()) - int(c.min()) + 1 for c in arrays]
         while keyed is None and max(spans) > n:
             j = spans.index(max(spans))
-            arrays[j] = first_inverse(arrays[j])[1]   # equal values <-> equal ordinals: distinct rows unchanged
+            arrays[j] = first_inverse(arrays[j])[1]  # equal values <-> equal ordinals: distinct rows unchanged
             spans[j] = int(arrays[j].max()) + 1
             keyed = row_keys(Columns(arrays, n))
     if keyed is not None:
@@ -110,17 +114,17 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             first = np.full(int(dense[-1]) + 1, n, dtype=np.int64)
             np.minimum.at(first, inverse, np.arange(n, dtype=np.int64))
             return first, inverse
-    if keyed is not None:   # exact keys
+    if keyed is not None:  # exact keys
         return first_inverse(keys)
-    if isinstance(matrix, Columns):   # only the exact keys above work on columns
+    if isinstance(matrix, Columns):  # only the exact keys above work on columns
         matrix = matrix.matrix()
     if matrix.shape[1] <= len(_HASH):
         with np.errstate(over="ignore"):
-            keys = (matrix.astype(np.uint64) * _HASH[:matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
+            keys = (matrix.astype(np.uint64) * _HASH[: matrix.shape[1]]).sum(axis=1, dtype=np.uint64).view(np.int64)
         first, inverse = first_inverse(keys)
         if (np.take(np.take(matrix, first, axis=0), inverse, axis=0) == matrix).all():
             return first, inverse
-    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)   # a hash collision
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)  # a hash collision
     return first, inverse.reshape(-1)
 
 

@@ -5,6 +5,7 @@ by `{}`; it is hashable and msgpack-able, so writes of the same shape (one per l
 differ only in their integers. The compiler (`plan/compile/`) fits those integers as affine functions of the rank,
 the layer and the name indices; the index sets of a template are compressed tries of ranges.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,6 +28,7 @@ def split_name(name: str, ints: list[int]) -> str:
     def repl(m):
         ints.append(int(m.group(0)))
         return "{}"
+
     return _DIGITS.sub(repl, name.replace("{", "{{").replace("}", "}}"))
 
 
@@ -71,12 +73,21 @@ def _leaf(leaf: ir.Leaf, holes: list[int], var_values: list[int]) -> tuple:
         value = leaf.value
         return ("F", ("f", float(value)) if isinstance(value, float) else value, _ints(leaf.sizes, holes), leaf.dtype)
     if isinstance(leaf, ir.Call):
-        return ("C", leaf.op, tuple(_lit(a, holes) for a in leaf.args),
-                tuple((k, _lit(v, holes)) for k, v in leaf.kwargs),
-                tuple(_view(v, holes, var_values) for v in leaf.inputs), leaf.out)
+        return (
+            "C",
+            leaf.op,
+            tuple(_lit(a, holes) for a in leaf.args),
+            tuple((k, _lit(v, holes)) for k, v in leaf.kwargs),
+            tuple(_view(v, holes, var_values) for v in leaf.inputs),
+            leaf.out,
+        )
     if isinstance(leaf, ir.Update):
-        return ("U", _leaf(leaf.base, holes, var_values), _region(leaf.region, holes),
-                _view(leaf.value, holes, var_values))
+        return (
+            "U",
+            _leaf(leaf.base, holes, var_values),
+            _region(leaf.region, holes),
+            _view(leaf.value, holes, var_values),
+        )
     raise TypeError(leaf)
 
 
@@ -141,8 +152,13 @@ class Filler:
             value = s[1][1] if isinstance(s[1], tuple) else s[1]
             return ir.Full(value, self.ints(s[2]), s[3])
         if tag == "C":
-            return ir.Call(s[1], tuple(self.lit(a) for a in s[2]), tuple((k, self.lit(v)) for k, v in s[3]),
-                           tuple(self.view(v) for v in s[4]), s[5])
+            return ir.Call(
+                s[1],
+                tuple(self.lit(a) for a in s[2]),
+                tuple((k, self.lit(v)) for k, v in s[3]),
+                tuple(self.view(v) for v in s[4]),
+                s[5],
+            )
         if tag == "U":
             return ir.Update(self.leaf(s[1]), self.region(s[2]), self.view(s[3]))
         raise ValueError(f"unknown leaf tag {tag!r}")
@@ -193,6 +209,7 @@ def unflatten_write(skel: tuple, holes: Sequence[int]) -> ir.Write:
 # A trie node is a tuple of (start, stop, step, child) runs; child is None at the last variable. Equal children of
 # consecutive values merge into one arithmetic run, so product-like sets (all layers x these experts) stay tiny.
 
+
 def build_trie(tuples: Sequence[tuple[int, ...]], depth: int = 0):
     if not tuples or len(tuples[0]) == depth:
         return None
@@ -213,7 +230,7 @@ def trie_from_rows(rows: np.ndarray):
 
 def _trie_block(rows: np.ndarray, depth: int):
     column = rows[:, depth]
-    if depth == rows.shape[1] - 1:   # leaves (distinct): one arithmetic run is the usual case
+    if depth == rows.shape[1] - 1:  # leaves (distinct): one arithmetic run is the usual case
         if len(column) == 1:
             return ((int(column[0]), int(column[0]) + 1, 1, None),)
         steps = np.diff(column)

@@ -3,6 +3,7 @@
 Meta-device builds cost no memory (Kimi-K2 at TP=32: ~0.5 s, ~600 MiB RSS); models whose construction reads values
 fail there and are rebuilt on the CPU (the caller learns which device was used).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,9 @@ def _patch_for_meta() -> None:
     # FP8 layers' CPU kernel probes (AMX, the W8A16 op) are answered by fp8.kernel_probes_patched, for builds only
 
 
-def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = "",
-                     trust_remote_code: bool = False):
+def make_vllm_config(
+    config_dir: str, layout: Layout, dtype: str = "bfloat16", model_name: str = "", trust_remote_code: bool = False
+):
     _quiet_vllm()
     from vllm.config import CacheConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
@@ -59,16 +61,29 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
         # max_model_len=None: vLLM derives it from the config (max_position_embeddings, n_positions, ...) as it does
         # when serving; a constant would be refused by models whose config allows fewer positions.
         # served_model_name: only what messages call the model (a built-in's short name, not its cached config dir)
-        model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=None,
-                                   enforce_eager=True, served_model_name=model_name or None,
-                                   trust_remote_code=trust_remote_code)
-        parallel_config = ParallelConfig(tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
-                                         data_parallel_size=layout.dp, enable_expert_parallel=layout.ep)
+        model_config = ModelConfig(
+            model=config_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=None,
+            enforce_eager=True,
+            served_model_name=model_name or None,
+            trust_remote_code=trust_remote_code,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=layout.tp,
+            pipeline_parallel_size=layout.pp,
+            data_parallel_size=layout.dp,
+            enable_expert_parallel=layout.ep,
+        )
         # no prefix caching: it shapes the KV cache, never the weights, and vLLM's CPU platform turns it off for
         # MLA after sizing hybrid (MLA + Mamba) caches for it, then refuses its own config (Kimi-Linear)
-        vllm_config = VllmConfig(model_config=model_config, parallel_config=parallel_config,
-                                 cache_config=CacheConfig(enable_prefix_caching=False),
-                                 load_config=LoadConfig(load_format="dummy"))
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            parallel_config=parallel_config,
+            cache_config=CacheConfig(enable_prefix_caching=False),
+            load_config=LoadConfig(load_format="dummy"),
+        )
         # vLLM checks head divisibility only when it builds the model; ask now so the message names the layout
         model_config.verify_with_parallel_config(parallel_config)
     except ShardplanError:
@@ -78,11 +93,15 @@ def make_vllm_config(config_dir: str, layout: Layout, dtype: str = "bfloat16", m
         # pydantic wraps vLLM's own sentence: keep just that
         reason = re.sub(r"^\d+ validation errors? for \w+ (Value error, )?", "", reason)
         reason = re.split(r" \[type=", reason)[0][:600]
-        raise LayoutRejected(f"vLLM rejects {label}: {reason.rstrip('.')}. Choose a layout vLLM accepts (TP must divide the "
-                             f"attention heads; --ep needs a MoE model).") from None
+        raise LayoutRejected(
+            f"vLLM rejects {label}: {reason.rstrip('.')}. Choose a layout vLLM accepts (TP must divide the "
+            f"attention heads; --ep needs a MoE model)."
+        ) from None
     if layout.ep and not _is_moe(model_config):
-        raise LayoutRejected(f"vLLM rejects {label}: --ep (enable_expert_parallel) needs a mixture-of-experts model, "
-                             f"and this one has no experts. Drop --ep.")
+        raise LayoutRejected(
+            f"vLLM rejects {label}: --ep (enable_expert_parallel) needs a mixture-of-experts model, "
+            f"and this one has no experts. Drop --ep."
+        )
     return vllm_config
 
 
@@ -99,6 +118,7 @@ def _as_cpu_worker() -> None:
 
     if current_platform.is_cpu():
         import vllm.v1.worker.cpu.shm  # noqa: F401  (patches torch.cuda on import, as in vllm/v1/worker/cpu_worker.py)
+
         # Kimi-Linear's fused GEMM + all-reduce imports CUDA-only kernels when built; the weights are the same
         os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
 
@@ -114,9 +134,13 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
     _as_cpu_worker()
     # attention layers register themselves by name in this dict: allow building the same config again
     vllm_config.compilation_config.static_forward_context.clear()
-    with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \
-            set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device), \
-            fp8.kernel_probes_patched(vllm_config):
+    with (
+        fake_parallel_state(layout, rank),
+        set_current_vllm_config(vllm_config),
+        set_default_torch_dtype(vllm_config.model_config.dtype),
+        torch.device(device),
+        fp8.kernel_probes_patched(vllm_config),
+    ):
         try:
             model = initialize_model(vllm_config=vllm_config)
             _forget_pp_missing_layers()
@@ -130,11 +154,13 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
                     f"(rank {rank}): "
                     f"{' '.join(str(e).split())[:400]} Each TP partition of a quantized weight must be whole "
                     f"{list(fp8.vllm_block_size(vllm_config))} blocks: choose a smaller TP size (or EP for the "
-                    f"experts).") from e
+                    f"experts)."
+                ) from e
             if device == "meta":
                 raise MetaBuildFailed(str(e)) from e
-            raise LayoutRejected(f"vLLM failed to build the model for rank {rank} of {layout.tag()}: "
-                                 f"{' '.join(str(e).split())[:600]}") from e
+            raise LayoutRejected(
+                f"vLLM failed to build the model for rank {rank} of {layout.tag()}: {' '.join(str(e).split())[:600]}"
+            ) from e
 
 
 @contextlib.contextmanager
@@ -146,8 +172,11 @@ def loading_context(vllm_config, layout: Layout, rank: int):
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with fake_parallel_state(layout, rank), set_current_vllm_config(vllm_config), \
-            set_default_torch_dtype(vllm_config.model_config.dtype):
+    with (
+        fake_parallel_state(layout, rank),
+        set_current_vllm_config(vllm_config),
+        set_default_torch_dtype(vllm_config.model_config.dtype),
+    ):
         yield
 
 

@@ -14,6 +14,7 @@ Dtypes: the model is built in bfloat16; a tensor that transformers keeps in floa
 float32 buffers) is reported as float32, as save_pretrained writes it. DeepSeek-V3-style routers keep their
 e_score_correction_bias in float32 in the released checkpoints too.
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,17 +71,21 @@ def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
     for layer in range(num_layers, num_layers + num_mtp):
         # DeepSeek-V3's on-disk MTP extras (as its inference code and vLLM's deepseek_mtp loader name them).
         prefix = f"model.layers.{layer}."
-        saved.update({
-            prefix + "embed_tokens.weight": ((vocab, hidden), None),
-            prefix + "enorm.weight": ((hidden,), None),
-            prefix + "hnorm.weight": ((hidden,), None),
-            prefix + "eh_proj.weight": ((hidden, 2 * hidden), None),
-            prefix + "shared_head.norm.weight": ((hidden,), None),
-            prefix + "shared_head.head.weight": ((vocab, hidden), None),
-        })
+        saved.update(
+            {
+                prefix + "embed_tokens.weight": ((vocab, hidden), None),
+                prefix + "enorm.weight": ((hidden,), None),
+                prefix + "hnorm.weight": ((hidden,), None),
+                prefix + "eh_proj.weight": ((hidden, 2 * hidden), None),
+                prefix + "shared_head.norm.weight": ((hidden,), None),
+                prefix + "shared_head.head.weight": ((vocab, hidden), None),
+            }
+        )
     fp32_suffixes = FLOAT32_ON_DISK.get(view.spec.architecture, ())
-    return tuple((name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
-                 for name, (shape, fixed) in ((n, saved[n]) for n in natural_sorted(saved)))
+    return tuple(
+        (name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
+        for name, (shape, fixed) in ((n, saved[n]) for n in natural_sorted(saved))
+    )
 
 
 def natural_sorted(names) -> list[str]:
@@ -88,8 +93,9 @@ def natural_sorted(names) -> list[str]:
     try:
         return sorted(names, key=lambda name: tuple(int(p) if p.isdigit() else p for p in name.split(".")))
     except TypeError:  # a number and a word at the same place (h.0 vs h.ln): numbers first
-        return sorted(names, key=lambda name: tuple((0, int(p), "") if p.isdigit() else (1, 0, p)
-                                                    for p in name.split(".")))
+        return sorted(
+            names, key=lambda name: tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+        )
 
 
 def model_class(architecture: str, hf_config):
@@ -99,8 +105,12 @@ def model_class(architecture: str, hf_config):
     from transformers import AutoModelForCausalLM
 
     cls = getattr(transformers, architecture, None)
-    if isinstance(cls, type) and hasattr(cls, "from_pretrained") and hasattr(cls, "config_class") and \
-            isinstance(hf_config, cls.config_class or object):
+    if (
+        isinstance(cls, type)
+        and hasattr(cls, "from_pretrained")
+        and hasattr(cls, "config_class")
+        and isinstance(hf_config, cls.config_class or object)
+    ):
         return cls
     return AutoModelForCausalLM._model_mapping[type(hf_config)]
 
@@ -134,7 +144,7 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        cls = remote.model_class(hf_config)   # the trusted directory's code (--trust-remote-code), else transformers'
+        cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
         if cls is None:
             hf_config = transformers_config(hf_config, architecture)
             cls = model_class(architecture, hf_config)
@@ -146,7 +156,8 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             f"(model_type {getattr(hf_config, 'model_type', '?')!r}) from this config, so its checkpoint names "
             f"cannot be derived: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}. Fix the config field named "
             f"there, or point at a checkpoint directory with safetensors files or a model.safetensors.index.json so "
-            f"the names are read from it.") from exc
+            f"the names are read from it."
+        ) from exc
     state = model.state_dict()
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
@@ -157,9 +168,12 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
         raise NamesError(
             f"{origin}: transformers {transformers.__version__}'s conversion of {architecture}'s parameters back to "
             f"checkpoint names changed the element count from {before} to {after}, so the names it gives cannot be "
-            f"trusted. Point at a checkpoint directory with safetensors files or an index so the real names are read.")
-    return {name: (tuple(t.shape), None if t.dtype == torch.bfloat16 else str(t.dtype).removeprefix("torch."))
-            for name, t in reverted.items()}
+            f"trusted. Point at a checkpoint directory with safetensors files or an index so the real names are read."
+        )
+    return {
+        name: (tuple(t.shape), None if t.dtype == torch.bfloat16 else str(t.dtype).removeprefix("torch."))
+        for name, t in reverted.items()
+    }
 
 
 # On-disk names transformers' revert does not give back, by model_type: name -> new name, or None to drop it.
@@ -198,6 +212,7 @@ def layer_filter(num_layers: int, num_mtp: int = 0):
     def keep(name: str) -> bool:
         match = _LAYER_NAME.match(name)
         return match is None or int(match.group(1)) < limit
+
     return keep
 
 
@@ -211,14 +226,26 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors header dtype codes -> torch dtype names (the spelling used everywhere else in shardplan).
 _SAFETENSORS_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
-    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
 }
 # A header larger than this is not a safetensors header (the format itself caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
-
-
 
 
 TensorInfo = tuple[str, tuple[int, ...], str]  # (on-disk name, shape, dtype name)
@@ -235,13 +262,17 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) != 8:
-                raise ConfigError(f"{path} is not a safetensors file: it is shorter than the 8-byte header length. "
-                                  f"Re-download it or remove it from the checkpoint directory.")
+                raise ConfigError(
+                    f"{path} is not a safetensors file: it is shorter than the 8-byte header length. "
+                    f"Re-download it or remove it from the checkpoint directory."
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             file_size = os.fstat(f.fileno()).st_size
             if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
-                raise ConfigError(f"{path} is not a safetensors file (or is truncated): its header claims "
-                                  f"{header_len} bytes but the file has {file_size}. Re-download it.")
+                raise ConfigError(
+                    f"{path} is not a safetensors file (or is truncated): its header claims "
+                    f"{header_len} bytes but the file has {file_size}. Re-download it."
+                )
             header_bytes = f.read(header_len)
     except OSError as exc:
         raise ConfigError(f"Cannot read {path}: {exc.strerror or exc}.") from exc
@@ -256,8 +287,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         try:
             dtype_code, shape = info["dtype"], tuple(int(d) for d in info["shape"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: header entry for tensor {name!r} lacks a valid 'dtype'/'shape' "
-                              f"({exc!r}). Re-download the file.") from exc
+            raise ConfigError(
+                f"{path}: header entry for tensor {name!r} lacks a valid 'dtype'/'shape' "
+                f"({exc!r}). Re-download the file."
+            ) from exc
         tensors[name] = (shape, _SAFETENSORS_DTYPES.get(dtype_code, str(dtype_code).lower()))
     return tensors
 
@@ -285,8 +318,9 @@ def checkpoint_tensors(spec: ModelSpec, dtype: Any = "bfloat16", include_mtp: bo
 def _dtype_name(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.")
     if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ShardplanError(f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or "
-                             f"'float32'.")
+        raise ShardplanError(
+            f"Unknown dtype {dtype!r}: use a torch dtype name such as 'bfloat16', 'float16' or 'float32'."
+        )
     return name
 
 
@@ -301,16 +335,17 @@ def _layer_filter(spec: ModelSpec, include_mtp: bool):
     return layer_filter(int(text.num_hidden_layers), num_mtp_layers(text, include_mtp))
 
 
-def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
-                                 include_mtp: bool) -> list[TensorInfo]:
+def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str, include_mtp: bool) -> list[TensorInfo]:
     index_path = source / INDEX_FILE
     weight_map: dict[str, str] | None = None
     if index_path.is_file():
         index = _read_json_object(index_path, str(index_path))
         weight_map = index.get("weight_map")
         if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-            raise ConfigError(f"{index_path}: field 'weight_map' is missing or not a mapping of tensor name -> "
-                              f"shard file. Re-download the index, or delete it to use the shard headers alone.")
+            raise ConfigError(
+                f"{index_path}: field 'weight_map' is missing or not a mapping of tensor name -> "
+                f"shard file. Re-download the index, or delete it to use the shard headers alone."
+            )
         shard_files = sorted({source / shard for shard in weight_map.values()})
     else:
         # Without an index, HF-format files are model*.safetensors; some repos (Mistral) also ship a
@@ -334,7 +369,8 @@ def _tensors_from_checkpoint_dir(spec: ModelSpec, source: Path, dtype_name: str,
             raise ConfigError(
                 f"{index_path}: {len(unknown)} tensor(s) listed in 'weight_map' have no shard file here and do not "
                 f"exist in a {spec.architecture} built from {spec.origin}: {shown}. Put the shard files next to the "
-                f"index so their headers can be read (quantized checkpoints need them for the extra tensors).")
+                f"index so their headers can be read (quantized checkpoints need them for the extra tensors)."
+            )
         for name in missing:
             shape, fixed = by_name[name]
             on_disk[name] = (shape, fixed or dtype_name)
@@ -368,8 +404,9 @@ def _meta_tensors(spec: ModelSpec, include_mtp: bool) -> tuple[tuple[str, tuple[
     return result
 
 
-def _build_meta_tensors(spec: ModelSpec, include_mtp: bool,
-                        sha: str) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
+def _build_meta_tensors(
+    spec: ModelSpec, include_mtp: bool, sha: str
+) -> tuple[tuple[str, tuple[int, ...], str | None], ...]:
     """From the on-disk names cache when it holds this exact list, else built (and stored there)."""
     key = _names_cache_key(spec, include_mtp, sha)
     path = _names_cache_path(key) if key is not None else None
@@ -400,8 +437,15 @@ def _names_cache_key(spec: ModelSpec, include_mtp: bool, sha: str) -> str | None
     import transformers
 
     h = hashlib.sha256()
-    for part in (_NAMES_CACHE_FORMAT, sha, repr(spec.overrides), include_mtp,
-                 spec.architecture, transformers.__version__, torch.__version__):
+    for part in (
+        _NAMES_CACHE_FORMAT,
+        sha,
+        repr(spec.overrides),
+        include_mtp,
+        spec.architecture,
+        transformers.__version__,
+        torch.__version__,
+    ):
         h.update(repr(part).encode() + b"\0")
     for module_file in (__file__, configs.__file__):
         h.update(Path(module_file).read_bytes())
@@ -422,9 +466,13 @@ def _read_names_cache(path: Path, key: str) -> tuple[MetaTensor, ...] | None:
     """The cached list, or None when absent, malformed, of another key, or not matching its seal (then rebuilt)."""
     try:
         raw = json.loads(path.read_text())
-        if not (isinstance(raw, dict) and raw.keys() == {"format", "key", "sha256", "tensors"}
-                and raw["format"] == _NAMES_CACHE_FORMAT and raw["key"] == key
-                and raw["sha256"] == _names_seal(key, raw["tensors"])):
+        if not (
+            isinstance(raw, dict)
+            and raw.keys() == {"format", "key", "sha256", "tensors"}
+            and raw["format"] == _NAMES_CACHE_FORMAT
+            and raw["key"] == key
+            and raw["sha256"] == _names_seal(key, raw["tensors"])
+        ):
             return None
     except (OSError, ValueError, TypeError, RecursionError):
         return None
@@ -433,9 +481,14 @@ def _read_names_cache(path: Path, key: str) -> tuple[MetaTensor, ...] | None:
         return None
     out = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], list)
-                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1])
-                and (row[2] is None or isinstance(row[2], str))):
+        if not (
+            isinstance(row, list)
+            and len(row) == 3
+            and isinstance(row[0], str)
+            and isinstance(row[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1])
+            and (row[2] is None or isinstance(row[2], str))
+        ):
             return None
         out.append((row[0], tuple(row[1]), row[2]))
     return tuple(out)
@@ -448,9 +501,8 @@ def _write_names_cache(path: Path, key: str, tensors: tuple[MetaTensor, ...]) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": _NAMES_CACHE_FORMAT, "key": key, "sha256": _names_seal(key, rows),
-                       "tensors": rows}, f)
-        os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the whole new one
-    except OSError:   # read-only or full cache directory: the list was built anyway
+            json.dump({"format": _NAMES_CACHE_FORMAT, "key": key, "sha256": _names_seal(key, rows), "tensors": rows}, f)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old entry or the whole new one
+    except OSError:  # read-only or full cache directory: the list was built anyway
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -13,6 +13,7 @@ left) stays a fallback, as before.
 vLLM's helper is recognised by its module, qualified name and closure variables; anything else that reads a
 parameter after loading it is still caught by `full.Recorder._param_write_without_source` (a fallback).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,12 @@ _QUALNAME = "composed_weight_loader.<locals>.composed_loader"
 def composed_parts(weight_loader) -> tuple | None:
     """(loader, fn) of a loader made by vLLM's `composed_weight_loader`; None for any other function."""
     code = getattr(weight_loader, "__code__", None)
-    if (code is None or getattr(weight_loader, "__module__", None) != _MODULE
-            or getattr(weight_loader, "__qualname__", None) != _QUALNAME
-            or sorted(code.co_freevars) != ["fn", "loader"]):
+    if (
+        code is None
+        or getattr(weight_loader, "__module__", None) != _MODULE
+        or getattr(weight_loader, "__qualname__", None) != _QUALNAME
+        or sorted(code.co_freevars) != ["fn", "loader"]
+    ):
         return None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in weight_loader.__closure__)))
     return cells["loader"], cells["fn"]
@@ -48,7 +52,7 @@ def composed_loaders_recorded(recorder):
         if parts is not None:
             try:
                 p.weight_loader = _recording_loader(recorder, *parts)
-            except AttributeError:   # a read-only property (vLLM parameter classes): recorded as before, a fallback
+            except AttributeError:  # a read-only property (vLLM parameter classes): recorded as before, a fallback
                 continue
             swapped.append((p, original))
     try:
@@ -60,8 +64,9 @@ def composed_loaders_recorded(recorder):
 
 def _recording_loader(recorder, loader, fn):
     def composed_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        loader(param, loaded_weight)          # recorded as usual: writes into param
-        param.data.copy_(fn(param_value(recorder, param)))   # the one write that replaces them
+        loader(param, loaded_weight)  # recorded as usual: writes into param
+        param.data.copy_(fn(param_value(recorder, param)))  # the one write that replaces them
+
     return composed_loader
 
 
@@ -75,8 +80,11 @@ def param_value(recorder, param: torch.Tensor) -> RecTensor:
         ir.sources(w.src.leaf, sources)
     numel = base.numel()
     if not base.is_contiguous() or not _covers(writes, numel):
-        raise ValueRead(sources, "composed_weight_loader", f"the loader computes {pname} from its value, but the "
-                                                            f"writes before do not cover it whole")
+        raise ValueRead(
+            sources,
+            "composed_weight_loader",
+            f"the loader computes {pname} from its value, but the writes before do not cover it whole",
+        )
     # the base never shows (the writes cover it); 0, not NaN: plans compare equal (NaN != NaN), and where it would
     # show, verify still fails (the real loader's poisoned NaN through fn, against fn(0))
     leaf: ir.Leaf = ir.Full(0, (numel,), dtype_name(base.dtype))

@@ -16,6 +16,7 @@ is `num_hidden_layers`), nested text configs (Llama 4's `text_config`), and the 
 The result is the JSON vLLM is given (`materialize`), the config object, and its text config with the sizes every
 consumer needs checked.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,19 +30,39 @@ from shardplan.models import ConfigError, ModelSpec
 from shardplan.plan.file.checks import MAX_NUMEL, MAX_WRITES_PER_RANK
 from shardplan.record import cpushim, remote
 
-cpushim.activate()   # before any vLLM or transformers import of the record side: vLLM's Qwen3.5 needs torchvision
+cpushim.activate()  # before any vLLM or transformers import of the record side: vLLM's Qwen3.5 needs torchvision
 
-__all__ = ["HFView", "ModelTooLarge", "TEXT_CONFIG_KEYS", "UnknownConfigKey", "UnsupportedArchitecture",
-           "check_architecture",
-           "config_class", "hf_view"]
+__all__ = [
+    "HFView",
+    "ModelTooLarge",
+    "TEXT_CONFIG_KEYS",
+    "UnknownConfigKey",
+    "UnsupportedArchitecture",
+    "check_architecture",
+    "config_class",
+    "hf_view",
+]
 
 # Sizes vLLM and our tensor listing read from the text config; after aliases and defaults each must be a positive int.
 _REQUIRED_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Legacy spellings transformers still accepts as constructor keywords (renamed in transformers 5) and keys every
 # config may carry without the class declaring them.
-_GENERIC_KEYS = {"rope_scaling", "torch_dtype", "quantization_config", "use_cache", "pad_token_id", "bos_token_id",
-                 "eos_token_id", "tie_word_embeddings", "max_position_embeddings", "rope_theta", "head_dim",
-                 "_name_or_path", "auto_map", "name_or_path"}
+_GENERIC_KEYS = {
+    "rope_scaling",
+    "torch_dtype",
+    "quantization_config",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "rope_theta",
+    "head_dim",
+    "_name_or_path",
+    "auto_map",
+    "name_or_path",
+}
 # Where composite (multimodal) configs keep the language model's config, in the order get_text_config looks.
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "decoder")
 # model_types of hub configs that transformers does not register, read by vLLM with the class of another type.
@@ -73,6 +94,7 @@ def config_class(model_type: str):
 class HFView:
     """A spec read through its config class: `config` is the JSON vLLM is given, `hf_config` the config object,
     `text_config` the language model's part of it (hf_config itself for text-only models)."""
+
     spec: ModelSpec
     config: dict[str, Any]
     hf_config: Any
@@ -84,8 +106,10 @@ class HFView:
 
     @property
     def num_experts(self) -> int:
-        return max(int(getattr(self.text_config, k, 0) or 0)
-                   for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"))
+        return max(
+            int(getattr(self.text_config, k, 0) or 0)
+            for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+        )
 
 
 def hf_view(spec: ModelSpec) -> HFView:
@@ -104,7 +128,8 @@ def hf_view(spec: ModelSpec) -> HFView:
             f"{transformers.__version__} nor vLLM has a config class for (only remote code defines it). Pass "
             f"--trust-remote-code with --model pointing at the local checkpoint directory holding its "
             f"configuration_*.py (as vllm serve --trust-remote-code; the code runs), or use the model_type of the "
-            f"architecture it is built on, e.g. --override model_type=llama, if the config is a renamed copy of one.")
+            f"architecture it is built on, e.g. --override model_type=llama, if the config is a renamed copy of one."
+        )
     config = copy.deepcopy(base)
     for path, value in spec.overrides:
         _apply(config, cls, path, value, spec)
@@ -118,14 +143,18 @@ def hf_view(spec: ModelSpec) -> HFView:
 
 # ------------------------------------------------------------------------------------------------ overrides
 
+
 def _known_keys(cls, node: dict[str, Any]) -> set[str]:
     """Keys valid in a config of class `cls` whose JSON is `node`: what the file has, the class's fields and
     constructor arguments, its aliases, and the keys every config may carry."""
     keys = set(node) | _GENERIC_KEYS | set(getattr(cls, "attribute_map", {}) or {})
     keys |= set(getattr(cls, "__dataclass_fields__", {}))
     try:
-        keys |= {p for p, v in inspect.signature(cls.__init__).parameters.items()
-                 if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)} - {"self"}
+        keys |= {
+            p
+            for p, v in inspect.signature(cls.__init__).parameters.items()
+            if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)
+        } - {"self"}
     except (TypeError, ValueError):
         pass
     keys |= set(getattr(cls, "sub_configs", {}) or {})
@@ -152,14 +181,18 @@ def _apply(node: dict[str, Any], cls, path: tuple[str, ...], value: Any, spec: M
                 child = node[text_key] = {}
             _apply(child, text_cls, path, value, spec, f"{where}{text_key}.")
             return
-        valid = known | ({f"{text_key}.{k}" for k in _known_keys(text_cls, node.get(text_key) or {})}
-                         if text_cls is not None else set())
+        valid = known | (
+            {f"{text_key}.{k}" for k in _known_keys(text_cls, node.get(text_key) or {})}
+            if text_cls is not None
+            else set()
+        )
         close = difflib.get_close_matches(key, sorted(valid), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(where + c) for c in close)}?" if close else ""
         raise UnknownConfigKey(
             f"{spec.origin}: override '{where}{'.'.join(path)}' names no field of {cls.__name__} (model_type "
             f"{getattr(cls, 'model_type', '?')!r}), none of its aliases and no nested config.{hint} Fix the key; to "
-            f"add a key the config class does not declare on purpose, prefix it with '+' (--override +{key}=...).")
+            f"add a key the config class does not declare on purpose, prefix it with '+' (--override +{key}=...)."
+        )
     sub_cls = (getattr(cls, "sub_configs", {}) or {}).get(key)
     if rest:
         child = node.get(key)
@@ -184,12 +217,13 @@ def _apply(node: dict[str, Any], cls, path: tuple[str, ...], value: Any, spec: M
 # Fields holding RoPE parameters, whose keys transformers' rope validators know (it only warns on others, so a
 # misspelt `rope_scaling.factorr=2` would be recorded with the default factor).
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters")
-_ROPE_EXTRA_KEYS = {"type", "mscale", "mscale_all_dim", "truncate"}   # yarn's and the legacy spelling of rope_type
+_ROPE_EXTRA_KEYS = {"type", "mscale", "mscale_all_dim", "truncate"}  # yarn's and the legacy spelling of rope_type
 
 
 def _rope_keys(cls) -> set[str]:
     try:
         from transformers.modeling_rope_utils import RopeParameters
+
         keys = set(RopeParameters.__annotations__)
     except ImportError:
         keys = set()
@@ -213,12 +247,13 @@ def _check_nested(mapping: Any, cls, field: str, rest: tuple[str, ...], spec: Mo
                 f"{spec.origin}: override '{done}.{part}' names no key of '{done}' (it holds "
                 f"{sorted(set(level)) if isinstance(level, dict) else 'nothing yet'}"
                 f"{'; RoPE parameters transformers knows: ' + ', '.join(sorted(schema)) if schema else ''}).{hint} "
-                f"Fix the key; to add it on purpose, prefix it with '+' (--override {done}.+{part}=...).")
+                f"Fix the key; to add it on purpose, prefix it with '+' (--override {done}.+{part}=...)."
+            )
         level, done = level.get(part) if isinstance(level, dict) else None, f"{done}.{part}"
 
 
 def _set_nested(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    path = tuple(p[1:] if p.startswith("+") else p for p in path)   # '+': a key added on purpose
+    path = tuple(p[1:] if p.startswith("+") else p for p in path)  # '+': a key added on purpose
     for part in path[:-1]:
         child = node.get(part)
         if not isinstance(child, dict):
@@ -228,6 +263,7 @@ def _set_nested(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None
 
 
 # ------------------------------------------------------------------------------------------------ reading
+
 
 def _instantiate(cls, config: dict[str, Any], spec: ModelSpec):
     import transformers
@@ -258,8 +294,10 @@ def _check_sizes(text_config, config: dict[str, Any], spec: ModelSpec) -> None:
             spelled = field if field in config or aliases.get(field) not in config else aliases[field]
             where = f"{spec.origin} (after overrides)" if spec.overrides else spec.origin
             got = "is missing" if value is None else f"must be a positive integer, got {json.dumps(value, default=str)}"
-            raise ConfigError(f"{where}: field '{spelled}' {got} in the {type(text_config).__name__} vLLM reads. "
-                              f"Fix config.json or pass an override such as {field}=<int>.")
+            raise ConfigError(
+                f"{where}: field '{spelled}' {got} in the {type(text_config).__name__} vLLM reads. "
+                f"Fix config.json or pass an override such as {field}=<int>."
+            )
 
 
 class ModelTooLarge(ConfigError):
@@ -287,14 +325,16 @@ def _check_scale(view: HFView) -> None:
             f"{where}: {view.num_hidden_layers} layers x {view.num_experts} experts is an estimated {tensors} "
             f"checkpoint tensors ({_TENSORS_PER_LAYER} per layer + {_TENSORS_PER_EXPERT} per expert), more than the "
             f"{MAX_WRITES_PER_RANK} writes a plan holds per rank. Record a shrunk model (--override "
-            f"num_hidden_layers=2) or fix the value.")
+            f"num_hidden_layers=2) or fix the value."
+        )
     hidden = int(text.hidden_size)
     for field in ("vocab_size", "intermediate_size", "moe_intermediate_size"):
         width = getattr(text, field, None)
         if isinstance(width, int) and not isinstance(width, bool) and hidden * width > MAX_NUMEL:
             raise ModelTooLarge(
                 f"{where}: hidden_size {hidden} x {field} {width} is {hidden * width} elements in one tensor, more "
-                f"than the {MAX_NUMEL} a plan can address. Fix the value.")
+                f"than the {MAX_NUMEL} a plan can address. Fix the value."
+            )
 
 
 class UnsupportedArchitecture(ConfigError):
@@ -317,7 +357,8 @@ def check_architecture(spec: ModelSpec) -> None:
         f"{spec.origin}: field 'architectures' names {arch!r}, which vLLM {vllm.__version__} does not implement and "
         f"transformers {transformers.__version__} has no class of that name for vLLM's Transformers backend to "
         f"serve.{hint} Fix 'architectures' in config.json (or --override 'architectures=[\"...\"]'); "
-        f"`shardplan coverage` lists every text decoder vLLM implements and how each fares.")
+        f"`shardplan coverage` lists every text decoder vLLM implements and how each fares."
+    )
 
 
 def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
@@ -333,8 +374,13 @@ def shrink_layers_overrides(spec: ModelSpec, num_layers: int) -> list[str]:
         if isinstance(value, list) and len(value) == old and old > 1 and key != "architectures":
             out.append(f"{prefix}{key}={json.dumps(value[:num_layers])}")
         elif isinstance(value, dict):  # layer index lists that together cover every layer (Kimi-Linear's KDA/MLA)
-            lists = {k: v for k, v in value.items() if k.endswith("_layers") and isinstance(v, list)
-                     and all(isinstance(i, int) and not isinstance(i, bool) for i in v)}
+            lists = {
+                k: v
+                for k, v in value.items()
+                if k.endswith("_layers")
+                and isinstance(v, list)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            }
             covered = sorted(i for v in lists.values() for i in v)
             if lists and covered in (list(range(old)), list(range(1, old + 1))):
                 base = covered[0]

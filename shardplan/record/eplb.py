@@ -14,13 +14,16 @@ the parallel state, this module fakes what EPLB changes at build and load time:
 `load_with_placement` is the reference: vLLM's real loader with the mapping built from a given placement, one MoE
 layer at a time (the mapping is per model in DeepSeek-V3's loader, per layer in the placement).
 """
+
 from __future__ import annotations
 
 import contextlib
+
 from shardplan.plan import ir
 from shardplan.plan.names import expert_of, layer_of, slot_name, with_expert
 from shardplan.plan.placement import EplbSlots, Placement, rename_leaf
 from shardplan.record.build import LayoutRejected
+
 
 def num_logical_experts(config: dict) -> int:
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
@@ -35,17 +38,21 @@ def eplb_slots(tensors, layout, num_redundant: int, config: dict, label: str) ->
     num_experts = num_logical_experts(config)
     ep_size = layout.dp * layout.tp
     if type(num_redundant) is not int or num_redundant < 0:
-        raise LayoutRejected(f"--eplb-redundant must be a non-negative integer (vLLM's num_redundant_experts), got "
-                             f"{num_redundant!r}")
+        raise LayoutRejected(
+            f"--eplb-redundant must be a non-negative integer (vLLM's num_redundant_experts), got {num_redundant!r}"
+        )
     if not layout.ep or not num_experts:
         raise LayoutRejected(f"--eplb-redundant needs --ep and a mixture-of-experts model ({label})")
     if ep_size <= 1:
-        raise LayoutRejected(f"vLLM's EPLB needs an expert-parallel group of more than one rank (TP x DP > 1), "
-                             f"{label} has {ep_size}")
+        raise LayoutRejected(
+            f"vLLM's EPLB needs an expert-parallel group of more than one rank (TP x DP > 1), {label} has {ep_size}"
+        )
     if (num_experts + num_redundant) % ep_size:
-        raise LayoutRejected(f"vLLM's EPLB splits experts evenly over EP ranks: {num_experts} experts + "
-                             f"{num_redundant} redundant do not divide over {ep_size} EP ranks ({label}); choose R "
-                             f"so that E + R is a multiple of {ep_size}")
+        raise LayoutRejected(
+            f"vLLM's EPLB splits experts evenly over EP ranks: {num_experts} experts + "
+            f"{num_redundant} redundant do not divide over {ep_size} EP ranks ({label}); choose R "
+            f"so that E + R is a multiple of {ep_size}"
+        )
     layers = sorted({layer_of(n) for n, _, _ in tensors if expert_of(n) is not None and layer_of(n) >= 0})
     return EplbSlots(num_experts, num_redundant, ep_size, tuple(layers))
 
@@ -89,12 +96,12 @@ def identity_slots():
 
 def slot_plan(plan: ir.RankPlan, slots: EplbSlots) -> ir.RankPlan:
     """A plan recorded under identity_slots with every expert source renamed to its slot (`experts.slot.<p>`)."""
+
     def name(n: str) -> str:
         e = expert_of(n)
         return slot_name(n, e) if e is not None and layer_of(n) in slots.moe_layers else n
 
-    writes = tuple(ir.Write(w.param, w.dst, ir.View(rename_leaf(w.src.leaf, name), w.src.region))
-                   for w in plan.writes)
+    writes = tuple(ir.Write(w.param, w.dst, ir.View(rename_leaf(w.src.leaf, name), w.src.region)) for w in plan.writes)
     fallbacks = tuple(ir.Fallback(name(f.source), f.op, f.reason, f.loader) for f in plan.fallbacks)
     # which real experts a rank reads depends on the placement: only non-expert names stay listed
     not_needed = tuple(n for n in plan.not_needed if expert_of(n) is None or layer_of(n) not in slots.moe_layers)
@@ -117,5 +124,6 @@ def load_with_placement(model, checkpoint: dict, placement: Placement | None, sl
         def mapping(num_experts, num_redundant, row=row):
             assert num_experts + num_redundant == len(row), (num_experts, num_redundant, len(row))
             return row
+
         with placement_map(mapping):
             model.load_weights(iter(experts))

@@ -1,4 +1,5 @@
 """The fast tier of the recorder (see FastRecorder): plain meta tensors, only the sinks hooked."""
+
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ from shardplan.errors import exception_text
 from shardplan.plan import ir
 from shardplan.record.hooks import ACTIVE, COPY, EMPTY, FACTORIES, FILL, TO, ZERO, hooks_installed
 from shardplan.record.recording import RankRecording, TensorBase, dtype_name, op_name, region_in, tensor_args
+
 
 class _FastGaveUp(Exception):
     """The fast tier met something it does not record; the full tier takes the whole rank over."""
@@ -54,6 +56,7 @@ class FastRecorder:
                 keepalive.append(t)
                 rec.fed.append(name)
                 yield name, t
+
         with hooks_installed(_fast_hook):
             ACTIVE.recorder = self
             try:
@@ -83,9 +86,13 @@ class FastRecorder:
                 if src.dtype != fed[1] or src.shape != shape:
                     self.give_up(f"{fed[0].name} is copied into {entry[0]} through a dtype view or a broadcast")
                 pname, param = entry
-                self.rec.writes.append(ir.Write(
-                    pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
-                    ir.View(fed[0], ir.Region(src.storage_offset(), tuple(shape), src.stride()))))
+                self.rec.writes.append(
+                    ir.Write(
+                        pname,
+                        ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
+                        ir.View(fed[0], ir.Region(src.storage_offset(), tuple(shape), src.stride())),
+                    )
+                )
                 return dst
             if entry is not None and isinstance(src, TensorBase):
                 self.give_up(f"a tensor that is not a view of a fed checkpoint tensor is copied into {entry[0]}")
@@ -98,15 +105,22 @@ class FastRecorder:
         dst = args[0] if args else None
         if isinstance(dst, TensorBase) and not kwargs:
             entry = self.param_of.get(dst.untyped_storage()._cdata)
-            value = 0 if original is ZERO and len(args) == 1 else (
-                args[1] if original is FILL and len(args) == 2 and type(args[1]) in (bool, int, float) else None)
+            value = (
+                0
+                if original is ZERO and len(args) == 1
+                else (args[1] if original is FILL and len(args) == 2 and type(args[1]) in (bool, int, float) else None)
+            )
             if entry is not None and value is not None:
                 out = original(*args)
                 pname, param = entry
                 sizes = tuple(dst.shape)
-                self.rec.writes.append(ir.Write(pname, region_in(dst, param),
-                                                ir.View(ir.Full(value, sizes, dtype_name(dst.dtype)),
-                                                        ir.full_region(sizes))))
+                self.rec.writes.append(
+                    ir.Write(
+                        pname,
+                        region_in(dst, param),
+                        ir.View(ir.Full(value, sizes, dtype_name(dst.dtype)), ir.full_region(sizes)),
+                    )
+                )
                 return out
         self.check_untouched(op_name(original), args, kwargs)
         return original(*args, **kwargs)
@@ -124,18 +138,22 @@ class FastRecorder:
 def _fast_hook(original):
     """The fast tier's wrapper of a hooked function (see FastRecorder)."""
     if original is COPY:
+
         def hooked_copy(dst, src=None, *rest, **kwargs):
             fast = ACTIVE.recorder
             if fast is None:
                 return original(dst, src, *rest, **kwargs)
             return fast.sink(dst, src, rest, kwargs)
+
         return hooked_copy
     if original is FILL or original is ZERO:
+
         def hooked_fill(*args, **kwargs):
             fast = ACTIVE.recorder
             if fast is None:
                 return original(*args, **kwargs)
             return fast.fill(original, args, kwargs)
+
         return hooked_fill
     name = op_name(original)
     is_factory = original in FACTORIES
@@ -155,4 +173,5 @@ def _fast_hook(original):
                     fast.give_up("the loader moves a constant tensor to the meta device")  # (see Recorder.handle)
                 return out
         return original(*args, **kwargs)
+
     return hooked

@@ -6,6 +6,7 @@ memory flat in the number of ranks. When the body is the cut model's (sampled la
 many layers of the whole model each recorded layer stands for (0 for a layer recorded only to check invariance), so
 the figures are the whole model's without building its body twice.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -15,11 +16,10 @@ import numpy as np
 
 from shardplan.plan import ir
 from shardplan.plan.body import PlanBody
-from shardplan.plan.rowkeys import distinct_rows, expand_trie
-from shardplan.plan.template import trie_count
 from shardplan.plan.inspect import _fill, _hole_layout
 from shardplan.plan.names import layer_of
-
+from shardplan.plan.rowkeys import distinct_rows, expand_trie
+from shardplan.plan.template import trie_count
 
 # rows expanded at once: the ranks are counted in chunks of about this many rows (at least one rank), so the memory
 # does not grow with the number of ranks (a non-EP Kimi-K2 rank of the cut model has ~2k rows, x256 ranks)
@@ -80,6 +80,7 @@ def _ranks_within(index, lo: int, hi: int):
 
 def _count(body: PlanBody, lo: int, hi: int, mult: dict, nbytes: dict, num_read: dict) -> None:
     """Adds the figures of ranks lo..hi-1 to `nbytes` and `num_read`."""
+
     def weight(layers: np.ndarray) -> np.ndarray:
         if not mult:
             return np.ones(len(layers), dtype=np.int64)
@@ -101,7 +102,7 @@ def _count(body: PlanBody, lo: int, hi: int, mult: dict, nbytes: dict, num_read:
         holes = g.coeffs[:, :1].T + rows @ g.coeffs[:, 1:].T
         info = _hole_layout(g.skeleton)
         numel = np.prod(holes[:, info["sizes"]], axis=1) if info["sizes"] else np.ones(len(holes), dtype=np.int64)
-        first_name = _fill(info["param_text"], holes[0, :info["num_name"]].tolist())
+        first_name = _fill(info["param_text"], holes[0, : info["num_name"]].tolist())
         size = ir.itemsize(body.params[first_name].dtype) if first_name in body.params else 2
         ranks, inverse = np.unique(rows[:, 0], return_inverse=True)
         sums = np.bincount(inverse.reshape(-1), weights=(numel * weight(rows[:, 1])).astype(np.float64))
@@ -109,7 +110,7 @@ def _count(body: PlanBody, lo: int, hi: int, mult: dict, nbytes: dict, num_read:
             nbytes[rank] += int(total) * size
         for text, cols in _source_slots(g.skeleton):
             if "layers.{}." in text:
-                cols = [1] + cols   # the source's layer index is fitted on the param layer (variable 1)
+                cols = [1] + cols  # the source's layer index is fitted on the param layer (variable 1)
             read[text].append(rows[:, [0] + cols])
     for rank, writes in body.ordered.items():
         if not lo <= rank < hi:
@@ -157,5 +158,6 @@ def _source_slots(skeleton) -> list[tuple[str, list[int]]]:
                 return
             for child in node:
                 walk(child)
+
     walk(skeleton[3])
     return out

@@ -8,6 +8,7 @@ layer, and on this AVX2 build no CPU FP8 kernel qualifies (docs: /work/shared/no
 build fails before a single weight is loaded. We never run those kernels (only `load_weights`), so for the duration of
 a build we answer "yes" to the two capability probes that kernel choice reads, and restore them afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,11 @@ class Fp8ConfigError(ShardplanError):
 def block_size(config: Mapping[str, Any] | Any) -> tuple[int, int] | None:
     """(block_n, block_k) of a block-FP8 `quantization_config` (in an HF config dict or a transformers config), or None
     when the config is not block-quantized FP8."""
-    quant = config.get("quantization_config") if isinstance(config, Mapping) else \
-        getattr(config, "quantization_config", None)
+    quant = (
+        config.get("quantization_config")
+        if isinstance(config, Mapping)
+        else getattr(config, "quantization_config", None)
+    )
     if not quant:
         return None
     if not isinstance(quant, Mapping):
@@ -41,10 +45,10 @@ def block_size(config: Mapping[str, Any] | Any) -> tuple[int, int] | None:
     if quant.get("quant_method") != "fp8" or quant.get("weight_block_size") is None:
         return None
     size = quant["weight_block_size"]
-    if (not isinstance(size, (list, tuple)) or len(size) != 2
-            or not all(isinstance(s, int) and s > 0 for s in size)):
-        raise Fp8ConfigError(f"quantization_config.weight_block_size must be two positive ints such as [128, 128], "
-                             f"got {size!r}")
+    if not isinstance(size, (list, tuple)) or len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        raise Fp8ConfigError(
+            f"quantization_config.weight_block_size must be two positive ints such as [128, 128], got {size!r}"
+        )
     if quant.get("fmt", "e4m3") != "e4m3":
         raise Fp8ConfigError(f"quantization_config.fmt {quant.get('fmt')!r}: only e4m3 block FP8 is supported")
     return int(size[0]), int(size[1])
@@ -64,8 +68,10 @@ def is_quantized(name: str, shape, config: Mapping[str, Any]) -> bool:
     if len(shape) != 2 or not name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or ".layers." not in name:
         return False
     module = name.removesuffix(".weight")
-    return not any(skip and (module == skip or module.startswith(skip + ".") or f".{skip}." in f".{module}.")
-                   for skip in not_converted(config))
+    return not any(
+        skip and (module == skip or module.startswith(skip + ".") or f".{skip}." in f".{module}.")
+        for skip in not_converted(config)
+    )
 
 
 def scale_shape(shape, block: tuple[int, int]) -> tuple[int, int]:

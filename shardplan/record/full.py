@@ -25,6 +25,7 @@ costs ~1.5x on vLLM's loaders even when it does nothing; it is pushed only once 
 
 Parameters are identified by their storage: vLLM loaders write into `param.data[...]`, a plain view, not the Parameter.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,25 +36,83 @@ from torch.overrides import TorchFunctionMode
 from shardplan.plan import ir
 from shardplan.record.hooks import ACTIVE, COPY, FACTORIES, NAN, ORIGINAL, hooks_installed
 from shardplan.record.recording import RankRecording, TensorBase, ValueRead, dtype_name, op_name, region_in, tensor_args
-from shardplan.record.rectensor import (FAST_VIEWS, NO_SUBCLASS_TF, PASSTHROUGH, RecTensor, make_subclass,
-                                        storage_key, wrap)
+from shardplan.record.rectensor import (
+    FAST_VIEWS,
+    NO_SUBCLASS_TF,
+    PASSTHROUGH,
+    RecTensor,
+    make_subclass,
+    storage_key,
+    wrap,
+)
 
 # Calls that only read metadata (shape, dtype, ...): answered from the meta tensor, never a value read.
-_METADATA = frozenset({
-    "Tensor.size", "Tensor.dim", "Tensor.ndimension", "Tensor.stride", "Tensor.numel", "Tensor.nelement",
-    "Tensor.storage_offset", "Tensor.element_size", "Tensor.is_contiguous", "Tensor.__len__", "Tensor.get_device",
-    "Tensor.is_floating_point", "Tensor.is_complex", "Tensor.untyped_storage", "Tensor.__hash__", "Tensor.__format__",
-    "Tensor.__repr__", "Tensor.data_ptr", "Tensor.type", "Tensor.__reduce_ex__", "Tensor.__eq__.get",
-})
+_METADATA = frozenset(
+    {
+        "Tensor.size",
+        "Tensor.dim",
+        "Tensor.ndimension",
+        "Tensor.stride",
+        "Tensor.numel",
+        "Tensor.nelement",
+        "Tensor.storage_offset",
+        "Tensor.element_size",
+        "Tensor.is_contiguous",
+        "Tensor.__len__",
+        "Tensor.get_device",
+        "Tensor.is_floating_point",
+        "Tensor.is_complex",
+        "Tensor.untyped_storage",
+        "Tensor.__hash__",
+        "Tensor.__format__",
+        "Tensor.__repr__",
+        "Tensor.data_ptr",
+        "Tensor.type",
+        "Tensor.__reduce_ex__",
+        "Tensor.__eq__.get",
+    }
+)
 # Value reads: the loader looks at data.
-_VALUE_READS = frozenset({
-    "Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__int__", "Tensor.__float__", "Tensor.__index__",
-    "Tensor.numpy", "Tensor.equal", "torch.equal", "torch.allclose", "Tensor.allclose", "Tensor.__array__",
-    "Tensor.any", "Tensor.all", "torch.any", "torch.all", "torch.nonzero", "Tensor.nonzero", "torch.unique",
-    "torch.where", "Tensor.__eq__", "Tensor.__ne__", "Tensor.__lt__", "Tensor.__gt__", "Tensor.__le__",
-    "Tensor.__ge__", "torch.isnan", "torch.isinf", "Tensor.max", "Tensor.min", "Tensor.abs", "Tensor.sum",
-    "torch.sum", "Tensor.mean", "torch.max", "torch.min",
-})
+_VALUE_READS = frozenset(
+    {
+        "Tensor.item",
+        "Tensor.tolist",
+        "Tensor.__bool__",
+        "Tensor.__int__",
+        "Tensor.__float__",
+        "Tensor.__index__",
+        "Tensor.numpy",
+        "Tensor.equal",
+        "torch.equal",
+        "torch.allclose",
+        "Tensor.allclose",
+        "Tensor.__array__",
+        "Tensor.any",
+        "Tensor.all",
+        "torch.any",
+        "torch.all",
+        "torch.nonzero",
+        "Tensor.nonzero",
+        "torch.unique",
+        "torch.where",
+        "Tensor.__eq__",
+        "Tensor.__ne__",
+        "Tensor.__lt__",
+        "Tensor.__gt__",
+        "Tensor.__le__",
+        "Tensor.__ge__",
+        "torch.isnan",
+        "torch.isinf",
+        "Tensor.max",
+        "Tensor.min",
+        "Tensor.abs",
+        "Tensor.sum",
+        "torch.sum",
+        "Tensor.mean",
+        "torch.max",
+        "torch.min",
+    }
+)
 
 
 class Recorder:
@@ -103,8 +162,14 @@ class Recorder:
                     out = self._fast_view(func, args, kwargs)
                     if out is not None:
                         return out
-                elif func is COPY and len(args) == 2 and not kwargs and type(args[1]) is RecTensor \
-                        and type(args[0]) is not RecTensor and not self.num_scratch:
+                elif (
+                    func is COPY
+                    and len(args) == 2
+                    and not kwargs
+                    and type(args[1]) is RecTensor
+                    and type(args[0]) is not RecTensor
+                    and not self.num_scratch
+                ):
                     out = self._fast_copy(args[0], args[1])
                     if out is not None:
                         return out
@@ -134,9 +199,15 @@ class Recorder:
         self.fast_counts[COPY] = self.fast_counts.get(COPY, 0) + 1
         pname, param = entry
         plain = src._plain
-        self.rec.writes.append(ir.Write(
-            pname, ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
-            ir.View(self.leaf_of[src._storage_key], ir.Region(plain.storage_offset(), tuple(shape), plain.stride()))))
+        self.rec.writes.append(
+            ir.Write(
+                pname,
+                ir.Region(dst.storage_offset() - param.storage_offset(), tuple(shape), dst.stride()),
+                ir.View(
+                    self.leaf_of[src._storage_key], ir.Region(plain.storage_offset(), tuple(shape), plain.stride())
+                ),
+            )
+        )
         return dst
 
     def watch_everything(self) -> None:
@@ -170,8 +241,12 @@ class Recorder:
         else:
             tracked = [a for a in tensor_args(args, kwargs) if type(a) is RecTensor]
         if not tracked:
-            if func is ORIGINAL["Tensor.to"] and args and isinstance(args[0], torch.Tensor) \
-                    and args[0].device.type != "meta":
+            if (
+                func is ORIGINAL["Tensor.to"]
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].device.type != "meta"
+            ):
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.device.type == "meta":
                     # `idx.to(loaded_weight.device)` (Llama 4's EP expert indices): in a real load the loaded tensor
@@ -185,10 +260,16 @@ class Recorder:
                 k = storage_key(args[0])
                 if k in self.param_of:
                     return self._param_write_without_source(func, args, kwargs)
-            elif _is_inplace(func) and args and isinstance(args[0], torch.Tensor) and storage_key(args[0]) in self.param_of:
+            elif (
+                _is_inplace(func)
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and storage_key(args[0]) in self.param_of
+            ):
                 # `param.mul_(s)` after loading: transforms data the plan wrote, which a plan cannot express
-                self._check_param_untouched(storage_key(args[0]), op_name(func), "an in-place op on a parameter that "
-                                                                           "already holds loaded data")
+                self._check_param_untouched(
+                    storage_key(args[0]), op_name(func), "an in-place op on a parameter that already holds loaded data"
+                )
             return func(*args, **kwargs)
         name = _OP_NAMES.get(func)
         if name is None:
@@ -200,22 +281,27 @@ class Recorder:
         if name in ("Tensor.data.set", "Tensor.set_"):
             # `param.data = loaded`: the parameter now *is* the loaded tensor (its storage and geometry), which a
             # plan of copies cannot express; the consumer runs the real loader for it
-            raise ValueRead(self.sources_of(tracked), name, "the loader replaces a tensor's storage (`.data = ...` "
-                                                             "or set_)")
+            raise ValueRead(
+                self.sources_of(tracked), name, "the loader replaces a tensor's storage (`.data = ...` or set_)"
+            )
         if name.endswith(".get") and name[:-4] not in _VALUE_READS:
             # `t.T`, `t.mT`, `t.data`: a view of the loaded tensor. Return it as a RecTensor: the fast path below
             # recognises tracked tensors by type, so a plain tensor here would make later ops on it (`t.T.contiguous()`)
             # invisible and their writes silently lost.
             return _as_rec(func(*args, **kwargs))
         if name in _VALUE_READS:
-            raise ValueRead(self.sources_of(tracked), name, "the loader reads tensor values, which a recording "
-                                                              "does not have")
+            raise ValueRead(
+                self.sources_of(tracked), name, "the loader reads tensor values, which a recording does not have"
+            )
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name in ("Tensor.copy_", "Tensor.__setitem__") and dst is not None and not self._tracked(dst):
             return self._sink(name, func, args, kwargs)
         # `t[i] = v` into a loaded (or scratch) tensor is in-place too: it used to fall through to _op and be lost
-        if (name == "Tensor.__setitem__" or name.endswith("_") and not name.endswith("__")) and dst is not None \
-                and self._tracked(dst):
+        if (
+            (name == "Tensor.__setitem__" or name.endswith("_") and not name.endswith("__"))
+            and dst is not None
+            and self._tracked(dst)
+        ):
             return self._inplace_on_loaded(name, func, args, kwargs, tracked)
         return self._op(name, func, args, kwargs, tracked)
 
@@ -227,14 +313,17 @@ class Recorder:
             if not isinstance(o, TensorBase):
                 continue
             k = storage_key(o)
-            if k in self.leaf_of:      # a view of a tracked storage: geometry says everything
+            if k in self.leaf_of:  # a view of a tracked storage: geometry says everything
                 continue
             if name not in ir.ALLOWED_OPS:
                 raise ValueRead(self.sources_of(tracked), name, f"op {name} is not in the replay allowlist")
             if new_leaf is None:
                 new_leaf = self._call_leaf(name, args, kwargs, tracked)
-            self.leaf_of[k] = new_leaf if not isinstance(out, (tuple, list)) else ir.Call(
-                new_leaf.op, new_leaf.args, new_leaf.kwargs, new_leaf.inputs, i)
+            self.leaf_of[k] = (
+                new_leaf
+                if not isinstance(out, (tuple, list))
+                else ir.Call(new_leaf.op, new_leaf.args, new_leaf.kwargs, new_leaf.inputs, i)
+            )
             self.keepalive.append(o)
         if isinstance(out, (tuple, list)):
             return type(out)(_as_rec(o) for o in out)
@@ -252,8 +341,11 @@ class Recorder:
                         inputs.append(self.view_of(a))
                     return ir.Arg(index_of[id(a)])
                 if a.device.type == "meta":
-                    raise ValueRead(self.sources_of(tracked), name, "an argument is a model tensor on the meta "
-                                                                     "device, whose values are unknown")
+                    raise ValueRead(
+                        self.sources_of(tracked),
+                        name,
+                        "an argument is a model tensor on the meta device, whose values are unknown",
+                    )
                 flat = a.detach().cpu().reshape(-1)
                 if flat.numel() > 1 << 16:
                     raise ValueRead(self.sources_of(tracked), name, "a constant tensor argument is too large")
@@ -323,11 +415,13 @@ class Recorder:
         k = storage_key(dst)
         if k not in self.param_of:
             # a scratch tensor of the loader (copied into a parameter later): track it like a loaded tensor
-            base = self.leaf_of.get(k) or ir.Full(NAN, (dst.untyped_storage().nbytes() // dst.element_size(),),
-                                                 dtype_name(dst.dtype))
+            base = self.leaf_of.get(k) or ir.Full(
+                NAN, (dst.untyped_storage().nbytes() // dst.element_size(),), dtype_name(dst.dtype)
+            )
             region = ir.Region(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
-            self.leaf_of[k] = ir.Update(base, region, self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype),
-                                                                       [src], name))
+            self.leaf_of[k] = ir.Update(
+                base, region, self._value_view(src, tuple(dst.shape), dtype_name(dst.dtype), [src], name)
+            )
             self.keepalive.append(dst)
             self.num_scratch += 1
             self.watch_everything()
@@ -359,11 +453,16 @@ class Recorder:
                 # `param.copy_(-torch.exp(param.float()))` after loading. If it overwrites (or copies from) a
                 # parameter that holds loaded data, replaying the plain writes would be wrong: fall back the
                 # tensors loaded there. Otherwise it is model-side init, not part of loading a checkpoint.
-                self._check_param_untouched(storage_key(dst), name, "the loader writes a value computed from model "
-                                                             "tensors (not from a checkpoint tensor) into a parameter")
+                self._check_param_untouched(
+                    storage_key(dst),
+                    name,
+                    "the loader writes a value computed from model "
+                    "tensors (not from a checkpoint tensor) into a parameter",
+                )
                 if isinstance(value, torch.Tensor) and storage_key(value) in self.param_of:
-                    self._check_param_untouched(storage_key(value), name, "the loader copies a loaded parameter into "
-                                                                   "another parameter")
+                    self._check_param_untouched(
+                        storage_key(value), name, "the loader copies a loaded parameter into another parameter"
+                    )
                 return out
             self.rec.writes.append(ir.Write(pname, region_in(dst, param), view))
         return out
@@ -373,7 +472,7 @@ class Recorder:
         tensors and copy into a parameter. Track it from birth as a constant, so the elements the loader does not
         overwrite keep their value in the plan (unknown for `empty`: NaN, which any reader of them would expose)."""
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.device.type == "meta" and not storage_key(out) in self.param_of:
+        if isinstance(out, torch.Tensor) and out.device.type == "meta" and storage_key(out) not in self.param_of:
             value = FACTORIES[func]
             if value is None:  # full / new_full: the fill value is the argument after the size
                 value = kwargs.get("fill_value", args[2] if func is ORIGINAL["Tensor.new_full"] else args[1])
@@ -406,8 +505,11 @@ def _is_inplace(func) -> bool:
     hit = _INPLACE.get(func)
     if hit is None:
         name = op_name(func)
-        hit = _INPLACE[func] = (name.endswith("_") and not name.endswith("__")
-                                and name not in ("Tensor.requires_grad_", "Tensor.share_memory_"))
+        hit = _INPLACE[func] = (
+            name.endswith("_")
+            and not name.endswith("__")
+            and name not in ("Tensor.requires_grad_", "Tensor.share_memory_")
+        )
     return hit
 
 
@@ -428,14 +530,23 @@ _REC_TYPES = (RecTensor,)
 
 def _hook(original):
     if original is COPY:
+
         def hooked_copy(*args, **kwargs):
             rec = ACTIVE.recorder
             # `param_view.copy_(loaded)`, once per tensor: straight to the recorder's fast path (see dispatch)
-            if rec is not None and len(args) == 2 and not kwargs and not rec.busy and rec.full_mode is None \
-                    and type(args[1]) is RecTensor and type(args[0]) is not RecTensor:
+            if (
+                rec is not None
+                and len(args) == 2
+                and not kwargs
+                and not rec.busy
+                and rec.full_mode is None
+                and type(args[1]) is RecTensor
+                and type(args[0]) is not RecTensor
+            ):
                 if rec._fast_copy(args[0], args[1]) is not None:
                     return args[0]
             return hooked(*args, **kwargs)
+
         _UNHOOK[hooked_copy] = original
 
     def hooked(*args, **kwargs):
@@ -446,6 +557,7 @@ def _hook(original):
             if type(a) is RecTensor:  # what RecTensor.__torch_function__ would do, minus torch's round trip
                 return rec.dispatch(original, _REC_TYPES, args, kwargs)
         return rec.dispatch(original, (), args, kwargs)
+
     hooked.__wrapped__ = original
     _UNHOOK[hooked] = original
     return hooked_copy if original is COPY else hooked

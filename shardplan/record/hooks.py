@@ -5,6 +5,7 @@ in-place ops) through wrappers installed on these functions only while a recordi
 wrappers find the running recorder in `ACTIVE.recorder`. Recordings do not nest: refused here, the one place both
 tiers install hooks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from shardplan.record.recording import RecordError
 
 class ActiveRecorder:
     """The recorder whose hooks are installed (None between recordings). Hot paths read `ACTIVE.recorder`."""
+
     __slots__ = ("recorder",)
 
     def __init__(self):
@@ -33,17 +35,66 @@ EMPTY = torch.empty
 # compare their elements by identity first, so two recordings of the same loader compare equal.
 NAN = float("nan")
 # factories whose meta results the recorder tracks as constants (see full.Recorder._factory); None: fill value argument
-FACTORIES = {torch.zeros: 0, torch.ones: 1, torch.empty: NAN, torch.full: None,
-             torch.Tensor.new_zeros: 0, torch.Tensor.new_ones: 1, torch.Tensor.new_empty: NAN,
-             torch.Tensor.new_full: None}
+FACTORIES = {
+    torch.zeros: 0,
+    torch.ones: 1,
+    torch.empty: NAN,
+    torch.full: None,
+    torch.Tensor.new_zeros: 0,
+    torch.Tensor.new_ones: 1,
+    torch.Tensor.new_empty: NAN,
+    torch.Tensor.new_full: None,
+}
 
 # Functions whose calls on plain tensors the recorder must see. Wrapped only while a recording runs.
-HOOKED_TENSOR_METHODS = ("to", "copy_", "fill_", "zero_", "__setitem__", "new_zeros", "new_ones", "new_empty",
-                          "new_full", "mul_", "add_", "sub_", "div_", "neg_", "exp_", "clamp_", "masked_fill_",
-                          "index_copy_", "index_fill_", "index_put_", "scatter_", "normal_", "uniform_", "abs_",
-                          "copysign_", "pow_", "sqrt_", "reciprocal_", "addcmul_", "addcdiv_", "lerp_", "t_",
-                          "transpose_", "squeeze_", "unsqueeze_", "resize_", "set_", "fill_diagonal_", "clamp_min_",
-                          "clamp_max_", "sign_", "log_", "tanh_", "sigmoid_", "exponential_", "bernoulli_")
+HOOKED_TENSOR_METHODS = (
+    "to",
+    "copy_",
+    "fill_",
+    "zero_",
+    "__setitem__",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+    "mul_",
+    "add_",
+    "sub_",
+    "div_",
+    "neg_",
+    "exp_",
+    "clamp_",
+    "masked_fill_",
+    "index_copy_",
+    "index_fill_",
+    "index_put_",
+    "scatter_",
+    "normal_",
+    "uniform_",
+    "abs_",
+    "copysign_",
+    "pow_",
+    "sqrt_",
+    "reciprocal_",
+    "addcmul_",
+    "addcdiv_",
+    "lerp_",
+    "t_",
+    "transpose_",
+    "squeeze_",
+    "unsqueeze_",
+    "resize_",
+    "set_",
+    "fill_diagonal_",
+    "clamp_min_",
+    "clamp_max_",
+    "sign_",
+    "log_",
+    "tanh_",
+    "sigmoid_",
+    "exponential_",
+    "bernoulli_",
+)
 HOOKED_TORCH_FUNCTIONS = ("zeros", "ones", "empty", "full")
 ORIGINAL: dict = {f"Tensor.{n}": getattr(torch.Tensor, n) for n in HOOKED_TENSOR_METHODS}
 ORIGINAL.update({f"torch.{n}": getattr(torch, n) for n in HOOKED_TORCH_FUNCTIONS})

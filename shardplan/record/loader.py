@@ -6,6 +6,7 @@ thing it cannot vouch for, and the full tier (`full.Recorder` on `rectensor.RecT
 start. A tensor whose loader reads values or applies an op outside `ir.ALLOWED_OPS` becomes an `ir.Fallback` (the
 consumer gets it whole and runs the real loader); `strict=True` raises `UnsupportedLoaderOp` instead.
 """
+
 from __future__ import annotations
 
 import gc
@@ -21,9 +22,16 @@ from shardplan.plan import ir
 from shardplan.record.composed import composed_loaders_recorded
 from shardplan.record.fast import FastRecorder
 from shardplan.record.full import Recorder, recording
-from shardplan.record.recording import (LoaderRejectsCheckpoint, RankRecording, RecordError, UnsupportedLoaderOp,
-                                       ValueRead, dtype_name)
+from shardplan.record.recording import (
+    LoaderRejectsCheckpoint,
+    RankRecording,
+    RecordError,
+    UnsupportedLoaderOp,
+    ValueRead,
+    dtype_name,
+)
 from shardplan.record.rectensor import RecTensor, storage_key
+
 
 def _loader_frame(tb) -> str:
     """The innermost weight-loading function in a traceback: what to name in an error."""
@@ -49,8 +57,14 @@ def _geometry_assert(exc: BaseException) -> str | None:
     return line if line.startswith("assert") and _GEOMETRY.search(line) else None
 
 
-def record_loader(model: torch.nn.Module, tensors: Iterable[tuple[str, tuple[int, ...], str]], *, rank: int,
-                  strict: bool = False, tier: str = "auto") -> RankRecording:
+def record_loader(
+    model: torch.nn.Module,
+    tensors: Iterable[tuple[str, tuple[int, ...], str]],
+    *,
+    rank: int,
+    strict: bool = False,
+    tier: str = "auto",
+) -> RankRecording:
     """Record every write `model.load_weights` makes into a parameter from each checkpoint tensor.
 
     tier "auto": first the fast tier (`FastRecorder`: plain meta tensors, only the sink hooked), which gives up at
@@ -117,14 +131,16 @@ def _record_all(model, remaining: list, rec: RankRecording, param_of: dict, alia
         except ValueRead as e:
             culprits = e.sources or {fed[-1]} if fed else e.sources
             _fallback(rec, culprits, e.op, e.reason, _loader_frame(e.__traceback__), strict)
-            remaining = _unfinished(rec, remaining, len(fed), culprits) + remaining[len(fed):]
+            remaining = _unfinished(rec, remaining, len(fed), culprits) + remaining[len(fed) :]
         except ShardplanError:
             raise
         except Exception as e:  # the loader itself failed on this tensor
             where = _loader_frame(e.__traceback__)
             if not fed:
-                raise RecordError(f"vLLM's load_weights failed before reading any tensor: {exception_text(e)}"
-                                  f"{f' in {where}' if where else ''}") from None
+                raise RecordError(
+                    f"vLLM's load_weights failed before reading any tensor: {exception_text(e)}"
+                    f"{f' in {where}' if where else ''}"
+                ) from None
             check = _geometry_assert(e)
             if check is not None:
                 # vLLM's loader asserts on the tensor's geometry, which a meta tensor has exactly: its real loader
@@ -134,10 +150,11 @@ def _record_all(model, remaining: list, rec: RankRecording, param_of: dict, alia
                     f"vLLM's loader rejects checkpoint tensor {name} {list(shape)} {dtype} on rank {rec.rank}: "
                     f"{exception_text(e)} at `{check}` in {where or 'the loader'}. vLLM cannot load this checkpoint "
                     f"either: make the tensor's shape fit the config (e.g. an lm_head or embedding padded beyond "
-                    f"vocab_size: cut it to vocab_size rows, or set vocab_size to its row count).") from None
+                    f"vocab_size: cut it to vocab_size rows, or set vocab_size to its row count)."
+                ) from None
             line = exception_text(e)
             _fallback(rec, {fed[-1]}, type(e).__name__, line.partition(": ")[2] or "(no message)", where, strict)
-            remaining = _unfinished(rec, remaining, len(fed), {fed[-1]}) + remaining[len(fed):]
+            remaining = _unfinished(rec, remaining, len(fed), {fed[-1]}) + remaining[len(fed) :]
 
 
 def _check_param_storages(mode: "Recorder", aliases: dict) -> None:
@@ -149,18 +166,24 @@ def _check_param_storages(mode: "Recorder", aliases: dict) -> None:
             p.data = aliases[pname]  # back to the parameter's own storage, for the loads still to come
             leaf = mode.leaf_of.get(new_key)
             if leaf is None:
-                raise RecordError(f"the loader replaced the storage of parameter {pname} with a tensor that is not "
-                                  f"a checkpoint tensor; shardplan cannot record that")
+                raise RecordError(
+                    f"the loader replaced the storage of parameter {pname} with a tensor that is not "
+                    f"a checkpoint tensor; shardplan cannot record that"
+                )
             sources: set[str] = set()
             ir.sources(leaf, sources)
-            raise ValueRead(sources, "Tensor.data.set", f"the loader replaces the storage of {pname} "
-                                                         f"(`param.data = ...`)")
+            raise ValueRead(
+                sources, "Tensor.data.set", f"the loader replaces the storage of {pname} (`param.data = ...`)"
+            )
 
 
 def _created_params(model, param_of: dict) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers the model has now and had not when the recording started."""
-    return [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers())
-            if storage_key(p) not in param_of]
+    return [
+        (n, p)
+        for n, p in list(model.named_parameters()) + list(model.named_buffers())
+        if storage_key(p) not in param_of
+    ]
 
 
 def _record_created_params(mode: "Recorder", model) -> None:
@@ -174,8 +197,9 @@ def _record_created_params(mode: "Recorder", model) -> None:
             continue  # created but not loaded from the checkpoint (model-side init), or a name already recorded
         shape, strides = tuple(p.shape), tuple(p.stride())
         mode.rec.params[pname] = ir.TensorMeta(pname, shape, dtype_name(p.dtype))
-        mode.rec.writes.append(ir.Write(pname, ir.Region(0, shape, strides),
-                                        ir.View(leaf, ir.Region(p.storage_offset(), shape, strides))))
+        mode.rec.writes.append(
+            ir.Write(pname, ir.Region(0, shape, strides), ir.View(leaf, ir.Region(p.storage_offset(), shape, strides)))
+        )
 
 
 def _unfinished(rec: RankRecording, remaining: list, num_fed: int, culprits: set[str]) -> list:
@@ -193,7 +217,8 @@ def _fallback(rec: RankRecording, culprits: set[str], op: str, reason: str, load
         raise UnsupportedLoaderOp(
             f"cannot record the loader for {', '.join(sorted(culprits))}: {op} ({reason}) in {loader or 'the loader'}."
             f" Drop --strict to record it as a fallback (the consumer then receives the whole tensor and runs the "
-            f"real loader).")
+            f"real loader)."
+        )
     for name in culprits:
         rec.fallbacks[name] = ir.Fallback(name, op, reason, loader)
     # a half-recorded tensor must not be replayed: drop whatever it already wrote

@@ -5,6 +5,7 @@ GroupCoordinator objects to those globals makes model construction and weight lo
 (the loaders ask for tp rank/size, EP rank/size, PP stage). `fake_parallel_state` saves and restores the globals, so
 many ranks can be recorded one after another in one process, and nothing leaks into a real engine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,20 @@ import torch
 
 from shardplan.plan.layout import Layout
 
-_GLOBALS = ("_WORLD", "_INNER_DP_WORLD", "_NODE_COUNT", "_TP", "_ETP", "_ENGRAM_DP", "_DCP", "_PP", "_DP", "_EP",
-            "_EPLB", "_PCP")
+_GLOBALS = (
+    "_WORLD",
+    "_INNER_DP_WORLD",
+    "_NODE_COUNT",
+    "_TP",
+    "_ETP",
+    "_ENGRAM_DP",
+    "_DCP",
+    "_PP",
+    "_DP",
+    "_EP",
+    "_EPLB",
+    "_PCP",
+)
 
 
 class _FakeProcessGroup:
@@ -74,8 +87,9 @@ def fake_parallel_state(layout: Layout, rank: int):
         ps._ETP = ps._TP
         ps._ENGRAM_DP = None
         ps._PP = _fake_group("pp", [stage_base + i * tp + tp_rank for i in range(pp)], rank)
-        ps._DP = _fake_group("dp", [layout.rank_of(dp_rank=i, pp_rank=pp_rank, tp_rank=tp_rank) for i in range(dp)],
-                             rank)
+        ps._DP = _fake_group(
+            "dp", [layout.rank_of(dp_rank=i, pp_rank=pp_rank, tp_rank=tp_rank) for i in range(dp)], rank
+        )
         ps._DCP = _fake_group("dcp", [rank], rank)
         ps._PCP = _fake_group("pcp", [rank], rank)
         ps._EP = _fake_group("ep", layout.ep_ranks(rank), rank)

@@ -31,7 +31,7 @@ from shardplan.plan.layout import Layout
 @dataclass
 class RankClass:
     key: tuple
-    coords: dict[int, tuple[int, ...]] = field(default_factory=dict)   # rank -> u
+    coords: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> u
 
 
 def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> list[RankClass]:
@@ -51,13 +51,14 @@ def rank_classes(layout: Layout, ranks: Sequence[int], num_experts: int = 0) -> 
 
 @dataclass
 class Extension:
-    flats: dict[int, FlatRank | Predicted]   # every rank asked for: recorded, or predicted (rows not made)
-    recorded: list[int]               # the ranks actually recorded, in recording order
-    notes: list[str]                  # why extra ranks were recorded
+    flats: dict[int, FlatRank | Predicted]  # every rank asked for: recorded, or predicted (rows not made)
+    recorded: list[int]  # the ranks actually recorded, in recording order
+    notes: list[str]  # why extra ranks were recorded
 
 
-def extend_ranks(layout: Layout, ranks: Sequence[int], record: Callable[[int], FlatRank],
-                 num_experts: int = 0) -> Extension:
+def extend_ranks(
+    layout: Layout, ranks: Sequence[int], record: Callable[[int], FlatRank], num_experts: int = 0
+) -> Extension:
     """Record the ranks needed to determine and check each class's affine map; predict the rest."""
     out = Extension({}, [], [])
     recorded: dict[int, FlatRank] = {}
@@ -90,7 +91,7 @@ def _plane(cls: RankClass, get, out: Extension) -> bool:
     """EP with TP > 1 and DP > 1: experts follow the EP rank, the rest the TP rank; both are affine in (TP rank,
     DP rank). The first rank and its next along each axis determine the plane; the far corner checks it. False (and
     nothing predicted) if that fails."""
-    by_u = {u: r for r, u in sorted(cls.coords.items(), reverse=True)}   # u -> its lowest rank
+    by_u = {u: r for r, u in sorted(cls.coords.items(), reverse=True)}  # u -> its lowest rank
     u0 = min(by_u)
     u_t, u_d = (u0[0] + 1, u0[1]), (u0[0], u0[1] + 1)
     far = max(by_u)
@@ -118,7 +119,7 @@ def _bisect(cls: RankClass, get, out: Extension) -> None:
         by_u.setdefault(u, []).append(rank)
     us = sorted(by_u)
     first = {u: by_u[u][0] for u in us}
-    predicted: dict[tuple, FlatRank | Predicted] = {}     # u -> the plan of first[u]
+    predicted: dict[tuple, FlatRank | Predicted] = {}  # u -> the plan of first[u]
     segments = [(0, len(us) - 1)]
     while segments:
         lo, hi = segments.pop()

@@ -1,4 +1,5 @@
 """What both recorder tiers share: the recording of one rank, op names, value-read aborts, small tensor helpers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ def op_name(func) -> str:
 @dataclass
 class RankRecording:
     """What one rank's loader did: writes in recording order plus per-source bookkeeping."""
+
     rank: int
     params: dict[str, ir.TensorMeta]
     writes: list[ir.Write] = field(default_factory=list)
@@ -66,8 +68,8 @@ class RankRecording:
     fed: list[str] = field(default_factory=list)  # names fed to the loader, in order
     ops_seen: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    tier: str = "fast"    # which recorder produced this: "fast" or "full" (see record_loader)
-    tier_note: str = ""   # why the fast tier gave up, when it did
+    tier: str = "fast"  # which recorder produced this: "fast" or "full" (see record_loader)
+    tier_note: str = ""  # why the fast tier gave up, when it did
 
     def not_needed(self) -> list[str]:
         read: set[str] = set()
@@ -78,9 +80,13 @@ class RankRecording:
 
     def to_plan(self) -> ir.RankPlan:
         used = sorted({w.param for w in self.writes})
-        return ir.RankPlan(rank=self.rank, params=tuple(self.params[p] for p in used), writes=tuple(self.writes),
-                           fallbacks=tuple(sorted(self.fallbacks.values(), key=lambda f: f.source)),
-                           not_needed=tuple(sorted(self.not_needed())))
+        return ir.RankPlan(
+            rank=self.rank,
+            params=tuple(self.params[p] for p in used),
+            writes=tuple(self.writes),
+            fallbacks=tuple(sorted(self.fallbacks.values(), key=lambda f: f.source)),
+            not_needed=tuple(sorted(self.not_needed())),
+        )
 
 
 def region_in(dst: torch.Tensor, param: torch.Tensor) -> ir.Region:

@@ -1,5 +1,6 @@
 """The recording tensor of the full tier: a meta tensor subclass with a checkpoint tensor's shape and dtype and no
 data, through which `full.Recorder` sees every torch call made on a loaded tensor."""
+
 from __future__ import annotations
 
 import torch
@@ -19,17 +20,44 @@ def wrap(base: torch.Tensor) -> "RecTensor":
 
 
 # pure view ops: the output shares the input's storage, its geometry is the whole record
-FAST_VIEWS = {torch.Tensor.narrow, torch.Tensor.view, torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.select,
-               torch.Tensor.unsqueeze, torch.Tensor.squeeze, torch.Tensor.permute, torch.Tensor.expand}
+FAST_VIEWS = {
+    torch.Tensor.narrow,
+    torch.Tensor.view,
+    torch.Tensor.t,
+    torch.Tensor.transpose,
+    torch.Tensor.select,
+    torch.Tensor.unsqueeze,
+    torch.Tensor.squeeze,
+    torch.Tensor.permute,
+    torch.Tensor.expand,
+}
 NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass
-PASSTHROUGH = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel,
-                torch.Tensor.storage_offset, torch.Tensor.element_size, torch.Tensor.is_contiguous,
-                torch.Tensor.__len__, torch.Tensor.untyped_storage, torch.Tensor.is_floating_point,
-                torch.Tensor.data_ptr, torch.Tensor.get_device, torch.Tensor.ndimension, torch.Tensor.nelement,
-                torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-                torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
-                torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_sparse.__get__,
-                torch.Tensor.is_quantized.__get__}
+PASSTHROUGH = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.stride,
+    torch.Tensor.numel,
+    torch.Tensor.storage_offset,
+    torch.Tensor.element_size,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.__len__,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.data_ptr,
+    torch.Tensor.get_device,
+    torch.Tensor.ndimension,
+    torch.Tensor.nelement,
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.is_cuda.__get__,
+    torch.Tensor.is_meta.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.layout.__get__,
+    torch.Tensor.is_sparse.__get__,
+    torch.Tensor.is_quantized.__get__,
+}
 
 
 class RecTensor(torch.Tensor):
@@ -88,8 +116,9 @@ class RecTensor(torch.Tensor):
     def refresh(self) -> None:
         """Re-read the cached metadata and alias (after an in-place op that may change the geometry, e.g. t_())."""
         with NO_SUBCLASS_TF():
-            self._plain = torch.Tensor.as_strided(self, torch.Tensor.size(self), torch.Tensor.stride(self),
-                                                  torch.Tensor.storage_offset(self))
+            self._plain = torch.Tensor.as_strided(
+                self, torch.Tensor.size(self), torch.Tensor.stride(self), torch.Tensor.storage_offset(self)
+            )
             self._shape, self._dtype = self._plain.shape, self._plain.dtype
             self._storage_key = self._plain.untyped_storage()._cdata
 

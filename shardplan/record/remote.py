@@ -7,6 +7,7 @@ to list the checkpoint's tensor names when the directory has no safetensors, and
 is given. Only a local directory is trusted, never the hub (shardplan downloads nothing); the plan header records that
 the recording ran the directory's code (docs/plan-format.md).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -16,8 +17,8 @@ from shardplan.models import ConfigError, ModelSpec
 
 __all__ = ["RemoteCodeError", "config_class", "copy_code", "model_class", "trust"]
 
-_TRUSTED: dict[str, dict] = {}        # source dir -> its auto_map, for the directories the user trusted
-_CONFIG_DIRS: dict[type, str] = {}    # a config class loaded from a trusted directory -> that directory
+_TRUSTED: dict[str, dict] = {}  # source dir -> its auto_map, for the directories the user trusted
+_CONFIG_DIRS: dict[type, str] = {}  # a config class loaded from a trusted directory -> that directory
 
 
 class RemoteCodeError(ConfigError):
@@ -32,13 +33,15 @@ def trust(spec: ModelSpec) -> None:
             f"--trust-remote-code needs --model to be a local checkpoint directory holding config.json and the "
             f"model's configuration_*.py / modeling_*.py files; {spec.origin} is "
             f"{'a built-in' if spec.hf_id else 'a bare config file'}, which has no code to trust. Drop the flag, "
-            f"or point at the downloaded snapshot directory.")
+            f"or point at the downloaded snapshot directory."
+        )
     auto_map = spec.config.get("auto_map")
     if not (isinstance(auto_map, dict) and isinstance(auto_map.get("AutoConfig"), str)):
         raise RemoteCodeError(
             f"{spec.origin}: --trust-remote-code was given, but config.json has no auto_map.AutoConfig naming the "
-            f"config class in this directory (e.g. \"auto_map\": {{\"AutoConfig\": \"configuration_x.XConfig\"}}). "
-            f"Add it as the hub snapshot has it, or drop the flag.")
+            f'config class in this directory (e.g. "auto_map": {{"AutoConfig": "configuration_x.XConfig"}}). '
+            f"Add it as the hub snapshot has it, or drop the flag."
+        )
     _TRUSTED[str(spec.source_dir)] = auto_map
 
 
@@ -49,14 +52,18 @@ def trusted(spec: ModelSpec) -> bool:
 def _load(reference: str, source_dir: str, origin: str):
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    if "--" in reference:   # "repo--module.Class": code from another hub repo, which shardplan never fetches
-        raise RemoteCodeError(f"{origin}: auto_map entry {reference!r} points at another hub repository; only code "
-                              f"in {source_dir} is run. Copy that file into the directory and name it locally.")
+    if "--" in reference:  # "repo--module.Class": code from another hub repo, which shardplan never fetches
+        raise RemoteCodeError(
+            f"{origin}: auto_map entry {reference!r} points at another hub repository; only code "
+            f"in {source_dir} is run. Copy that file into the directory and name it locally."
+        )
     try:
         return get_class_from_dynamic_module(reference, source_dir, local_files_only=True)
     except Exception as exc:  # a missing file, a syntax error or an import the code needs
-        raise RemoteCodeError(f"{origin}: cannot load {reference!r} from {source_dir} (--trust-remote-code): "
-                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}") from exc
+        raise RemoteCodeError(
+            f"{origin}: cannot load {reference!r} from {source_dir} (--trust-remote-code): "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+        ) from exc
 
 
 def config_class(spec: ModelSpec):
@@ -76,9 +83,11 @@ def model_class(hf_config):
     auto_map = _TRUSTED[source_dir]
     reference = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel")
     if not isinstance(reference, str):
-        raise RemoteCodeError(f"{source_dir}/config.json: auto_map names no AutoModelForCausalLM, so the checkpoint's "
-                              f"tensor names cannot be derived from its code; put the safetensors files (or "
-                              f"model.safetensors.index.json) in the directory so they are read from them.")
+        raise RemoteCodeError(
+            f"{source_dir}/config.json: auto_map names no AutoModelForCausalLM, so the checkpoint's "
+            f"tensor names cannot be derived from its code; put the safetensors files (or "
+            f"model.safetensors.index.json) in the directory so they are read from them."
+        )
     return _load(reference, source_dir, f"{source_dir}/config.json")
 
 

@@ -1,4 +1,5 @@
 """One model + one layout + one dtype: the unit that `shardplan record` and `shardplan verify` work on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,6 @@ from shardplan.plan.layout import Layout
 from shardplan.plan.names import layer_of, without_layer
 from shardplan.plan.placement import slot_sources
 from shardplan.record import eplb, fp8, remote
-from shardplan.runtime.quantize import quantizer_id
 from shardplan.record.build import build_for_recording, loading_context, make_vllm_config
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import check_architecture, hf_view, shrink_layers_overrides
@@ -36,28 +36,38 @@ class RankStats:
     nbytes: int
     seconds: float
     device: str
-    tier: str = "fast"    # which recorder tier recorded it (record.loader.record_loader)
-    tier_note: str = ""   # why the fast tier gave up, when it did
+    tier: str = "fast"  # which recorder tier recorded it (record.loader.record_loader)
+    tier_note: str = ""  # why the fast tier gave up, when it did
 
 
 @dataclass
 class Recorded:
     """What `RecordSession.record_plans` made: the compiled plan body of every rank asked for, per-rank figures, and
     how it was recorded (sampled layers extended to all, or every layer, and why)."""
+
     body: PlanBody
     stats: list[RankStats]
     how: str
 
 
 class RecordSession:
-    def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False, tier: str = "auto", eplb_redundant: int | None = None,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model: str,
+        layout: Layout,
+        *,
+        dtype: str = "bfloat16",
+        overrides: Sequence[str] = (),
+        strict: bool = False,
+        tier: str = "auto",
+        eplb_redundant: int | None = None,
+        trust_remote_code: bool = False,
+    ):
         self._model, self._overrides, self.eplb_redundant = model, list(overrides), eplb_redundant
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         self.trust_remote_code = trust_remote_code
-        if trust_remote_code:   # the checkpoint directory's own code runs from here on (record/remote.py)
+        if trust_remote_code:  # the checkpoint directory's own code runs from here on (record/remote.py)
             remote.trust(self.spec)
         view = hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
         check_architecture(self.spec)
@@ -72,7 +82,7 @@ class RecordSession:
         with set_current_vllm_config(self.vllm_config):
             self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
-        self.eplb = None   # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
+        self.eplb = None  # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
         if eplb_redundant is not None:
             self.eplb = eplb.eplb_slots(self.tensors, layout, eplb_redundant, self.spec.config, self.spec.name)
             eplb.enable_eplb(self.vllm_config, eplb_redundant)
@@ -81,8 +91,15 @@ class RecordSession:
 
     def with_overrides(self, overrides: Sequence[str]) -> "RecordSession":
         """The same recording on the config with `overrides` (the cut model of a sampled recording)."""
-        return RecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict, overrides=overrides,
-                             eplb_redundant=self.eplb_redundant, trust_remote_code=self.trust_remote_code)
+        return RecordSession(
+            self._model,
+            self.layout,
+            dtype=self.dtype,
+            strict=self.strict,
+            overrides=overrides,
+            eplb_redundant=self.eplb_redundant,
+            trust_remote_code=self.trust_remote_code,
+        )
 
     @property
     def vllm_version(self) -> str:
@@ -93,15 +110,25 @@ class RecordSession:
     def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
         t0 = time.perf_counter()
         model, device = build_for_recording(self.vllm_config, self.layout, rank)
-        with loading_context(self.vllm_config, self.layout, rank), \
-                (eplb.identity_slots() if self.eplb else contextlib.nullcontext()):
+        with (
+            loading_context(self.vllm_config, self.layout, rank),
+            eplb.identity_slots() if self.eplb else contextlib.nullcontext(),
+        ):
             # loaders ask for the TP/EP rank while loading
             recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
         plan = recording.to_plan() if self.eplb is None else eplb.slot_plan(recording.to_plan(), self.eplb)
         del model
-        stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),
-                          plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, device,
-                          recording.tier, recording.tier_note)
+        stats = RankStats(
+            rank,
+            len(plan.sources_read()),
+            len(plan.fallbacks),
+            len(plan.not_needed),
+            plan_nbytes(plan, {s.name: s for s in self.sources}),
+            time.perf_counter() - t0,
+            device,
+            recording.tier,
+            recording.tier_note,
+        )
         return plan, stats
 
     def record(self, ranks: Iterable[int], progress: Callable[[RankStats], None] | None = None):
@@ -114,8 +141,9 @@ class RecordSession:
                 progress(s)
         return plans, stats
 
-    def record_plans(self, ranks: Sequence[int], *, exhaustive: bool = False,
-                     progress: Callable[[RankStats], None] | None = None) -> Recorded:
+    def record_plans(
+        self, ranks: Sequence[int], *, exhaustive: bool = False, progress: Callable[[RankStats], None] | None = None
+    ) -> Recorded:
         """The compiled plans of `ranks`. Unless exhaustive, records on a model cut to the first few layers (enough
         for each class of identical layers to appear twice), checks that same-class layers are renamed copies of each
         other, and extends them to every layer at compile time; and records only the ranks that determine and check
@@ -140,6 +168,7 @@ class RecordSession:
             if progress:
                 progress(s)
             return flat_rank(plan)
+
         ext = extend_ranks(self.layout, ranks, record, self.num_experts)
         body = body_from_flat(ext.flats, session.sources)
         how = f"ranks {_ranges(sorted(ext.recorded))} recorded ({len(ext.recorded)} of {len(ranks)})"
@@ -165,8 +194,9 @@ class RecordSession:
         classes = layer_classes(self.tensors)
         num_layers = len(classes)
         if self.layout.pp > 1 or num_layers < 4:
-            return self._record_all_layers(ranks, progress,
-                                           "exhaustive (pipeline parallel or too few layers to sample)")
+            return self._record_all_layers(
+                ranks, progress, "exhaustive (pipeline parallel or too few layers to sample)"
+            )
         members: dict[tuple, list[int]] = {}
         for layer, signature in sorted(classes.items()):
             members.setdefault(signature, []).append(layer)
@@ -178,7 +208,8 @@ class RecordSession:
         expected = [t for t in self.tensors if layer_of(t[0]) < num_sampled]
         if sorted(shrunk.tensors) != sorted(expected):
             return self._record_all_layers(
-                ranks, progress, "exhaustive (the cut model's checkpoint differs from the full one's first layers)")
+                ranks, progress, "exhaustive (the cut model's checkpoint differs from the full one's first layers)"
+            )
         cut_body, plans, stats, ranks_how = self._record_ranks(shrunk, ranks, progress)
         reps = {ms[0]: [m for m in ms[1:2] if m < num_sampled] for ms in members.values()}
         problem = check_layer_invariance(plans, reps) or layer_split_templates(cut_body, reps)
@@ -192,7 +223,9 @@ class RecordSession:
         problem = unwritten_after_extension(cut_body, body, sorted({p.rank for p in plans} | {ranks[len(ranks) // 2]}))
         if problem:
             return self._record_all_layers(ranks, progress, f"exhaustive (extension check failed: {problem})")
-        how = f"sampled: recorded layers {sampled} of {num_layers}, extended to {len(members)} layer classes; {ranks_how}"
+        how = (
+            f"sampled: recorded layers {sampled} of {num_layers}, extended to {len(members)} layer classes; {ranks_how}"
+        )
         multiplicity = {**{m: 0 for m in drop}, **{rep: len(ms) for rep, ms in full_layers.items()}}
         return Recorded(body, self._stats(cut_body, ranks, stats, multiplicity), how)
 
@@ -205,16 +238,35 @@ class RecordSession:
         for r in ranks:
             s = by_rank.get(r) or RankStats(r, 0, 0, 0, 0, 0.0, "-", "extended")
             num_read, num_fallback, nbytes = figures[r]
-            out.append(RankStats(r, num_read, num_fallback, len(self.sources) - num_read - num_fallback, nbytes,
-                                 s.seconds, s.device, s.tier, s.tier_note))
+            out.append(
+                RankStats(
+                    r,
+                    num_read,
+                    num_fallback,
+                    len(self.sources) - num_read - num_fallback,
+                    nbytes,
+                    s.seconds,
+                    s.device,
+                    s.tier,
+                    s.tier_note,
+                )
+            )
         return out
 
     def encode(self, body: PlanBody) -> bytes:
         """The plan file's bytes for a compiled body (Recorded.body, or compile_plans of recorded RankPlans)."""
-        return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
-                      config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
-                      vllm_version=self.vllm_version, quantizer=self.quantizer, eplb=self.eplb,
-                      trust_remote_code=self.trust_remote_code)
+        return encode(
+            body,
+            model=self.spec.hf_id or self.spec.name,
+            architecture=self.spec.architecture,
+            config_sha256=self.spec.config_sha256,
+            layout=self.layout,
+            dtype=self.dtype,
+            vllm_version=self.vllm_version,
+            quantizer=self.quantizer,
+            eplb=self.eplb,
+            trust_remote_code=self.trust_remote_code,
+        )
 
     @property
     def quantizer(self) -> str:
@@ -230,11 +282,13 @@ def unwritten_after_extension(cut_body: PlanBody, body: PlanBody, ranks: Sequenc
     one. A second line of defence behind the sampling checks: an extension bug that drops writes (one did: qwen3-next's
     conv1d.weight of 31 layers) shows as a declared param with no write, which vLLM's strict load would refuse to
     leave uninitialised. Costs one instantiation per rank checked."""
+
     def unwritten(b: PlanBody, rank: int) -> set[str]:
         return set(b.rank_params.get(rank, ())) - set(rank_columns(b, rank, "<extended plan>").written_params())
 
     def free(name: str) -> str:
         return without_layer(name, layer_of(name))
+
     for rank in ranks:
         if rank not in body.rank_params:
             continue

@@ -7,6 +7,7 @@ that class's defaults and shrinks every size it knows to a few units: hidden 128
 of 64, so vLLM pads it and the last TP rank gets padding rows). Per-layer lists keep one layer of each kind.
 An architecture whose config exists only as hub remote code raises `NoConfigClass` with that reason.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,12 +22,16 @@ __all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny
 # vLLM architecture names that are neither a transformers causal-LM class nor in vLLM's config registry, but whose
 # vLLM implementation reads the config of another model_type (the vLLM module named in the comment).
 _MODEL_TYPE_OF = {
-    "LLaMAForCausalLM": "llama", "InternLM3ForCausalLM": "llama", "IQuestCoderForCausalLM": "llama",  # llama.py
-    "TeleChat3ForCausalLM": "llama",                                                                # llama.py
-    "PhiMoEForCausalLM": "phimoe", "ExaoneMoEForCausalLM": "exaone_moe",                            # phimoe, exaone_moe
-    "NemotronHPuzzleForCausalLM": "nemotron_h",                                                     # nemotron_h.py
-    "LongcatFlashNgramForCausalLM": "longcat_flash",         # vLLM's _ARCHITECTURE_TO_MODEL_TYPE
-    "Step3TextForCausalLM": "step3_text", "Step3p5ForCausalLM": "step3p5",                          # vLLM configs
+    "LLaMAForCausalLM": "llama",
+    "InternLM3ForCausalLM": "llama",
+    "IQuestCoderForCausalLM": "llama",  # llama.py
+    "TeleChat3ForCausalLM": "llama",  # llama.py
+    "PhiMoEForCausalLM": "phimoe",
+    "ExaoneMoEForCausalLM": "exaone_moe",  # phimoe, exaone_moe
+    "NemotronHPuzzleForCausalLM": "nemotron_h",  # nemotron_h.py
+    "LongcatFlashNgramForCausalLM": "longcat_flash",  # vLLM's _ARCHITECTURE_TO_MODEL_TYPE
+    "Step3TextForCausalLM": "step3_text",
+    "Step3p5ForCausalLM": "step3p5",  # vLLM configs
 }
 
 # Architectures whose vLLM implementation reads the config of vLLM's own model_type, not that of the transformers
@@ -34,29 +39,81 @@ _MODEL_TYPE_OF = {
 _VLLM_MODEL_TYPE = {"InklingForCausalLM": "inkling_model"}
 
 _SIZES: dict[str, int] = {
-    "hidden_size": 128, "n_embd": 128, "d_model": 128,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4,
-    "num_key_value_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2, "n_head_kv": 2, "kv_n_heads": 2,
-    "head_dim": 32, "kv_channels": 32, "attention_head_dim": 32,
-    "intermediate_size": 256, "n_inner": 256, "ffn_hidden_size": 256, "ffn_dim": 256,
-    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 64,
-    "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
-    "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8, "moe_num_experts": 8,
-    "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "num_selected_experts": 2,
-    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
-    "first_k_dense_replace": 1, "first_k_dense": 1,
-    "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-    "index_head_dim": 32, "index_n_heads": 4,
-    "vocab_size": 300, "vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 16,
+    "hidden_size": 128,
+    "n_embd": 128,
+    "d_model": 128,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "multi_query_group_num": 2,
+    "n_head_kv": 2,
+    "kv_n_heads": 2,
+    "head_dim": 32,
+    "kv_channels": 32,
+    "attention_head_dim": 32,
+    "intermediate_size": 256,
+    "n_inner": 256,
+    "ffn_hidden_size": 256,
+    "ffn_dim": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "expert_intermediate_size": 64,
+    "moe_ffn_hidden_size": 64,
+    "moe_shared_expert_intermediate_size": 64,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "num_local_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "num_selected_experts": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "first_k_dense_replace": 1,
+    "first_k_dense": 1,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "index_head_dim": 32,
+    "index_n_heads": 4,
+    "vocab_size": 300,
+    "vocab_size_per_layer_input": 300,
+    "hidden_size_per_layer_input": 16,
     "n_heads": 4,
-    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-    "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32, "mamba_d_state": 16, "ssm_state_size": 16,
-    "state_size": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_d_ssm": 256, "time_step_rank": 8,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 32,
+    "mamba_head_dim": 32,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "state_size": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_d_ssm": 256,
+    "time_step_rank": 8,
     # sizes of the public fields (publicfields.py) the class defaults lack
-    "rotary_dim": 16, "swa_head_dim": 32, "swa_v_head_dim": 16, "swa_num_attention_heads": 4,
-    "swa_num_key_value_heads": 2, "expert_hidden_dim": 64, "block_dim": 128, "conv_dim": 128, "conv_dim_out": 128,
-    "block_ff_dim": 256, "zero_expert_num": 2, "sliding_window_size": 64, "dense_intermediate_size": 256,
-
+    "rotary_dim": 16,
+    "swa_head_dim": 32,
+    "swa_v_head_dim": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "expert_hidden_dim": 64,
+    "block_dim": 128,
+    "conv_dim": 128,
+    "conv_dim_out": 128,
+    "block_ff_dim": 256,
+    "zero_expert_num": 2,
+    "sliding_window_size": 64,
+    "dense_intermediate_size": 256,
 }
 # Sizes that must agree with others in ways a generic shrink cannot know.
 _FIXES: dict[str, dict[str, Any]] = {
@@ -66,8 +123,13 @@ _FIXES: dict[str, dict[str, Any]] = {
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
     "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
-    "InklingForCausalLM": {"vocab_size": 320, "padded_vocab_size": 320, "unpadded_vocab_size": 300, "local_layer_ids": [0],
-                           "dense_mlp_idx": 1},  # layer 0 local and dense, layer 1 global and MoE
+    "InklingForCausalLM": {
+        "vocab_size": 320,
+        "padded_vocab_size": 320,
+        "unpadded_vocab_size": 300,
+        "local_layer_ids": [0],
+        "dense_mlp_idx": 1,
+    },  # layer 0 local and dense, layer 1 global and MoE
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
@@ -75,8 +137,11 @@ _FIXES: dict[str, dict[str, Any]] = {
     "GPTJForCausalLM": {"rotary_dim": 16},  # the default 64 exceeds the tiny head_dim
     "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "Lfm2ForCausalLM": {"layer_types": ["conv", "full_attention"]},
-    "Zamba2ForCausalLM": {"attention_hidden_size": 256, "attention_head_dim": 64,  # the class rule: 2 * hidden
-                          "hybrid_layer_ids": [2]},  # the shrunk layers_block_type's hybrid layer
+    "Zamba2ForCausalLM": {
+        "attention_hidden_size": 256,
+        "attention_head_dim": 64,  # the class rule: 2 * hidden
+        "hybrid_layer_ids": [2],
+    },  # the shrunk layers_block_type's hybrid layer
     # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
     "KimiLinearForCausalLM": {"linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}},
 }
@@ -108,16 +173,19 @@ def model_type_of(arch: str) -> str:
     # (no sub-configs) is the one the causal-LM class is built from.
     if arch in _VLLM_MODEL_TYPE:
         return _VLLM_MODEL_TYPE[arch]
-    candidates = [t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
-                  if name == arch and config_class(t) is not None]
+    candidates = [
+        t for t, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == arch and config_class(t) is not None
+    ]
     candidates.sort(key=lambda t: bool(getattr(config_class(t), "sub_configs", None)))
     if candidates:
         return candidates[0]
     if arch in _MODEL_TYPE_OF:
         return _MODEL_TYPE_OF[arch]
-    raise NoConfigClass(f"{arch}: needs remote code: its config class exists only as the model's own code (neither "
-                        f"transformers nor vLLM ships one); record it from a local checkpoint directory with "
-                        f"--trust-remote-code, as vLLM does. The sweep has no such directory.")
+    raise NoConfigClass(
+        f"{arch}: needs remote code: its config class exists only as the model's own code (neither "
+        f"transformers nor vLLM ships one); record it from a local checkpoint directory with "
+        f"--trust-remote-code, as vLLM does. The sweep has no such directory."
+    )
 
 
 def tiny_config(arch: str) -> dict[str, Any]:
@@ -127,17 +195,19 @@ def tiny_config(arch: str) -> dict[str, Any]:
     try:
         defaults = cls().to_dict()
     except Exception as exc:
-        raise NoConfigClass(f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
-                            f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed.") from exc
+        raise NoConfigClass(
+            f"{arch}: {cls.__name__}() has no defaults ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}); a small shipped config is needed."
+        ) from exc
     # vLLM reads some model types with its own class (deepseek_v32 with DeepseekV3Config, deepseek_v4, kimi_linear);
     # transformers' class of the same model_type carries the published defaults for what vLLM's leaves out or None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     own = getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None)
     if isinstance(own, type) and own is not cls:
         try:
-            for key, value in own().to_dict().items():   # not per-layer lists: vLLM's class derives those its way
+            for key, value in own().to_dict().items():  # not per-layer lists: vLLM's class derives those its way
                 if defaults.get(key) is None and not isinstance(value, list):
                     defaults[key] = value
         except Exception:  # a transformers class without defaults of its own
@@ -199,8 +269,11 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
         for key, value in list(config.items()):  # per-layer dicts keyed by layer index (Gemma 4's per_layer_config)
             if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
                 renumber = {old: new for new, old in enumerate(picks)}
-                config[key] = {type(k)(renumber[int(k)]) if isinstance(k, int) else str(renumber[int(k)]): v
-                               for k, v in value.items() if int(k) in renumber}
+                config[key] = {
+                    type(k)(renumber[int(k)]) if isinstance(k, int) else str(renumber[int(k)]): v
+                    for k, v in value.items()
+                    if int(k) in renumber
+                }
     return config
 
 

@@ -5,6 +5,7 @@ recorded plan (through the reference interpreter) on the other, compare bitwise.
 loader on the replay side too, as they would on a consumer. Any element the plan does not write stays NaN, so an
 incomplete plan cannot pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,16 +14,16 @@ from typing import Mapping
 import torch
 
 from shardplan.plan import interp, ir
-from shardplan.record.build import build_model, loading_context
 from shardplan.plan.layout import Layout
+from shardplan.record.build import build_model, loading_context
 
 
 @dataclass
 class RankVerdict:
     rank: int
     num_params: int = 0
-    mismatched: list[str] = field(default_factory=list)   # replay differs from the real loader
-    unwritten: list[str] = field(default_factory=list)    # still NaN after the real loader (nothing loads them)
+    mismatched: list[str] = field(default_factory=list)  # replay differs from the real loader
+    unwritten: list[str] = field(default_factory=list)  # still NaN after the real loader (nothing loads them)
     # name -> (elements, of numel) no checkpoint tensor defines: vLLM's loader leaves them as allocated (padding such
     # as Kimi-Linear's expert intermediate at TP > 1 without EP), and the plan does not write them either
     undefined: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -82,8 +83,9 @@ def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:
             model.get_submodule(owner).register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
 
 
-def verify_rank(vllm_config, layout: Layout, rank: int, plan: ir.RankPlan,
-                checkpoint: Mapping[str, torch.Tensor]) -> RankVerdict:
+def verify_rank(
+    vllm_config, layout: Layout, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
+) -> RankVerdict:
     verdict = RankVerdict(rank)
     real = build_model(vllm_config, layout, rank, "cpu")
     poison(real)

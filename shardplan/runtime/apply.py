@@ -8,6 +8,7 @@ the buffer views once per buffer (cached by address: receive into the same regis
 The buffer holds destination-dtype bytes in destination shape (the trainer converted them), so applying is pure data
 movement. Imports torch and shardplan's plan/runtime packages only (never the trainer's replay module, never vLLM).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,11 +17,10 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import MissingTensorError, ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.file.bounds import check_extents
-from shardplan.errors import MissingTensorError
 from shardplan.plan.interp import region_view, to_dtype
 from shardplan.plan.names import base_group
 from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
@@ -54,17 +54,19 @@ class FallbackRequiredError(ApplyError):
 @dataclass(frozen=True, slots=True)
 class _Item:
     """One write of this rank, placed: bytes at buffer `offset` go to `param` at element `dst_offset`."""
+
     write: int
     offset: int
     param: str
     dst_offset: int
-    sizes: tuple[int, ...]     # collapsed destination geometry (the buffer side is contiguous)
+    sizes: tuple[int, ...]  # collapsed destination geometry (the buffer side is contiguous)
     strides: tuple[int, ...]
     dtype: str
 
 
-def params_from_plan(plan: ir.RankPlan, device: torch.device | str = "cpu", fill: float | None = None
-                     ) -> dict[str, torch.Tensor]:
+def params_from_plan(
+    plan: ir.RankPlan, device: torch.device | str = "cpu", fill: float | None = None
+) -> dict[str, torch.Tensor]:
     """Plain tensors shaped like the plan's params (for consumers without vLLM, and for tests). `fill` poisons them
     (e.g. NaN) so that unwritten elements stay visible."""
     params = {}
@@ -89,17 +91,25 @@ class Applier:
     (falling back to eager launches if capture fails, reason in `graph_error`); True requires it; False never.
     """
 
-    def __init__(self, plan: ir.RankPlan, layout: PackLayout, params: Mapping[str, torch.Tensor], *,
-                 fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
-                 cuda_graph: bool | None = None):
+    def __init__(
+        self,
+        plan: ir.RankPlan,
+        layout: PackLayout,
+        params: Mapping[str, torch.Tensor],
+        *,
+        fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
+        cuda_graph: bool | None = None,
+    ):
         self.plan, self.layout = plan, layout
         self.cuda_graph = cuda_graph
         self.graph_error: str | None = None
         if plan.fallbacks and fallback_loader is None:
             names = ", ".join(sorted(f.source for f in plan.fallbacks))
-            raise FallbackRequiredError(f"rank {plan.rank}: these checkpoint tensors need the real vLLM loader "
-                                        f"(recording fell back for them): {names}; pass fallback_loader=, e.g. "
-                                        f"lambda n, t: model.load_weights([(n, t)])")
+            raise FallbackRequiredError(
+                f"rank {plan.rank}: these checkpoint tensors need the real vLLM loader "
+                f"(recording fell back for them): {names}; pass fallback_loader=, e.g. "
+                f"lambda n, t: model.load_weights([(n, t)])"
+            )
         self.fallback_loader = fallback_loader
         self._metas = metas = {p.name: p for p in plan.params}
         self._columns = cols = columns_of(plan)
@@ -112,13 +122,19 @@ class Applier:
         # the params this Applier's layout writes
         touched = np.flatnonzero(np.bincount(self._placed.param, minlength=len(cols.param_names)))
         self._touched = sorted(cols.param_names[i] for i in touched.tolist())
-        self._param_ptrs: list[int] | None = None   # their storage when the cached views were bound
+        self._param_ptrs: list[int] | None = None  # their storage when the cached views were bound
         self._groups: dict[str, Applier] = {}
         self.applied_groups: set[str] = set()
 
     @classmethod
-    def from_model(cls, plan: ir.RankPlan, layout: PackLayout, model: torch.nn.Module, *,
-                   fallback_loader: Callable[[str, torch.Tensor], object] | None = None) -> "Applier":
+    def from_model(
+        cls,
+        plan: ir.RankPlan,
+        layout: PackLayout,
+        model: torch.nn.Module,
+        *,
+        fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
+    ) -> "Applier":
         """For a live vLLM model: its parameters and buffers themselves (so new storage is noticed, see above)."""
         tensors = dict(model.named_buffers())
         tensors.update(model.named_parameters())
@@ -131,9 +147,17 @@ class Applier:
         items = self.__dict__.get("_item_objects")
         if items is None:
             placed, names = self._placed, self._columns.param_names
-            items = [_Item(w, off, names[p], dst, *placed.geometry[g], placed.dtypes[d]) for w, off, p, dst, g, d in
-                     zip(placed.write.tolist(), placed.offset.tolist(), placed.param.tolist(),
-                         placed.dst_offset.tolist(), placed.geometry_id.tolist(), placed.dtype_id.tolist())]
+            items = [
+                _Item(w, off, names[p], dst, *placed.geometry[g], placed.dtypes[d])
+                for w, off, p, dst, g, d in zip(
+                    placed.write.tolist(),
+                    placed.offset.tolist(),
+                    placed.param.tolist(),
+                    placed.dst_offset.tolist(),
+                    placed.geometry_id.tolist(),
+                    placed.dtype_id.tolist(),
+                )
+            ]
             self.__dict__["_item_objects"] = items
         return items
 
@@ -142,7 +166,9 @@ class Applier:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
         steps = self.__dict__.get("_step_lists")
         if steps is None:
-            levels = dict(zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed, self._metas).tolist()))
+            levels = dict(
+                zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed, self._metas).tolist())
+            )
             steps = [[] for _ in range(1 + max(levels.values(), default=-1))]
             for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
                 runs = steps[levels[item.write]]
@@ -160,19 +186,28 @@ class Applier:
             return False
         if len(run) == 1:
             return item.dst_offset > first.dst_offset  # as_strided takes no negative strides
-        return (item.offset - last.offset == run[1].offset - first.offset
-                and item.dst_offset - last.dst_offset == run[1].dst_offset - first.dst_offset)
+        return (
+            item.offset - last.offset == run[1].offset - first.offset
+            and item.dst_offset - last.dst_offset == run[1].dst_offset - first.dst_offset
+        )
 
     # -- binding a buffer --
     def _bind(self, buffer: torch.Tensor) -> list[Callable]:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.layout.nbytes \
-                or not buffer.is_contiguous():
-            raise PackBufferError(f"rank {self.plan.rank}: buffer must be a contiguous 1-D uint8 tensor of "
-                                  f"{self.layout.nbytes} bytes, got {str(buffer.dtype).removeprefix('torch.')}"
-                                  f"{list(buffer.shape)}")
+        if (
+            buffer.dtype != torch.uint8
+            or buffer.dim() != 1
+            or buffer.numel() != self.layout.nbytes
+            or not buffer.is_contiguous()
+        ):
+            raise PackBufferError(
+                f"rank {self.plan.rank}: buffer must be a contiguous 1-D uint8 tensor of "
+                f"{self.layout.nbytes} bytes, got {str(buffer.dtype).removeprefix('torch.')}"
+                f"{list(buffer.shape)}"
+            )
         if buffer.data_ptr() % 16:
-            raise PackBufferError(f"rank {self.plan.rank}: the buffer must start 16-byte aligned, it starts at "
-                                  f"{buffer.data_ptr():#x}")
+            raise PackBufferError(
+                f"rank {self.plan.rank}: the buffer must start 16-byte aligned, it starts at {buffer.data_ptr():#x}"
+            )
         ptrs = [self.params[name].data_ptr() for name in self._touched]
         if ptrs != self._param_ptrs:
             # A param got new storage since the views were bound (`param.data = ...`, an engine re-allocating its
@@ -187,7 +222,7 @@ class Applier:
         if key not in self._bound:
             if len(self._bound) >= 4:  # cached views keep their buffers alive: remember only the last few buffers
                 self._bound.pop(next(iter(self._bound)))
-            for name in self._touched:   # (a group's Applier holds every param of the plan; it writes only these)
+            for name in self._touched:  # (a group's Applier holds every param of the plan; it writes only these)
                 t = self.params[name]
                 if t.device != buffer.device:
                     raise PackBufferError(f"param {name!r} is on {t.device}, the buffer on {buffer.device}")
@@ -238,11 +273,12 @@ class Applier:
             buf_sizes = (len(run),) + sizes
             buf_strides = ((run[1].offset - first.offset) // width,) + buf_strides
             dst_strides = ((run[1].dst_offset - first.dst_offset) * itemsize // width,) + strides
-        src = storage_view(buffer, dtype).as_strided(buf_sizes, buf_strides,
-                                                     (buffer.storage_offset() + first.offset) // width)
-        dst = storage_view(param, dtype).as_strided(buf_sizes, dst_strides,
-                                                    (param.storage_offset() * itemsize + first.dst_offset * itemsize)
-                                                    // width)
+        src = storage_view(buffer, dtype).as_strided(
+            buf_sizes, buf_strides, (buffer.storage_offset() + first.offset) // width
+        )
+        dst = storage_view(param, dtype).as_strided(
+            buf_sizes, dst_strides, (param.storage_offset() * itemsize + first.dst_offset * itemsize) // width
+        )
         return dst, src
 
     # -- public API --
@@ -257,8 +293,13 @@ class Applier:
     def for_group(self, group: str) -> "Applier":
         """The Applier of one weight group: takes the group-sized buffer `Replayer.pack_group` produced."""
         if group not in self._groups:
-            self._groups[group] = Applier(self.plan, self.layout.group(group), self.params,
-                                          fallback_loader=self.fallback_loader or _refuse, cuda_graph=self.cuda_graph)
+            self._groups[group] = Applier(
+                self.plan,
+                self.layout.group(group),
+                self.params,
+                fallback_loader=self.fallback_loader or _refuse,
+                cuda_graph=self.cuda_graph,
+            )
         return self._groups[group]
 
     def rebind(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -283,8 +324,10 @@ class Applier:
         """Hand each fallback checkpoint tensor, whole, to the fallback loader."""
         for f in self.plan.fallbacks:
             if f.source not in tensors:
-                raise MissingTensorError(f"fallback tensor {f.source!r} is missing: rank {self.plan.rank} needs it "
-                                         f"whole for the real loader ({f.loader or '?'}: {f.reason})")
+                raise MissingTensorError(
+                    f"fallback tensor {f.source!r} is missing: rank {self.plan.rank} needs it "
+                    f"whole for the real loader ({f.loader or '?'}: {f.reason})"
+                )
             self.fallback_loader(f.source, tensors[f.source])
 
     @property
@@ -321,8 +364,13 @@ class Placement:
 
     def __init__(self, write, offset, param, dst_offset, geometry_id, geometry, dtype_id, dtypes, seen):
         self.write, self.offset, self.param, self.dst_offset = write, offset, param, dst_offset
-        self.geometry_id, self.geometry, self.dtype_id, self.dtypes, self.seen = (geometry_id, geometry, dtype_id,
-                                                                                  dtypes, seen)
+        self.geometry_id, self.geometry, self.dtype_id, self.dtypes, self.seen = (
+            geometry_id,
+            geometry,
+            dtype_id,
+            dtypes,
+            seen,
+        )
 
 
 def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
@@ -333,7 +381,7 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     if rank not in layout.ranks:
         raise mismatch(f"the layout was computed for consumer ranks {list(layout.ranks)}, not rank {rank}")
     one_ref_each = len(table.ref_rank) == len(table) and (np.diff(table.ref_start) == 1).all()
-    if one_ref_each and (table.ref_rank == rank).all():   # this rank's own layout (the usual): no gathers
+    if one_ref_each and (table.ref_rank == rank).all():  # this rank's own layout (the usual): no gathers
         seg, index = np.arange(len(table)), table.ref_index
         refs_param = table.ref_param
     else:
@@ -362,16 +410,21 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
         j = int(np.nonzero(~ok)[0][0])
         s = table[int(seg[j])]
         ref = next(r for r in s.refs if r.rank == rank and r.index == int(index[j]))
-        raise mismatch(f"rank {rank}: layout segment at byte {s.offset} ({s.dtype}{list(s.shape)} for "
-                       f"{ref.param!r}, write {ref.index}) does not match the plan: compute the layout from the same "
-                       f"plans")
+        raise mismatch(
+            f"rank {rank}: layout segment at byte {s.offset} ({s.dtype}{list(s.shape)} for "
+            f"{ref.param!r}, write {ref.index}) does not match the plan: compute the layout from the same "
+            f"plans"
+        )
     numels = np.asarray([p.numel for p in plan.params] + [0], dtype=np.int64)
     lo, hi, empty = class_extents(cols, "dst", index)
 
     def outside(j: int) -> str:
         i = int(index[j])
-        return (f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of "
-                f"{cols.param_names[cols.param[i]]!r}, which has {int(numels[cols.param[i]])}")
+        return (
+            f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of "
+            f"{cols.param_names[cols.param[i]]!r}, which has {int(numels[cols.param[i]])}"
+        )
+
     check_extents(lo, hi, empty, numels[cols.param[index]], outside)
     seen = np.zeros(n, dtype=bool)
     seen[index] = True
@@ -382,15 +435,26 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
         in_groups = np.asarray([group_cached(name) in groups for name in cols.param_names], dtype=bool)
         missing = np.nonzero(~seen & in_groups[cols.param])[0].tolist()
         if missing:
-            raise mismatch(f"rank {rank}: writes {missing[:8]} (of {len(missing)}) have no segment in the layout: "
-                           f"compute the layout from the same plans")
+            raise mismatch(
+                f"rank {rank}: writes {missing[:8]} (of {len(missing)}) have no segment in the layout: "
+                f"compute the layout from the same plans"
+            )
     live = table.nbytes[seg] > 0
     seg, index = seg[live], index[live]
     dst_class, reps = cols.region_classes("dst")
     geo = dst_class[index]
     geometry = [collapse(sizes, strides) for sizes, strides in region_tuples(cols, "dst", reps)]
-    return Placement(index, table.offset[seg], cols.param[index], cols.dst_offset[index], geo, geometry,
-                     table.dtype[seg], table.dtypes, seen)
+    return Placement(
+        index,
+        table.offset[seg],
+        cols.param[index],
+        cols.dst_offset[index],
+        geo,
+        geometry,
+        table.dtype[seg],
+        table.dtypes,
+        seen,
+    )
 
 
 def overlap_steps(cols: WriteColumns, placed: Placement, metas) -> np.ndarray:
@@ -403,8 +467,13 @@ def overlap_steps(cols: WriteColumns, placed: Placement, metas) -> np.ndarray:
         return levels
     lo, hi, _ = class_extents(cols, "dst", index)
     param = cols.param[index]
-    may = overlapping_writes(param, cols.dst_offset[index], np.take(cols.dst_sizes, index, axis=0),
-                             np.take(cols.dst_strides, index, axis=0), param_shapes(cols.param_names, metas)[param])
+    may = overlapping_writes(
+        param,
+        cols.dst_offset[index],
+        np.take(cols.dst_sizes, index, axis=0),
+        np.take(cols.dst_strides, index, axis=0),
+        param_shapes(cols.param_names, metas)[param],
+    )
     rows = np.nonzero(may & (hi > lo))[0]
     if not len(rows):
         return levels

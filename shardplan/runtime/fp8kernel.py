@@ -11,6 +11,7 @@ built once per QuantizingReplayer); a bind adds the tensors' addresses (`FusedQu
 when a CUDA bind launches it (the CPU venv has none); `FusedQuantPlan.run_reference` runs the same programs with
 torch, for checks without a GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ from shardplan.plan import ir
 from shardplan.runtime.tensors import broadcast_region, collapse
 
 FP8 = "float8_e4m3fn"
-NUM_WARPS = 8   # per 128 x 128 program: 64 elements a thread
+NUM_WARPS = 8  # per 128 x 128 program: 64 elements a thread
 # programs: weight id, block row, block col (of the weight), out (byte offset in the buffer where the block's [0, 0]
 # element would sit), out_stride (bytes per row there), window [r0, r1) x [c0, c1) (block coordinates: the elements the
 # segment holds; empty for a scale-only program), scale (element offset in the staging vector)
@@ -60,20 +61,22 @@ def _segment_box(region: ir.Region, dst_sizes, shape) -> tuple[int, int, int, in
 @dataclass(frozen=True)
 class FusedQuantPlan:
     """Which segments of a QuantizingReplayer's layout the kernel packs, and its programs (PROGRAM_COLUMNS)."""
+
     block: tuple[int, int]
-    weights: tuple[str, ...]             # the weights the kernel quantizes (programs' weight ids index this)
-    boxes: Mapping[str, tuple]           # each one's quantized box ((r0, r1), (c0, c1)), block-aligned at its start
-    scale_offsets: Mapping[str, int]     # element offset of each one's staged scales in the staging vector
+    weights: tuple[str, ...]  # the weights the kernel quantizes (programs' weight ids index this)
+    boxes: Mapping[str, tuple]  # each one's quantized box ((r0, r1), (c0, c1)), block-aligned at its start
+    scale_offsets: Mapping[str, int]  # element offset of each one's staged scales in the staging vector
     scale_numel: int
-    segments: tuple[int, ...]            # layout segments whose bytes the kernel writes
-    rest: tuple[int, ...]                # the other segments (the ordinary replay packs them)
-    eager: tuple[str, ...]               # quantized weights the kernel cannot serve (staged by the eager quantizer)
-    programs: np.ndarray                 # [n, len(PROGRAM_COLUMNS)] int64
-    gather: tuple[np.ndarray, np.ndarray]   # scale segments' elements: (staging index, float32 index in the buffer)
+    segments: tuple[int, ...]  # layout segments whose bytes the kernel writes
+    rest: tuple[int, ...]  # the other segments (the ordinary replay packs them)
+    eager: tuple[str, ...]  # quantized weights the kernel cannot serve (staged by the eager quantizer)
+    programs: np.ndarray  # [n, len(PROGRAM_COLUMNS)] int64
+    gather: tuple[np.ndarray, np.ndarray]  # scale segments' elements: (staging index, float32 index in the buffer)
 
     @classmethod
-    def build(cls, inner, boxes: Mapping[str, tuple], block: tuple[int, int], quantized, scale_names: Mapping[str, str]
-              ) -> "FusedQuantPlan":
+    def build(
+        cls, inner, boxes: Mapping[str, tuple], block: tuple[int, int], quantized, scale_names: Mapping[str, str]
+    ) -> "FusedQuantPlan":
         """`inner`: the QuantizingReplayer's Replayer (plans rebased into the staged boxes); `quantized`: the weights
         its packs read (fp8 or scales); `scale_names`: each weight's scale tensor."""
         weight_of_scale = {scale: weight for weight, scale in scale_names.items()}
@@ -89,20 +92,20 @@ class FusedQuantPlan:
             w = by_rank[int(table.ref_rank[ref])].writes[int(table.ref_index[ref])]
             leaf = w.src.leaf
             if not isinstance(leaf, ir.Source):
-                eager.update(n for n in ir.sources(leaf) if n in boxes)   # a computed write reads the staged fp8
+                eager.update(n for n in ir.sources(leaf) if n in boxes)  # a computed write reads the staged fp8
                 rest.append(i)
                 continue
             if leaf.name not in boxes:
                 weight = weight_of_scale.get(leaf.name)
                 if weight in boxes and table.dtypes[table.dtype[i]] == "float32":
-                    scale_reads.append((i, weight, w.src.region))   # gathered from the staging vector
+                    scale_reads.append((i, weight, w.src.region))  # gathered from the staging vector
                 else:
-                    rest.append(i)   # a tensor that is not quantized
+                    rest.append(i)  # a tensor that is not quantized
                 continue
             box = None
             if table.dtypes[table.dtype[i]] == FP8:
                 (r0, r1), (c0, c1) = boxes[leaf.name]
-                shape = tuple(table.shape[i, :table.shape_ndim[i]].tolist())
+                shape = tuple(table.shape[i, : table.shape_ndim[i]].tolist())
                 local = _segment_box(w.src.region, shape, (r1 - r0, c1 - c0))
                 if local is not None:
                     box = (local[0] + r0, local[1] + r0, local[2] + c0, local[3] + c0)
@@ -119,29 +122,60 @@ class FusedQuantPlan:
             (r0, r1), (c0, c1) = boxes[name]
             grid = (math.ceil((r1 - r0) / bn), math.ceil((c1 - c0) / bk))
             scale_offsets[name] = numel
-            numel += -(-grid[0] * grid[1] // 4) * 4   # 16-byte aligned staged scale tensors
+            numel += -(-grid[0] * grid[1] // 4) * 4  # 16-byte aligned staged scale tensors
             covered = np.zeros(grid, dtype=bool)
             for i, (ar0, ar1, ac0, ac1) in fused.get(name, ()):
                 segments.append(i)
                 nc = ac1 - ac0
-                br, bc = np.meshgrid(np.arange(ar0 // bn, -(-ar1 // bn)), np.arange(ac0 // bk, -(-ac1 // bk)),
-                                     indexing="ij")
+                br, bc = np.meshgrid(
+                    np.arange(ar0 // bn, -(-ar1 // bn)), np.arange(ac0 // bk, -(-ac1 // bk)), indexing="ij"
+                )
                 br, bc = br.ravel(), bc.ravel()
                 covered[br - r0 // bn, bc - c0 // bk] = True
                 out = int(table.offset[i]) + (br * bn - ar0) * nc + (bc * bk - ac0)
-                programs.append(np.stack([
-                    np.full_like(br, wid), br, bc, out, np.full_like(br, nc),
-                    np.maximum(ar0 - br * bn, 0), np.minimum(ar1 - br * bn, bn),
-                    np.maximum(ac0 - bc * bk, 0), np.minimum(ac1 - bc * bk, bk),
-                    scale_offsets[name] + (br - r0 // bn) * grid[1] + (bc - c0 // bk)], axis=1))
-            br, bc = np.nonzero(~covered)   # blocks whose scale is read but no fp8 byte: scale-only programs
+                programs.append(
+                    np.stack(
+                        [
+                            np.full_like(br, wid),
+                            br,
+                            bc,
+                            out,
+                            np.full_like(br, nc),
+                            np.maximum(ar0 - br * bn, 0),
+                            np.minimum(ar1 - br * bn, bn),
+                            np.maximum(ac0 - bc * bk, 0),
+                            np.minimum(ac1 - bc * bk, bk),
+                            scale_offsets[name] + (br - r0 // bn) * grid[1] + (bc - c0 // bk),
+                        ],
+                        axis=1,
+                    )
+                )
+            br, bc = np.nonzero(~covered)  # blocks whose scale is read but no fp8 byte: scale-only programs
             if len(br):
                 br, bc = br + r0 // bn, bc + c0 // bk
                 zero = np.zeros_like(br)
-                programs.append(np.stack([np.full_like(br, wid), br, bc, zero, zero, zero, zero, zero, zero,
-                                          scale_offsets[name] + (br - r0 // bn) * grid[1] + (bc - c0 // bk)], axis=1))
-        programs = (np.concatenate(programs).astype(np.int64) if programs
-                    else np.zeros((0, len(PROGRAM_COLUMNS)), dtype=np.int64))
+                programs.append(
+                    np.stack(
+                        [
+                            np.full_like(br, wid),
+                            br,
+                            bc,
+                            zero,
+                            zero,
+                            zero,
+                            zero,
+                            zero,
+                            zero,
+                            scale_offsets[name] + (br - r0 // bn) * grid[1] + (bc - c0 // bk),
+                        ],
+                        axis=1,
+                    )
+                )
+        programs = (
+            np.concatenate(programs).astype(np.int64)
+            if programs
+            else np.zeros((0, len(PROGRAM_COLUMNS)), dtype=np.int64)
+        )
         # scale segments of the kernel's weights: one gather from the staging vector (a refined scale grid's upsampled
         # reads are hundreds of tiny broadcast views: one kernel each in the ordinary replay)
         gather_src, gather_dst = [], []
@@ -149,19 +183,32 @@ class FusedQuantPlan:
             if weight not in scale_offsets:
                 rest.append(i)
                 continue
-            shape = tuple(table.shape[i, :table.shape_ndim[i]].tolist())
+            shape = tuple(table.shape[i, : table.shape_ndim[i]].tolist())
             full = broadcast_region(region, shape)
             index = np.full(shape, full.offset, dtype=np.int64)
             for d, (size, stride) in enumerate(zip(full.sizes, full.strides)):
-                index += (np.arange(size, dtype=np.int64) * stride).reshape((1,) * d + (size,) + (1,) * (
-                    len(shape) - d - 1))
+                index += (np.arange(size, dtype=np.int64) * stride).reshape(
+                    (1,) * d + (size,) + (1,) * (len(shape) - d - 1)
+                )
             segments.append(i)
             gather_src.append(scale_offsets[weight] + index.ravel())
             gather_dst.append(int(table.offset[i]) // 4 + np.arange(index.size, dtype=np.int64))
-        gather = (np.concatenate(gather_src) if gather_src else np.zeros(0, dtype=np.int64),
-                  np.concatenate(gather_dst) if gather_dst else np.zeros(0, dtype=np.int64))
-        return cls(block, weights, {n: boxes[n] for n in weights}, scale_offsets, numel, tuple(sorted(segments)),
-                   tuple(sorted(rest)), tuple(sorted(eager)), programs, gather)
+        gather = (
+            np.concatenate(gather_src) if gather_src else np.zeros(0, dtype=np.int64),
+            np.concatenate(gather_dst) if gather_dst else np.zeros(0, dtype=np.int64),
+        )
+        return cls(
+            block,
+            weights,
+            {n: boxes[n] for n in weights},
+            scale_offsets,
+            numel,
+            tuple(sorted(segments)),
+            tuple(sorted(rest)),
+            tuple(sorted(eager)),
+            programs,
+            gather,
+        )
 
     def staged_scales(self, scales: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each kernel-quantized weight's staged scale tensor (a view of the staging vector `scales`)."""
@@ -171,26 +218,28 @@ class FusedQuantPlan:
             (r0, r1), (c0, c1) = self.boxes[name]
             grid = (math.ceil((r1 - r0) / bn), math.ceil((c1 - c0) / bk))
             at = self.scale_offsets[name]
-            out[name] = scales[at:at + grid[0] * grid[1]].view(grid)
+            out[name] = scales[at : at + grid[0] * grid[1]].view(grid)
         return out
 
-    def run_reference(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor,
-                      quantize_blocks) -> None:
+    def run_reference(
+        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor, quantize_blocks
+    ) -> None:
         """The programs run one by one with the reference quantizer `quantize_blocks` (runtime/quantize.py's; torch,
         any device): what the kernel computes."""
         bn, bk = self.block
         fp8 = out.view(torch.float8_e4m3fn)
         for wid, br, bc, at, stride, r0, r1, c0, c1, scale in self.programs.tolist():
-            x = tensors[self.weights[wid]][br * bn:(br + 1) * bn, bc * bk:(bc + 1) * bk]
+            x = tensors[self.weights[wid]][br * bn : (br + 1) * bn, bc * bk : (bc + 1) * bk]
             q, s = quantize_blocks(x, self.block)
             scales[scale] = s[0, 0]
             for r in range(r0, r1):
-                fp8[at + r * stride + c0:at + r * stride + c1] = q[r, c0:c1]
+                fp8[at + r * stride + c0 : at + r * stride + c1] = q[r, c0:c1]
         src, dst = (torch.from_numpy(a).to(out.device) for a in self.gather)
         out.view(torch.float32)[dst] = scales[src]
 
-    def binding(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
-                ) -> "FusedQuantBinding":
+    def binding(
+        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
+    ) -> "FusedQuantBinding":
         return FusedQuantBinding(self, tensors, out, scales)
 
 
@@ -199,8 +248,9 @@ class FusedQuantBinding:
     blocks wholly in their segment (no masks), other 16-byte aligned rows (the kernel is told so and moves 16-byte
     vectors), the rest. `flag` turns 1 when a block held inf or NaN."""
 
-    def __init__(self, plan: FusedQuantPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
-                 scales: torch.Tensor):
+    def __init__(
+        self, plan: FusedQuantPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
+    ):
         self.plan, self.out, self.scales = plan, out, scales
         self.tensors = [tensors[name] for name in plan.weights]
         self.flag = torch.zeros(1, dtype=torch.int32, device=out.device)
@@ -228,18 +278,42 @@ class FusedQuantBinding:
                 raise ValueError("a block's row offsets overflow 32 bits (the kernel's in-block offsets are int32)")
             table = np.stack([src, row_stride[w], rows, cols] + [p[:, k] for k in range(3, 10)], axis=1)
             vec = 16 // itemsize
-            aligned = ((src % vec == 0) & (row_stride[w] % vec == 0) & (cols % vec == 0) & (p[:, 3] % 16 == 0)
-                       & (p[:, 4] % 16 == 0) & (p[:, 7] % 16 == 0) & (p[:, 8] % 16 == 0))
+            aligned = (
+                (src % vec == 0)
+                & (row_stride[w] % vec == 0)
+                & (cols % vec == 0)
+                & (p[:, 3] % 16 == 0)
+                & (p[:, 4] % 16 == 0)
+                & (p[:, 7] % 16 == 0)
+                & (p[:, 8] % 16 == 0)
+            )
             if base % 16 or out.data_ptr() % 16:
                 aligned[:] = False
-            full = aligned & (rows == bn) & (cols == bk) & (p[:, 5] == 0) & (p[:, 6] == bn) & (p[:, 7] == 0) & (
-                p[:, 8] == bk)
+            full = (
+                aligned
+                & (rows == bn)
+                & (cols == bk)
+                & (p[:, 5] == 0)
+                & (p[:, 6] == bn)
+                & (p[:, 7] == 0)
+                & (p[:, 8] == bk)
+            )
             base_tensor = next(t for t in self.tensors if t.dtype == dtype and t.data_ptr() == base)
-            for kind, is_aligned, is_full in ((full, True, True), (aligned & ~full, True, False),
-                                              (~aligned, False, False)):   # whole blocks, aligned others, the rest
+            for kind, is_aligned, is_full in (
+                (full, True, True),
+                (aligned & ~full, True, False),
+                (~aligned, False, False),
+            ):  # whole blocks, aligned others, the rest
                 if kind.any():
-                    self.launches.append((torch.from_numpy(np.ascontiguousarray(table[kind])).to(out.device),
-                                          base_tensor, vec if is_aligned else 1, 16 if is_aligned else 1, is_full))
+                    self.launches.append(
+                        (
+                            torch.from_numpy(np.ascontiguousarray(table[kind])).to(out.device),
+                            base_tensor,
+                            vec if is_aligned else 1,
+                            16 if is_aligned else 1,
+                            is_full,
+                        )
+                    )
         self._out_fp8 = out_fp8
         self._out_f32 = out.view(torch.float32)
         self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in plan.gather)
@@ -254,8 +328,19 @@ class FusedQuantBinding:
         kernel = _kernel()
         bn, bk = self.plan.block
         for table, base, vec_src, vec_out, full in self.launches:
-            kernel[(len(table),)](table, base, self._out_fp8, self.scales, self.flag, BLOCK_R=bn, BLOCK_C=bk,
-                                  VEC_SRC=vec_src, VEC_OUT=vec_out, FULL=full, num_warps=NUM_WARPS)
+            kernel[(len(table),)](
+                table,
+                base,
+                self._out_fp8,
+                self.scales,
+                self.flag,
+                BLOCK_R=bn,
+                BLOCK_C=bk,
+                VEC_SRC=vec_src,
+                VEC_OUT=vec_out,
+                FULL=full,
+                num_warps=NUM_WARPS,
+            )
         if len(self._gathered):
             torch.index_select(self.scales, 0, self._gather_src, out=self._gathered)
             self._out_f32.index_copy_(0, self._gather_dst, self._gathered)
@@ -287,9 +372,18 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def quantize_blocks_kernel(table, src_base, out_base, scale_base, flag, BLOCK_R: tl.constexpr,
-                               BLOCK_C: tl.constexpr, VEC_SRC: tl.constexpr, VEC_OUT: tl.constexpr,
-                               FULL: tl.constexpr):
+    def quantize_blocks_kernel(
+        table,
+        src_base,
+        out_base,
+        scale_base,
+        flag,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        VEC_SRC: tl.constexpr,
+        VEC_OUT: tl.constexpr,
+        FULL: tl.constexpr,
+    ):
         row = table + tl.program_id(0).to(tl.int64) * 11
         src = tl.multiple_of(tl.load(row), VEC_SRC)
         src_stride = tl.multiple_of(tl.load(row + 1).to(tl.int32), VEC_SRC)
@@ -300,7 +394,7 @@ def _kernel():
         c = tl.arange(0, BLOCK_C)[None, :]
         src_ptrs = src_base + src + (r * src_stride + c)
         out_ptrs = out_base + out + (r * out_stride + c)
-        if FULL:   # a whole block inside the tensor, all of it in the segment: no masks
+        if FULL:  # a whole block inside the tensor, all of it in the segment: no masks
             x = tl.load(src_ptrs).to(tl.float32)
         else:
             rows = tl.load(row + 2).to(tl.int32)
@@ -308,8 +402,8 @@ def _kernel():
             x = tl.load(src_ptrs, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
         # inf or NaN anywhere makes amax inf (max ignores NaN, so NaN counts as inf): one reduction for both
         amax = tl.max(tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1), axis=0)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)   # correctly rounded, as the reference's exact_div
-        inv = tl.math.div_rn(1.0, scale)                         # as torch's 1.0 / scale
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)  # correctly rounded, as the reference's exact_div
+        inv = tl.math.div_rn(1.0, scale)  # as torch's 1.0 / scale
         q = (x * inv).to(tl.float8e4nv)
         if FULL:
             tl.store(out_ptrs, q)

@@ -7,6 +7,7 @@ weight group (one decoder layer each, a contiguous byte range per group), and ar
 identical (same source view, same destination dtype and shape, same group). Fallback tensors travel whole after their
 layer's bytes (`fallback_slots`); sharded trainers' parts of a group sit one after the other (`sharded_bases`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from shardplan.plan import ir
 from shardplan.errors import PlanError
+from shardplan.plan import ir
 from shardplan.plan.columns import columns_of
 from shardplan.plan.names import base_group, group_of
 from shardplan.runtime.packcols import layout_arrays
@@ -27,6 +28,7 @@ from shardplan.runtime.tensors import align_up
 class WriteRef:
     """One write of one consumer rank's plan: plans[rank].writes[index], writing region `dst` of `param` (kept here
     so that the layout's digest covers where every byte lands)."""
+
     rank: int
     index: int
     param: str
@@ -37,6 +39,7 @@ class WriteRef:
 class Segment:
     """One packed blob: `nbytes` bytes at `offset` holding a `dtype` tensor of `shape` (the destination's dtype and
     sizes), for every write in `refs` (several when their bytes are identical)."""
+
     offset: int
     nbytes: int
     dtype: str
@@ -48,6 +51,7 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class GroupSpan:
     """Weight group `name`: bytes [start, stop) of the buffer, segments [first, last) of the layout."""
+
     name: str
     start: int
     stop: int
@@ -59,7 +63,6 @@ class GroupSpan:
         return self.stop - self.start
 
 
-
 class SegmentTable(Sequence):
     """A layout's segments as columns (runtime/packcols.py builds them): `Segment` objects are built only when
     indexed. Per segment: offset, nbytes, dtype (id in `dtypes`), shape (`shape_ndim` dims of `shape`), group (id in
@@ -67,8 +70,15 @@ class SegmentTable(Sequence):
     `param_names`, destination region)."""
 
     FIELDS = ("offset", "nbytes", "dtype", "shape_ndim", "shape", "group")
-    REF_FIELDS = ("ref_rank", "ref_index", "ref_param", "ref_dst_offset", "ref_dst_ndim", "ref_dst_sizes",
-                  "ref_dst_strides")
+    REF_FIELDS = (
+        "ref_rank",
+        "ref_index",
+        "ref_param",
+        "ref_dst_offset",
+        "ref_dst_ndim",
+        "ref_dst_sizes",
+        "ref_dst_strides",
+    )
 
     def __init__(self, arrays: Mapping, dtypes, group_names, param_names):
         for k in self.FIELDS + self.REF_FIELDS + ("ref_start",):
@@ -86,14 +96,23 @@ class SegmentTable(Sequence):
 
         def padded(rows, fill):
             return np.asarray([tuple(r) + (fill,) * (width - len(r)) for r in rows], dtype=np.int64).reshape(-1, width)
-        arrays = {"offset": [s.offset for s in segments], "nbytes": [s.nbytes for s in segments],
-                  "dtype": [dtypes.index(s.dtype) for s in segments], "shape_ndim": [len(s.shape) for s in segments],
-                  "shape": padded([s.shape for s in segments], 1), "group": [groups.index(s.group) for s in segments],
-                  "ref_start": np.cumsum([0] + [len(s.refs) for s in segments]),
-                  "ref_rank": [r.rank for r in refs], "ref_index": [r.index for r in refs],
-                  "ref_param": [params.index(r.param) for r in refs], "ref_dst_offset": [r.dst.offset for r in refs],
-                  "ref_dst_ndim": [len(r.dst.sizes) for r in refs], "ref_dst_sizes": padded([r.dst.sizes for r in refs], 1),
-                  "ref_dst_strides": padded([r.dst.strides for r in refs], 0)}
+
+        arrays = {
+            "offset": [s.offset for s in segments],
+            "nbytes": [s.nbytes for s in segments],
+            "dtype": [dtypes.index(s.dtype) for s in segments],
+            "shape_ndim": [len(s.shape) for s in segments],
+            "shape": padded([s.shape for s in segments], 1),
+            "group": [groups.index(s.group) for s in segments],
+            "ref_start": np.cumsum([0] + [len(s.refs) for s in segments]),
+            "ref_rank": [r.rank for r in refs],
+            "ref_index": [r.index for r in refs],
+            "ref_param": [params.index(r.param) for r in refs],
+            "ref_dst_offset": [r.dst.offset for r in refs],
+            "ref_dst_ndim": [len(r.dst.sizes) for r in refs],
+            "ref_dst_sizes": padded([r.dst.sizes for r in refs], 1),
+            "ref_dst_strides": padded([r.dst.strides for r in refs], 0),
+        }
         return cls({k: np.asarray(v, dtype=np.int64) for k, v in arrays.items()}, dtypes, groups, params)
 
     def __len__(self) -> int:
@@ -115,12 +134,22 @@ class SegmentTable(Sequence):
         refs = []
         for j in range(int(self.ref_start[i]), int(self.ref_start[i + 1])):
             ndim = int(self.ref_dst_ndim[j])
-            dst = ir.Region(int(self.ref_dst_offset[j]), tuple(self.ref_dst_sizes[j, :ndim].tolist()),
-                            tuple(self.ref_dst_strides[j, :ndim].tolist()))
-            refs.append(WriteRef(int(self.ref_rank[j]), int(self.ref_index[j]), self.param_names[self.ref_param[j]],
-                                 dst))
-        return Segment(int(self.offset[i]), int(self.nbytes[i]), self.dtypes[self.dtype[i]],
-                       tuple(self.shape[i, :self.shape_ndim[i]].tolist()), self.group_names[self.group[i]], tuple(refs))
+            dst = ir.Region(
+                int(self.ref_dst_offset[j]),
+                tuple(self.ref_dst_sizes[j, :ndim].tolist()),
+                tuple(self.ref_dst_strides[j, :ndim].tolist()),
+            )
+            refs.append(
+                WriteRef(int(self.ref_rank[j]), int(self.ref_index[j]), self.param_names[self.ref_param[j]], dst)
+            )
+        return Segment(
+            int(self.offset[i]),
+            int(self.nbytes[i]),
+            self.dtypes[self.dtype[i]],
+            tuple(self.shape[i, : self.shape_ndim[i]].tolist()),
+            self.group_names[self.group[i]],
+            tuple(refs),
+        )
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -166,7 +195,7 @@ class SegmentTable(Sequence):
                 h.update(repr(sorted(used_names)).encode())
             if k in ("shape", "ref_dst_sizes", "ref_dst_strides"):
                 ndim = self.shape_ndim if k == "shape" else self.ref_dst_ndim
-                a = a[:, :int(ndim.max()) if len(ndim) else 0]
+                a = a[:, : int(ndim.max()) if len(ndim) else 0]
             a = np.ascontiguousarray(a)
             h.update(k.encode() + str(a.shape).encode() + a.tobytes())
 
@@ -188,8 +217,14 @@ def reads_digest(plan: ir.RankPlan) -> str:
     h.update(repr(sorted(names)).encode())
     ndim, sizes, strides = cols.geometry_rows("src", rows)
     width = int(ndim.max()) if len(ndim) else 0
-    for a in (rows, order[np.searchsorted(used, ids)] if len(ids) else ids, cols.src_offset[rows], ndim,
-              sizes[:, :width], strides[:, :width]):
+    for a in (
+        rows,
+        order[np.searchsorted(used, ids)] if len(ids) else ids,
+        cols.src_offset[rows],
+        ndim,
+        sizes[:, :width],
+        strides[:, :width],
+    ):
         a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
         h.update(str(a.shape).encode() + a.tobytes())
     for i in sorted(cols.computed):
@@ -200,6 +235,7 @@ def reads_digest(plan: ir.RankPlan) -> str:
 @dataclass(frozen=True)
 class PackLayout:
     """Where each write's bytes sit in the packed buffer; a pure function of (plans, alignment)."""
+
     alignment: int
     nbytes: int
     segments: tuple[Segment, ...]
@@ -209,12 +245,13 @@ class PackLayout:
     _by_group: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if not isinstance(self.segments, SegmentTable):   # given as Segment objects
+        if not isinstance(self.segments, SegmentTable):  # given as Segment objects
             object.__setattr__(self, "segments", SegmentTable.from_segments(tuple(self.segments)))
 
     @classmethod
-    def from_plans(cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256,
-                   max_group_bytes: int | None = None) -> "PackLayout":
+    def from_plans(
+        cls, plans: ir.RankPlan | Sequence[ir.RankPlan], alignment: int = 256, max_group_bytes: int | None = None
+    ) -> "PackLayout":
         """`max_group_bytes`: split a weight group larger than this into ceil(bytes / max_group_bytes) parts of about
         equal size, "<group>/0", "<group>/1", ..., cut at segment boundaries (so a part may exceed the limit by less
         than one segment). A pipelined sync moves and applies part by part, so its fill (packing the first part) and
@@ -225,8 +262,9 @@ class PackLayout:
             raise ValueError(f"alignment must be a positive multiple of 16 bytes, got {alignment}")
         out = layout_arrays(plans, alignment, max_group_bytes)
         table = SegmentTable(out, out["dtypes"], out["group_names"], out["param_names"])
-        spans = tuple(GroupSpan(table.group_names[g], start, stop, first, last)
-                      for g, start, stop, first, last in out["spans"])
+        spans = tuple(
+            GroupSpan(table.group_names[g], start, stop, first, last) for g, start, stop, first, last in out["spans"]
+        )
         return cls(alignment, out["nbytes_total"], table, spans, tuple(p.rank for p in plans))
 
     def group(self, name: str) -> "PackLayout":
@@ -237,9 +275,14 @@ class PackLayout:
             if span is None:
                 raise KeyError(f"weight group {name!r} is not in this layout (groups: {[g.name for g in self.groups]})")
             segments = self.segments.take(np.arange(span.first, span.last), shift=span.start)
-            self._by_group[name] = PackLayout(self.alignment, span.nbytes, segments,
-                                              (GroupSpan(name, 0, span.nbytes, 0, len(segments)),), self.ranks,
-                                              self.base + span.start)
+            self._by_group[name] = PackLayout(
+                self.alignment,
+                span.nbytes,
+                segments,
+                (GroupSpan(name, 0, span.nbytes, 0, len(segments)),),
+                self.ranks,
+                self.base + span.start,
+            )
         return self._by_group[name]
 
     @property
@@ -296,32 +339,35 @@ def as_plans(plans: ir.RankPlan | Sequence[ir.RankPlan]) -> tuple[ir.RankPlan, .
     return plans
 
 
-
 # ---- what travels besides replayed writes ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class FallbackSlot:
     """A fallback tensor (its loader could not be recorded) shipped whole: `nbytes` at byte `offset` of its group's
     buffer, after the group's replayed bytes. The consumer hands it to the real loader."""
+
     name: str
     offset: int
     nbytes: int
 
 
-def fallback_slots(plan: ir.RankPlan, layout: PackLayout, sources: Mapping[str, ir.TensorMeta]
-                   ) -> dict[str, tuple[FallbackSlot, ...]]:
+def fallback_slots(
+    plan: ir.RankPlan, layout: PackLayout, sources: Mapping[str, ir.TensorMeta]
+) -> dict[str, tuple[FallbackSlot, ...]]:
     """Where each of the plan's fallback tensors travels: appended (aligned) to the last part of its decoder layer's
     group in `layout` (so the trainer's source serves it with its layer), or a group of its own when no write of the
     plan is in that layer. Trainer and consumer compute it from the same plan, layout and sources."""
     last_part: dict[str, str] = {}
     ends = {g.name: g.nbytes for g in layout.groups}
     for g in layout.groups:
-        last_part[base_group(g.name)] = g.name   # groups are in order: the last part wins
+        last_part[base_group(g.name)] = g.name  # groups are in order: the last part wins
     out: dict[str, list[FallbackSlot]] = {}
     for f in sorted(plan.fallbacks, key=lambda f: f.source):
         meta = sources.get(f.source)
         if meta is None:
-            raise PlanError(f"consumer rank {plan.rank}: fallback tensor {f.source!r} is not in the sources table, so "
-                            f"it cannot be shipped; pass the plan file's sources")
+            raise PlanError(
+                f"consumer rank {plan.rank}: fallback tensor {f.source!r} is not in the sources table, so "
+                f"it cannot be shipped; pass the plan file's sources"
+            )
         group = last_part.get(group_of(f.source), group_of(f.source))
         offset = align_up(ends.get(group, 0), layout.alignment)
         out.setdefault(group, []).append(FallbackSlot(f.source, offset, meta.nbytes))

@@ -19,6 +19,7 @@ blocks straight into the buffer instead, bitwise the same; this eager path stays
 
 torch and shardplan's plan/runtime packages only: loads on a trainer without vLLM.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from shardplan.plan import ir
 from shardplan.errors import MissingTensorError, ReplayError
+from shardplan.plan import ir
 from shardplan.plan.names import SCALE_SUFFIX
 from shardplan.runtime import fp8kernel
 from shardplan.runtime.pack import PackLayout, as_plans
@@ -43,7 +44,7 @@ from shardplan.runtime.tensors import (
     resolve_device,
 )
 
-REFERENCE = "fp8-e4m3-block-amax448-v1"   # the name plan files give the reference quantizer
+REFERENCE = "fp8-e4m3-block-amax448-v1"  # the name plan files give the reference quantizer
 QUANTIZERS = (REFERENCE,)
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -81,9 +82,11 @@ def parse_quantizer(text: str) -> tuple[str, tuple[int, int]]:
     dims = block.split("x")
     if name not in QUANTIZERS or len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
         what = "no quantizer (it is not a quantized plan)" if not text else f"quantizer {text!r}"
-        raise QuantizerMismatch(f"the plan expects {what}; this replay implements {REFERENCE!r}/<bn>x<bk> only. "
-                                f"Record the plan from a block-FP8 config (quantization_config.weight_block_size), or "
-                                f"replay an unquantized plan with runtime.replay.Replayer.")
+        raise QuantizerMismatch(
+            f"the plan expects {what}; this replay implements {REFERENCE!r}/<bn>x<bk> only. "
+            f"Record the plan from a block-FP8 config (quantization_config.weight_block_size), or "
+            f"replay an unquantized plan with runtime.replay.Replayer."
+        )
     return name, (int(dims[0]), int(dims[1]))
 
 
@@ -121,7 +124,8 @@ def check_finite(name: str, x: torch.Tensor, box: tuple[tuple[int, int], ...], b
     raise NonFiniteBlockError(
         f"trainer tensor {name!r} holds {x[row - box[0][0], col - box[1][0]].item()} at [{row}, {col}] (block "
         f"[{row // block[0]}, {col // block[1]}] of {list(block)}): its fp8 scale would not be finite. Fix the "
-        f"weights (or skip this sync) before packing.")
+        f"weights (or skip this sync) before packing."
+    )
 
 
 def trainer_name_of(name: str, sources: Mapping[str, ir.TensorMeta]) -> str:
@@ -177,15 +181,21 @@ def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
     (r0, r1), (c0, c1) = box
     rows = (r0 // block[0], math.ceil(r1 / block[0]))
     cols = (c0 // block[1], math.ceil(c1 / block[1]))
-    if any(s_r0 <= rows[0] and rows[1] <= s_r1 and s_c0 <= cols[0] and cols[1] <= s_c1
-           for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes):
+    if any(
+        s_r0 <= rows[0] and rows[1] <= s_r1 and s_c0 <= cols[0] and cols[1] <= s_c1
+        for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes
+    ):
         return True
 
     def cuts(lo: int, hi: int, dim: int) -> list[int]:
         return sorted({lo, hi} | {e for sbox in scale_boxes for e in sbox[dim] if lo < e < hi})
+
     row_cuts, col_cuts = cuts(*rows, 0), cuts(*cols, 1)
-    return all(any(s_r0 <= i < s_r1 and s_c0 <= j < s_c1 for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes)
-               for i in row_cuts[:-1] for j in col_cuts[:-1])   # each cell by its first block
+    return all(
+        any(s_r0 <= i < s_r1 and s_c0 <= j < s_c1 for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes)
+        for i in row_cuts[:-1]
+        for j in col_cuts[:-1]
+    )  # each cell by its first block
 
 
 def _source_views(view: ir.View, name: str) -> list[ir.View] | None:
@@ -213,8 +223,9 @@ def _rebase(region: ir.Region, shape, box) -> ir.Region:
     """`region` of the full [rows, cols] tensor, re-expressed in a contiguous tensor holding only `box`."""
     row0, col0, steps = _row_col(region, shape[1])
     box_cols = box[1][1] - box[1][0]
-    return ir.Region((row0 - box[0][0]) * box_cols + (col0 - box[1][0]), region.sizes,
-                     tuple(r * box_cols + c for r, c in steps))
+    return ir.Region(
+        (row0 - box[0][0]) * box_cols + (col0 - box[1][0]), region.sizes, tuple(r * box_cols + c for r, c in steps)
+    )
 
 
 class QuantizingReplayer:
@@ -226,8 +237,14 @@ class QuantizingReplayer:
     plan file names (`PlanHeader.quantizer`, e.g. "fp8-e4m3-block-amax448-v1/128x128"); any other quantizer, or none,
     is refused (QuantizerMismatch). Other options go to `Replayer`."""
 
-    def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
-                 quantizer: str, **replayer_options):
+    def __init__(
+        self,
+        plans: ir.RankPlan | Sequence[ir.RankPlan],
+        sources: Mapping[str, ir.TensorMeta],
+        *,
+        quantizer: str,
+        **replayer_options,
+    ):
         _, self.block = parse_quantizer(quantizer)
         self.quantizer = quantizer
         self.plans = as_plans(plans)
@@ -236,22 +253,29 @@ class QuantizingReplayer:
         self._reads("")
         read = set(self._readers)
         self.sources = {n: sources[n] for n in sorted(read)}
-        for name, meta in list(self.sources.items()):   # a weight read without its scale, or a scale without it
-            other = (name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else
-                     name + SCALE_SUFFIX if meta.dtype == "float8_e4m3fn" else None)
+        for name, meta in list(self.sources.items()):  # a weight read without its scale, or a scale without it
+            other = (
+                name.removesuffix(SCALE_SUFFIX)
+                if name.endswith(SCALE_SUFFIX)
+                else name + SCALE_SUFFIX
+                if meta.dtype == "float8_e4m3fn"
+                else None
+            )
             if other is not None and other not in self.sources and other in sources:
                 self.sources[other] = sources[other]
-        self.weights = sorted(n for n, m in self.sources.items()
-                              if m.dtype == "float8_e4m3fn" and n + SCALE_SUFFIX in self.sources)
+        self.weights = sorted(
+            n for n, m in self.sources.items() if m.dtype == "float8_e4m3fn" and n + SCALE_SUFFIX in self.sources
+        )
         self.boxes = {name: self._box(name) for name in self.weights}
         self.boxes = {name: box for name, box in self.boxes.items() if box is not None}
         rebased, staged = self._rebased()
         # the bytes sit where the consumer's own layout (of the plans as recorded) puts them: rebased sources can
         # order a group's segments differently (the layout breaks ties by source geometry)
-        layout = PackLayout.from_plans(self.plans, replayer_options.get("alignment", 256),
-                                       replayer_options.get("max_group_bytes"))
+        layout = PackLayout.from_plans(
+            self.plans, replayer_options.get("alignment", 256), replayer_options.get("max_group_bytes")
+        )
         self.inner = Replayer(rebased, staged, layout=layout, **replayer_options)
-        self.plans = self.inner.plans   # the rebased plans (same params, writes and source names)
+        self.plans = self.inner.plans  # the rebased plans (same params, writes and source names)
         self._groups: dict[str, QuantizingReplayer] = {}
         self._finish()
 
@@ -292,21 +316,26 @@ class QuantizingReplayer:
                 self._check_covered(weight, rank, box, scale_boxes.get(rank, ()))
         if not used:
             return None
-        return tuple((start // b * b, min(math.ceil(stop / b) * b, dim))
-                     for start, stop, b, dim in zip(lo, hi, self.block, shape))
+        return tuple(
+            (start // b * b, min(math.ceil(stop / b) * b, dim))
+            for start, stop, b, dim in zip(lo, hi, self.block, shape)
+        )
 
     def _check_covered(self, weight: str, rank: int, box, scale_boxes) -> None:
         """The fp8 elements a rank reads are whole blocks, or lie in scale blocks the same rank reads (a refined
         scale grid: vLLM's loader upsamples those scales); otherwise the plan is not one for this block size."""
         shape = self.sources[weight].shape
-        aligned = all(start % size == 0 and (stop % size == 0 or stop == dim)
-                      for (start, stop), size, dim in zip(box, self.block, shape))
+        aligned = all(
+            start % size == 0 and (stop % size == 0 or stop == dim)
+            for (start, stop), size, dim in zip(box, self.block, shape)
+        )
         if not (aligned or _blocks_covered(box, scale_boxes, self.block)):
             raise BlockAlignmentError(
                 f"rank {rank} reads rows/cols {[list(b) for b in box]} of {weight!r} ({list(shape)}), which are not "
                 f"whole {list(self.block)}-blocks and not within the scale blocks it reads, so its fp8 bytes would "
                 f"depend on scales it never receives. The plan's layout is not block-aligned for block "
-                f"{list(self.block)} (record it from a config with this weight_block_size).")
+                f"{list(self.block)} (record it from a config with this weight_block_size)."
+            )
 
     def _rebased(self):
         staged = dict(self.sources)
@@ -314,8 +343,9 @@ class QuantizingReplayer:
             (r0, r1), (c0, c1) = box
             staged[weight] = ir.TensorMeta(weight, (r1 - r0, c1 - c0), "float8_e4m3fn")
             scale = weight + SCALE_SUFFIX
-            staged[scale] = ir.TensorMeta(scale, (math.ceil((r1 - r0) / self.block[0]),
-                                                  math.ceil((c1 - c0) / self.block[1])), "float32")
+            staged[scale] = ir.TensorMeta(
+                scale, (math.ceil((r1 - r0) / self.block[0]), math.ceil((c1 - c0) / self.block[1])), "float32"
+            )
         plans = []
         for plan in self.plans:
             writes = [ir.Write(w.param, w.dst, self._rebase_view(w.src)) for w in plan.writes]
@@ -359,8 +389,9 @@ class QuantizingReplayer:
         """Which segments the fused CUDA kernel packs, and its programs (plan-only: built once, at the first CUDA
         bind)."""
         if self.__dict__.get("_fused_plan") is None:
-            self._fused_plan = fp8kernel.FusedQuantPlan.build(self.inner, self.boxes, self.block, self.quantized,
-                                                                {w: w + SCALE_SUFFIX for w in self.boxes})
+            self._fused_plan = fp8kernel.FusedQuantPlan.build(
+                self.inner, self.boxes, self.block, self.quantized, {w: w + SCALE_SUFFIX for w in self.boxes}
+            )
         return self._fused_plan
 
     def _derived(self, inner: Replayer) -> "QuantizingReplayer":
@@ -393,8 +424,9 @@ class QuantizingReplayer:
         """Trainer tensors a pack reads (weight names for quantized tensors; no scales)."""
         return {self.trainer_name(n) for n in self.inner.sources_read()}
 
-    def bind(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, **options
-             ) -> "QuantizingBoundReplay":
+    def bind(
+        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, **options
+    ) -> "QuantizingBoundReplay":
         return QuantizingBoundReplay(self, tensors, out, **options)
 
     def pack(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -409,8 +441,15 @@ class QuantizingBoundReplay:
     A block holding inf or NaN raises NonFiniteBlockError naming it: on the eager path before any byte is written, on
     the fused path after the launch (the buffer's bytes are then unspecified; pack() never returns it)."""
 
-    def __init__(self, replayer: QuantizingReplayer, tensors: Mapping[str, torch.Tensor], out, *,
-                 fused: bool | None = None, **options):
+    def __init__(
+        self,
+        replayer: QuantizingReplayer,
+        tensors: Mapping[str, torch.Tensor],
+        out,
+        *,
+        fused: bool | None = None,
+        **options,
+    ):
         self.replayer = replayer
         self.sources: dict[str, tuple[torch.Tensor, tuple]] = {}
         watched: dict[str, torch.Tensor] = {}
@@ -420,21 +459,28 @@ class QuantizingBoundReplay:
             t = tensors.get(weight)
             meta = replayer.sources[weight]
             if t is None:
-                raise MissingTensorError(f"trainer tensor {weight!r} is missing: the FP8 plan quantizes it from a "
-                                         f"{list(meta.shape)} bfloat16/float16/float32 tensor")
+                raise MissingTensorError(
+                    f"trainer tensor {weight!r} is missing: the FP8 plan quantizes it from a "
+                    f"{list(meta.shape)} bfloat16/float16/float32 tensor"
+                )
             if t.dtype not in INPUT_DTYPES:
-                raise QuantizerDTypeError(f"trainer tensor {weight!r} is {str(t.dtype).removeprefix('torch.')}: the "
-                                          f"block quantizer takes bfloat16, float16 or float32 (pass the trainer's "
-                                          f"high-precision weight, not an already quantized one)")
+                raise QuantizerDTypeError(
+                    f"trainer tensor {weight!r} is {str(t.dtype).removeprefix('torch.')}: the "
+                    f"block quantizer takes bfloat16, float16 or float32 (pass the trainer's "
+                    f"high-precision weight, not an already quantized one)"
+                )
             if tuple(t.shape) != tuple(meta.shape):
-                raise TensorShapeError(f"trainer tensor {weight!r} has shape {list(t.shape)}, the plan expects "
-                                       f"{list(meta.shape)}")
+                raise TensorShapeError(
+                    f"trainer tensor {weight!r} has shape {list(t.shape)}, the plan expects {list(meta.shape)}"
+                )
             want = given if given is not None else device
             if want is not None and t.device != resolve_device(want):
-                raise TensorLayoutError(f"trainer tensor {weight!r} is on {t.device}, expected "
-                                        f"{describe_device(want)}: move it there or give the device it is on")
+                raise TensorLayoutError(
+                    f"trainer tensor {weight!r} is on {t.device}, expected "
+                    f"{describe_device(want)}: move it there or give the device it is on"
+                )
             device = device or t.device
-            self.sources[weight] = (t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box)
+            self.sources[weight] = (t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box)
             watched[weight] = t
         # the quantizer reads these through views (eager) or raw addresses (fused), which keep the old storage after
         # `t.data = x` or `set_`: pack() compares their data pointers (the inner replay checks only what it reads)
@@ -478,7 +524,7 @@ class QuantizingBoundReplay:
         plan = replayer.fused_plan()
         if out is None:
             out = torch.zeros(replayer.layout.nbytes, dtype=torch.uint8, device=device)
-        self.sources = {w: self.sources[w] for w in plan.eager if w in self.sources}   # eager-quantized ones only
+        self.sources = {w: self.sources[w] for w in plan.eager if w in self.sources}  # eager-quantized ones only
         self.staged = {}
         for weight in self.sources:
             for name in (weight, weight + SCALE_SUFFIX):
@@ -488,7 +534,7 @@ class QuantizingBoundReplay:
         self.staged.update({w + SCALE_SUFFIX: t for w, t in plan.staged_scales(self.scales).items()})
         self.kernel = plan.binding(tensors, out, self.scales)
         rest = replayer.inner.subset(plan.rest)
-        rest.device = device   # (a subset reading no trainer tensor must still bind to the buffer's device)
+        rest.device = device  # (a subset reading no trainer tensor must still bind to the buffer's device)
         staged_names = set(self.staged) | set(plan.weights)
         others = {n: t for n, t in tensors.items() if n not in staged_names}
         cuda_graph = options.pop("cuda_graph", None)
@@ -502,7 +548,7 @@ class QuantizingBoundReplay:
                 if cuda_graph:
                     raise
                 self.inner.graph_error = f"{type(exc).__name__}: {exc}"
-            self.kernel.flag.zero_()   # (capture ran the kernel once on the bind-time values)
+            self.kernel.flag.zero_()  # (capture ran the kernel once on the bind-time values)
 
     def quantize(self) -> None:
         """The eager path's staging (the weights the fused kernel does not serve, on the fused path)."""
@@ -521,10 +567,13 @@ class QuantizingBoundReplay:
         """Raise StaleBindingError if a bound tensor or the buffer was reallocated since bind()."""
         self.inner.check()
         if not ptrs_unchanged(self._watched, self._watched_ptrs, self._watched_index):
-            name = next(w for w, t, p in zip(self._watched_names, self._watched, self._watched_ptrs)
-                        if t.data_ptr() != p)
-            raise StaleBindingError(f"{name!r} no longer has the storage it had at bind(): call bind() again "
-                                    f"after reallocating trainer tensors")
+            name = next(
+                w for w, t, p in zip(self._watched_names, self._watched, self._watched_ptrs) if t.data_ptr() != p
+            )
+            raise StaleBindingError(
+                f"{name!r} no longer has the storage it had at bind(): call bind() again "
+                f"after reallocating trainer tensors"
+            )
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
         if check:
@@ -542,10 +591,10 @@ class QuantizingBoundReplay:
                     op()
             for op in self.inner._eager_ops:
                 op()
-        if self.kernel.nonfinite():   # (a host read: waits for the launch) name the first culprit
+        if self.kernel.nonfinite():  # (a host read: waits for the launch) name the first culprit
             for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
                 box = self.replayer.boxes[weight]
-                check_finite(weight, t[box[0][0]:box[0][1], box[1][0]:box[1][1]], box, self.replayer.block)
+                check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
             raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
         return self.out
 

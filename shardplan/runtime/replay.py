@@ -6,6 +6,7 @@ Computed writes (Call/Full/Update leaves) go through the reference interpreter, 
 
 This module imports torch and shardplan's plan/runtime packages only: it must load on a trainer without vLLM.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from shardplan.errors import ForeignWriteError, PlanError
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
-from shardplan.errors import ForeignWriteError, PlanError
 from shardplan.plan.file.bounds import check_extents
 from shardplan.plan.interp import check_write_sizes, resolve_op, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
@@ -40,10 +41,11 @@ from shardplan.runtime.tensors import (
 @dataclass(frozen=True, slots=True)
 class _ViewSeg:
     """A pure-view segment, precomputed: read source `name` at `offset` with collapsed geometry."""
+
     segment: int
-    offset: int           # buffer byte offset (relative to the layout)
+    offset: int  # buffer byte offset (relative to the layout)
     name: str
-    src_offset: int       # element offset into the source
+    src_offset: int  # element offset into the source
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
     numel: int
@@ -52,6 +54,7 @@ class _ViewSeg:
 @dataclass(frozen=True, slots=True)
 class _Batch:
     """Consecutive pure-view segments of one geometry and dtype pair: one kernel launch when bound."""
+
     src_dtype: str
     dst_dtype: str
     sizes: tuple[int, ...]
@@ -68,9 +71,16 @@ class Replayer:
     `shardplan.runtime.shards`). Everything that depends only on the plans is computed here, once.
     """
 
-    def __init__(self, plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], *,
-                 alignment: int = 256, device: torch.device | str | None = None, max_group_bytes: int | None = None,
-                 layout: PackLayout | None = None):
+    def __init__(
+        self,
+        plans: ir.RankPlan | Sequence[ir.RankPlan],
+        sources: Mapping[str, ir.TensorMeta],
+        *,
+        alignment: int = 256,
+        device: torch.device | str | None = None,
+        max_group_bytes: int | None = None,
+        layout: PackLayout | None = None,
+    ):
         # `layout`: the byte arrangement of other plans with the same writes and destinations (QuantizingReplayer:
         # the plans before their sources were rebased into staging boxes), so that the consumer's own layout matches
         self.plans = as_plans(plans)
@@ -79,7 +89,7 @@ class Replayer:
         self.device = torch.device(device) if device is not None else None
         self.layout = layout if layout is not None else PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
-        self.computed_peak = check_plans(self.plans, self.sources)   # bytes one computed write makes, at most
+        self.computed_peak = check_plans(self.plans, self.sources)  # bytes one computed write makes, at most
         self._runs, self._computed = self._plan_batches()
         self._group_replayers: dict[str, Replayer] = {}
 
@@ -97,9 +107,10 @@ class Replayer:
         if batches is None:
             batches = []
             for (src_dtype, dst_dtype, sizes, strides), seg_indices in self._runs:
-                items = tuple(_ViewSeg(seg, offset, name, src_offset, sizes, strides, math.prod(sizes))
-                              for seg, offset, name, src_offset in run_items(self.plans, self.layout.segments,
-                                                                             seg_indices))
+                items = tuple(
+                    _ViewSeg(seg, offset, name, src_offset, sizes, strides, math.prod(sizes))
+                    for seg, offset, name, src_offset in run_items(self.plans, self.layout.segments, seg_indices)
+                )
                 batches.append(_Batch(src_dtype, dst_dtype, sizes, strides, items))
             self.__dict__["_batch_objects"] = batches
         return batches
@@ -144,21 +155,25 @@ class Replayer:
         lay = self.layout
         bad = [i for i in segments if not 0 <= i < len(lay.segments)]
         if bad:
-            raise PlanError(f"segments {bad[:8]} are not in this layout (it has {len(lay.segments)}): subset takes "
-                            f"indices into layout.segments")
+            raise PlanError(
+                f"segments {bad[:8]} are not in this layout (it has {len(lay.segments)}): subset takes "
+                f"indices into layout.segments"
+            )
         segs = lay.segments.take(np.asarray(segments, dtype=np.int64))
         sub = Replayer.__new__(Replayer)
         sub.plans, sub.sources, sub.device, sub._by_rank = self.plans, self.sources, self.device, self._by_rank
         sub.computed_peak = self.computed_peak
         name = lay.groups[0].name if len(lay.groups) == 1 else "subset"
-        sub.layout = PackLayout(lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),),
-                                lay.ranks, lay.base)
+        sub.layout = PackLayout(
+            lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),), lay.ranks, lay.base
+        )
         sub._runs, sub._computed = sub._plan_batches()
         sub._group_replayers = {}
         return sub
 
-    def bind(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, *,
-             cuda_graph: bool | None = None) -> "BoundReplay":
+    def bind(
+        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, *, cuda_graph: bool | None = None
+    ) -> "BoundReplay":
         """Validate the trainer's tensors, build every view and batch, and on CUDA capture them in a CUDA graph.
 
         Contract: until re-bound, the bound tensors and `out` keep their storage (in-place updates such as optimizer
@@ -172,8 +187,9 @@ class Replayer:
         """One-shot bind + pack (no caching): the uint8 buffer of `self.layout`."""
         return self.bind(tensors, out).pack()
 
-    def pack_group(self, group: str, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+    def pack_group(
+        self, group: str, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Pack one weight group into its own buffer (`layout.group(group).nbytes` bytes); `tensors` need only
         hold that group's sources (`sources_read(group)`)."""
         return self.for_group(group).pack(tensors, out)
@@ -208,8 +224,9 @@ def _labelled(fn: Callable, label: str) -> Callable:
 class BoundReplay:
     """A Replayer bound to one set of trainer tensors and one output buffer: `pack()` replays the prepared ops."""
 
-    def __init__(self, replayer: Replayer, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None, *,
-                 cuda_graph: bool):
+    def __init__(
+        self, replayer: Replayer, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None, *, cuda_graph: bool
+    ):
         self.replayer = replayer
         self.layout = replayer.layout
         names = replayer.sources_read()
@@ -244,13 +261,17 @@ class BoundReplay:
             # zeros, not empty: padding bytes are never written, and a deterministic buffer checksums reproducibly
             return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or not out.is_contiguous():
-            raise PackBufferError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes, got "
-                                  f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)}")
+            raise PackBufferError(
+                f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes, got "
+                f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)}"
+            )
         if out.device != self.device:
             raise PackBufferError(f"out is on {out.device}, the trainer tensors on {self.device}")
         if out.data_ptr() % 16:
-            raise PackBufferError(f"out starts at an address that is not 16-byte aligned ({out.data_ptr():#x}): "
-                                  f"segments are addressed in their dtype and in up to 8-byte words")
+            raise PackBufferError(
+                f"out starts at an address that is not 16-byte aligned ({out.data_ptr():#x}): "
+                f"segments are addressed in their dtype and in up to 8-byte words"
+            )
         return out
 
     # -- building ops --
@@ -263,7 +284,8 @@ class BoundReplay:
         t = self.tensors[item.name]
         byte_offset = (t.storage_offset() + item.src_offset) * t.element_size()
         return storage_view(t, WIDE_DTYPES[width] if width else dtype).as_strided(
-            sizes, strides, byte_offset // (width or dtype.itemsize))
+            sizes, strides, byte_offset // (width or dtype.itemsize)
+        )
 
     def _batched_ops(self) -> list[Callable[[], object]]:
         ops: list[Callable[[], object]] = []
@@ -272,8 +294,11 @@ class BoundReplay:
         for batch in self.replayer._batches:
             ops.extend(self._batch_ops(batch, list(batch.items), foreach_dst, foreach_src))
         if foreach_dst:
-            ops.append(_labelled(lambda d=foreach_dst, s=foreach_src: torch._foreach_copy_(d, s),
-                                 f"foreach_copy x{len(foreach_dst)}"))
+            ops.append(
+                _labelled(
+                    lambda d=foreach_dst, s=foreach_src: torch._foreach_copy_(d, s), f"foreach_copy x{len(foreach_dst)}"
+                )
+            )
         return ops
 
     def _batch_ops(self, batch: _Batch, items: list[_ViewSeg], foreach_dst, foreach_src) -> list[Callable]:
@@ -284,8 +309,9 @@ class BoundReplay:
         if src_dtype != dst_dtype:
             # conversion: no byte reinterpretation possible; copy_ converts (rare: e.g. fp32 checkpoint norms -> bf16)
             for item in items:
-                foreach_dst.append(self._buffer_view(dst_dtype, batch.sizes, ir.contiguous_strides(batch.sizes),
-                                                     item.offset))
+                foreach_dst.append(
+                    self._buffer_view(dst_dtype, batch.sizes, ir.contiguous_strides(batch.sizes), item.offset)
+                )
                 foreach_src.append(self._src_view(item, src_dtype, 0, batch.sizes, batch.strides))
             return []
         geometry = self._widened(batch, items)
@@ -318,8 +344,10 @@ class BoundReplay:
         itemsize = to_dtype(batch.src_dtype).itemsize
         addresses = []
         for item in items:
-            addresses += [storage_ptr(self.tensors[item.name]) + self._src_byte(item),
-                          storage_ptr(self.out) + self.out.storage_offset() + item.offset]
+            addresses += [
+                storage_ptr(self.tensors[item.name]) + self._src_byte(item),
+                storage_ptr(self.out) + self.out.storage_offset() + item.offset,
+            ]
         return widen(itemsize, batch.sizes, batch.strides, addresses, max_width=max(8, itemsize))
 
     def _views(self, run: list[_ViewSeg], geometry) -> tuple[torch.Tensor, object]:
@@ -337,10 +365,14 @@ class BoundReplay:
         if strided_source:
             step = (self._src_byte(run[1]) - self._src_byte(run[0])) // width
             src = self._src_view(run[0], None, width, (len(run),) + sizes, (step,) + strides)
-            return _labelled(lambda d=dst, s=src: d.copy_(s),
-                             f"strided copy x{len(run)} {list(sizes)}x{width}B strides {list(strides)}")
-        return _labelled(lambda d=dst, s=srcs: torch.stack(s, out=d),
-                         f"stack x{len(run)} {list(sizes)}x{width}B strides {list(strides)}")
+            return _labelled(
+                lambda d=dst, s=src: d.copy_(s),
+                f"strided copy x{len(run)} {list(sizes)}x{width}B strides {list(strides)}",
+            )
+        return _labelled(
+            lambda d=dst, s=srcs: torch.stack(s, out=d),
+            f"stack x{len(run)} {list(sizes)}x{width}B strides {list(strides)}",
+        )
 
     def _computed_ops(self) -> list[Callable]:
         """Non-view segments (Call/Full/Update leaves) go through the reference interpreter, once per segment."""
@@ -361,8 +393,10 @@ class BoundReplay:
         for t, ptr in zip(self._pinned, self._pinned_ptrs):
             if t.data_ptr() != ptr:
                 name = next((n for n, x in self.tensors.items() if x is t), "out")
-                raise StaleBindingError(f"{name!r} no longer has the storage it had at bind(): call "
-                                        f"Replayer.bind() again after reallocating trainer tensors or the buffer")
+                raise StaleBindingError(
+                    f"{name!r} no longer has the storage it had at bind(): call "
+                    f"Replayer.bind() again after reallocating trainer tensors or the buffer"
+                )
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
         """Fill `self.out` (enqueued on the current stream; synchronize before reading on another stream)."""
@@ -391,8 +425,9 @@ def source_numels(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.
     return cols.sources.numels(ids, sources)
 
 
-def source_dtypes(cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.TensorMeta]
-                  ) -> tuple[np.ndarray, list[str]]:
+def source_dtypes(
+    cols: WriteColumns, ids: np.ndarray, sources: Mapping[str, ir.TensorMeta]
+) -> tuple[np.ndarray, list[str]]:
     """(code per id, dtype names the codes index) as `sources` describes the tensors; vectorised when `sources` is
     the plan file's own table."""
     table = cols.sources
@@ -421,52 +456,66 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
             ir.sources(w.src.leaf, names)
             for name in sorted(names):
                 if name not in sources:
-                    raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) reads {name!r}, which the "
-                                    f"sources table does not describe")
+                    raise PlanError(
+                        f"rank {plan.rank}: write {index} ({w.param}) reads {name!r}, which the "
+                        f"sources table does not describe"
+                    )
             for op in ir.literal_ops(w.src.leaf):
                 resolve_op(op)
             problem = ir.foreign_write(w.src.leaf)
             if problem is not None:
-                raise ForeignWriteError(f"rank {plan.rank}: write {index} ({w.param}): {problem}. Replay never writes "
-                                        f"into the trainer's tensors: re-record the plan")
+                raise ForeignWriteError(
+                    f"rank {plan.rank}: write {index} ({w.param}): {problem}. Replay never writes "
+                    f"into the trainer's tensors: re-record the plan"
+                )
             if rank_numel is None:
                 rank_numel = sum(p.numel for p in plan.params)
-            try:   # sized here, on meta, so that pack never allocates more than the plan declares room for
+            try:  # sized here, on meta, so that pack never allocates more than the plan declares room for
                 peak = max(peak, check_write_sizes(w, sources, rank_numel))
             except PlanError as e:
                 raise type(e)(f"rank {plan.rank}: write {index} ({w.param}): {e}. Re-record the plan") from None
             except Exception as e:  # noqa: BLE001 - an op that does not evaluate on these shapes fails replay too
-                raise PlanError(f"rank {plan.rank}: write {index} ({w.param}) does not evaluate on the declared "
-                                f"shapes: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+                raise PlanError(
+                    f"rank {plan.rank}: write {index} ({w.param}) does not evaluate on the declared "
+                    f"shapes: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                ) from None
         rows = np.nonzero(cols.src >= 0)[0]
         if not len(rows):
             continue
         numel = source_numels(cols, cols.src[rows], sources)
         if (numel < 0).any():
             index = int(rows[np.nonzero(numel < 0)[0][0]])
-            raise PlanError(f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads "
-                            f"{cols.source_name(index)!r}, which the sources table does not describe")
+            raise PlanError(
+                f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads "
+                f"{cols.source_name(index)!r}, which the sources table does not describe"
+            )
         lo, hi, empty = class_extents(cols, "src", rows)
 
         def outside(j: int) -> str:
             index = int(rows[j])
             meta = sources[cols.source_name(index)]
-            return (f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads elements "
-                    f"[{int(lo[j])}, {int(hi[j])}) of {meta.name!r}, which has {meta.numel} "
-                    f"({meta.dtype}{list(meta.shape)})")
+            return (
+                f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads elements "
+                f"[{int(lo[j])}, {int(hi[j])}) of {meta.name!r}, which has {meta.numel} "
+                f"({meta.dtype}{list(meta.shape)})"
+            )
+
         check_extents(lo, hi, empty, numel, outside)
         geo_id, geo_table = geometry_keys(cols)
         unbroadcastable = np.asarray([src is None for src, _ in geo_table], dtype=bool)[geo_id[rows]]
         if unbroadcastable.any():
             index = int(rows[np.nonzero(unbroadcastable)[0][0]])
             w = cols.write(index)
-            raise PlanError(f"rank {plan.rank}: write {index} ({w.param}): source sizes "
-                            f"{list(w.src.region.sizes)} do not broadcast to {list(w.dst.sizes)}")
+            raise PlanError(
+                f"rank {plan.rank}: write {index} ({w.param}): source sizes "
+                f"{list(w.src.region.sizes)} do not broadcast to {list(w.dst.sizes)}"
+            )
     return peak
 
 
-def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, ir.TensorMeta]
-                 ) -> tuple[list[tuple], list[int]]:
+def plan_batches(
+    plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, ir.TensorMeta]
+) -> tuple[list[tuple], list[int]]:
     """(runs, computed): runs of consecutive pure-view segments of one (source dtype, destination dtype, collapsed
     geometry, bytes), each `(key, segment indices, rank, write index of each one's first ref)`; the indices of the
     computed segments. Segments of no bytes are skipped."""
@@ -476,7 +525,7 @@ def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, i
     first_ref = segments.ref_start[:-1]
     rep_rank, rep_index = segments.ref_rank[first_ref], segments.ref_index[first_ref]
     pure = np.zeros(num, dtype=bool)
-    key_parts = np.zeros((num, 3), dtype=np.int64)   # source dtype, geometry, plan position (global ordinals)
+    key_parts = np.zeros((num, 3), dtype=np.int64)  # source dtype, geometry, plan position (global ordinals)
     geometries, dtype_names = [], []
     for pos, plan in enumerate(plans):
         mask = rep_rank == plan.rank
@@ -504,7 +553,7 @@ def plan_batches(plans: Sequence[ir.RankPlan], segments, sources: Mapping[str, i
     keys = [dtype_ord[key_parts[live, 0]], segments.dtype[live], geo_ord[key_parts[live, 1]], segments.nbytes[live]]
     change = np.zeros(len(live), dtype=bool)
     change[0] = True
-    for k in keys:   # 1-D compares: `.any(axis=1)` over a short axis costs ~10x
+    for k in keys:  # 1-D compares: `.any(axis=1)` over a short axis costs ~10x
         change[1:] |= k[1:] != k[:-1]
     starts = np.flatnonzero(change)
     heads = list(zip(*(k[starts].tolist() for k in keys)))

@@ -12,6 +12,7 @@ Refused at planning time, with a named error naming the tensor and the box: a ne
 a non-view write (Call/Full/Update) whose inputs no single rank holds whole; overlapping writes (last write wins)
 that no single rank can serve together (their order must stay within one buffer).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,13 +21,13 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from shardplan.errors import ShardplanError
 from shardplan.plan import ir
+from shardplan.plan.interp import to_dtype
 from shardplan.plan.names import group_layer, group_of
 from shardplan.plan.overlap import overlap_clusters
-from shardplan.errors import ShardplanError
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.tensors import broadcast_region
-from shardplan.plan.interp import to_dtype
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of the full tensor
 
@@ -54,6 +55,7 @@ class ShardOverlapError(ShardError):
 @dataclass(frozen=True, slots=True)
 class TrainerShard:
     """Trainer rank `rank` holds `full_tensor[box]` of checkpoint tensor `name`, as a contiguous local tensor."""
+
     name: str
     rank: int
     box: Box
@@ -75,8 +77,12 @@ def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def tp_shards(sources: Mapping[str, ir.TensorMeta], tp: int, split_dim: Callable[[str], int | None],
-              ranks: Sequence[int] | None = None) -> list[TrainerShard]:
+def tp_shards(
+    sources: Mapping[str, ir.TensorMeta],
+    tp: int,
+    split_dim: Callable[[str], int | None],
+    ranks: Sequence[int] | None = None,
+) -> list[TrainerShard]:
     """Tensor parallel: tensor `name` split into `tp` boxes along `split_dim(name)` (None: replicated on all)."""
     ranks = list(range(tp)) if ranks is None else list(ranks)
     shards = []
@@ -90,8 +96,9 @@ def tp_shards(sources: Mapping[str, ir.TensorMeta], tp: int, split_dim: Callable
     return shards
 
 
-def ep_shards(sources: Mapping[str, ir.TensorMeta], ep: int, expert_of: Callable[[str], int | None],
-              num_experts: int) -> list[TrainerShard]:
+def ep_shards(
+    sources: Mapping[str, ir.TensorMeta], ep: int, expert_of: Callable[[str], int | None], num_experts: int
+) -> list[TrainerShard]:
     """Expert parallel: expert e's tensors (whole) on rank e * ep // num_experts; non-expert tensors
     (`expert_of` None) replicated on every rank."""
     shards = []
@@ -129,11 +136,13 @@ def replicate(shards: Sequence[TrainerShard], dp: int, world: int) -> list[Train
 
 def layer_stage(num_layers: int, pp: int) -> Callable[[str], int]:
     """Contiguous blocks of layers per stage; embeddings on the first stage, everything else on the last."""
+
     def stage_of(name: str) -> int:
         layer = group_layer(group_of(name))
         if layer >= 0:
             return layer * pp // num_layers
         return 0 if group_of(name) == "embed" else pp - 1
+
     return stage_of
 
 
@@ -143,6 +152,7 @@ class ShardedPlan:
     """Per (trainer rank, consumer rank): the writes that trainer rank packs for that consumer, against its local
     tensors (`sources[trainer_rank]`). Consumers apply every trainer rank's buffer; the pieces are disjoint, except
     overlapping writes, which always come from one trainer rank in plan order."""
+
     plans: dict[tuple[int, int], ir.RankPlan]
     sources: dict[int, dict[str, ir.TensorMeta]]
     bytes_by_trainer: dict[int, int]
@@ -165,8 +175,9 @@ class ShardedPlan:
         return PackLayout.from_plans(self.for_trainer(trainer_rank), alignment)
 
 
-def local_tensors(shards: Sequence[TrainerShard], rank: int, full: Mapping[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
+def local_tensors(
+    shards: Sequence[TrainerShard], rank: int, full: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """What trainer `rank` holds, cut from full tensors (tests and benchmarks; a real trainer already has these)."""
     out = {}
     for s in shards:
@@ -178,17 +189,19 @@ def local_tensors(shards: Sequence[TrainerShard], rank: int, full: Mapping[str, 
 @dataclass
 class _Piece:
     """Part of one consumer write servable from one cell of the trainer boxes."""
+
     consumer: int
     write: int
-    sub: int                      # order within the write
+    sub: int  # order within the write
     holders: tuple[int, ...]
     nbytes: int
-    make: Callable[[int], ir.Write]   # trainer rank -> the sub-write against that rank's local tensor
+    make: Callable[[int], ir.Write]  # trainer rank -> the sub-write against that rank's local tensor
     rank: int | None = None
 
 
-def plan_shards(plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta],
-                shards: Sequence[TrainerShard]) -> ShardedPlan:
+def plan_shards(
+    plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], shards: Sequence[TrainerShard]
+) -> ShardedPlan:
     """Split consumer plans (written against full HF tensors) into per-(trainer rank, consumer rank) plans against
     trainer-local shards. Deterministic; balances bytes across replicas; refuses impossible layouts up front."""
     plans = (plans,) if isinstance(plans, ir.RankPlan) else tuple(plans)
@@ -212,22 +225,24 @@ def plan_shards(plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str
     return _collect(plans, pieces, by_name, sources, load)
 
 
-def _index_shards(shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta]
-                  ) -> dict[str, dict[int, Box]]:
+def _index_shards(shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta]) -> dict[str, dict[int, Box]]:
     by_name: dict[str, dict[int, Box]] = {}
     for s in shards:
         meta = sources.get(s.name)
         if meta is None:
             continue  # the trainer holds tensors no consumer plan reads
         if len(s.box) != len(meta.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(s.box, meta.shape)):
-            raise ShardLayoutError(f"trainer rank {s.rank}: box {list(s.box)} of {s.name!r} is outside its shape "
-                                   f"{list(meta.shape)}")
+            raise ShardLayoutError(
+                f"trainer rank {s.rank}: box {list(s.box)} of {s.name!r} is outside its shape {list(meta.shape)}"
+            )
         if any(a == b for a, b in s.box):
             continue  # an uneven split left this rank nothing of the tensor
         if s.rank in by_name.setdefault(s.name, {}):
-            raise ShardLayoutError(f"trainer rank {s.rank} holds two boxes of {s.name!r}: "
-                                   f"{list(by_name[s.name][s.rank])} and {list(s.box)} (one local tensor per name and "
-                                   f"rank)")
+            raise ShardLayoutError(
+                f"trainer rank {s.rank} holds two boxes of {s.name!r}: "
+                f"{list(by_name[s.name][s.rank])} and {list(s.box)} (one local tensor per name and "
+                f"rank)"
+            )
         by_name[s.name][s.rank] = s.box
     return by_name
 
@@ -237,12 +252,11 @@ def _index_shards(shards: Sequence[TrainerShard], sources: Mapping[str, ir.Tenso
 class _Dim:
     size: int
     dst_stride: int
-    src_dim: int | None   # full-tensor dim it walks, None for a broadcast (stride 0) dim
+    src_dim: int | None  # full-tensor dim it walks, None for a broadcast (stride 0) dim
     step: int
 
 
-def _box_form(region: ir.Region, dst: ir.Region, shape: tuple[int, ...]
-              ) -> tuple[list[int], list[_Dim]] | None:
+def _box_form(region: ir.Region, dst: ir.Region, shape: tuple[int, ...]) -> tuple[list[int], list[_Dim]] | None:
     """Express `region` (already broadcast to dst sizes) of a contiguous `shape` tensor as start coordinates plus
     index dims each walking one tensor dim at a constant step; merged dims (a view(-1) of rows) are split back.
     None when the region is not such a box."""
@@ -269,8 +283,10 @@ def _box_form(region: ir.Region, dst: ir.Region, shape: tuple[int, ...]
                 break
             if step == 1 and starts[d] == 0 and size % shape[d] == 0 and d > 0:
                 # a merged dim (a view(-1) of whole rows): split into (size / shape[d]) x shape[d], map each half
-                pending[len(dims):len(dims) + 1] = [(size // shape[d], src_stride * shape[d], dst_stride * shape[d]),
-                                                    (shape[d], src_stride, dst_stride)]
+                pending[len(dims) : len(dims) + 1] = [
+                    (size // shape[d], src_stride * shape[d], dst_stride * shape[d]),
+                    (shape[d], src_stride, dst_stride),
+                ]
                 break
             return None
         else:
@@ -281,8 +297,14 @@ def _box_form(region: ir.Region, dst: ir.Region, shape: tuple[int, ...]
     return starts, dims
 
 
-def _write_pieces(consumer: int, index: int, w: ir.Write, itemsize: int, sources: Mapping[str, ir.TensorMeta],
-                  by_name: dict[str, dict[int, Box]]) -> list[_Piece]:
+def _write_pieces(
+    consumer: int,
+    index: int,
+    w: ir.Write,
+    itemsize: int,
+    sources: Mapping[str, ir.TensorMeta],
+    by_name: dict[str, dict[int, Box]],
+) -> list[_Piece]:
     if not ir.is_pure_view(w):
         return [_whole_piece(consumer, index, w, itemsize, sources, by_name)]
     name = w.src.leaf.name
@@ -295,9 +317,11 @@ def _write_pieces(consumer: int, index: int, w: ir.Write, itemsize: int, sources
             return []
         whole = [r for r, b in holders.items() if b == full_box(meta.shape)]
         if not whole:
-            raise UncoveredSourceError(f"rank {consumer} write {index} ({w.param}) reads a non-box region of "
-                                       f"{name!r} ({ir.region_str(meta.shape, w.src.region)}): it needs a trainer "
-                                       f"rank holding all of {meta.dtype}{list(meta.shape)}, and none does")
+            raise UncoveredSourceError(
+                f"rank {consumer} write {index} ({w.param}) reads a non-box region of "
+                f"{name!r} ({ir.region_str(meta.shape, w.src.region)}): it needs a trainer "
+                f"rank holding all of {meta.dtype}{list(meta.shape)}, and none does"
+            )
         return [_Piece(consumer, index, 0, tuple(sorted(whole)), w.dst.numel * itemsize, lambda r, w=w: w)]
     starts, dims = form
     pieces = []
@@ -307,11 +331,21 @@ def _write_pieces(consumer: int, index: int, w: ir.Write, itemsize: int, sources
             continue
         cell_holders = tuple(sorted(r for r, b in holders.items() if _contains(b, cell)))
         if not cell_holders:
-            raise UncoveredSourceError(f"rank {consumer} write {index} ({w.param}) needs box {list(cell)} of "
-                                       f"{name!r} ({meta.dtype}{list(meta.shape)}), which no trainer rank holds")
+            raise UncoveredSourceError(
+                f"rank {consumer} write {index} ({w.param}) needs box {list(cell)} of "
+                f"{name!r} ({meta.dtype}{list(meta.shape)}), which no trainer rank holds"
+            )
         nbytes = math.prod(b - a for a, b in ranges) * itemsize
-        pieces.append(_Piece(consumer, index, len(pieces), cell_holders, nbytes,
-                             lambda r, ranges=ranges: _sub_write(w, name, starts, dims, ranges, holders[r])))
+        pieces.append(
+            _Piece(
+                consumer,
+                index,
+                len(pieces),
+                cell_holders,
+                nbytes,
+                lambda r, ranges=ranges: _sub_write(w, name, starts, dims, ranges, holders[r]),
+            )
+        )
     return pieces
 
 
@@ -352,8 +386,9 @@ def _contains(box: Box, cell: Box) -> bool:
     return all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(box, cell))
 
 
-def _sub_write(w: ir.Write, name: str, starts: list[int], dims: list[_Dim], ranges: list[tuple[int, int]],
-               box: Box) -> ir.Write:
+def _sub_write(
+    w: ir.Write, name: str, starts: list[int], dims: list[_Dim], ranges: list[tuple[int, int]], box: Box
+) -> ir.Write:
     """The piece `ranges` of write w, its source re-expressed against the local tensor full[box]."""
     local_shape = tuple(b - a for a, b in box)
     local_strides = ir.contiguous_strides(local_shape)
@@ -370,8 +405,14 @@ def _sub_write(w: ir.Write, name: str, starts: list[int], dims: list[_Dim], rang
     return ir.Write(w.param, dst, ir.View(ir.Source(name), ir.Region(src_offset, sizes, src_strides)))
 
 
-def _whole_piece(consumer: int, index: int, w: ir.Write, itemsize: int, sources: Mapping[str, ir.TensorMeta],
-                 by_name: dict[str, dict[int, Box]]) -> _Piece:
+def _whole_piece(
+    consumer: int,
+    index: int,
+    w: ir.Write,
+    itemsize: int,
+    sources: Mapping[str, ir.TensorMeta],
+    by_name: dict[str, dict[int, Box]],
+) -> _Piece:
     """A non-view write runs the interpreter on whole input tensors: only a rank holding all of them can serve it."""
     names: set[str] = set()
     ir.sources(w.src.leaf, names)
@@ -382,9 +423,11 @@ def _whole_piece(consumer: int, index: int, w: ir.Write, itemsize: int, sources:
     if candidates is None:  # reads no checkpoint tensor (Full): any rank
         candidates = {r for boxes in by_name.values() for r in boxes}
     if not candidates:
-        raise UnassignableWriteError(f"rank {consumer} write {index} ({w.param}) computes "
-                                     f"{ir.literal_ops(w.src.leaf) or ['a constant']} from {sorted(names)}: no "
-                                     f"trainer rank holds all of them whole")
+        raise UnassignableWriteError(
+            f"rank {consumer} write {index} ({w.param}) computes "
+            f"{ir.literal_ops(w.src.leaf) or ['a constant']} from {sorted(names)}: no "
+            f"trainer rank holds all of them whole"
+        )
     return _Piece(consumer, index, 0, tuple(sorted(candidates)), w.dst.numel * itemsize, lambda r: w)
 
 
@@ -393,9 +436,11 @@ def _assign_cluster(cluster: list[_Piece], load: dict[int, int], plans) -> None:
     if cluster and not candidates:
         p = cluster[0]
         params = sorted({next(pl for pl in plans if pl.rank == p.consumer).writes[q.write].param for q in cluster})
-        raise ShardOverlapError(f"rank {p.consumer}: writes {sorted({q.write for q in cluster})} to {params} overlap "
-                                f"(last write wins), so one trainer rank must serve them all, and none holds every "
-                                f"piece they read")
+        raise ShardOverlapError(
+            f"rank {p.consumer}: writes {sorted({q.write for q in cluster})} to {params} overlap "
+            f"(last write wins), so one trainer rank must serve them all, and none holds every "
+            f"piece they read"
+        )
     if not cluster:
         return
     rank = min(candidates, key=lambda r: (load[r], r))
@@ -413,8 +458,9 @@ def _collect(plans, pieces: list[_Piece], by_name, sources, load) -> ShardedPlan
         plan = next(pl for pl in plans if pl.rank == consumer)
         writes = tuple(w for _, _, w in sorted(items, key=lambda x: (x[0], x[1])))  # plan order kept
         written = {w.param for w in writes}
-        out_plans[(trainer, consumer)] = ir.RankPlan(consumer, tuple(m for m in plan.params if m.name in written),
-                                                     writes)
+        out_plans[(trainer, consumer)] = ir.RankPlan(
+            consumer, tuple(m for m in plan.params if m.name in written), writes
+        )
     local: dict[int, dict[str, ir.TensorMeta]] = {}
     for name, boxes in by_name.items():
         for rank, box in boxes.items():

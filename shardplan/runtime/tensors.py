@@ -1,5 +1,6 @@
 """Tensor plumbing shared by the trainer (replay) and the consumer (apply): checks of given tensors, byte views of
 storages, and the geometry helpers that turn a region into few large copies. torch and the plan package only."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from shardplan.plan import ir
 from shardplan.errors import MissingTensorError, ReplayError
+from shardplan.plan import ir
 from shardplan.plan.interp import to_dtype
 
 
@@ -39,19 +40,21 @@ def device_bytes(device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).total_memory
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):   # no sysconf: no bound beyond the plan's own
+    except (ValueError, OSError, AttributeError):  # no sysconf: no bound beyond the plan's own
         return 1 << 62
 
 
 def check_fits(role: str, nbytes: int, device: torch.device) -> None:
     """PackBufferError, before allocating, when `nbytes` exceed the device's memory (a plan that declares a
     2^48-element param would otherwise end in a bare "can't allocate")."""
-    if device.type == "meta":   # stand-ins: nothing is allocated
+    if device.type == "meta":  # stand-ins: nothing is allocated
         return
     have = device_bytes(device)
     if nbytes > have:
-        raise PackBufferError(f"{role} needs {nbytes} bytes on {device}, which has {have}: the plan declares more "
-                              f"than this device holds (a corrupt or hostile plan, or the wrong device)")
+        raise PackBufferError(
+            f"{role} needs {nbytes} bytes on {device}, which has {have}: the plan declares more "
+            f"than this device holds (a corrupt or hostile plan, or the wrong device)"
+        )
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -99,16 +102,21 @@ def collapse(sizes: Sequence[int], strides: Sequence[int]) -> tuple[tuple[int, .
 WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def widen(itemsize: int, sizes: tuple[int, ...], strides: tuple[int, ...], byte_offsets: Iterable[int],
-          max_width: int = 8) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+def widen(
+    itemsize: int, sizes: tuple[int, ...], strides: tuple[int, ...], byte_offsets: Iterable[int], max_width: int = 8
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Largest width (bytes) at which a strided view can be re-read as wider elements: innermost dim contiguous and
     every stride, size and offset divisible. Returns (width, sizes, strides) in units of that width."""
     byte_offsets = list(byte_offsets)
     width = max_width
     while width > itemsize:
         ratio = width // itemsize
-        if (strides[-1] == 1 and sizes[-1] % ratio == 0 and all(s % ratio == 0 for s in strides[:-1])
-                and all(o % width == 0 for o in byte_offsets)):
+        if (
+            strides[-1] == 1
+            and sizes[-1] % ratio == 0
+            and all(s % ratio == 0 for s in strides[:-1])
+            and all(o % width == 0 for o in byte_offsets)
+        ):
             return width, sizes[:-1] + (sizes[-1] // ratio,), tuple(s // ratio for s in strides[:-1]) + (1,)
         width //= 2
     return itemsize, sizes, strides
@@ -146,7 +154,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device | None:
         return None
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
-        module = getattr(torch, device.type, None)   # torch.cuda, torch.xpu, ...: the backend's current device
+        module = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...: the backend's current device
         if module is not None and hasattr(module, "current_device") and module.is_available():
             return torch.device(device.type, module.current_device())
     return device
@@ -171,14 +179,19 @@ def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.dev
     if tuple(t.shape) != tuple(meta.shape):
         raise TensorShapeError(f"{role} {name!r} has shape {list(t.shape)}, the plan expects {want}")
     if t.dtype != to_dtype(meta.dtype):
-        raise TensorDTypeError(f"{role} {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, "
-                               f"the plan expects {want}")
+        raise TensorDTypeError(
+            f"{role} {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, the plan expects {want}"
+        )
     if not t.is_contiguous():
-        raise TensorLayoutError(f"{role} {name!r} is not contiguous (strides {list(t.stride())}): plan regions "
-                                f"address a contiguous {want} tensor; pass t.contiguous()")
+        raise TensorLayoutError(
+            f"{role} {name!r} is not contiguous (strides {list(t.stride())}): plan regions "
+            f"address a contiguous {want} tensor; pass t.contiguous()"
+        )
     if device is not None and t.device != resolve_device(device):
-        raise TensorLayoutError(f"{role} {name!r} is on {t.device}, expected {describe_device(device)}: move it "
-                                f"there or give the device it is on")
+        raise TensorLayoutError(
+            f"{role} {name!r} is on {t.device}, expected {describe_device(device)}: move it "
+            f"there or give the device it is on"
+        )
 
 
 def capture_graph(ops: Sequence[Callable[[], object]], device: torch.device) -> "torch.cuda.CUDAGraph":

@@ -12,14 +12,36 @@
 Pure Python + numpy on top of shardplan.sync (build_schedule) and the plan files; no vLLM, no GPU. What it models
 and what it leaves out: docs/scale.md. Calibration against the measured H200 syncs: shardplan/simulate/calibration.py.
 """
+
 from __future__ import annotations
 
 from shardplan.simulate import trainers, workload
-from shardplan.simulate.fleet import (CoverageError, Fleet, FleetError, LinkParameterError, Links, SimulationError,
-                                      UnreachableConsumerError)
+from shardplan.simulate.fleet import (
+    CoverageError,
+    Fleet,
+    FleetError,
+    LinkParameterError,
+    Links,
+    SimulationError,
+    UnreachableConsumerError,
+)
 from shardplan.simulate.report import SimResult, SpeedOfLight
 from shardplan.simulate.run import extrapolate, simulate
 from shardplan.simulate.workload import Workload
 
-__all__ = ["CoverageError", "Fleet", "FleetError", "LinkParameterError", "Links", "SimResult", "SimulationError",
-           "SpeedOfLight", "UnreachableConsumerError", "Workload", "extrapolate", "simulate", "trainers", "workload"]
+__all__ = [
+    "CoverageError",
+    "Fleet",
+    "FleetError",
+    "LinkParameterError",
+    "Links",
+    "SimResult",
+    "SimulationError",
+    "SpeedOfLight",
+    "UnreachableConsumerError",
+    "Workload",
+    "extrapolate",
+    "simulate",
+    "trainers",
+    "workload",
+]

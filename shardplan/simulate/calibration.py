@@ -11,6 +11,7 @@ what was measured in the same run and nothing fitted to the sync times it is com
   * fixed costs (posting, polling, start and finish) from `Links`' defaults, read off the same trace.
 The plans are the shipped plan files, restricted to the bench's layers; their bytes equal the bench's (checked).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,19 +29,26 @@ H200_NVLINK_OVERLAP_SLOWDOWN = 0.11
 
 @dataclass(frozen=True)
 class Case:
-    name: str            # the case in bench/results/sync_h200.json
-    plan: str            # the plan file in plans/
-    layers: range        # the decoder layers the bench moved
-    replay_case: str     # the matching recorded-plan case of bench/results/replay_h200.json
+    name: str  # the case in bench/results/sync_h200.json
+    plan: str  # the plan file in plans/
+    layers: range  # the decoder layers the bench moved
+    replay_case: str  # the matching recorded-plan case of bench/results/replay_h200.json
 
 
 CASES = (
-    Case("kimi-ep", "kimi-k2--tp32-ep--bfloat16.plan", range(1, 4),
-         "kimi-k2--tp32-ep--bfloat16 layer 1 rank 0 (recorded)"),
-    Case("kimi", "kimi-k2--tp32--bfloat16.plan", range(1, 4),
-         "kimi-k2--tp32--bfloat16 layer 1 rank 0 (recorded)"),
-    Case("llama", "llama-3.1-70b--tp8--bfloat16.plan", range(0, 8),
-         "llama-3.1-70b--tp8--bfloat16 layer 1 rank 0 (recorded)"),
+    Case(
+        "kimi-ep",
+        "kimi-k2--tp32-ep--bfloat16.plan",
+        range(1, 4),
+        "kimi-k2--tp32-ep--bfloat16 layer 1 rank 0 (recorded)",
+    ),
+    Case("kimi", "kimi-k2--tp32--bfloat16.plan", range(1, 4), "kimi-k2--tp32--bfloat16 layer 1 rank 0 (recorded)"),
+    Case(
+        "llama",
+        "llama-3.1-70b--tp8--bfloat16.plan",
+        range(0, 8),
+        "llama-3.1-70b--tp8--bfloat16 layer 1 rank 0 (recorded)",
+    ),
 )
 
 
@@ -49,8 +57,8 @@ class Calibration:
     case: str
     nbytes: int
     link_GBps: float
-    measured_ms: dict[str, float]      # "raw", "sharded", "e2e"
-    simulated_ms: dict[str, float]     # "sharded" (pack and apply off), "e2e"
+    measured_ms: dict[str, float]  # "raw", "sharded", "e2e"
+    simulated_ms: dict[str, float]  # "sharded" (pack and apply off), "e2e"
 
     def error(self, what: str) -> float:
         """Simulated over measured, minus one (+0.03: the simulator is 3% slower than the machine)."""
@@ -59,8 +67,11 @@ class Calibration:
 
 def measured_rows(root: Path) -> tuple[dict, dict]:
     sync = {(r["case"], r["what"]): r for r in json.loads((root / "bench/results/sync_h200.json").read_text())}
-    replay = {r["case"]: r for r in json.loads((root / "bench/results/replay_h200.json").read_text())["rows"]
-              if r["strategy"] == "batched+graph"}
+    replay = {
+        r["case"]: r
+        for r in json.loads((root / "bench/results/replay_h200.json").read_text())["rows"]
+        if r["strategy"] == "batched+graph"
+    }
     return sync, replay
 
 
@@ -70,15 +81,23 @@ def calibrate(case: Case, root: Path) -> Calibration:
     work = workload.whole_tensors(PlanFile.read(root / "plans" / case.plan), ranks=[0], layers=case.layers)
     nbytes = sum(work.consumer_bytes().values())
     if nbytes != raw["useful_bytes"]:
-        raise AssertionError(f"{case.name}: the plan's layers {case.layers} hold {nbytes} bytes for rank 0, the bench "
-                             f"moved {raw['useful_bytes']}: not the same case")
+        raise AssertionError(
+            f"{case.name}: the plan's layers {case.layers} hold {nbytes} bytes for rank 0, the bench "
+            f"moved {raw['useful_bytes']}: not the same case"
+        )
     link_GBps = raw["useful_bytes"] / raw["seconds"] / 1e9
     rates = replay[case.replay_case]
-    e2e_links = Links(nvlink_GBps=link_GBps, pack_GBps=rates["pack_gbps"] / 2, apply_GBps=rates["apply_gbps"] / 2,
-                      overlap_slowdown=H200_NVLINK_OVERLAP_SLOWDOWN)
+    e2e_links = Links(
+        nvlink_GBps=link_GBps,
+        pack_GBps=rates["pack_gbps"] / 2,
+        apply_GBps=rates["apply_gbps"] / 2,
+        overlap_slowdown=H200_NVLINK_OVERLAP_SLOWDOWN,
+    )
     # the bench's "sharded" run switches pack and apply off: the engine still enqueues nothing and posts the same
     bare_links = Links(nvlink_GBps=link_GBps, pack_GBps=1e9, apply_GBps=1e9, launch_us=0.0)
-    simulated = {what: simulate(work, Fleet.pair(), links, rate_quantum_s=0.0).seconds * 1e3
-                 for what, links in (("sharded", bare_links), ("e2e", e2e_links))}
+    simulated = {
+        what: simulate(work, Fleet.pair(), links, rate_quantum_s=0.0).seconds * 1e3
+        for what, links in (("sharded", bare_links), ("e2e", e2e_links))
+    }
     measured = {what: sync[(case.name, what)]["seconds"] * 1e3 for what in ("raw", "sharded", "e2e")}
     return Calibration(case.name, nbytes, link_GBps, measured, simulated)

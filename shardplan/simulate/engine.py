@@ -16,6 +16,7 @@ ConsumerSync.sync), against the Schedule the real `build_schedule` made, on the 
 Every activity records what it waited for last (its cause), so the critical path is read backwards from the last
 consumer to finish.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -36,29 +37,30 @@ PORT_NAMES = ("NVLink out", "NVLink in", "NIC out", "NIC in")
 @dataclass(slots=True)
 class Activity:
     """One pack, transfer or apply (or a rank's start/end): when it ran and what it waited for last."""
-    kind: str                 # "start", "pack", "transfer", "apply", "end"
-    rank: str                 # "trainer3" / "consumer5"
-    peer: str                 # the other side of a pack/transfer ("" otherwise)
-    group: int                # group index in the schedule (-1 for start/end)
+
+    kind: str  # "start", "pack", "transfer", "apply", "end"
+    rank: str  # "trainer3" / "consumer5"
+    peer: str  # the other side of a pack/transfer ("" otherwise)
+    group: int  # group index in the schedule (-1 for start/end)
     start: float
     end: float
     nbytes: int
-    cause: int | None         # index of the activity whose end decided this start; None: the sync's start
-    port: int = -1            # transfers: the port that limited it most (index into the port arrays)
+    cause: int | None  # index of the activity whose end decided this start; None: the sync's start
+    port: int = -1  # transfers: the port that limited it most (index into the port arrays)
 
 
 def max_min_rates(port_a: np.ndarray, port_b: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Max-min fair rates of flows that each use two ports (progressive filling): every flow gets the same rate
     until a port is full; flows through full ports stop growing; the rest go on."""
     n = len(port_a)
-    ports, inverse = np.unique(np.concatenate([port_a, port_b]), return_inverse=True)   # only the ports in use
+    ports, inverse = np.unique(np.concatenate([port_a, port_b]), return_inverse=True)  # only the ports in use
     a, b = inverse[:n], inverse[n:]
     num_ports = len(ports)
     left = caps[ports].astype(np.float64)
     count = (np.bincount(a, minlength=num_ports) + np.bincount(b, minlength=num_ports)).astype(np.float64)
     rates = np.zeros(n)
     level = 0.0
-    moving = np.arange(n)             # flows still growing
+    moving = np.arange(n)  # flows still growing
     share = np.empty(num_ports)
     while len(moving):
         share.fill(np.inf)
@@ -76,13 +78,27 @@ def max_min_rates(port_a: np.ndarray, port_b: np.ndarray, caps: np.ndarray) -> n
 
 
 class _Piece:
-    __slots__ = ("trainer", "consumer", "group", "nbytes", "port_a", "port_b", "latency", "pending", "ready",
-                 "cause", "activity", "done", "waiters", "flow_start_bytes")
+    __slots__ = (
+        "trainer",
+        "consumer",
+        "group",
+        "nbytes",
+        "port_a",
+        "port_b",
+        "latency",
+        "pending",
+        "ready",
+        "cause",
+        "activity",
+        "done",
+        "waiters",
+        "flow_start_bytes",
+    )
 
     def __init__(self, trainer, consumer, group, nbytes, port_a, port_b, latency):
         self.trainer, self.consumer, self.group, self.nbytes = trainer, consumer, group, nbytes
         self.port_a, self.port_b, self.latency = port_a, port_b, latency
-        self.pending = 3                   # send ready, receive ready, the pair's previous piece moved
+        self.pending = 3  # send ready, receive ready, the pair's previous piece moved
         self.ready, self.cause = 0.0, None
         self.activity: int | None = None
         self.done: float | None = None
@@ -96,8 +112,16 @@ class Simulation:
     fleets with thousands of transfers in flight. `group_order="rotated"` is a what-if the engine does not do: each
     consumer starts at a different group and wraps around."""
 
-    def __init__(self, schedule: Schedule, fleet: Fleet, links: Links, *, bytes_scale: float = 1.0,
-                 rate_quantum_s: float = 0.0, group_order: str = "engine"):
+    def __init__(
+        self,
+        schedule: Schedule,
+        fleet: Fleet,
+        links: Links,
+        *,
+        bytes_scale: float = 1.0,
+        rate_quantum_s: float = 0.0,
+        group_order: str = "engine",
+    ):
         if group_order not in ("engine", "rotated"):
             raise ValueError(f"group_order must be 'engine' or 'rotated', got {group_order!r}")
         self.schedule, self.fleet, self.links, self.scale = schedule, fleet, links, bytes_scale
@@ -118,12 +142,12 @@ class Simulation:
         self.seq = 0
         self.now = 0.0
         self.cpu_free: dict[str, float] = {}
-        self.gpu_free: dict[int, tuple[float, int | None]] = {}   # gpu -> (end of the last kernel enqueued, its id)
+        self.gpu_free: dict[int, tuple[float, int | None]] = {}  # gpu -> (end of the last kernel enqueued, its id)
         self.flows_changed = False
         self.kernels_running: dict[int, int] = {}
         self.pieces: dict[tuple[int, int], list[_Piece]] = {}
         self.pair_last: dict[tuple[int, int], _Piece] = {}
-        self.rate_series: list[tuple[float, float, float]] = []   # (time, NIC bytes/s, NVLink bytes/s)
+        self.rate_series: list[tuple[float, float, float]] = []  # (time, NIC bytes/s, NVLink bytes/s)
         self.consumer_end: dict[int, float] = {}
         self.trainer_end: dict[int, float] = {}
         self._make_pieces()
@@ -140,20 +164,25 @@ class Simulation:
         links, s = self.links, self.schedule
         for (c, gi), pieces in sorted(s.pieces.items()):
             if c not in self.consumer_gpu:
-                raise UnreachableConsumerError(f"consumer rank {c} is in the schedule but the fleet places only "
-                                               f"{len(self.consumer_gpu)} consumer ranks; add inference nodes")
+                raise UnreachableConsumerError(
+                    f"consumer rank {c} is in the schedule but the fleet places only "
+                    f"{len(self.consumer_gpu)} consumer ranks; add inference nodes"
+                )
             out = []
             for p in pieces:
                 if p.trainer not in self.trainer_gpu:
-                    raise UnreachableConsumerError(f"consumer rank {c}: trainer rank {p.trainer} serves it but the "
-                                                   f"fleet places only {len(self.trainer_gpu)} trainer ranks")
+                    raise UnreachableConsumerError(
+                        f"consumer rank {c}: trainer rank {p.trainer} serves it but the "
+                        f"fleet places only {len(self.trainer_gpu)} trainer ranks"
+                    )
                 tg, cg = self.trainer_gpu[p.trainer], self.consumer_gpu[c]
                 same_node = tg // self.fleet.gpus_per_node == cg // self.fleet.gpus_per_node
                 if not same_node and links.network_GBps is None:
                     raise UnreachableConsumerError(
                         f"consumer rank {c} (node {cg // self.fleet.gpus_per_node}) needs bytes of group "
                         f"{s.groups[gi]} from trainer rank {p.trainer} (node {tg // self.fleet.gpus_per_node}) and "
-                        f"the links have no network (nic_GBps=None); give the fleet a NIC or place them on one node")
+                        f"the links have no network (nic_GBps=None); give the fleet a NIC or place them on one node"
+                    )
                 if same_node:
                     ports, latency = (4 * tg + NVLINK_OUT, 4 * cg + NVLINK_IN), links.nvlink_latency_us * 1e-6
                 else:
@@ -170,8 +199,9 @@ class Simulation:
         self.activities.append(Activity(kind, rank, peer, group, start, end, int(nbytes), cause, port))
         return len(self.activities) - 1
 
-    def _kernel(self, gpu: int, kind: str, rank: str, peer: str, group: int, nbytes: float, rate_GBps: float,
-                cause: int | None) -> tuple[float, int]:
+    def _kernel(
+        self, gpu: int, kind: str, rank: str, peer: str, group: int, nbytes: float, rate_GBps: float, cause: int | None
+    ) -> tuple[float, int]:
         """Enqueue a kernel on the GPU's stream now; returns (end, activity id)."""
         free, last = self.gpu_free.get(gpu, (0.0, None))
         start = max(self.now, free)
@@ -204,8 +234,16 @@ class Simulation:
 
     def _begin(self, piece: _Piece) -> None:
         piece.flow_start_bytes = (self.port_bytes[piece.port_a], self.port_bytes[piece.port_b])
-        piece.activity = self._record("transfer", f"trainer{piece.trainer}", f"consumer{piece.consumer}",
-                                      piece.group, piece.ready, piece.ready, piece.nbytes, piece.cause)
+        piece.activity = self._record(
+            "transfer",
+            f"trainer{piece.trainer}",
+            f"consumer{piece.consumer}",
+            piece.group,
+            piece.ready,
+            piece.ready,
+            piece.nbytes,
+            piece.cause,
+        )
         if piece.nbytes <= 0:
             self._finish(piece)
             return
@@ -235,7 +273,7 @@ class Simulation:
     def _run_process(self, proc: Iterator, cpu: str) -> None:
         def step(_=None):
             for command, arg in proc:
-                if command == "cpu":      # the process's one thread: requests are served in order
+                if command == "cpu":  # the process's one thread: requests are served in order
                     start = max(self.now, self.cpu_free.get(cpu, 0.0))
                     self.cpu_free[cpu] = start + arg
                     self._push(start + arg, step)
@@ -243,7 +281,7 @@ class Simulation:
                 if command == "at":
                     self._push(max(self.now, arg), step)
                     return
-                if command == "wait":     # pieces: resume once all moved (plus the poll delay)
+                if command == "wait":  # pieces: resume once all moved (plus the poll delay)
                     pending = [p for p in arg if p.done is None]
                     if not pending:
                         self._push(max([self.now] + [p.done for p in arg]) + self.links.poll_us * 1e-6, step)
@@ -254,9 +292,11 @@ class Simulation:
                         counter[0] -= 1
                         if counter[0] == 0:
                             self._push(self.now + self.links.poll_us * 1e-6, step)
+
                     for p in pending:
                         p.waiters.append(one_done)
                     return
+
         self._push(self.links.start_us * 1e-6, step)
 
     def _trainer(self, t: int, lane_of: Mapping[int, list]) -> None:
@@ -297,6 +337,7 @@ class Simulation:
             for p in self.pieces.get((c, order[k]), ()):
                 yield "cpu", links.post_us * 1e-6
                 self._condition(p, *self._stream_ready(gpu, slot_cause[k % 2]))
+
         for k in range(min(2, len(order))):
             yield from post(k)
         cause = None
@@ -306,8 +347,9 @@ class Simulation:
                 yield "wait", pieces
                 cause = max(pieces, key=lambda p: p.done).activity
                 yield "cpu", links.launch_us * 1e-6
-                _, slot_cause[k % 2] = self._kernel(gpu, "apply", me, "", gi, sum(p.nbytes for p in pieces),
-                                                    links.apply_GBps, cause)
+                _, slot_cause[k % 2] = self._kernel(
+                    gpu, "apply", me, "", gi, sum(p.nbytes for p in pieces), links.apply_GBps, cause
+                )
             if k + 2 < len(order):
                 yield from post(k + 2)
         yield "cpu", links.finish_us * 1e-6
@@ -353,7 +395,7 @@ class Simulation:
         return self
 
     def _loop(self) -> None:
-        idx = np.zeros(0, dtype=np.int64)     # slots of the transfers moving bytes now
+        idx = np.zeros(0, dtype=np.int64)  # slots of the transfers moving bytes now
         rates = np.zeros(0)
         num_ports = len(self.port_bytes)
         last_rates, recompute_due = -math.inf, False
@@ -365,8 +407,9 @@ class Simulation:
                 raise RuntimeError(f"simulation stalled at {self.now:.6f} s: transfers wait for rates that never come")
             if len(idx) and t > self.now:
                 moved = rates * (t - self.now)
-                self.port_bytes += np.bincount(self.pa[idx], moved, num_ports) + \
-                    np.bincount(self.pb[idx], moved, num_ports)
+                self.port_bytes += np.bincount(self.pa[idx], moved, num_ports) + np.bincount(
+                    self.pb[idx], moved, num_ports
+                )
                 self.rem[idx] -= moved
             self.now = t
             if len(idx) and t_flow <= t_event:

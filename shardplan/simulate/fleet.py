@@ -10,6 +10,7 @@ Model of the hardware (what the discrete-event engine charges for, and nothing e
   * each process has one CPU thread that posts (Python's GIL: the lanes of a trainer take turns): `post_us` per NCCL
     send/recv posted, `launch_us` per pack/apply enqueued, `poll_us` to notice a finished transfer.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ class UnreachableConsumerError(SimulationError):
 class Links:
     """Link and rate parameters. Defaults: the 2 x H200 machine's measured ceilings (shared/notes/limits.md,
     docs/benchmarks.md) for NVLink, pack and apply, and a 400 Gb/s NIC per GPU (ConnectX-7 class) for the network."""
+
     nvlink_GBps: float = 370.0
     """NVLink bandwidth per GPU, each direction (NCCL send/recv of 2 GiB between two H200s: 370 GB/s)."""
     nvlink_latency_us: float = 5.0
@@ -81,10 +83,12 @@ class Links:
                 if not (isinstance(value, (int, float)) and 0 <= value < 1):
                     raise LinkParameterError(f"Links.overlap_slowdown must be in [0, 1), got {value!r}")
                 continue
-            positive = f.name.endswith("GBps")   # a bandwidth must be > 0; a fixed cost may be 0 (not modelled)
+            positive = f.name.endswith("GBps")  # a bandwidth must be > 0; a fixed cost may be 0 (not modelled)
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or (positive and value == 0):
-                raise LinkParameterError(f"Links.{f.name} must be {'> 0' if positive else '>= 0'}, got {value!r}: "
-                                         f"a rate of zero or less would make every transfer on it last forever")
+                raise LinkParameterError(
+                    f"Links.{f.name} must be {'> 0' if positive else '>= 0'}, got {value!r}: "
+                    f"a rate of zero or less would make every transfer on it last forever"
+                )
 
     @property
     def network_GBps(self) -> float | None:
@@ -97,6 +101,7 @@ class Fleet:
     """Where each rank runs: trainer rank t on GPU `trainer_gpus[t]`, consumer rank c on `consumer_gpus[c]`, a GPU
     being (node, local index). Build one with `disaggregated` (trainers and inference on separate nodes, the usual RL
     set-up) or `pair` (one trainer GPU and one consumer GPU of one node: the measured bench)."""
+
     trainer_gpus: tuple[tuple[int, int], ...]
     consumer_gpus: tuple[tuple[int, int], ...]
     gpus_per_node: int
@@ -108,29 +113,45 @@ class Fleet:
         for role, gpus in (("trainer", self.trainer_gpus), ("consumer", self.consumer_gpus)):
             for rank, gpu in enumerate(gpus):
                 if not 0 <= gpu[1] < self.gpus_per_node:
-                    raise FleetError(f"{role} rank {rank}: GPU {gpu[1]} of node {gpu[0]} is outside the node's "
-                                     f"{self.gpus_per_node} GPUs")
+                    raise FleetError(
+                        f"{role} rank {rank}: GPU {gpu[1]} of node {gpu[0]} is outside the node's "
+                        f"{self.gpus_per_node} GPUs"
+                    )
                 if gpu in seen:
-                    raise FleetError(f"{role} rank {rank} is placed on node {gpu[0]} GPU {gpu[1]}, which already "
-                                     f"runs {seen[gpu]}: one rank per GPU")
+                    raise FleetError(
+                        f"{role} rank {rank} is placed on node {gpu[0]} GPU {gpu[1]}, which already "
+                        f"runs {seen[gpu]}: one rank per GPU"
+                    )
                 seen[gpu] = f"{role} rank {rank}"
 
     @classmethod
-    def disaggregated(cls, trainer_nodes: int, inference_nodes: int, gpus_per_node: int = 8,
-                      num_trainers: int | None = None, num_consumers: int | None = None) -> "Fleet":
+    def disaggregated(
+        cls,
+        trainer_nodes: int,
+        inference_nodes: int,
+        gpus_per_node: int = 8,
+        num_trainers: int | None = None,
+        num_consumers: int | None = None,
+    ) -> "Fleet":
         """Trainer ranks fill nodes 0..trainer_nodes-1 in rank order, consumer ranks the next inference_nodes nodes."""
         if trainer_nodes < 1 or inference_nodes < 1 or gpus_per_node < 1:
-            raise FleetError(f"node counts and gpus_per_node must be >= 1, got trainer_nodes={trainer_nodes}, "
-                             f"inference_nodes={inference_nodes}, gpus_per_node={gpus_per_node}")
+            raise FleetError(
+                f"node counts and gpus_per_node must be >= 1, got trainer_nodes={trainer_nodes}, "
+                f"inference_nodes={inference_nodes}, gpus_per_node={gpus_per_node}"
+            )
         num_trainers = trainer_nodes * gpus_per_node if num_trainers is None else num_trainers
         num_consumers = inference_nodes * gpus_per_node if num_consumers is None else num_consumers
         for role, n, nodes in (("trainer", num_trainers, trainer_nodes), ("consumer", num_consumers, inference_nodes)):
             if n > nodes * gpus_per_node:
-                raise FleetError(f"{n} {role} ranks do not fit on {nodes} nodes of {gpus_per_node} GPUs; add nodes "
-                                 f"or use a smaller layout")
-        return cls(tuple(divmod(t, gpus_per_node) for t in range(num_trainers)),
-                   tuple((trainer_nodes + c // gpus_per_node, c % gpus_per_node) for c in range(num_consumers)),
-                   gpus_per_node)
+                raise FleetError(
+                    f"{n} {role} ranks do not fit on {nodes} nodes of {gpus_per_node} GPUs; add nodes "
+                    f"or use a smaller layout"
+                )
+        return cls(
+            tuple(divmod(t, gpus_per_node) for t in range(num_trainers)),
+            tuple((trainer_nodes + c // gpus_per_node, c % gpus_per_node) for c in range(num_consumers)),
+            gpus_per_node,
+        )
 
     @classmethod
     def pair(cls) -> "Fleet":
@@ -144,5 +165,7 @@ class Fleet:
     def describe(self) -> str:
         trainer_nodes = len({n for n, _ in self.trainer_gpus})
         consumer_nodes = len({n for n, _ in self.consumer_gpus})
-        return (f"{len(self.trainer_gpus)} trainer GPUs on {trainer_nodes} node(s) -> {len(self.consumer_gpus)} "
-                f"inference GPUs on {consumer_nodes} node(s) ({self.gpus_per_node} GPUs per node)")
+        return (
+            f"{len(self.trainer_gpus)} trainer GPUs on {trainer_nodes} node(s) -> {len(self.consumer_gpus)} "
+            f"inference GPUs on {consumer_nodes} node(s) ({self.gpus_per_node} GPUs per node)"
+        )

@@ -1,4 +1,5 @@
 """What a simulated sync says: its time next to the speed of light, how busy each link was, and the critical path."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -14,6 +15,7 @@ from shardplan.simulate.workload import Workload
 @dataclass
 class SpeedOfLight:
     """Lower bounds no schedule over these links beats."""
+
     network_s: float
     """The busiest port's bytes over its rate (ports: each GPU's NIC out/in and NVLink out/in), for this schedule."""
     busiest_port: str
@@ -33,9 +35,9 @@ class SpeedOfLight:
 
 @dataclass
 class PortUse:
-    port: str          # "trainer17 NIC out"
+    port: str  # "trainer17 NIC out"
     nbytes: float
-    utilisation: float # bytes / (rate * sync time)
+    utilisation: float  # bytes / (rate * sync time)
 
 
 @dataclass
@@ -92,17 +94,19 @@ class SimResult:
         sol = self.speed_of_light
         w = self.workload
         layers = "all layers" if w.layers is None else f"decoder layers {w.layers[0]}-{w.layers[-1]} of {w.num_layers}"
-        lines = [f"{w.description}: {layers}" + (f", bytes x{self.bytes_scale:g}" if self.bytes_scale != 1 else ""),
-                 f"fleet: {self.fleet.describe()}",
-                 f"{len(w.groups)} groups, {self.num_transfers} transfers, "
-                 f"{sum(w.consumer_bytes().values()) * self.bytes_scale / 1e9:.1f} GB to consumers",
-                 f"sync time          {self.seconds * 1e3:10.2f} ms",
-                 f"speed of light     {sol.seconds * 1e3:10.2f} ms  (busiest port {sol.busiest_port}: "
-                 f"{sol.network_s * 1e3:.2f} ms; trainer read once {sol.read_s * 1e3:.2f} ms)",
-                 f"  balanced bound   {sol.balanced_s * 1e3:10.2f} ms  "
-                 f"(busiest consumer port {sol.consumer_s * 1e3:.2f} ms)",
-                 f"sync / light       {self.seconds / sol.seconds:10.2f}x",
-                 "critical path:"]
+        lines = [
+            f"{w.description}: {layers}" + (f", bytes x{self.bytes_scale:g}" if self.bytes_scale != 1 else ""),
+            f"fleet: {self.fleet.describe()}",
+            f"{len(w.groups)} groups, {self.num_transfers} transfers, "
+            f"{sum(w.consumer_bytes().values()) * self.bytes_scale / 1e9:.1f} GB to consumers",
+            f"sync time          {self.seconds * 1e3:10.2f} ms",
+            f"speed of light     {sol.seconds * 1e3:10.2f} ms  (busiest port {sol.busiest_port}: "
+            f"{sol.network_s * 1e3:.2f} ms; trainer read once {sol.read_s * 1e3:.2f} ms)",
+            f"  balanced bound   {sol.balanced_s * 1e3:10.2f} ms  "
+            f"(busiest consumer port {sol.consumer_s * 1e3:.2f} ms)",
+            f"sync / light       {self.seconds / sol.seconds:10.2f}x",
+            "critical path:",
+        ]
         for kind, secs in sorted(self.critical_breakdown().items(), key=lambda kv: -kv[1]):
             lines.append(f"  {kind:<34} {secs * 1e3:10.2f} ms  {secs / self.seconds:6.1%}")
         lines.append("port utilisation (mean / max over ports that moved bytes):")
@@ -125,14 +129,17 @@ def summarise(sim: Simulation, workload: Workload, wall_s: dict[str, float]) -> 
     seconds = max(sim.consumer_end.values(), default=0.0)
     caps = sim.base_caps
     used = np.flatnonzero(sim.port_bytes > 0)
-    ports = [PortUse(labels[i], float(sim.port_bytes[i]), float(sim.port_bytes[i] / (caps[i] * seconds)))
-             for i in used] if seconds > 0 else []
+    ports = (
+        [PortUse(labels[i], float(sim.port_bytes[i]), float(sim.port_bytes[i] / (caps[i] * seconds))) for i in used]
+        if seconds > 0
+        else []
+    )
     with np.errstate(divide="ignore", invalid="ignore"):
         port_s = np.where(caps > 0, sim.port_bytes / caps, 0.0)
     busiest = int(np.argmax(port_s)) if len(port_s) else 0
     is_consumer = np.zeros(len(caps), dtype=bool)
     for g in sim.consumer_gpu.values():
-        is_consumer[4 * g:4 * g + 4] = True
+        is_consumer[4 * g : 4 * g + 4] = True
     consumer_s = float(port_s[is_consumer].max(initial=0.0))
     # the trainer side perfectly balanced: each class of out-port (NIC, NVLink) carries what it carried in this run,
     # spread evenly over every trainer GPU's port of that class
@@ -147,11 +154,24 @@ def summarise(sim: Simulation, workload: Workload, wall_s: dict[str, float]) -> 
     for c, r in workload.plan_rank.items():
         distinct.setdefault(r, sum(s.nbytes for segs in workload.layouts[c].values() for s in segs))
     read_s = sum(distinct.values()) * sim.scale / (max(1, len(workload.trainers)) * sim.links.pack_GBps * 1e9)
-    sol = SpeedOfLight(float(port_s[busiest]), labels[busiest], consumer_s,
-                       max(consumer_s, trainer_bound), read_s)
+    sol = SpeedOfLight(float(port_s[busiest]), labels[busiest], consumer_s, max(consumer_s, trainer_bound), read_s)
     path = critical_path(sim.activities, sim, seconds)
-    return SimResult(seconds, workload, sim.fleet, sim.links, sim.scale, sol, ports, sim.activities, path,
-                     dict(sim.consumer_end), dict(sim.trainer_end), sim.rate_series, wall_s, labels)
+    return SimResult(
+        seconds,
+        workload,
+        sim.fleet,
+        sim.links,
+        sim.scale,
+        sol,
+        ports,
+        sim.activities,
+        path,
+        dict(sim.consumer_end),
+        dict(sim.trainer_end),
+        sim.rate_series,
+        wall_s,
+        labels,
+    )
 
 
 def critical_path(activities: list[Activity], sim: Simulation, seconds: float) -> list[Activity]:

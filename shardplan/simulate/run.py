@@ -1,5 +1,6 @@
 """simulate(): the schedule from the engine's own builder, one sync of it in the discrete-event engine, a report;
 extrapolate(): a whole model from runs on its first layers."""
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,15 @@ from shardplan.simulate.report import SimResult, summarise
 from shardplan.simulate.workload import Workload
 
 
-def simulate(work: Workload, fleet: Fleet, links: Links | None = None, *, bytes_scale: float = 1.0,
-             rate_quantum_s: float = 50e-6, group_order: str = "engine") -> SimResult:
+def simulate(
+    work: Workload,
+    fleet: Fleet,
+    links: Links | None = None,
+    *,
+    bytes_scale: float = 1.0,
+    rate_quantum_s: float = 50e-6,
+    group_order: str = "engine",
+) -> SimResult:
     """Build the schedule with the engine's own builder, then run one sync of it on `fleet` over `links`.
 
     `bytes_scale` multiplies every byte (0.5: FP8 estimated from a BF16 plan). `rate_quantum_s`: shared link rates
@@ -24,20 +32,25 @@ def simulate(work: Workload, fleet: Fleet, links: Links | None = None, *, bytes_
     if rate_quantum_s < 0:
         raise LinkParameterError(f"rate_quantum_s must be >= 0, got {rate_quantum_s}")
     if work.trainers and max(work.trainers) >= len(fleet.trainer_gpus):
-        raise FleetError(f"the trainer layout has {len(work.trainers)} ranks (up to {max(work.trainers)}) but the "
-                         f"fleet places {len(fleet.trainer_gpus)} trainer GPUs; add trainer nodes or shrink the layout")
+        raise FleetError(
+            f"the trainer layout has {len(work.trainers)} ranks (up to {max(work.trainers)}) but the "
+            f"fleet places {len(fleet.trainer_gpus)} trainer GPUs; add trainer nodes or shrink the layout"
+        )
     unplaced = [c for c in work.consumers if c >= len(fleet.consumer_gpus)]
     if unplaced:
-        raise UnreachableConsumerError(f"consumer ranks {unplaced[:5]}{'...' if len(unplaced) > 5 else ''} have no "
-                                       f"GPU in the fleet ({len(fleet.consumer_gpus)} inference GPUs for "
-                                       f"{len(work.consumers)} consumer ranks); add inference nodes")
+        raise UnreachableConsumerError(
+            f"consumer ranks {unplaced[:5]}{'...' if len(unplaced) > 5 else ''} have no "
+            f"GPU in the fleet ({len(fleet.consumer_gpus)} inference GPUs for "
+            f"{len(work.consumers)} consumer ranks); add inference nodes"
+        )
     wall = {"build workload": work.build_seconds}
     start = time.perf_counter()
     schedule = work.schedule()
     wall["build_schedule"] = time.perf_counter() - start
     start = time.perf_counter()
-    sim = Simulation(schedule, fleet, links, bytes_scale=bytes_scale, rate_quantum_s=rate_quantum_s,
-                     group_order=group_order).run()
+    sim = Simulation(
+        schedule, fleet, links, bytes_scale=bytes_scale, rate_quantum_s=rate_quantum_s, group_order=group_order
+    ).run()
     wall["simulate"] = time.perf_counter() - start
     return summarise(sim, work, wall)
 

@@ -1,6 +1,7 @@
 """Trainer layouts as boxes (shardplan.runtime.shards.TrainerShard) for the simulator: Megatron-style
 PP x TP x EP (x DP) and FSDP. A real trainer describes its own boxes; these builders cover the common layouts by
 checkpoint-name rules."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -28,8 +29,16 @@ def megatron_split_dim(name: str, meta: ir.TensorMeta) -> int | None:
     return None
 
 
-def megatron(sources: Mapping[str, ir.TensorMeta], *, num_layers: int, pp: int = 1, tp: int = 1, ep: int = 1,
-             stage_size: int | None = None, dp: int = 1) -> list[TrainerShard]:
+def megatron(
+    sources: Mapping[str, ir.TensorMeta],
+    *,
+    num_layers: int,
+    pp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    stage_size: int | None = None,
+    dp: int = 1,
+) -> list[TrainerShard]:
     """PP stages of `stage_size` GPUs (default max(tp, ep)) each; within a stage, dense tensors split `tp` ways
     (megatron_split_dim) and replicated stage_size / tp times, expert tensors whole on expert e's EP rank
     (e * ep // num_experts), replicated stage_size / ep times; the whole layout replicated `dp` times.
@@ -50,8 +59,9 @@ def megatron(sources: Mapping[str, ir.TensorMeta], *, num_layers: int, pp: int =
         expert = expert_of(name)
         if expert is not None:
             holder = expert * ep // num_experts
-            shards += [TrainerShard(name, first + copy * ep + holder, full_box(meta.shape))
-                       for copy in range(stage_size // ep)]
+            shards += [
+                TrainerShard(name, first + copy * ep + holder, full_box(meta.shape)) for copy in range(stage_size // ep)
+            ]
             continue
         dim = megatron_split_dim(name, meta)
         for copy in range(stage_size // tp):

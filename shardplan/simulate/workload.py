@@ -14,6 +14,7 @@ Building a fleet's workload costs what the coordinator would pay at start-up, in
 consumer rank of Kimi-K2 TP32+EP on the 2-core CI box, so `layers=` restricts the plans to some decoder layers (the
 simulator then reports the layers it ran; extrapolate.py turns two such runs into a full-model estimate).
 """
+
 from __future__ import annotations
 
 import time
@@ -21,29 +22,30 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from shardplan.plan import ir
-from shardplan.plan.names import group_layer, group_of, group_order
 from shardplan.plan.file.format import PlanFile
+from shardplan.plan.names import group_layer, group_of, group_order
 from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
 from shardplan.runtime.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
 from shardplan.simulate.fleet import CoverageError, FleetError
 from shardplan.sync import PART_BYTES, Schedule, ScheduleError, Span, build_schedule
 
-ALIGNMENT = 256   # the engine's default pack alignment (ReplayPacker / ShardedPacker)
+ALIGNMENT = 256  # the engine's default pack alignment (ReplayPacker / ShardedPacker)
 
 
 @dataclass
 class Workload:
     """Every consumer's segments per group (`layouts[c][group]`, what Packer.spans reports), the groups in sync
     order, the trainer ranks and what each holds whole (`held[t]`: None = everything)."""
+
     groups: tuple[str, ...]
     layouts: dict[int, dict[str, tuple[Span, ...]]]
     trainers: tuple[int, ...]
     held: dict[int, frozenset[str] | None]
-    plan_rank: dict[int, int]                  # consumer rank -> the plan rank it runs (replicas share plans)
+    plan_rank: dict[int, int]  # consumer rank -> the plan rank it runs (replicas share plans)
     description: str
     build_seconds: float = 0.0
-    layers: tuple[int, ...] | None = None      # the decoder layers kept (None: the whole model)
-    num_layers: int = 0                        # decoder layers of the whole model
+    layers: tuple[int, ...] | None = None  # the decoder layers kept (None: the whole model)
+    num_layers: int = 0  # decoder layers of the whole model
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -69,8 +71,12 @@ def restrict(plan: ir.RankPlan, layers: Iterable[int] | None, rank: int | None =
     keep = {f"layers.{i}" for i in layers}
     writes = tuple(w for w in plan.writes if group_of(w.param) in keep)
     written = {w.param for w in writes}
-    return ir.RankPlan(rank, tuple(p for p in plan.params if p.name in written), writes,
-                       tuple(f for f in plan.fallbacks if group_of(f.source) in keep))
+    return ir.RankPlan(
+        rank,
+        tuple(p for p in plan.params if p.name in written),
+        writes,
+        tuple(f for f in plan.fallbacks if group_of(f.source) in keep),
+    )
 
 
 def num_decoder_layers(plan_file: PlanFile) -> int:
@@ -90,9 +96,16 @@ def _consumer_ranks(plan_file: PlanFile, ranks: Sequence[int] | None, replicas: 
     return {k * world + r: r for k in range(replicas) for r in ranks}
 
 
-def whole_tensors(plan_file: PlanFile, *, num_trainers: int = 1, replicas: int = 1, ranks: Sequence[int] | None = None,
-                  held: Mapping[int, frozenset[str] | None] | None = None, layers: Iterable[int] | None = None,
-                  part_bytes: int | None = PART_BYTES) -> Workload:
+def whole_tensors(
+    plan_file: PlanFile,
+    *,
+    num_trainers: int = 1,
+    replicas: int = 1,
+    ranks: Sequence[int] | None = None,
+    held: Mapping[int, frozenset[str] | None] | None = None,
+    layers: Iterable[int] | None = None,
+    part_bytes: int | None = PART_BYTES,
+) -> Workload:
     """Trainers 0..num_trainers-1 holding whole checkpoint tensors (`held[t]`, default: all of them)."""
     start = time.perf_counter()
     layers = None if layers is None else tuple(sorted(set(layers)))
@@ -105,7 +118,7 @@ def whole_tensors(plan_file: PlanFile, *, num_trainers: int = 1, replicas: int =
         groups: dict[str, list[Span]] = {}
         for span in layout.groups:
             segs = groups.setdefault(span.name, [])
-            for s in layout.segments[span.first:span.last]:
+            for s in layout.segments[span.first : span.last]:
                 names = ir.sources(plan.writes[s.refs[0].index].src.leaf)
                 segs.append(Span(s.offset - span.start, s.nbytes, tuple(sorted(names))))
         for group, slots in fallback_slots(plan, layout, sources).items():
@@ -115,15 +128,29 @@ def whole_tensors(plan_file: PlanFile, *, num_trainers: int = 1, replicas: int =
     all_groups = tuple(sorted({g for lay in per_rank.values() for g in lay}, key=group_order))
     trainers = tuple(range(num_trainers))
     held = {t: (None if held is None else held.get(t)) for t in trainers}
-    return Workload(all_groups, layouts, trainers, held, plan_rank,
-                    f"{plan_file.header.model} {plan_file.header.layout.tag()} x{replicas} from {num_trainers} "
-                    f"trainer(s) holding whole tensors", time.perf_counter() - start, layers,
-                    num_decoder_layers(plan_file))
+    return Workload(
+        all_groups,
+        layouts,
+        trainers,
+        held,
+        plan_rank,
+        f"{plan_file.header.model} {plan_file.header.layout.tag()} x{replicas} from {num_trainers} "
+        f"trainer(s) holding whole tensors",
+        time.perf_counter() - start,
+        layers,
+        num_decoder_layers(plan_file),
+    )
 
 
-def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: int = 1,
-            ranks: Sequence[int] | None = None, layers: Iterable[int] | None = None,
-            description: str = "sharded trainers") -> Workload:
+def sharded(
+    plan_file: PlanFile,
+    shards: Sequence[TrainerShard],
+    *,
+    replicas: int = 1,
+    ranks: Sequence[int] | None = None,
+    layers: Iterable[int] | None = None,
+    description: str = "sharded trainers",
+) -> Workload:
     """Trainers holding boxes: `plan_shards` gives every piece to one trainer, as ShardedPacker does."""
     start = time.perf_counter()
     layers = None if layers is None else tuple(sorted(set(layers)))
@@ -131,7 +158,7 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
     base = {r: plan_file.rank(r) for r in sorted(set(plan_rank.values()))}
     plans = [restrict(base[r], layers, rank=c) for c, r in sorted(plan_rank.items())]
     needed = set().union(*(p.sources_read() for p in plans)) if plans else set()
-    sources = {n: plan_file.sources[n] for n in sorted(needed)}   # a dict: plan_shards looks every name up
+    sources = {n: plan_file.sources[n] for n in sorted(needed)}  # a dict: plan_shards looks every name up
     try:
         sharded_plan = plan_shards(plans, sources, shards)
     except UncoveredSourceError as e:
@@ -139,8 +166,10 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
     except ShardError as e:
         raise CoverageError(f"trainer layout ({description}) cannot serve the consumers: {e}") from e
     if any(p.fallbacks for p in plans):
-        raise CoverageError(f"{plan_file.path}: plans with fallback tensors cannot be served by sharded trainers "
-                            f"(ShardedPacker ships replayed bytes only)")
+        raise CoverageError(
+            f"{plan_file.path}: plans with fallback tensors cannot be served by sharded trainers "
+            f"(ShardedPacker ships replayed bytes only)"
+        )
     by_consumer: dict[int, dict[int, ir.RankPlan]] = {}
     for (t, c), sub in sharded_plan.plans.items():
         by_consumer.setdefault(c, {})[t] = sub
@@ -156,9 +185,17 @@ def sharded(plan_file: PlanFile, shards: Sequence[TrainerShard], *, replicas: in
         layouts[c] = _merged_spans(parts)
     all_groups = tuple(sorted({g for lay in layouts.values() for g in lay}, key=group_order))
     trainers = tuple(sorted({s.rank for s in shards}))
-    return Workload(all_groups, layouts, trainers, {t: frozenset() for t in trainers}, plan_rank,
-                    f"{plan_file.header.model} {plan_file.header.layout.tag()} x{replicas} from {description}",
-                    time.perf_counter() - start, layers, num_decoder_layers(plan_file))
+    return Workload(
+        all_groups,
+        layouts,
+        trainers,
+        {t: frozenset() for t in trainers},
+        plan_rank,
+        f"{plan_file.header.model} {plan_file.header.layout.tag()} x{replicas} from {description}",
+        time.perf_counter() - start,
+        layers,
+        num_decoder_layers(plan_file),
+    )
 
 
 def _merged_spans(parts: Mapping[int, PackLayout]) -> dict[str, tuple[Span, ...]]:

@@ -42,17 +42,58 @@ zeroed, truncated or stale pieces, not swapped words.
 Modules, in import order: stages (Protocols, config, errors, results) -> schedule (pure) -> control (keys, marks)
 -> coordinator, rank -> trainer, consumer -> adapters (replay/apply/shards behind the stage Protocols).
 """
-from shardplan.sync.adapters import (PART_BYTES, ApplyUnpacker, ReplayPacker, ShardedPacker, ShardedUnpacker,
-                                     spans_of)
+
+from shardplan.sync.adapters import PART_BYTES, ApplyUnpacker, ReplayPacker, ShardedPacker, ShardedUnpacker, spans_of
 from shardplan.sync.consumer import ConsumerSync
 from shardplan.sync.coordinator import Announcement, Coordinator
 from shardplan.sync.schedule import Piece, Schedule, build_schedule, checksum, checksum_tensor, held_whole
-from shardplan.sync.stages import (ChecksumMismatch, LayoutMismatch, NotAMember, Packer, ScheduleError, Span, SyncConfig,
-                                   SyncConfigError, SyncFailed, SyncReport, SyncState, Unpacker, WeightSource, set_event_listener)
+from shardplan.sync.stages import (
+    ChecksumMismatch,
+    LayoutMismatch,
+    NotAMember,
+    Packer,
+    ScheduleError,
+    Span,
+    SyncConfig,
+    SyncConfigError,
+    SyncFailed,
+    SyncReport,
+    SyncState,
+    Unpacker,
+    WeightSource,
+    set_event_listener,
+)
 from shardplan.sync.trainer import TrainerSync
 
-__all__ = ["PART_BYTES", "Announcement", "ApplyUnpacker", "ChecksumMismatch", "ConsumerSync", "Coordinator", "LayoutMismatch",
-           "NotAMember", "Packer", "Piece", "ReplayPacker", "Schedule", "ScheduleError", "ShardedPacker",
-           "ShardedUnpacker", "Span", "SyncConfig", "SyncConfigError", "SyncFailed", "SyncReport", "SyncState", "TrainerSync", "Unpacker",
-           "WeightSource", "build_schedule", "checksum", "checksum_tensor", "held_whole", "set_event_listener",
-           "spans_of"]
+__all__ = [
+    "PART_BYTES",
+    "Announcement",
+    "ApplyUnpacker",
+    "ChecksumMismatch",
+    "ConsumerSync",
+    "Coordinator",
+    "LayoutMismatch",
+    "NotAMember",
+    "Packer",
+    "Piece",
+    "ReplayPacker",
+    "Schedule",
+    "ScheduleError",
+    "ShardedPacker",
+    "ShardedUnpacker",
+    "Span",
+    "SyncConfig",
+    "SyncConfigError",
+    "SyncFailed",
+    "SyncReport",
+    "SyncState",
+    "TrainerSync",
+    "Unpacker",
+    "WeightSource",
+    "build_schedule",
+    "checksum",
+    "checksum_tensor",
+    "held_whole",
+    "set_event_listener",
+    "spans_of",
+]

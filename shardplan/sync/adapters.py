@@ -1,5 +1,6 @@
 """Adapters from the sync engine's stage Protocols to the runtime: replay (trainer), apply (consumer), and the
 sharded planner (trainers holding shards)."""
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,6 @@ from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Span
-
 
 # Pipeline unit of ReplayPacker / ApplyUnpacker: a decoder layer's group larger than this is moved in parts (see
 # PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each: on an
@@ -56,10 +56,11 @@ class _Packs:
 
     def __init__(self, cache: bool | None = None):
         self.cache = cache
-        self.bound: dict[tuple, list] = {}   # sub key -> [replayer, subset, names read, {out address: bound}, volatile]
+        self.bound: dict[tuple, list] = {}  # sub key -> [replayer, subset, names read, {out address: bound}, volatile]
 
-    def run(self, key, replayer: Replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor],
-            out: torch.Tensor) -> None:
+    def run(
+        self, key, replayer: Replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor], out: torch.Tensor
+    ) -> None:
         # the common case (one trainer serves the whole group) keyed without hashing every segment index
         whole = len(segments) == len(replayer.layout.segments)
         sub_key = (key, "all") if whole else (key, tuple(segments))
@@ -72,15 +73,15 @@ class _Packs:
         if bound is not None:
             if _same_tensors(bound, names, tensors):
                 try:
-                    bound.pack(check=True)   # check(): the bound tensors and buffer still have their storage
+                    bound.pack(check=True)  # check(): the bound tensors and buffer still have their storage
                     return
                 except StaleBindingError:
                     pass
             by_buffer.pop(out.data_ptr())
-            entry[4] = volatile = True      # this source hands new tensors: bind per sync from now on
-        fresh = sub.bind({n: tensors.get(n) for n in names}, out[:sub.layout.nbytes])
+            entry[4] = volatile = True  # this source hands new tensors: bind per sync from now on
+        fresh = sub.bind({n: tensors.get(n) for n in names}, out[: sub.layout.nbytes])
         fresh.pack(check=False)
-        fresh.given = tuple(fresh.tensors[n] for n in names)   # in `names` order, for _same_tensors' identity pass
+        fresh.given = tuple(fresh.tensors[n] for n in names)  # in `names` order, for _same_tensors' identity pass
         if self.cache or (self.cache is None and not volatile):
             if len(by_buffer) >= 4:
                 by_buffer.pop(next(iter(by_buffer)))
@@ -97,8 +98,14 @@ def _same_tensors(bound, names: Sequence[str], given: Mapping[str, torch.Tensor]
         t, b = given.get(n), bound.tensors[n]
         if t is b:
             continue
-        if t is None or t.data_ptr() != b.data_ptr() or t.shape != b.shape or t.dtype != b.dtype \
-                or t.stride() != b.stride() or t.device != b.device:
+        if (
+            t is None
+            or t.data_ptr() != b.data_ptr()
+            or t.shape != b.shape
+            or t.dtype != b.dtype
+            or t.stride() != b.stride()
+            or t.device != b.device
+        ):
             return False
     return True
 
@@ -121,13 +128,22 @@ class ReplayPacker:
     bfloat16/float16/float32 `X.weight` at every pack; no scale tensors on the trainer). "" (default): the trainer
     holds the plan's tensors as they are (an FP8 plan then needs fp8 weights and scales, like a checkpoint)."""
 
-    def __init__(self, plans, sources: Mapping[str, TensorMeta], *, alignment: int = 256,
-                 device: torch.device | str | None = None, max_group_bytes: int | None = PART_BYTES,
-                 cache_bindings: bool | None = None, quantizer: str = ""):
+    def __init__(
+        self,
+        plans,
+        sources: Mapping[str, TensorMeta],
+        *,
+        alignment: int = 256,
+        device: torch.device | str | None = None,
+        max_group_bytes: int | None = PART_BYTES,
+        cache_bindings: bool | None = None,
+        quantizer: str = "",
+    ):
         self.sources = dict(sources)
         make = functools.partial(QuantizingReplayer, quantizer=quantizer) if quantizer else Replayer
-        self.replayers = {p.rank: make(p, sources, alignment=alignment, device=device,
-                                       max_group_bytes=max_group_bytes) for p in plans}
+        self.replayers = {
+            p.rank: make(p, sources, alignment=alignment, device=device, max_group_bytes=max_group_bytes) for p in plans
+        }
         self.fallbacks = {p.rank: fallback_slots(p, self.replayers[p.rank].layout, self.sources) for p in plans}
         groups = set(_ordered_groups(r.layout for r in self.replayers.values()))
         groups.update(g for slots in self.fallbacks.values() for g in slots)
@@ -140,7 +156,7 @@ class ReplayPacker:
 
     def stamp(self, consumer: int) -> str:
         reads = self._reads.get(consumer)
-        if reads is None:   # what the consumer's writes read, from the plan as given (before any FP8 rebasing)
+        if reads is None:  # what the consumer's writes read, from the plan as given (before any FP8 rebasing)
             reads = self._reads[consumer] = reads_digest(self._plans[consumer])
         return layout_stamp((consumer,), self.replayers[consumer].layout.digest, reads, self.fallbacks[consumer])
 
@@ -164,11 +180,11 @@ class ReplayPacker:
             self._packs.run((consumer, group), rep.for_group(group), replayed, tensors, out)
         slots = self.fallbacks[consumer].get(group, ())
         for i in segments:
-            if i >= num_replayed:   # a fallback tensor, whole, as bytes
+            if i >= num_replayed:  # a fallback tensor, whole, as bytes
                 f = slots[i - num_replayed]
                 t = tensors.get(f.name)
                 check_tensor("trainer tensor", f.name, t, self.sources[f.name], out.device)
-                out[f.offset:f.offset + f.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                out[f.offset : f.offset + f.nbytes].copy_(t.reshape(-1).view(torch.uint8))
 
 
 class ApplyUnpacker:
@@ -177,16 +193,25 @@ class ApplyUnpacker:
     `lambda name, t: model.load_weights([(name, t)])`; it gets each fallback tensor whole (a copy it may keep) once
     its group arrived."""
 
-    def __init__(self, plan, params: Mapping[str, torch.Tensor], *, alignment: int = 256,
-                 max_group_bytes: int | None = PART_BYTES, sources: Mapping[str, TensorMeta] | None = None,
-                 fallback_loader=None):
+    def __init__(
+        self,
+        plan,
+        params: Mapping[str, torch.Tensor],
+        *,
+        alignment: int = 256,
+        max_group_bytes: int | None = PART_BYTES,
+        sources: Mapping[str, TensorMeta] | None = None,
+        fallback_loader=None,
+    ):
         self.layout = PackLayout.from_plans(plan, alignment, max_group_bytes)
         self.fallbacks: dict[str, tuple[FallbackSlot, ...]] = {}
         if plan.fallbacks:
             if sources is None or fallback_loader is None:
-                raise FallbackRequiredError(f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
-                                     f"({plan.fallbacks[0].source}, ...): pass sources= (the plan file's table) and "
-                                     f"fallback_loader= (the real loader, which gets each of them whole)")
+                raise FallbackRequiredError(
+                    f"consumer rank {plan.rank}: its plan has {len(plan.fallbacks)} fallback tensors "
+                    f"({plan.fallbacks[0].source}, ...): pass sources= (the plan file's table) and "
+                    f"fallback_loader= (the real loader, which gets each of them whole)"
+                )
             self.fallbacks = fallback_slots(plan, self.layout, sources)
         self.applier = Applier(plan, self.layout, params, fallback_loader=fallback_loader)
         self.sources, self.fallback_loader = sources, fallback_loader
@@ -203,12 +228,11 @@ class ApplyUnpacker:
 
     def apply(self, group, buffer):
         if group in self.layout.group_names:
-            self.applier.apply_group(group, buffer[:self.layout.group(group).nbytes])
+            self.applier.apply_group(group, buffer[: self.layout.group(group).nbytes])
         for f in self.fallbacks.get(group, ()):
             meta = self.sources[f.name]
-            tensor = buffer[f.offset:f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
+            tensor = buffer[f.offset : f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
             self.fallback_loader(f.name, tensor)
-
 
 
 def _sharded_parts(sharded, consumer: int, alignment: int):
@@ -221,20 +245,27 @@ def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout], plans: Mappin
     return layout_stamp((consumer,), [(t, lay.digest, reads_digest(plans[t])) for t, lay in sorted(parts.items())])
 
 
-
 class ShardedPacker:
     """Packer for sharded trainers (shardplan.runtime.shards.ShardedPlan): trainer `rank` packs, for each consumer, the
     pieces plan_shards gave it, from its local shards; each piece can come from that trainer only."""
 
-    def __init__(self, sharded, rank: int, *, alignment: int = 256, device: torch.device | str | None = None,
-                 cache_bindings: bool | None = None):
+    def __init__(
+        self,
+        sharded,
+        rank: int,
+        *,
+        alignment: int = 256,
+        device: torch.device | str | None = None,
+        cache_bindings: bool | None = None,
+    ):
         self.sharded, self.rank, self.alignment = sharded, rank, alignment
         self.consumer_ranks = sorted({c for _, c in sharded.plans})
         self.parts = {c: _sharded_parts(sharded, c, alignment) for c in self.consumer_ranks}
         self._groups = _ordered_groups(lay for parts in self.parts.values() for lay in parts.values())
         mine = {c: p for (t, c), p in sharded.plans.items() if t == rank}
-        self.replayers = {c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device)
-                          for c, p in mine.items()}
+        self.replayers = {
+            c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device) for c, p in mine.items()
+        }
         self._packs = _Packs(cache_bindings)
 
     def consumers(self):
@@ -255,10 +286,13 @@ class ShardedPacker:
     def pack(self, consumer, group, tensors, out, segments):
         base = sharded_bases(self.parts[consumer], group, self.alignment)[self.rank]
         rep_g = self.replayers[consumer].for_group(group)
-        first = sum(len(self.parts[consumer][t].group(group).segments)
-                    for t in sorted(self.parts[consumer]) if t < self.rank and group in self.parts[consumer][t].group_names)
+        first = sum(
+            len(self.parts[consumer][t].group(group).segments)
+            for t in sorted(self.parts[consumer])
+            if t < self.rank and group in self.parts[consumer][t].group_names
+        )
         mine = [i - first for i in segments]
-        self._packs.run((consumer, group), rep_g, mine, tensors, out[base:base + rep_g.layout.nbytes])
+        self._packs.run((consumer, group), rep_g, mine, tensors, out[base : base + rep_g.layout.nbytes])
 
 
 class ShardedUnpacker:
@@ -286,5 +320,4 @@ class ShardedUnpacker:
     def apply(self, group, buffer):
         for t, base in sharded_bases(self.parts, group, self.alignment).items():
             n = self.parts[t].group(group).nbytes
-            self.appliers[t].apply_group(group, buffer[base:base + n])
-
+            self.appliers[t].apply_group(group, buffer[base : base + n])

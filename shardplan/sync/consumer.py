@@ -1,4 +1,5 @@
 """A consumer (inference) rank of the sync: receives each group into one of two buffers, verifies, applies."""
+
 from __future__ import annotations
 
 import time
@@ -10,15 +11,32 @@ from shardplan.sync.control import abort_mark, check_sum, done_key, free_key, jo
 from shardplan.sync.rank import Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor
 from shardplan.sync.stages import LayoutMismatch, SyncConfig, SyncReport, SyncState, Unpacker, event
-from shardplan.transport.base import Control, Peer, PeerAborted, Tag, Transport, consumer_name, deadline_after, left, \
-    trainer_name
+from shardplan.transport.base import (
+    Control,
+    Peer,
+    PeerAborted,
+    Tag,
+    Transport,
+    consumer_name,
+    deadline_after,
+    left,
+    trainer_name,
+)
 
 
 class ConsumerSync(Rank):
     """One consumer (inference) rank: two receive buffers, each the size of its largest group, registered once."""
 
-    def __init__(self, rank: int, unpacker: Unpacker, transport: Transport, control: Control,
-                 config: SyncConfig | None = None, device: torch.device | str = "cpu", initial_version: int = 0):
+    def __init__(
+        self,
+        rank: int,
+        unpacker: Unpacker,
+        transport: Transport,
+        control: Control,
+        config: SyncConfig | None = None,
+        device: torch.device | str = "cpu",
+        initial_version: int = 0,
+    ):
         self.rank, self.name = rank, consumer_name(rank)
         self.unpacker = unpacker
         self.sizes = dict(unpacker.sizes())
@@ -26,7 +44,7 @@ class ConsumerSync(Rank):
         size = align_up(max(self.sizes.values(), default=1), 256)
         self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
         transport.register(self.buffers)
-        control.prewarm(4)   # this rank's waits and its transport's pair rendezvous, opened now rather than mid-sync
+        control.prewarm(4)  # this rank's waits and its transport's pair rendezvous, opened now rather than mid-sync
         self._state = SyncState(initial_version, True)
         self.stamps = {rank: unpacker.stamp()}
         self.epoch = join(control, self.name, None, self.stamps)
@@ -46,11 +64,14 @@ class ConsumerSync(Rank):
         for gi, group in enumerate(groups):
             if schedule.nbytes[c][gi] > self.sizes.get(group, 0) and not mismatched:
                 mismatched["coordinator"] = LayoutMismatch(
-                    "coordinator", f"the trainers' buffer of {group} for {self.name} has {schedule.nbytes[c][gi]} "
-                                   f"bytes, this rank's has {self.sizes.get(group, 0)}: the coordinator was given "
-                                   f"other plans than this rank's")
-        self.transport.connect({self.name: self.epoch,
-                                **{trainer_name(t): ann["members"][trainer_name(t)] for t in trainers}})
+                    "coordinator",
+                    f"the trainers' buffer of {group} for {self.name} has {schedule.nbytes[c][gi]} "
+                    f"bytes, this rank's has {self.sizes.get(group, 0)}: the coordinator was given "
+                    f"other plans than this rank's",
+                )
+        self.transport.connect(
+            {self.name: self.epoch, **{trainer_name(t): ann["members"][trainer_name(t)] for t in trainers}}
+        )
         self._prepared = (version, schedule, trainers, mismatched)
 
     def sync(self, version: int) -> SyncReport:
@@ -68,7 +89,7 @@ class ConsumerSync(Rank):
         schedule, trainers, mismatched = self._take_prepared(version)
         c, groups, one_sided = self.rank, schedule.groups, self.transport.one_sided
         posted: dict[int, list] = {}
-        deferred: list[tuple[int, int, Piece, torch.Tensor]] = []   # (group, index among its trainer's pieces, ...)
+        deferred: list[tuple[int, int, Piece, torch.Tensor]] = []  # (group, index among its trainer's pieces, ...)
         received = 0
         failures: dict[Peer, BaseException] = dict(mismatched)
 
@@ -78,7 +99,7 @@ class ConsumerSync(Rank):
                 self.control.set(free_key(version, self.name, gi), f"ok {time.time():.6f}")
 
         try:
-            if mismatched:   # refused before any byte moves; the weights held stay as they are, complete
+            if mismatched:  # refused before any byte moves; the weights held stay as they are, complete
                 raise next(iter(mismatched.values()))
             for gi in range(min(2, len(groups))):
                 post(gi)
@@ -95,7 +116,7 @@ class ConsumerSync(Rank):
                     event(f"received {gi}")
                     j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
                     if self.config.verify:
-                        got = checksum_tensor(buf[piece.lo:piece.hi])
+                        got = checksum_tensor(buf[piece.lo : piece.hi])
                         if mark is not None:
                             check_sum(peer, mark, j, int(got), piece, group)
                         else:
@@ -109,19 +130,21 @@ class ConsumerSync(Rank):
             deadline = deadline_after(self.config.timeout_s)
             for gi, j, piece, got in deferred:
                 peer = trainer_name(piece.trainer)
-                mark = self._mark(done_key(version, peer, self.name, gi), left(deadline), peer,
-                                  f"checksums of {groups[gi]}")
+                mark = self._mark(
+                    done_key(version, peer, self.name, gi), left(deadline), peer, f"checksums of {groups[gi]}"
+                )
                 check_sum(peer, mark, j, int(got), piece, groups[gi])
             self._state = SyncState(version, True)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by _finish as SyncFailed
             failures[getattr(e, "peer", self.name)] = e
-            for gi in range(len(groups)):   # trainers waiting for a free slot or on a send to this rank end now
+            for gi in range(len(groups)):  # trainers waiting for a free slot or on a send to this rank end now
                 self.control.set(free_key(version, self.name, gi), f"abort: {self.name} gave up: {e}")
         event("committed")
         self._finish(version, failures)
         event("result set")
-        return SyncReport(self.name, version, time.monotonic() - start, received,
-                          tuple(trainer_name(t) for t in trainers))
+        return SyncReport(
+            self.name, version, time.monotonic() - start, received, tuple(trainer_name(t) for t in trainers)
+        )
 
     def _mark(self, key: str, timeout_s: float, peer: Peer, what: str) -> str:
         """A trainer's "done" mark (its checksums), or PeerAborted with the message it left instead."""
@@ -133,11 +156,13 @@ class ConsumerSync(Rank):
     def _post_receives(self, version: int, schedule: Schedule, gi: int) -> list:
         """Post the receives of group gi's pieces into its slot (gi % 2); one Pending per piece."""
         buf = self.buffers[gi % 2]
-        return [self.transport.recv(trainer_name(p.trainer), buf[p.lo:p.hi],
-                                    Tag(version, gi, gi % 2, p.lo, p.hi - p.lo)) for p in schedule.of(self.rank, gi)]
+        return [
+            self.transport.recv(trainer_name(p.trainer), buf[p.lo : p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
+            for p in schedule.of(self.rank, gi)
+        ]
 
     def _apply(self, version: int, group: str, buf: torch.Tensor) -> None:
         if self.sizes.get(group, 0):
             if self._state != SyncState(version, False):
-                self._state = SyncState(version, False)   # params now hold a mix of two versions
-            self.unpacker.apply(group, buf[:self.sizes[group]])
+                self._state = SyncState(version, False)  # params now hold a mix of two versions
+            self.unpacker.apply(group, buf[: self.sizes[group]])

@@ -1,4 +1,5 @@
 """Control-channel keys and marks of the sync protocol (see shardplan.sync for the key table)."""
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,22 @@ def result_key(v: int, rank: Peer) -> str:
     return f"v{v}/result/{rank}"
 
 
-def join(control: Control, name: Peer, held: frozenset[str] | None = None,
-         stamps: Mapping[int, str] | None = None) -> int:
+def join(
+    control: Control, name: Peer, held: frozenset[str] | None = None, stamps: Mapping[int, str] | None = None
+) -> int:
     """(Re-)join with a new epoch. A trainer says which tensors it holds whole (`held`) and, like a consumer, the
     stamp of each consumer's bytes as it arranges them (consumer rank -> Packer/Unpacker stamp)."""
-    epoch = control.add(f"epoch/{name}", 1)   # monotonic across restarts: a new incarnation never reuses an epoch
-    control.set(f"join/{name}", json.dumps({"epoch": epoch, "held": None if held is None else sorted(held),
-                                            "stamps": {str(c): s for c, s in (stamps or {}).items()}}))
+    epoch = control.add(f"epoch/{name}", 1)  # monotonic across restarts: a new incarnation never reuses an epoch
+    control.set(
+        f"join/{name}",
+        json.dumps(
+            {
+                "epoch": epoch,
+                "held": None if held is None else sorted(held),
+                "stamps": {str(c): s for c, s in (stamps or {}).items()},
+            }
+        ),
+    )
     return epoch
 
 
@@ -40,12 +50,12 @@ def check_sum(peer: Peer, mark: str, j: int, got: int, piece: Piece, group: str)
     pieces in the group)."""
     expected = json.loads(mark)["sums"][j]
     if expected != got:
-        raise ChecksumMismatch(peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, "
-                                     f"trainer packed {expected}")
+        raise ChecksumMismatch(
+            peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, trainer packed {expected}"
+        )
 
 
 def abort_mark(control: Control, key: str) -> str | None:
     """The abort message a peer left at `key`, if any (None while the key is unset or holds a normal mark)."""
     value = control.try_get(key)
     return value if value is not None and value.startswith("abort") else None
-

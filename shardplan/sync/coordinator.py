@@ -1,4 +1,5 @@
 """The coordinator: decides, per version, who takes part, and publishes the schedule (runs in the driver)."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from shardplan.transport.base import Control, PeerError, consumer_name, deadline
 class Announcement:
     version: int
     schedule_id: str
-    members: dict[str, int]            # rank name -> epoch
+    members: dict[str, int]  # rank name -> epoch
     excluded: tuple[str, ...] = ()
 
 
@@ -25,8 +26,14 @@ class Coordinator:
 
     `spans[c][group]`: consumer c's spans per group (what the trainers' Packer reports; `spans_of(packer)`)."""
 
-    def __init__(self, control: Control, spans: Mapping[int, Mapping[str, Sequence[Span]]],
-                 groups: Sequence[str], num_trainers: int, config: SyncConfig | None = None):
+    def __init__(
+        self,
+        control: Control,
+        spans: Mapping[int, Mapping[str, Sequence[Span]]],
+        groups: Sequence[str],
+        num_trainers: int,
+        config: SyncConfig | None = None,
+    ):
         self.control, self.spans, self.groups = control, spans, tuple(groups)
         self.trainers, self.consumers = tuple(range(num_trainers)), tuple(sorted(spans))
         self.config = config or SyncConfig()
@@ -34,8 +41,8 @@ class Coordinator:
         self.last_version: int | None = None
         self._schedules: dict[tuple, str] = {}
         self._held: dict[int, frozenset[str] | None] = {}
-        self._known: dict[str, int] = {}     # highest epoch seen per rank
-        self._stamps: dict[str, dict[str, str]] = {}   # rank -> its stamps of consumers' bytes (see control.join)
+        self._known: dict[str, int] = {}  # highest epoch seen per rank
+        self._stamps: dict[str, dict[str, str]] = {}  # rank -> its stamps of consumers' bytes (see control.join)
 
     def names(self) -> list[str]:
         return [trainer_name(t) for t in self.trainers] + [consumer_name(c) for c in self.consumers]
@@ -51,8 +58,11 @@ class Coordinator:
                 if name in out:
                     continue
                 try:
-                    text = (self.control.try_get(result_key(version, name)) if attempt == "present" else
-                            self.control.get(result_key(version, name), left(deadline), name, "result"))
+                    text = (
+                        self.control.try_get(result_key(version, name))
+                        if attempt == "present"
+                        else self.control.get(result_key(version, name), left(deadline), name, "result")
+                    )
                 except PeerError:
                     continue
                 if text is not None:
@@ -92,7 +102,11 @@ class Coordinator:
         trainers = tuple(t for t in self.trainers if trainer_name(t) in members)
         consumers = tuple(c for c in self.consumers if consumer_name(c) in members)
         held = {t: self._held.get(t) for t in trainers}
-        key = (trainers, consumers, tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())))
+        key = (
+            trainers,
+            consumers,
+            tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())),
+        )
         schedule_id = self._schedules.get(key)
         if schedule_id is None:
             schedule = build_schedule({c: self.spans[c] for c in consumers}, self.groups, held, trainers, consumers)
@@ -103,8 +117,8 @@ class Coordinator:
         # every member's stamps travel with the announcement: each rank compares its own with its peers' before
         # any byte moves (Rank._mismatches)
         stamps = {name: self._stamps.get(name, {}) for name in members}
-        self.control.set(announce_key(version), json.dumps({"schedule": schedule_id, "members": members,
-                                                            "stamps": stamps}))
+        self.control.set(
+            announce_key(version), json.dumps({"schedule": schedule_id, "members": members, "stamps": stamps})
+        )
         self.members, self.last_version = members, version
         return Announcement(version, schedule_id, members, excluded)
-

@@ -13,6 +13,7 @@ slot names to expert tensors at pack time). What the two sides agree on per vers
 consumer and read by the trainer; the consumer checks after the update that its engine still holds that placement
 (engine/eplb.py: EplbPlacementChanged otherwise).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,15 @@ from typing import Mapping, Sequence
 
 from shardplan.plan import ir
 from shardplan.plan.names import slot_of
-from shardplan.plan.placement import (EplbSlots, Placement, PlacementBinder, PlacementError, bound_name, make_placement,
-                                      with_slot_aliases)
+from shardplan.plan.placement import (
+    EplbSlots,
+    Placement,
+    PlacementBinder,
+    PlacementError,
+    bound_name,
+    make_placement,
+    with_slot_aliases,
+)
 from shardplan.sync.adapters import ReplayPacker
 from shardplan.sync.stages import Span
 from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name
@@ -36,8 +44,9 @@ def placement_key(version: int, consumer: Peer) -> str:
 
 
 def publish_placement(control: Control, version: int, consumer: Peer, placement: Placement) -> None:
-    control.set(placement_key(version, consumer), json.dumps({"digest": placement.digest,
-                                                              **json.loads(placement.to_json())}))
+    control.set(
+        placement_key(version, consumer), json.dumps({"digest": placement.digest, **json.loads(placement.to_json())})
+    )
 
 
 def read_placement(control: Control, version: int, consumer: Peer, slots: EplbSlots, timeout_s: float) -> Placement:
@@ -45,18 +54,24 @@ def read_placement(control: Control, version: int, consumer: Peer, slots: EplbSl
     try:
         text = control.get(placement_key(version, consumer), timeout_s, consumer, "its EPLB placement")
     except PeerTimeout as e:
-        raise PlacementNotPublished(consumer, f"{consumer} published no EPLB placement for version {version} within "
-                                              f"{timeout_s:.0f} s ({e}); its engine must run the shardplan backend "
-                                              f"with the same EPLB plan") from None
+        raise PlacementNotPublished(
+            consumer,
+            f"{consumer} published no EPLB placement for version {version} within "
+            f"{timeout_s:.0f} s ({e}); its engine must run the shardplan backend "
+            f"with the same EPLB plan",
+        ) from None
     try:
         record = json.loads(text)
         layers, rows = record["layers"], record["rows"]
     except (ValueError, KeyError, TypeError):
-        raise PlacementError(f"{consumer}'s placement for version {version} is not a placement: {text[:200]!r}") \
-            from None
+        raise PlacementError(
+            f"{consumer}'s placement for version {version} is not a placement: {text[:200]!r}"
+        ) from None
     if not isinstance(layers, list) or not set(layers) <= set(slots.moe_layers):
-        raise PlacementError(f"{consumer}'s placement covers MoE layers {str(layers)[:80]}, the plan "
-                             f"{list(slots.moe_layers)[:8]}: trainer and engine read different plans")
+        raise PlacementError(
+            f"{consumer}'s placement covers MoE layers {str(layers)[:80]}, the plan "
+            f"{list(slots.moe_layers)[:8]}: trainer and engine read different plans"
+        )
     placement = make_placement(rows, slots, layers=tuple(layers))
     if record.get("digest") != placement.digest:
         raise PlacementError(f"{consumer}'s placement for version {version} does not match its digest")
@@ -88,10 +103,18 @@ class EplbPacker:
     (plan/placement.with_slot_aliases). Trainers must hold the expert tensors whole (ModuleSource, or a source that
     gathers each layer); EP-sharded trainers (ShardedPacker) are not supported with EPLB."""
 
-    def __init__(self, plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], slots: EplbSlots,
-                 control: Control | None = None, *, timeout_s: float = 60.0, **packer_options):
+    def __init__(
+        self,
+        plans: Sequence[ir.RankPlan],
+        sources: Mapping[str, ir.TensorMeta],
+        slots: EplbSlots,
+        control: Control | None = None,
+        *,
+        timeout_s: float = 60.0,
+        **packer_options,
+    ):
         for p in plans:
-            PlacementBinder(p, slots)   # refuses slot tensors that are fallbacks
+            PlacementBinder(p, slots)  # refuses slot tensors that are fallbacks
         self.slots, self.control, self.timeout_s = slots, control, timeout_s
         self.inner = ReplayPacker(plans, sources, **packer_options)
         self.placements: dict[int, Placement] = {p.rank: slots.initial() for p in plans}
@@ -122,21 +145,35 @@ class EplbPacker:
         """The inner spans with slot names read as the experts of the consumer's current placement (what the
         schedule checks trainers hold; every expert, for whole-tensor trainers)."""
         placement = self.placements[consumer]
-        return tuple(Span(s.offset, s.nbytes, tuple(bound_name(n, placement) for n in s.sources))
-                     for s in self.inner.spans(consumer, group))
+        return tuple(
+            Span(s.offset, s.nbytes, tuple(bound_name(n, placement) for n in s.sources))
+            for s in self.inner.spans(consumer, group)
+        )
 
     def pack(self, consumer, group, tensors, out, segments):
         key = (consumer, group)
         if key not in self._slot_names:
-            self._slot_names[key] = tuple(sorted({n for s in self.inner.spans(consumer, group) for n in s.sources
-                                                  if slot_of(n) is not None}))
-        aliased = with_slot_aliases(tensors, self._slot_names[key], self.placements[consumer],
-                                    f"the trainer packing {group} for consumer {consumer}")
+            self._slot_names[key] = tuple(
+                sorted({n for s in self.inner.spans(consumer, group) for n in s.sources if slot_of(n) is not None})
+            )
+        aliased = with_slot_aliases(
+            tensors,
+            self._slot_names[key],
+            self.placements[consumer],
+            f"the trainer packing {group} for consumer {consumer}",
+        )
         self.inner.pack(consumer, group, aliased, out, segments)
 
 
-def make_packer(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], slots: EplbSlots | None,
-                control: Control | None = None, *, timeout_s: float = 60.0, **packer_options):
+def make_packer(
+    plans: Sequence[ir.RankPlan],
+    sources: Mapping[str, ir.TensorMeta],
+    slots: EplbSlots | None,
+    control: Control | None = None,
+    *,
+    timeout_s: float = 60.0,
+    **packer_options,
+):
     """The trainer's Packer for a plan file: EplbPacker when it has EPLB slots (`header.eplb`), else ReplayPacker.
     `quantizer=header.quantizer` (a block-FP8 plan) makes ReplayPacker quantize the trainer's BF16 weights."""
     if slots is None:

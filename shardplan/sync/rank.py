@@ -1,5 +1,6 @@
 """What trainer and consumer ranks share: announcement and schedule reading, prepare/sync hand-over, rejoining,
 and writing the result of a version."""
+
 from __future__ import annotations
 
 import json
@@ -17,29 +18,39 @@ from shardplan.transport.base import Control, Peer, Transport
 
 class Rank:
     """Base of TrainerSync and ConsumerSync."""
+
     name: str
     epoch: int
-    held: frozenset[str] | None = None   # a trainer's whole tensors, published when it (re-)joins; None: all it needs
-    stamps: dict[int, str]               # consumer rank -> stamp of its bytes as this rank arranges them
+    held: frozenset[str] | None = None  # a trainer's whole tensors, published when it (re-)joins; None: all it needs
+    stamps: dict[int, str]  # consumer rank -> stamp of its bytes as this rank arranges them
 
     def __init__(self, transport: Transport, control: Control, config: SyncConfig | None):
         self.transport, self.control = transport, control
         self.config = config or SyncConfig()
         self._schedules: dict[str, Schedule] = {}
-        self._prepared: tuple | None = None   # what prepare(version) read, for sync(version)
+        self._prepared: tuple | None = None  # what prepare(version) read, for sync(version)
 
     def _announcement(self, version: int) -> tuple[dict, Schedule]:
-        ann = json.loads(self.control.get(announce_key(version), self.config.announce_timeout_s, "coordinator",
-                                          f"announcement of version {version}"))
+        ann = json.loads(
+            self.control.get(
+                announce_key(version),
+                self.config.announce_timeout_s,
+                "coordinator",
+                f"announcement of version {version}",
+            )
+        )
         if ann["members"].get(self.name) != self.epoch:
             why = "failed or stalled in the last version" if self.name not in ann["members"] else "restarted"
             self._rejoin()
-            raise NotAMember(f"{self.name} (epoch {self.epoch}) is not part of version {version} ({why}); "
-                             f"it re-joined and takes part from the next announced version")
+            raise NotAMember(
+                f"{self.name} (epoch {self.epoch}) is not part of version {version} ({why}); "
+                f"it re-joined and takes part from the next announced version"
+            )
         sid = ann["schedule"]
         if sid not in self._schedules:
             self._schedules[sid] = Schedule.from_json(
-                self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule"))
+                self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule")
+            )
         return ann, self._schedules[sid]
 
     def _mismatches(self, ann: dict, pairs: list[tuple[str, int]]) -> dict[Peer, LayoutMismatch]:
@@ -49,10 +60,13 @@ class Rank:
         for peer, c in pairs:
             mine, theirs = self.stamps.get(c), ann.get("stamps", {}).get(peer, {}).get(str(c))
             if mine != theirs:
-                out[peer] = LayoutMismatch(peer, f"consumer {c}'s bytes are arranged as {theirs} by {peer} and as "
-                                                 f"{mine} by {self.name} (plan rank:pack-layout digest): the two sides "
-                                                 f"use different plans, a wrong rank mapping or another "
-                                                 f"max_group_bytes; nothing was sent")
+                out[peer] = LayoutMismatch(
+                    peer,
+                    f"consumer {c}'s bytes are arranged as {theirs} by {peer} and as "
+                    f"{mine} by {self.name} (plan rank:pack-layout digest): the two sides "
+                    f"use different plans, a wrong rank mapping or another "
+                    f"max_group_bytes; nothing was sent",
+                )
         return out
 
     def _take_prepared(self, version: int) -> tuple:
@@ -70,9 +84,16 @@ class Rank:
         if failures:
             # a new epoch makes every adapter re-open its connections to this rank: nothing half-done is reused
             self.epoch = self.control.add(f"epoch/{self.name}", 1)
-        self.control.set(result_key(version, self.name), json.dumps(
-            {"ok": not failures, "epoch": self.epoch,
-             "errors": {p: f"{type(e).__name__}: {e}" for p, e in failures.items()}}))
+        self.control.set(
+            result_key(version, self.name),
+            json.dumps(
+                {
+                    "ok": not failures,
+                    "epoch": self.epoch,
+                    "errors": {p: f"{type(e).__name__}: {e}" for p, e in failures.items()},
+                }
+            ),
+        )
         if failures:
             raise SyncFailed(self.name, version, failures)
 

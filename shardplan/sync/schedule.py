@@ -1,5 +1,6 @@
 """The static schedule: which trainer serves which bytes of which consumer, per group; a pure function of the
 consumers' segments and what each live trainer holds. Also the checksum both sides compute per piece."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from shardplan.transport.base import consumer_name
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Bytes [lo, hi) of a consumer's group buffer, packed and sent by one trainer (segments: layout indices)."""
+
     trainer: int
     lo: int
     hi: int
@@ -27,7 +29,7 @@ class Schedule:
     groups: tuple[str, ...]
     trainers: tuple[int, ...]
     consumers: tuple[int, ...]
-    nbytes: Mapping[int, tuple[int, ...]]                # consumer -> end of its last segment, per group
+    nbytes: Mapping[int, tuple[int, ...]]  # consumer -> end of its last segment, per group
     pieces: Mapping[tuple[int, int], tuple[Piece, ...]]  # (consumer, group index) -> pieces in byte order
 
     def of(self, consumer: int, group_index: int, trainer: int | None = None) -> tuple[Piece, ...]:
@@ -42,10 +44,19 @@ class Schedule:
         return out
 
     def to_json(self) -> str:
-        return json.dumps({"groups": list(self.groups), "trainers": list(self.trainers),
-                           "consumers": list(self.consumers), "nbytes": {str(c): list(n) for c, n in self.nbytes.items()},
-                           "pieces": [[c, g, p.trainer, p.lo, p.hi, list(p.segments)]
-                                      for (c, g), ps in sorted(self.pieces.items()) for p in ps]})
+        return json.dumps(
+            {
+                "groups": list(self.groups),
+                "trainers": list(self.trainers),
+                "consumers": list(self.consumers),
+                "nbytes": {str(c): list(n) for c, n in self.nbytes.items()},
+                "pieces": [
+                    [c, g, p.trainer, p.lo, p.hi, list(p.segments)]
+                    for (c, g), ps in sorted(self.pieces.items())
+                    for p in ps
+                ],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
@@ -53,13 +64,22 @@ class Schedule:
         pieces: dict[tuple[int, int], list[Piece]] = {}
         for c, g, t, lo, hi, segs in d["pieces"]:
             pieces.setdefault((c, g), []).append(Piece(t, lo, hi, tuple(segs)))
-        return cls(tuple(d["groups"]), tuple(d["trainers"]), tuple(d["consumers"]),
-                   {int(c): tuple(n) for c, n in d["nbytes"].items()}, {k: tuple(v) for k, v in pieces.items()})
+        return cls(
+            tuple(d["groups"]),
+            tuple(d["trainers"]),
+            tuple(d["consumers"]),
+            {int(c): tuple(n) for c, n in d["nbytes"].items()},
+            {k: tuple(v) for k, v in pieces.items()},
+        )
 
 
-def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Sequence[str],
-                   held: Mapping[int, frozenset[str] | None], trainers: Sequence[int],
-                   consumers: Sequence[int]) -> Schedule:
+def build_schedule(
+    spans: Mapping[int, Mapping[str, Sequence[Span]]],
+    groups: Sequence[str],
+    held: Mapping[int, frozenset[str] | None],
+    trainers: Sequence[int],
+    consumers: Sequence[int],
+) -> Schedule:
     """Which trainer serves which bytes of which consumer, per group; computed once per membership.
 
     `held[t]`: the tensors trainer t holds whole (None: all of them). Per group: each consumer's segments are cut into
@@ -75,7 +95,7 @@ def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Se
     nbytes: dict[int, list[int]] = {c: [] for c in consumers}
     pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
     for gi, group in enumerate(groups):
-        chunks: list[tuple[int, list[int], int, tuple[int, ...]]] = []   # (consumer, segment indices, bytes, eligible)
+        chunks: list[tuple[int, list[int], int, tuple[int, ...]]] = []  # (consumer, segment indices, bytes, eligible)
         for c in consumers:
             segs = list(spans[c].get(group, ()))
             nbytes[c].append(max((s.offset + s.nbytes for s in segs), default=0))
@@ -90,13 +110,19 @@ def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Se
                     eligible = tuple(t for t in trainers if held[t] is None or all(n in held[t] for n in seg.sources))
                 if not eligible:
                     if seg.only:
-                        raise ScheduleError(f"{consumer_name(c)}, group {group}: bytes at {seg.offset} come only from "
-                                            f"trainer {list(seg.only)}, which is not live; re-plan the shards "
-                                            f"(shardplan.runtime.shards.plan_shards) without it")
-                    missing = sorted(n for n in seg.sources if not any(held[t] is None or n in held[t] for t in trainers))
-                    raise ScheduleError(f"{consumer_name(c)}, group {group}: no live trainer holds {missing} whole "
-                                        f"(live trainers: {list(trainers)}); restore the trainer that holds them, or "
-                                        f"have the WeightSource gather them")
+                        raise ScheduleError(
+                            f"{consumer_name(c)}, group {group}: bytes at {seg.offset} come only from "
+                            f"trainer {list(seg.only)}, which is not live; re-plan the shards "
+                            f"(shardplan.runtime.shards.plan_shards) without it"
+                        )
+                    missing = sorted(
+                        n for n in seg.sources if not any(held[t] is None or n in held[t] for t in trainers)
+                    )
+                    raise ScheduleError(
+                        f"{consumer_name(c)}, group {group}: no live trainer holds {missing} whole "
+                        f"(live trainers: {list(trainers)}); restore the trainer that holds them, or "
+                        f"have the WeightSource gather them"
+                    )
                 if run and eligible != run_eligible:
                     chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
                     run = []
@@ -105,7 +131,7 @@ def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Se
             if run:
                 chunks += _split_run(c, run, segs, run_eligible, chunks_per_run)
         load = {t: 0 for t in trainers}
-        owner: dict[tuple[int, int], int] = {}   # (consumer, first segment of chunk) -> trainer
+        owner: dict[tuple[int, int], int] = {}  # (consumer, first segment of chunk) -> trainer
         for c, idx, size, eligible in sorted(chunks, key=lambda ch: (-ch[2], ch[0], ch[1][0])):
             t = min(eligible, key=lambda t: (load[t], total[t], t))
             load[t] += size
@@ -118,8 +144,12 @@ def build_schedule(spans: Mapping[int, Mapping[str, Sequence[Span]]], groups: Se
             for _, idx, _, _ in mine:
                 t = owner[(c, idx[0])]
                 lo, hi = segs[idx[0]].offset, segs[idx[-1]].offset + segs[idx[-1]].nbytes
-                if merged and merged[-1].trainer == t and merged[-1].segments[-1] + 1 == idx[0] \
-                        and all(segs[j].nbytes == 0 for j in range(merged[-1].segments[-1] + 1, idx[0])):
+                if (
+                    merged
+                    and merged[-1].trainer == t
+                    and merged[-1].segments[-1] + 1 == idx[0]
+                    and all(segs[j].nbytes == 0 for j in range(merged[-1].segments[-1] + 1, idx[0]))
+                ):
                     prev = merged.pop()
                     merged.append(Piece(t, prev.lo, hi, prev.segments + tuple(idx)))
                 else:
@@ -161,9 +191,11 @@ def checksum_tensor(view: torch.Tensor) -> torch.Tensor:
     it once the transfer it guards has finished)."""
     n = view.numel()
     words = n // 4 * 4 if view.data_ptr() % 4 == 0 else 0
-    total = view[:words].view(torch.int32).sum(dtype=torch.int64) if words else \
-        torch.zeros((), dtype=torch.int64, device=view.device)
+    total = (
+        view[:words].view(torch.int32).sum(dtype=torch.int64)
+        if words
+        else torch.zeros((), dtype=torch.int64, device=view.device)
+    )
     if words < n:
         total = total + view[words:].sum(dtype=torch.int64)
     return total
-

@@ -1,5 +1,6 @@
 """What the sync engine needs from the other stages (trainer source, packer, unpacker), its config, errors and
 results. Pure declarations: every other sync module imports this one."""
+
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ class Span:
     """`nbytes` at byte `offset` of a consumer's packed buffer for one group, made from the checkpoint tensors
     `sources`: a trainer can produce it if it holds all of them whole, or, when `only` is set, if it is one of
     those trainer ranks (segments cut from trainer-local shards by shardplan.runtime.shards)."""
+
     offset: int
     nbytes: int
     sources: tuple[str, ...]
@@ -49,8 +51,9 @@ class Packer(Protocol):
     def spans(self, consumer: int, group: str) -> Sequence[Span]:
         """The consumer's packed buffer for one group, segment by segment, in offset order."""
 
-    def pack(self, consumer: int, group: str, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
-             segments: Sequence[int]) -> None:
+    def pack(
+        self, consumer: int, group: str, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, segments: Sequence[int]
+    ) -> None:
         """Write the listed spans (indices into spans()) into `out` (uint8) at their offsets, from `tensors`: what
         the source handed for this sync (never tensors of an earlier one)."""
 
@@ -84,11 +87,14 @@ class SyncConfig:
         for field in ("timeout_s", "announce_timeout_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise SyncConfigError(f"SyncConfig: {field} must be a positive finite number of seconds, got "
-                                      f"{value!r} ({type(value).__name__})")
+                raise SyncConfigError(
+                    f"SyncConfig: {field} must be a positive finite number of seconds, got "
+                    f"{value!r} ({type(value).__name__})"
+                )
         if not isinstance(self.verify, bool):
-            raise SyncConfigError(f"SyncConfig: verify must be True or False, got {self.verify!r} "
-                                  f"({type(self.verify).__name__})")
+            raise SyncConfigError(
+                f"SyncConfig: verify must be True or False, got {self.verify!r} ({type(self.verify).__name__})"
+            )
 
 
 class SyncConfigError(ShardplanError, ValueError):
@@ -135,8 +141,8 @@ class SyncReport:
     rank: str
     version: int
     seconds: float
-    nbytes: int                       # bytes this rank sent (trainer) or received (consumer)
-    peers: tuple[str, ...] = ()       # peers it exchanged bytes with
+    nbytes: int  # bytes this rank sent (trainer) or received (consumer)
+    peers: tuple[str, ...] = ()  # peers it exchanged bytes with
 
 
 # ---- engine events: a benchmark may listen (bench/sync_bench.py --trace); nothing is recorded otherwise -----------

@@ -1,4 +1,5 @@
 """A trainer rank of the sync: one lane (thread) per consumer it serves, packing groups into two staging slots."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,19 +21,34 @@ class TrainerSync(Rank):
     """One trainer rank. Staging: two slots per consumer, each the size of that consumer's largest group, allocated
     and registered once."""
 
-    def __init__(self, rank: int, packer: Packer, source: WeightSource, transport: Transport, control: Control,
-                 config: SyncConfig | None = None, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        rank: int,
+        packer: Packer,
+        source: WeightSource,
+        transport: Transport,
+        control: Control,
+        config: SyncConfig | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self.rank, self.name = rank, trainer_name(rank)
         self.packer, self.source = packer, source
         self.groups = tuple(packer.groups())
         self.consumers = tuple(packer.consumers())
         super().__init__(transport, control, config)
-        sizes = {c: align_up(max((max((s.offset + s.nbytes for s in packer.spans(c, g)), default=0)
-                                  for g in self.groups), default=1), 256) for c in self.consumers}
+        sizes = {
+            c: align_up(
+                max(
+                    (max((s.offset + s.nbytes for s in packer.spans(c, g)), default=0) for g in self.groups), default=1
+                ),
+                256,
+            )
+            for c in self.consumers
+        }
         self.staging = {c: torch.zeros(2 * sizes[c], dtype=torch.uint8, device=device) for c in self.consumers}
-        self.slots = {c: (buf[:sizes[c]], buf[sizes[c]:]) for c, buf in self.staging.items()}
+        self.slots = {c: (buf[: sizes[c]], buf[sizes[c] :]) for c, buf in self.staging.items()}
         transport.register(list(self.staging.values()))
-        control.prewarm(len(self.consumers) + 2)   # one per lane (or pair rendezvous), opened now rather than mid-sync
+        control.prewarm(len(self.consumers) + 2)  # one per lane (or pair rendezvous), opened now rather than mid-sync
         needed = {n for c in self.consumers for g in self.groups for s in packer.spans(c, g) for n in s.sources}
         self.held = held_whole(source, needed)
         self.stamps = {c: packer.stamp(c) for c in self.consumers}
@@ -44,10 +60,12 @@ class TrainerSync(Rank):
         announcement and schedule, open connections to this version's consumers. sync(version) then starts packing
         and sending at once. Optional: sync() prepares itself when this was not called for its version."""
         ann, schedule = self._announcement(version)
-        lanes = [c for c in schedule.consumers
-                 if any(schedule.of(c, g, self.rank) for g in range(len(schedule.groups)))]
-        self.transport.connect({self.name: self.epoch, **{consumer_name(c): ann["members"][consumer_name(c)]
-                                                          for c in lanes}})
+        lanes = [
+            c for c in schedule.consumers if any(schedule.of(c, g, self.rank) for g in range(len(schedule.groups)))
+        ]
+        self.transport.connect(
+            {self.name: self.epoch, **{consumer_name(c): ann["members"][consumer_name(c)] for c in lanes}}
+        )
         mismatched = self._mismatches(ann, [(consumer_name(c), c) for c in lanes])
         lanes = [c for c in lanes if consumer_name(c) not in mismatched]
         uses = {g: sum(1 for c in lanes if schedule.of(c, gi, self.rank)) for gi, g in enumerate(schedule.groups)}
@@ -59,13 +77,20 @@ class TrainerSync(Rank):
         schedule, lanes, uses, mismatched = self._take_prepared(version)
         tensors = GroupTensors(self.source, uses)
         failures: dict[Peer, BaseException] = dict(mismatched)
-        for peer, error in mismatched.items():   # the consumer ends at once instead of waiting for its bytes
+        for peer, error in mismatched.items():  # the consumer ends at once instead of waiting for its bytes
             self._abort(version, peer, [gi for gi, *_ in self._steps(schedule, int(peer[8:]))], error)
         sent = {c: 0 for c in lanes}
         lane = self._lane
         # the first lane runs in this thread (no thread start before the first send), the others in threads
-        threads = [threading.Thread(target=lane, args=(version, c, schedule, tensors, failures, sent),
-                                    name=f"{self.name}->consumer{c}", daemon=True) for c in lanes[1:]]
+        threads = [
+            threading.Thread(
+                target=lane,
+                args=(version, c, schedule, tensors, failures, sent),
+                name=f"{self.name}->consumer{c}",
+                daemon=True,
+            )
+            for c in lanes[1:]
+        ]
         for t in threads:
             t.start()
         if lanes:
@@ -73,15 +98,23 @@ class TrainerSync(Rank):
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 lane(version, lanes[0], schedule, tensors, failures, sent)
         for t in threads:
-            t.join()   # every wait in a lane has a deadline; only this rank's own pack/source can stall it
+            t.join()  # every wait in a lane has a deadline; only this rank's own pack/source can stall it
         event("lanes joined")
         self._finish(version, failures)
         event("result set")
-        return SyncReport(self.name, version, time.monotonic() - start, sum(sent.values()),
-                          tuple(consumer_name(c) for c in lanes))
+        return SyncReport(
+            self.name, version, time.monotonic() - start, sum(sent.values()), tuple(consumer_name(c) for c in lanes)
+        )
 
-    def _lane(self, version: int, c: int, schedule: Schedule, tensors: GroupTensors,
-              failures: dict[Peer, BaseException], sent: dict[int, int]) -> None:
+    def _lane(
+        self,
+        version: int,
+        c: int,
+        schedule: Schedule,
+        tensors: GroupTensors,
+        failures: dict[Peer, BaseException],
+        sent: dict[int, int],
+    ) -> None:
         """One consumer's groups, in order: pack group k into slot k % 2, send it, and mark groups done, with at most
         two groups in flight. How the consumer learns that bytes arrived is the transport's (the policy below):
 
@@ -97,12 +130,12 @@ class TrainerSync(Rank):
         peer = consumer_name(c)
         wait_s = 1.5 * self.config.timeout_s
         one_sided = self.transport.one_sided
-        keep_in_flight = 1 if one_sided else 2   # one-sided: mark a group done as soon as the next one is sent
+        keep_in_flight = 1 if one_sided else 2  # one-sided: mark a group done as soon as the next one is sent
         if self.slots[c][0].is_cuda:
-            torch.cuda.set_device(self.slots[c][0].device)   # a new thread starts on GPU 0
+            torch.cuda.set_device(self.slots[c][0].device)  # a new thread starts on GPU 0
         steps = self._steps(schedule, c)
         done: set[int] = set()
-        in_flight: list[tuple[int, list, list]] = []   # (group index, pendings, checksum tensors), oldest first
+        in_flight: list[tuple[int, list, list]] = []  # (group index, pendings, checksum tensors), oldest first
 
         def finish(entry) -> None:
             gi, pendings, _ = entry
@@ -118,11 +151,11 @@ class TrainerSync(Rank):
 
         try:
             begin = getattr(self.packer, "begin", None)
-            if begin is not None:   # EPLB: bind this consumer's plan to the placement it published (sync/placement.py)
+            if begin is not None:  # EPLB: bind this consumer's plan to the placement it published (sync/placement.py)
                 begin(version, c)
             for k, (gi, group, pieces, segments) in enumerate(steps):
                 finished = None
-                if len(in_flight) == 2:   # this group's slot is still being sent from (group k-2): wait for it
+                if len(in_flight) == 2:  # this group's slot is still being sent from (group k-2): wait for it
                     finished = in_flight.pop(0)
                     finish(finished)
                     event(f"sent {finished[0]}")
@@ -130,11 +163,13 @@ class TrainerSync(Rank):
                 self.packer.pack(c, group, tensors.get(group), slot, segments)
                 tensors.release(group)
                 event(f"pack {gi} enqueued")
-                sums = [checksum_tensor(slot[p.lo:p.hi]) for p in pieces] if self.config.verify else []
+                sums = [checksum_tensor(slot[p.lo : p.hi]) for p in pieces] if self.config.verify else []
                 if one_sided:
                     self._await_free_slot(version, peer, gi, group, wait_s)
-                pendings = [self.transport.send(peer, slot[p.lo:p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
-                            for p in pieces]
+                pendings = [
+                    self.transport.send(peer, slot[p.lo : p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
+                    for p in pieces
+                ]
                 event(f"send {gi} posted")
                 in_flight.append((gi, pendings, sums))
                 sent[c] += sum(p.hi - p.lo for p in pieces)
@@ -179,5 +214,5 @@ class TrainerSync(Rank):
                 pieces = schedule.of(c, gi, self.rank)
                 if pieces:
                     steps.append((gi, group, pieces, sorted({i for p in pieces for i in p.segments})))
-            self._step_cache[key] = (schedule, steps)   # (the schedule kept alive: its id stays its own)
+            self._step_cache[key] = (schedule, steps)  # (the schedule kept alive: its id stays its own)
         return self._step_cache[key][1]

@@ -7,11 +7,25 @@
 
 See base.py for the Protocol and docs/transports.md for each adapter's recipe and limits.
 """
+
 from __future__ import annotations
 
-from shardplan.transport.base import (Control, Done, MissingDependency, Peer, PeerAborted, PeerDied, PeerError,
-                                      PeerTimeout, Pending, Tag, Transport, UnknownTransport, consumer_name,
-                                      trainer_name)
+from shardplan.transport.base import (
+    Control,
+    Done,
+    MissingDependency,
+    Peer,
+    PeerAborted,
+    PeerDied,
+    PeerError,
+    PeerTimeout,
+    Pending,
+    Tag,
+    Transport,
+    UnknownTransport,
+    consumer_name,
+    trainer_name,
+)
 from shardplan.transport.mooncake import MooncakeTransport
 from shardplan.transport.nccl import NcclTransport
 from shardplan.transport.rdt import RdtTransport
@@ -30,5 +44,21 @@ def create(name: str, **options) -> Transport:
     raise UnknownTransport(f"unknown transport {name!r}: choose one of {', '.join(NAMES)}")
 
 
-__all__ = ["NAMES", "create", "Control", "Done", "MissingDependency", "Peer", "PeerAborted", "PeerDied", "PeerError",
-           "PeerTimeout", "Pending", "Tag", "Transport", "UnknownTransport", "consumer_name", "trainer_name"]
+__all__ = [
+    "NAMES",
+    "create",
+    "Control",
+    "Done",
+    "MissingDependency",
+    "Peer",
+    "PeerAborted",
+    "PeerDied",
+    "PeerError",
+    "PeerTimeout",
+    "Pending",
+    "Tag",
+    "Transport",
+    "UnknownTransport",
+    "consumer_name",
+    "trainer_name",
+]

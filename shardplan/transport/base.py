@@ -25,6 +25,7 @@ epoch changed, so state left behind by a failed transfer (unmatched receives, a 
 Why no collectives: NCCL and gloo collectives hang when one member dies. Every adapter therefore talks per peer pair,
 and every wait has a deadline.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,7 +58,7 @@ class PeerError(ShardplanError):
         super().__init__(f"{peer}: {message}")
         self.peer, self.detail = peer, message
 
-    def __reduce__(self):   # keep (peer, message) across pickling (Ray, multiprocessing)
+    def __reduce__(self):  # keep (peer, message) across pickling (Ray, multiprocessing)
         return (type(self), (self.peer, self.detail))
 
 
@@ -89,10 +90,11 @@ class MissingDependency(ShardplanError):
 @dataclass(frozen=True, slots=True)
 class Tag:
     """Where one transfer's bytes land on the consumer: `nbytes` at `offset` of receive buffer `slot`."""
+
     version: int
-    group: int      # index of the weight group in the schedule
-    slot: int       # index into the consumer's registered receive buffers (double buffering: group % 2)
-    offset: int     # byte offset inside that buffer
+    group: int  # index of the weight group in the schedule
+    slot: int  # index into the consumer's registered receive buffers (double buffering: group % 2)
+    offset: int  # byte offset inside that buffer
     nbytes: int
 
 
@@ -106,7 +108,7 @@ class Pending(Protocol):
 
 
 class Transport(Protocol):
-    one_sided: bool   # True: recv() is a no-op, arrival is announced on the control channel by the sender
+    one_sided: bool  # True: recv() is a no-op, arrival is announced on the control channel by the sender
 
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
         """Called once per endpoint with every buffer it will send from or receive into (never grown later)."""
@@ -157,20 +159,32 @@ class Control:
     _pools: dict[tuple[str, int], list] = {}
     _pool_lock = threading.Lock()
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 60.0,
-                 _server: torch.distributed.TCPStore | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout_s: float = 60.0,
+        _server: torch.distributed.TCPStore | None = None,
+    ):
         # connect_timeout_s: how long opening a client may take (a wrong port or a dead server is named after it)
-        if not (isinstance(connect_timeout_s, (int, float)) and not isinstance(connect_timeout_s, bool)
-                and math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
-            raise ValueError(f"Control: connect_timeout_s must be a positive finite number of seconds, got "
-                             f"{connect_timeout_s!r}")
+        if not (
+            isinstance(connect_timeout_s, (int, float))
+            and not isinstance(connect_timeout_s, bool)
+            and math.isfinite(connect_timeout_s)
+            and connect_timeout_s > 0
+        ):
+            raise ValueError(
+                f"Control: connect_timeout_s must be a positive finite number of seconds, got {connect_timeout_s!r}"
+            )
         self.host, self.port, self.connect_timeout_s = host, port, float(connect_timeout_s)
         self._server = _server
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0) -> "Control":
-        server = torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                            timeout=timedelta(seconds=60), use_libuv=True)
+        server = torch.distributed.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True
+        )
         control = cls(host, server.port, _server=server)
         control.prewarm(2)
         return control
@@ -184,11 +198,14 @@ class Control:
         try:
             client = torch.distributed.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         except Exception as e:  # DistNetworkError / RuntimeError: refused, unreachable, timed out
-            raise ControlUnreachable("control", f"cannot reach the control channel at {self.host}:{self.port} within "
-                                                f"{self.connect_timeout_s:.1f} s ({type(e).__name__}: "
-                                                f"{' '.join(str(e).split())[:200]}); check the host and port the "
-                                                f"driver serves it on") from None
-        client.set_timeout(timedelta(seconds=60))   # waits set their own deadlines; others never block for long
+            raise ControlUnreachable(
+                "control",
+                f"cannot reach the control channel at {self.host}:{self.port} within "
+                f"{self.connect_timeout_s:.1f} s ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}); check the host and port the "
+                f"driver serves it on",
+            ) from None
+        client.set_timeout(timedelta(seconds=60))  # waits set their own deadlines; others never block for long
         return client
 
     def lease(self) -> torch.distributed.TCPStore:
@@ -234,7 +251,9 @@ class Control:
             return client.get(key).decode()
         except Exception as e:  # DistStoreError on timeout; anything else (server gone) is just as final
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                raise PeerTimeout(peer, f"no answer within {timeout_s:.1f} s{' (' + what + ')' if what else ''}") from None
+                raise PeerTimeout(
+                    peer, f"no answer within {timeout_s:.1f} s{' (' + what + ')' if what else ''}"
+                ) from None
             raise PeerDied(peer, f"control channel failed while waiting for {what or key}: {e}") from e
         finally:
             self.release(client)

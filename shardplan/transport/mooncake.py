@@ -11,6 +11,7 @@ A dead consumer refuses the connection: the write fails at once (status < 0) and
 Install: `pip install mooncake-transfer-engine` (CUDA 12 build) or `mooncake-transfer-engine-non-cuda` (CPU machines);
 both need the system package libibverbs1 (Debian/Ubuntu: `apt-get install -y libibverbs1`) even for "tcp".
 """
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,32 @@ from typing import Mapping, Sequence
 import torch
 
 from shardplan.errors import ShardplanError
-from shardplan.transport.base import (Control, Done, Failed, MissingDependency, Peer, PeerDied, PeerTimeout, Tag,
-                                      deadline_after, left)
+from shardplan.transport.base import (
+    Control,
+    Done,
+    Failed,
+    MissingDependency,
+    Peer,
+    PeerDied,
+    PeerTimeout,
+    Tag,
+    deadline_after,
+    left,
+)
 
 
 def _import_engine():
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
-        hint = ("pip install mooncake-transfer-engine   (CUDA 12 machines)\n"
-                "pip install mooncake-transfer-engine-non-cuda   (CPU-only machines)\n"
-                "and the system library: apt-get install -y libibverbs1")
-        raise MissingDependency(f"transport 'mooncake:*' needs Mooncake's TransferEngine ({e}). Install:\n{hint}") from e
+        hint = (
+            "pip install mooncake-transfer-engine   (CUDA 12 machines)\n"
+            "pip install mooncake-transfer-engine-non-cuda   (CPU-only machines)\n"
+            "and the system library: apt-get install -y libibverbs1"
+        )
+        raise MissingDependency(
+            f"transport 'mooncake:*' needs Mooncake's TransferEngine ({e}). Install:\n{hint}"
+        ) from e
     return TransferEngine
 
 
@@ -59,36 +74,51 @@ class MooncakeTransport:
 
     one_sided = True
 
-    def __init__(self, *, me: Peer, control: Control, protocol: str = "tcp", hostname: str = "127.0.0.1",
-                 device_name: str = "", timeout_s: float = 30.0, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        *,
+        me: Peer,
+        control: Control,
+        protocol: str = "tcp",
+        hostname: str = "127.0.0.1",
+        device_name: str = "",
+        timeout_s: float = 30.0,
+        device: torch.device | str | None = None,
+    ):
         engine_cls = _import_engine()
         self.me, self.control, self.timeout_s = me, control, timeout_s
         self.engine = engine_cls()
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise ShardplanError(f"{me}: Mooncake TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
-                                 f"{device_name!r}) returned {rc}; for 'rdma' check device_name and the RDMA NICs")
+            raise ShardplanError(
+                f"{me}: Mooncake TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
+                f"{device_name!r}) returned {rc}; for 'rdma' check device_name and the RDMA NICs"
+            )
         self.address = f"{hostname}:{self.engine.get_rpc_port()}"
         self.buffers: list[torch.Tensor] = []
-        self.peers: dict[Peer, tuple[int, dict]] = {}   # peer -> (epoch, its published record)
+        self.peers: dict[Peer, tuple[int, dict]] = {}  # peer -> (epoch, its published record)
         self.broken: dict[Peer, Exception] = {}
 
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
         for buf in buffers:
             rc = self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
             if rc != 0:
-                raise ShardplanError(f"{self.me}: Mooncake register_memory of {buf.numel() * buf.element_size()} bytes "
-                                     f"returned {rc}")
-        self.buffers = list(buffers)   # keep them alive: the engine holds raw pointers
-        record = {"address": self.address, "buffers": [b.data_ptr() for b in buffers],
-                  "sizes": [b.numel() * b.element_size() for b in buffers]}
+                raise ShardplanError(
+                    f"{self.me}: Mooncake register_memory of {buf.numel() * buf.element_size()} bytes returned {rc}"
+                )
+        self.buffers = list(buffers)  # keep them alive: the engine holds raw pointers
+        record = {
+            "address": self.address,
+            "buffers": [b.data_ptr() for b in buffers],
+            "sizes": [b.numel() * b.element_size() for b in buffers],
+        }
         self.control.set(f"mooncake/{self.me}", json.dumps(record))
 
     def connect(self, peers: Mapping[Peer, int]) -> None:
         self.broken = {}
         for peer, epoch in peers.items():
             if peer == self.me or not self.me.startswith("trainer"):
-                continue   # only writers need the peer's address book
+                continue  # only writers need the peer's address book
             if self.peers.get(peer, (None,))[0] == epoch:
                 continue
             try:
@@ -108,16 +138,19 @@ class MooncakeTransport:
             return Failed(PeerDied(peer, "not connected in this version"))
         record = entry[1]
         if tag.offset + tag.nbytes > record["sizes"][tag.slot]:
-            raise ShardplanError(f"{self.me}: write of {tag.nbytes} bytes at {tag.offset} overruns {peer}'s receive "
-                                 f"buffer {tag.slot} ({record['sizes'][tag.slot]} bytes): the plans of the two sides differ")
-        batch = self.engine.transfer_submit_write(record["address"], src.data_ptr(),
-                                                  record["buffers"][tag.slot] + tag.offset, tag.nbytes)
+            raise ShardplanError(
+                f"{self.me}: write of {tag.nbytes} bytes at {tag.offset} overruns {peer}'s receive "
+                f"buffer {tag.slot} ({record['sizes'][tag.slot]} bytes): the plans of the two sides differ"
+            )
+        batch = self.engine.transfer_submit_write(
+            record["address"], src.data_ptr(), record["buffers"][tag.slot] + tag.offset, tag.nbytes
+        )
         if batch < 0:
             return Failed(PeerDied(peer, f"Mooncake refused the write (code {batch})"))
         return _Write(self.engine, batch, peer)
 
     def recv(self, peer: Peer, dst: torch.Tensor, tag: Tag):
-        return Done()   # one-sided: the trainer's done mark announces arrival
+        return Done()  # one-sided: the trainer's done mark announces arrival
 
     def close(self) -> None:
         for buf in self.buffers:

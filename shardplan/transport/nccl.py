@@ -12,6 +12,7 @@ abort check) and abort the pair's communicator when they give up (NCCL would oth
 fires); gloo's own `work.wait(timeout)` enforces the deadline, and a dead gloo peer surfaces as a closed connection. Two-sided: the engine needs no "slot free" / "bytes done"
 marks per group with this adapter (see shardplan.sync).
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,18 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from shardplan.transport.base import (Control, Done, Failed, Peer, PeerAborted, PeerDied, PeerTimeout, Tag,
-                                      deadline_after, left)
+from shardplan.transport.base import (
+    Control,
+    Done,
+    Failed,
+    Peer,
+    PeerAborted,
+    PeerDied,
+    PeerTimeout,
+    Tag,
+    deadline_after,
+    left,
+)
 
 
 class _Pair:
@@ -56,15 +67,15 @@ class _Work:
         pause, next_check = 2e-5, time.monotonic() + CHECK_EVERY_S
         while not self.work.is_completed():
             if left(deadline) == 0:
-                self._abort()   # NCCL: unblocks the stream; the pair is re-created at the next epoch
+                self._abort()  # NCCL: unblocks the stream; the pair is re-created at the next epoch
                 raise PeerTimeout(self.peer, f"NCCL transfer did not finish within {timeout_s:.1f} s")
             if check is not None and time.monotonic() > next_check:
                 self._check(check)
                 next_check = time.monotonic() + CHECK_EVERY_S
             time.sleep(pause)
-            pause = min(pause * 1.5, 5e-5)   # finishing late is the cost that counts: the last group's ends the sync
+            pause = min(pause * 1.5, 5e-5)  # finishing late is the cost that counts: the last group's ends the sync
         try:
-            self.work.wait()   # raises the transfer's error, if any; on CUDA orders the current stream after it
+            self.work.wait()  # raises the transfer's error, if any; on CUDA orders the current stream after it
         except Exception as e:
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise PeerDied(self.peer, f"NCCL transfer failed: {text}") from None
@@ -75,7 +86,7 @@ class _Work:
     def _check(self, check) -> None:
         message = check()
         if message:
-            self._abort()   # the posted transfer would otherwise block the stream forever
+            self._abort()  # the posted transfer would otherwise block the stream forever
             raise PeerAborted(self.peer, message)
 
 
@@ -88,8 +99,15 @@ class NcclTransport:
 
     one_sided = False
 
-    def __init__(self, *, me: Peer, control: Control, device: torch.device | str = "cpu", timeout_s: float = 30.0,
-                 backend: str | None = None):
+    def __init__(
+        self,
+        *,
+        me: Peer,
+        control: Control,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 30.0,
+        backend: str | None = None,
+    ):
         self.me, self.control, self.timeout_s = me, control, timeout_s
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
@@ -98,7 +116,7 @@ class NcclTransport:
         self.is_trainer = me.startswith("trainer")
 
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
-        pass   # NCCL and gloo send from any device memory; nothing to register
+        pass  # NCCL and gloo send from any device memory; nothing to register
 
     def connect(self, peers: Mapping[Peer, int]) -> None:
         my_epoch = peers[self.me]
@@ -106,7 +124,7 @@ class NcclTransport:
         for peer in list(self.pairs):
             if wanted.get(peer) != self.pairs[peer].key:
                 self._drop(peer)
-        self.broken = {}   # errors of earlier versions are stale: a failed pair changed epoch and is rebuilt below
+        self.broken = {}  # errors of earlier versions are stale: a failed pair changed epoch and is rebuilt below
         todo = [p for p in wanted if p not in self.pairs]
         # gloo's constructor blocks until the peer constructs too: build all pairs at once, each with a deadline.
         threads = [threading.Thread(target=self._open, args=(p, wanted[p]), daemon=True) for p in todo]
@@ -129,7 +147,7 @@ class NcclTransport:
             store = dist.PrefixStore(prefix, client)
             rank = 0 if self.is_trainer else 1
             if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)   # this runs in a fresh thread, which starts on GPU 0
+                torch.cuda.set_device(self.device)  # this runs in a fresh thread, which starts on GPU 0
             if self.backend == "gloo":
                 pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=self.timeout_s))
                 self.control.release(client)

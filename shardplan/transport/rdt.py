@@ -22,6 +22,7 @@ Membership changes (dead consumer excluded, rejoin) need a `regroup` between ver
 the same Ray API but untested here (no GPU with Ray on our machines). NIXL: the first pull of each actor pair starts
 a NIXL agent (~1-6 s on CPU); a driver that `ray.get`s a NIXL object can segfault at exit.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +32,17 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardplan.transport.base import (Control, Done, MissingDependency, Peer, PeerDied, PeerTimeout, Tag,
-                                      deadline_after, left)
+from shardplan.transport.base import (
+    Control,
+    Done,
+    MissingDependency,
+    Peer,
+    PeerDied,
+    PeerTimeout,
+    Tag,
+    deadline_after,
+    left,
+)
 
 
 def _import_ray():
@@ -86,8 +96,18 @@ class RdtTransport:
 
     one_sided = True
 
-    def __init__(self, *, backend: str, me: Peer, actor: Any, handles: Mapping[Peer, Any], router: Any = None,
-                 timeout_s: float = 30.0, control: Control | None = None, device: Any = None):
+    def __init__(
+        self,
+        *,
+        backend: str,
+        me: Peer,
+        actor: Any,
+        handles: Mapping[Peer, Any],
+        router: Any = None,
+        timeout_s: float = 30.0,
+        control: Control | None = None,
+        device: Any = None,
+    ):
         self.ray = _import_ray()
         self.backend, self.me, self.actor, self.timeout_s = backend, me, actor, timeout_s
         self.handles, self.router = dict(handles), router
@@ -101,11 +121,11 @@ class RdtTransport:
     def register(self, buffers: Sequence[torch.Tensor]) -> None:
         self.buffers = list(buffers)
         if self.backend == "nixl":
-            for buf in buffers:   # few big regions, once: per-call registration would dominate small transfers
+            for buf in buffers:  # few big regions, once: per-call registration would dominate small transfers
                 self._register_nixl(buf)
 
     def connect(self, peers: Mapping[Peer, int]) -> None:
-        pass   # actor handles are fixed; group membership is the driver's regroup()
+        pass  # actor handles are fixed; group membership is the driver's regroup()
 
     def send(self, peer: Peer, src: torch.Tensor, tag: Tag):
         if tag.nbytes == 0:
@@ -120,7 +140,7 @@ class RdtTransport:
         return _Ack(routed, peer, routed=True, cleanup=lambda: self.actor._outbox.pop(key, None))
 
     def recv(self, peer: Peer, dst: torch.Tensor, tag: Tag):
-        return Done()   # bytes are delivered by deliver(); the trainer's done mark announces them
+        return Done()  # bytes are delivered by deliver(); the trainer's done mark announces them
 
     def deliver(self, payload: list, sender: Peer, tag: Tag) -> None:
         """Consumer side of one transfer (runs in the actor's `_in`): put the bytes at their place."""
@@ -129,7 +149,7 @@ class RdtTransport:
             ref = payload[0]
             self._set_target(ref, [dst])
             got = self.ray.get(ref, timeout=self.timeout_s)[0]
-            if got.data_ptr() != dst.data_ptr():   # Ray fell back to a fresh tensor: still correct, one more copy
+            if got.data_ptr() != dst.data_ptr():  # Ray fell back to a fresh tensor: still correct, one more copy
                 dst.copy_(got)
         else:
             dst.copy_(payload[0])
@@ -162,8 +182,9 @@ def sync_actor():
 
         def start(self, handles: Mapping[str, Any], router: Any = None) -> bool:
             backend = self.transport_name.removeprefix("rdt:")
-            self.transport = RdtTransport(backend=backend, me=self.name, actor=self, handles=handles, router=router,
-                                          timeout_s=self.timeout_s)
+            self.transport = RdtTransport(
+                backend=backend, me=self.name, actor=self, handles=handles, router=router, timeout_s=self.timeout_s
+            )
             self.engine = self.build(self.name, self.transport, self.control)
             return True
 
@@ -192,7 +213,7 @@ def sync_actor():
     return SyncActor
 
 
-_PAIR_WAIT_S = 120.0   # the router holds a pair's next transfer at most this long behind a stalled one
+_PAIR_WAIT_S = 120.0  # the router holds a pair's next transfer at most this long behind a stalled one
 
 
 def router_actor():
@@ -211,6 +232,7 @@ def router_actor():
         def regroup(self, actors: list, backend: str) -> float:
             """(Re)build the collective group over `actors` (call between versions when membership changed)."""
             from ray.experimental.collective import create_collective_group, destroy_collective_group
+
             start = time.monotonic()
             if self.group is not None:
                 try:
@@ -219,8 +241,9 @@ def router_actor():
                     pass
                 name = self.group.name
 
-                def _gone(actor_self):   # runs in each member: make sure its half of the group is gone
+                def _gone(actor_self):  # runs in each member: make sure its half of the group is gone
                     import ray.util.collective as col
+
                     if col.is_group_initialized(name):
                         col.destroy_collective_group(name)
                     return True
@@ -229,11 +252,12 @@ def router_actor():
                     try:
                         ray.get(actor.__ray_call__.options(concurrency_group="_ray_system").remote(_gone), timeout=30)
                     except ray.exceptions.RayActorError:
-                        pass   # dead member: nothing to clean
+                        pass  # dead member: nothing to clean
             # gloo: Ray's torch_gloo group owns torch.distributed's default group; only "default" is torn down with it
             name = "default" if backend == "gloo" else f"shardplan-{int(start * 1e6)}"
-            self.group = create_collective_group(list(actors), backend="torch_gloo" if backend == "gloo" else backend,
-                                                 name=name)
+            self.group = create_collective_group(
+                list(actors), backend="torch_gloo" if backend == "gloo" else backend, name=name
+            )
             self.members, self.backend = list(actors), backend
             return time.monotonic() - start
 
@@ -248,7 +272,7 @@ def router_actor():
             out = src._out_gloo if backend == "gloo" else src._out_nccl
             with lock:
                 ref = dst._in.remote(out.remote(key), sender, tag)
-                ray.wait([ref], timeout=_PAIR_WAIT_S)   # ready on success or error; a hang is the lane's to time out
+                ray.wait([ref], timeout=_PAIR_WAIT_S)  # ready on success or error; a hang is the lane's to time out
             return ref
 
     _classes["Router"] = Router

@@ -4,6 +4,7 @@ checkpoint of them) that every result is compared with, bit for bit, destination
 
 SHARDPLAN_GPU_TIER_DEVICE=cpu runs the tier's logic on a CPU box (a dry run: the CUDA paths themselves need a GPU).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,15 +17,19 @@ import torch
 from shardplan.plan import ir
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import apply_reference, to_dtype
-from shardplan.runtime.apply import params_from_plan
 from shardplan.plan.names import SCALE_SUFFIX
+from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.quantize import parse_quantizer, quantize_blocks, trainer_name_of
 
 DEVICE = os.environ.get("SHARDPLAN_GPU_TIER_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"
-gpu_tier = [pytest.mark.gpu, pytest.mark.skipif(
-    ON_GPU and not torch.cuda.is_available(),
-    reason="the GPU tier needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on a GPU machine")]
+gpu_tier = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        ON_GPU and not torch.cuda.is_available(),
+        reason="the GPU tier needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on a GPU machine",
+    ),
+]
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 NAN = float("nan")
 
@@ -55,11 +60,12 @@ class Layer:
         self.quantizer = plan_file.header.quantizer or None
 
 
-LAYER = 3   # a decoder layer past the dense ones (MoE where the model has experts; full attention in Qwen3-Next)
+LAYER = 3  # a decoder layer past the dense ones (MoE where the model has experts; full attention in Qwen3-Next)
 
 
-def trainer_tensors(sources: dict[str, ir.TensorMeta], quantizer: str | None, device, seed: int = 0
-                    ) -> dict[str, torch.Tensor]:
+def trainer_tensors(
+    sources: dict[str, ir.TensorMeta], quantizer: str | None, device, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Random trainer tensors on `device`, as the trainer holds them: block-FP8 weights in bfloat16 under the weight
     name (no scales); each 128-row band scaled differently, so blocks get distinct scales."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -73,16 +79,21 @@ def trainer_tensors(sources: dict[str, ir.TensorMeta], quantizer: str | None, de
         if dtype.is_floating_point:
             t = torch.randn(meta.shape, generator=gen, device=device)
             if t.dim() == 2:
-                t *= torch.rand((math.ceil(t.shape[0] / 128), 1), generator=gen, device=device).repeat_interleave(
-                    128, 0)[:t.shape[0]] * 8
+                t *= (
+                    torch.rand((math.ceil(t.shape[0] / 128), 1), generator=gen, device=device).repeat_interleave(
+                        128, 0
+                    )[: t.shape[0]]
+                    * 8
+                )
             out[trainer] = t.to(dtype)
         else:
             out[trainer] = torch.randint(0, 100, meta.shape, generator=gen, device=device).to(dtype)
     return out
 
 
-def reference(plan: ir.RankPlan, sources, tensors: dict[str, torch.Tensor], quantizer: str | None
-              ) -> dict[str, torch.Tensor]:
+def reference(
+    plan: ir.RankPlan, sources, tensors: dict[str, torch.Tensor], quantizer: str | None
+) -> dict[str, torch.Tensor]:
     """The plan applied by the reference interpreter on CPU copies (the reference quantizer's checkpoint of them for
     a block-FP8 plan), into NaN-poisoned params."""
     cpu = {n: t.cpu() for n, t in tensors.items()}

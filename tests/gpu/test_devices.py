@@ -1,5 +1,6 @@
 """The device as users give it: "cuda", "cuda:0", torch.device("cuda") and None all mean the tensors' device when it is
 the current CUDA device (Replayer, Applier, QuantizingReplayer); tensors on another device are named."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,9 @@ def llama():
     layer = Layer(plan_file, 1, LAYER)
     full = plan_file.rank(1)
     extra = tuple(w for w in full.writes if w.param == "lm_head.weight")
-    plan = type(layer.plan)(1, layer.plan.params + tuple(p for p in full.params if p.name == "lm_head.weight"),
-                            layer.plan.writes + extra)
+    plan = type(layer.plan)(
+        1, layer.plan.params + tuple(p for p in full.params if p.name == "lm_head.weight"), layer.plan.writes + extra
+    )
     sources = {**layer.sources, "lm_head.weight": plan_file.sources["lm_head.weight"]}
     return plan, sources
 
@@ -65,10 +67,11 @@ def test_tensors_on_the_wrong_device_are_named(llama, qwen_fp8):
     tensors = trainer_tensors(sources, None, DEVICE)
     moved = {**tensors, "lm_head.weight": tensors["lm_head.weight"].to(OTHER)}
     want = "expected cuda:0 (the current device, given as 'cuda')" if ON_GPU else "expected cpu"
-    with pytest.raises(TensorLayoutError, match=r"'lm_head.weight' is on (cpu|meta), " + want.replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(
+        TensorLayoutError, match=r"'lm_head.weight' is on (cpu|meta), " + want.replace("(", r"\(").replace(")", r"\)")
+    ):
         Replayer(plan, sources, device=DEVICE).pack(moved)
-    last = max(tensors)   # None: the first tensor's device (in name order), so the last one is named
+    last = max(tensors)  # None: the first tensor's device (in name order), so the last one is named
     with pytest.raises(TensorLayoutError, match=f"'{last}' is on (cpu|meta), expected"):
         Replayer(plan, sources).pack({**tensors, last: tensors[last].to(OTHER)})
     replayer = Replayer(plan, sources, device=DEVICE)

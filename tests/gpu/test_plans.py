@@ -1,6 +1,7 @@
 """One decoder layer of every shipped plan, on a sampled consumer rank, replayed on the GPU as a trainer does: pack
 (Replayer, or QuantizingReplayer for block-FP8 plans: the fused kernel and the eager quantizer), with and without the
 CUDA graph, applied with and without it, bit for bit the reference interpreter's result on CPU copies."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,14 +50,15 @@ def test_layer_replays_bitwise(name, data):
     for options in binds:
         bound = replayer.bind(tensors, **options)
         if layer.quantizer and ON_GPU and options.get("fused") is not False:
-            assert bound.kernel is not None, bound.fused_error   # the fused kernel packed it
+            assert bound.kernel is not None, bound.fused_error  # the fused kernel packed it
         buffer = bound.pack()
         for apply_graph in GRAPHS:
             params = params_from_plan(layer.plan, DEVICE, fill=NAN)
             applier = Applier(layer.plan, replayer.layout, params, cuda_graph=apply_graph)
             applier.apply(buffer)
-            assert_bits_equal(params, want, f"{name} rank {rank} layer {LAYER} pack {options} apply "
-                                            f"cuda_graph={apply_graph}")
+            assert_bits_equal(
+                params, want, f"{name} rank {rank} layer {LAYER} pack {options} apply cuda_graph={apply_graph}"
+            )
         if ON_GPU and options.get("cuda_graph"):
             assert (bound._graph if layer.quantizer else bound._graph) is not None, "no CUDA graph was captured"
         del bound, buffer

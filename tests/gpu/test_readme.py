@@ -1,6 +1,7 @@
 """The README's trainer-side lines, run as written on the GPU (only the model and rank changed: Kimi-K2's 1T
 parameters do not fit one GPU; llama-3.1-8b TP2 rank 1 is where `device="cuda"` used to fail), checked bit for bit
 against the reference interpreter on CPU copies for layer 0, the embeddings and lm_head."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,10 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def readme_block() -> str:
     text = README.read_text()
     block = re.search(r"Replay at every sync, in the trainer.*?```python\n(.*?)```", text, re.S).group(1)
-    for old, new in [('load_plan("kimi-k2", tp=32, ep=True)', 'load_plan("llama-3.1-8b", tp=2)'),
-                     ("plan_file.rank(5)", "plan_file.rank(1)")]:
+    for old, new in [
+        ('load_plan("kimi-k2", tp=32, ep=True)', 'load_plan("llama-3.1-8b", tp=2)'),
+        ("plan_file.rank(5)", "plan_file.rank(1)"),
+    ]:
         assert old in block, f"README's trainer block no longer says {old!r}: update this test with it"
         block = block.replace(old, new)
     return block

@@ -1,6 +1,7 @@
 """Sharded trainers on the GPU: two TP trainer ranks hold halves of every tensor (boxes); each packs its pieces of a
 decoder layer for both consumer ranks with the sync engine's ShardedPacker, each consumer applies both parts with
 ShardedUnpacker: bit for bit the reference interpreter on the full tensors."""
+
 from __future__ import annotations
 
 import pytest

@@ -13,6 +13,7 @@ another; SHARDPLAN_TEST_CPU_GEMM pins it:
 
 `ENGINE_KWARGS` selects this module as the worker extension; `gemm_kinds` (an RPC) says what each layer got.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,7 @@ def _pin(mode: str) -> None:
             return original(n, k, dtype)
         finally:
             torch.cpu._is_amx_tile_supported = amx
+
     utils.check_cpu_sgl_kernel = sgl_check
     if mode == "torch":
         ops._supports_onednn = False

@@ -5,6 +5,7 @@ Engine recipe on a CPU box (docs/engine.md): VLLM_CPU_KVCACHE_SPACE=1, enforce_e
 prompt token ids, TP=2 with VLLM_CPU_OMP_THREADS_BIND="0|1"; vLLM spawns its workers, so test modules guard nothing
 at import time that a spawned process would re-run.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,15 +33,35 @@ EXPERTS, TOPK, MOE_INTER = 8, 2, 128
 
 
 def config(moe: bool) -> dict:
-    cfg = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-           "model_type": "qwen3_moe" if moe else "qwen3", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
-           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-           "intermediate_size": INTER, "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-           "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": INTER,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     if moe:
-        cfg.update(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_INTER,
-                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        cfg.update(
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOPK,
+            moe_intermediate_size=MOE_INTER,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
     return cfg
 
 
@@ -53,8 +74,11 @@ def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
     def n(*shape):
         return (1 + 0.1 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": n(HIDDEN),
-         "lm_head.weight": r(VOCAB, HIDDEN)}
+    t = {
+        "model.embed_tokens.weight": r(VOCAB, HIDDEN),
+        "model.norm.weight": n(HIDDEN),
+        "lm_head.weight": r(VOCAB, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = n(HIDDEN)
@@ -81,10 +105,12 @@ def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(directory: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     return directory
 
 
@@ -94,9 +120,9 @@ def make_model(root: Path, moe: bool, seed: int = 1) -> Path:
 
 def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
     """`shardplan record` for the tiny model (in this process: vLLM on the meta device, nothing left behind)."""
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import write_plan
     from shardplan.plan.file.store import plan_path
+    from shardplan.plan.layout import Layout
     from shardplan.record.session import RecordSession
 
     session = RecordSession(str(model_dir), Layout(tp=tp))
@@ -106,19 +132,30 @@ def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
 
 
 def engine_kwargs(tp: int) -> dict:
-    return dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-                max_num_batched_tokens=256, seed=0, tensor_parallel_size=tp, gpu_memory_utilization=0.5)
+    return dict(
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        seed=0,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=0.5,
+    )
 
 
 def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None):
     """`gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES; None: what the CPU picks)."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
+
     extra = {}
     if gemm is not None:
         import engine_gemm
+
         os.environ[engine_gemm.ENV] = gemm
-        here = str(Path(__file__).parent)   # the workers import engine_gemm
+        here = str(Path(__file__).parent)  # the workers import engine_gemm
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         extra.update(engine_gemm.ENGINE_KWARGS)
@@ -144,6 +181,7 @@ def stop_llm(llm) -> None:
 
 def greedy(llm) -> list[list[int]]:
     from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -156,6 +194,7 @@ def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
     per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine."""
     import hashlib
+
     key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm)
     if key not in _FRESH:
         llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm)
@@ -170,8 +209,17 @@ def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list
 
 
 # ---- the trainer process ----------------------------------------------------------------------------------------------
-def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir: str, conn, lr: float, seed: int,
-                  save_pretrained: bool = False):
+def _trainer_main(
+    model_dir: str,
+    plan_path: str,
+    host: str,
+    port: int,
+    out_dir: str,
+    conn,
+    lr: float,
+    seed: int,
+    save_pretrained: bool = False,
+):
     """A separate trainer: a transformers model (fp32 master weights) taking AdamW steps on a fixed random batch,
     one shardplan TrainerRank; commands: ("step", k) -> saves checkpoint k (bf16) and returns its dir;
     ("sync", v) -> TrainerRank.sync(v); ("sync_slow", (v, seconds)) -> sync with a stall after the first group;
@@ -180,12 +228,11 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
     import sys
 
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     from shardplan.engine.trainer import ModuleSource, TrainerRank
     from shardplan.sync import SyncConfig
     from shardplan.transport import Control
-
-    from transformers.core_model_loading import revert_weight_conversion
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -193,6 +240,7 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
     def checkpoint_state():
         """The model's tensors under their checkpoint names (transformers 5 keeps MoE experts stacked in memory)."""
         return revert_weight_conversion(model, model.state_dict())
+
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(seed))
@@ -215,6 +263,7 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
                 path = Path(out_dir) / f"step{arg}"
                 if save_pretrained:
                     import copy
+
                     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(path)
                 else:
                     state = {k: v.detach().to(torch.bfloat16) for k, v in checkpoint_state().items()}
@@ -230,6 +279,7 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
                     pack(*a, **kw)
                     conn.send(("packed", None))
                     packer.pack = lambda *a, **kw: time.sleep(3600)
+
                 packer.pack = stalling
                 rank.sync(arg)
             elif cmd == "modules":
@@ -241,13 +291,34 @@ def _trainer_main(model_dir: str, plan_path: str, host: str, port: int, out_dir:
 class Trainer:
     """The trainer process, driven over a pipe."""
 
-    def __init__(self, model_dir: Path, plan_path: Path, control, out_dir: Path, *, lr: float = 2e-2, seed: int = 0,
-                 save_pretrained: bool = False):
+    def __init__(
+        self,
+        model_dir: Path,
+        plan_path: Path,
+        control,
+        out_dir: Path,
+        *,
+        lr: float = 2e-2,
+        seed: int = 0,
+        save_pretrained: bool = False,
+    ):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_trainer_main, daemon=True,
-                                args=(str(model_dir), str(plan_path), control.host, control.port, str(out_dir), child,
-                                      lr, seed, save_pretrained))
+        self.proc = ctx.Process(
+            target=_trainer_main,
+            daemon=True,
+            args=(
+                str(model_dir),
+                str(plan_path),
+                control.host,
+                control.port,
+                str(out_dir),
+                child,
+                lr,
+                seed,
+                save_pretrained,
+            ),
+        )
         self.proc.start()
         tag, err = self._recv(180)
         if tag != "ready":
@@ -293,8 +364,9 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 
 # ---- sharded trainers: FSDP2 over a gloo group, each rank holding half of every tensor (DTensor Shard(0)) ----------
-def _fsdp_trainer_main(rank: int, world: int, pg_port: int, model_dir: str, plan_path: str, out_dir: str, conn,
-                       lr: float):
+def _fsdp_trainer_main(
+    rank: int, world: int, pg_port: int, model_dir: str, plan_path: str, out_dir: str, conn, lr: float
+):
     """One FSDP2 trainer rank (transformers model, fp32, fully_shard per decoder layer and at the root, AdamW, its own
     micro-batch). Commands: ("shards", None) -> every rank's boxes (from its DTensors' placements, JSON);
     ("join", (host, port)) -> its TrainerRank of the driver's sync, from its local shards only; ("step", k) -> a
@@ -319,7 +391,7 @@ def _fsdp_trainer_main(rank: int, world: int, pg_port: int, model_dir: str, plan
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(100 + rank))
-    source = ModuleSource(model, plan_path)   # finds its DTensors: every rank's boxes from their placements
+    source = ModuleSource(model, plan_path)  # finds its DTensors: every rank's boxes from their placements
     assert source.rank == rank and source.shards is not None
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     trainer = None
@@ -336,8 +408,9 @@ def _fsdp_trainer_main(rank: int, world: int, pg_port: int, model_dir: str, plan
             if cmd == "shards":
                 conn.send(("ok", shards_to_json(source.shards)))
             elif cmd == "join":
-                trainer = TrainerRank(plan_path, source, Control(*arg), rank=rank,
-                                      config=SyncConfig(timeout_s=TIMEOUT_S))
+                trainer = TrainerRank(
+                    plan_path, source, Control(*arg), rank=rank, config=SyncConfig(timeout_s=TIMEOUT_S)
+                )
                 conn.send(("ok", None))
             elif cmd == "step":
                 loss = model(input_ids=batch, labels=batch).loss
@@ -363,6 +436,7 @@ class FsdpTrainers:
 
     def __init__(self, model_dir: Path, plan_path: Path, out_dir: Path, *, world: int = 2, lr: float = 2e-2):
         import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -370,8 +444,11 @@ class FsdpTrainers:
         self.ranks = []
         for rank in range(world):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_fsdp_trainer_main, daemon=True,
-                               args=(rank, world, port, str(model_dir), str(plan_path), str(out_dir), child, lr))
+            proc = ctx.Process(
+                target=_fsdp_trainer_main,
+                daemon=True,
+                args=(rank, world, port, str(model_dir), str(plan_path), str(out_dir), child, lr),
+            )
             proc.start()
             self.ranks.append(_Pipe(conn, proc))
         for r in self.ranks:

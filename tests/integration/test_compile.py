@@ -1,4 +1,5 @@
 """Templating is exact: instantiating a compiled (and encoded/decoded) plan gives back the direct recording."""
+
 from __future__ import annotations
 
 import functools
@@ -15,15 +16,42 @@ from shardplan.plan.layout import Layout
 
 # ---- real vLLM loaders ------------------------------------------------------------------------------------
 SHRUNK = {
-    "llama-3.1-8b": ["num_hidden_layers=6", "hidden_size=128", "intermediate_size=256", "num_attention_heads=8",
-                     "num_key_value_heads=4", "vocab_size=500"],
-    "qwen3-30b-a3b": ["num_hidden_layers=5", "hidden_size=128", "intermediate_size=256", "moe_intermediate_size=64",
-                      "num_attention_heads=8", "num_key_value_heads=4", "head_dim=16", "num_experts=8",
-                      "num_experts_per_tok=2", "vocab_size=512"],
-    "kimi-k2": ["num_hidden_layers=5", "hidden_size=128", "intermediate_size=256", "moe_intermediate_size=32",
-                "n_routed_experts=8", "num_attention_heads=8", "num_key_value_heads=8", "q_lora_rank=32",
-                "kv_lora_rank=16", "qk_rope_head_dim=8", "qk_nope_head_dim=16", "v_head_dim=16", "vocab_size=500",
-                "num_experts_per_tok=2"],
+    "llama-3.1-8b": [
+        "num_hidden_layers=6",
+        "hidden_size=128",
+        "intermediate_size=256",
+        "num_attention_heads=8",
+        "num_key_value_heads=4",
+        "vocab_size=500",
+    ],
+    "qwen3-30b-a3b": [
+        "num_hidden_layers=5",
+        "hidden_size=128",
+        "intermediate_size=256",
+        "moe_intermediate_size=64",
+        "num_attention_heads=8",
+        "num_key_value_heads=4",
+        "head_dim=16",
+        "num_experts=8",
+        "num_experts_per_tok=2",
+        "vocab_size=512",
+    ],
+    "kimi-k2": [
+        "num_hidden_layers=5",
+        "hidden_size=128",
+        "intermediate_size=256",
+        "moe_intermediate_size=32",
+        "n_routed_experts=8",
+        "num_attention_heads=8",
+        "num_key_value_heads=8",
+        "q_lora_rank=32",
+        "kv_lora_rank=16",
+        "qk_rope_head_dim=8",
+        "qk_nope_head_dim=16",
+        "v_head_dim=16",
+        "vocab_size=500",
+        "num_experts_per_tok=2",
+    ],
 }
 
 
@@ -38,9 +66,15 @@ def _session(model: str, tp: int, ep: bool):
 def _recorded(model: str, tp: int, ep: bool):
     session = _session(model, tp, ep)
     plans = [session.record_rank(r)[0] for r in range(tp)]
-    return plans, encode(compile_plans(plans, session.sources), model=model, architecture="x",
-                         config_sha256=session.spec.config_sha256, layout=session.layout, dtype="bfloat16",
-                         vllm_version="0.32.0")
+    return plans, encode(
+        compile_plans(plans, session.sources),
+        model=model,
+        architecture="x",
+        config_sha256=session.spec.config_sha256,
+        layout=session.layout,
+        dtype="bfloat16",
+        vllm_version="0.32.0",
+    )
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,16 +108,33 @@ def test_sampled_recording_is_byte_identical_to_exhaustive():
         assert sampled.encode(got.body) == exhaustive.encode(direct.body)
 
 
-_QWEN3_NEXT = ["num_hidden_layers=12", "full_attention_interval=4", "hidden_size=128", "num_attention_heads=4",
-               "num_key_value_heads=2", "head_dim=32", "intermediate_size=256", "moe_intermediate_size=64",
-               "shared_expert_intermediate_size=64", "num_experts=4", "num_experts_per_tok=2", "linear_num_key_heads=4",
-               "linear_num_value_heads=8", "linear_key_head_dim=32", "linear_value_head_dim=32", "vocab_size=300"]
+_QWEN3_NEXT = [
+    "num_hidden_layers=12",
+    "full_attention_interval=4",
+    "hidden_size=128",
+    "num_attention_heads=4",
+    "num_key_value_heads=2",
+    "head_dim=32",
+    "intermediate_size=256",
+    "moe_intermediate_size=64",
+    "shared_expert_intermediate_size=64",
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "linear_num_key_heads=4",
+    "linear_num_value_heads=8",
+    "linear_key_head_dim=32",
+    "linear_value_head_dim=32",
+    "vocab_size=300",
+]
 
 
-@pytest.mark.parametrize("model, overrides", [
-    ("qwen3-next-80b-a3b", _QWEN3_NEXT),   # linear_attn.conv1d.weight: three writes of one source into one param
-    (str(Path(__file__).parent / "archs" / "mamba"), ["num_hidden_layers=4"]),   # in_proj.weight: two
-])
+@pytest.mark.parametrize(
+    "model, overrides",
+    [
+        ("qwen3-next-80b-a3b", _QWEN3_NEXT),  # linear_attn.conv1d.weight: three writes of one source into one param
+        (str(Path(__file__).parent / "archs" / "mamba"), ["num_hidden_layers=4"]),  # in_proj.weight: two
+    ],
+)
 def test_sampled_recording_with_a_source_written_twice_into_one_param(model, overrides):
     """Writes that share their variables are split into groups by a hole; when that hole was the layer, each group held
     one layer and extend_layers copied layer 0's writes under layer 0's names to its whole class: the shipped

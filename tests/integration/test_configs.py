@@ -1,5 +1,6 @@
 """Configs read as vLLM reads them (shardplan.record.configs): aliases, nested text configs, defaults, overrides on any key,
 named errors for unknown keys / model types / architectures, max_model_len from the config, stable fingerprints."""
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,41 @@ from pathlib import Path
 import pytest
 
 from shardplan import models
-from shardplan.record.configs import UnknownConfigKey, UnsupportedArchitecture, hf_view
 from shardplan.models import ConfigError, resolve_model
+from shardplan.record.configs import UnknownConfigKey, UnsupportedArchitecture, hf_view
 
 REPO = Path(__file__).resolve().parents[2]
 
 # A GPT-2 config.json as the hub has them: sizes only under GPT-2's own names (n_layer, n_embd, ...).
-GPT2_ALIASES_ONLY = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2, "n_embd": 128,
-                     "n_head": 4, "n_positions": 512, "n_inner": None, "vocab_size": 300, "tie_word_embeddings": True}
+GPT2_ALIASES_ONLY = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 128,
+    "n_head": 4,
+    "n_positions": 512,
+    "n_inner": None,
+    "vocab_size": 300,
+    "tie_word_embeddings": True,
+}
 # A composite config whose language model lives in text_config (Llama 4's hub layout).
-LLAMA4_NESTED = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-                 "text_config": {"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 128,
-                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                                 "vocab_size": 300, "intermediate_size": 96, "intermediate_size_mlp": 192,
-                                 "num_local_experts": 4},
-                 "vision_config": {"model_type": "llama4_vision_model"}}
+LLAMA4_NESTED = {
+    "architectures": ["Llama4ForConditionalGeneration"],
+    "model_type": "llama4",
+    "text_config": {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 4,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 300,
+        "intermediate_size": 96,
+        "intermediate_size_mlp": 192,
+        "num_local_experts": 4,
+    },
+    "vision_config": {"model_type": "llama4_vision_model"},
+}
 
 
 def write(tmp_path: Path, config: dict, name: str = "ckpt") -> Path:
@@ -37,8 +58,12 @@ def write(tmp_path: Path, config: dict, name: str = "ckpt") -> Path:
 def test_aliases_are_read_through_the_config_class(tmp_path):
     view = hf_view(resolve_model(str(write(tmp_path, GPT2_ALIASES_ONLY))))
     text = view.text_config
-    assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.max_position_embeddings) == \
-        (2, 128, 4, 512)
+    assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.max_position_embeddings) == (
+        2,
+        128,
+        4,
+        512,
+    )
     assert view.num_hidden_layers == 2
 
 
@@ -62,12 +87,15 @@ def test_overrides_reach_the_nested_text_config(tmp_path):
     assert hf_view(resolve_model(path)).num_experts == 4
 
 
-@pytest.mark.parametrize("model, override, suggestion", [
-    ("llama-3.1-8b", "num_hiden_layers=2", "'num_hidden_layers'"),
-    ("llama-3.1-8b", "intermediate_sise=64", "'intermediate_size'"),
-    ("kimi-k2", "n_routed_expert=8", "'n_routed_experts'"),
-    ("nested", "text_config.num_local_expert=2", "'text_config.num_local_experts'"),
-])
+@pytest.mark.parametrize(
+    "model, override, suggestion",
+    [
+        ("llama-3.1-8b", "num_hiden_layers=2", "'num_hidden_layers'"),
+        ("llama-3.1-8b", "intermediate_sise=64", "'intermediate_size'"),
+        ("kimi-k2", "n_routed_expert=8", "'n_routed_experts'"),
+        ("nested", "text_config.num_local_expert=2", "'text_config.num_local_experts'"),
+    ],
+)
 def test_unknown_override_key_is_named_with_the_closest_valid_key(tmp_path, model, override, suggestion):
     if model == "nested":
         model = str(write(tmp_path, LLAMA4_NESTED))
@@ -89,8 +117,9 @@ def test_absent_sizes_take_the_class_defaults_and_bad_ones_are_named(tmp_path):
     del config["hidden_size"]
     from transformers import LlamaConfig
 
-    assert hf_view(resolve_model(str(write(tmp_path, config, "a")))).text_config.hidden_size == \
-        LlamaConfig().hidden_size
+    assert (
+        hf_view(resolve_model(str(write(tmp_path, config, "a")))).text_config.hidden_size == LlamaConfig().hidden_size
+    )
     path = write(tmp_path, dict(config, num_attention_heads=None), "b")
     with pytest.raises(ConfigError) as info:
         hf_view(resolve_model(str(path)))
@@ -122,12 +151,20 @@ def test_builtin_fingerprints_are_unchanged():
 
 
 def test_trainer_side_loads_a_shipped_plan_without_transformers_or_vllm():
-    code = ("import sys; from shardplan.plan.file import store; "
-            "p = store.load_plan('llama-3.1-8b', tp=2, rank=1, check_vllm=False); "
-            "bad = [m for m in ('transformers', 'vllm', 'safetensors') if m in sys.modules]; "
-            "assert not bad, bad; print(len(p.writes))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys; from shardplan.plan.file import store; "
+        "p = store.load_plan('llama-3.1-8b', tp=2, rank=1, check_vllm=False); "
+        "bad = [m for m in ('transformers', 'vllm', 'safetensors') if m in sys.modules]; "
+        "assert not bad, bad; print(len(p.writes))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 0
 
@@ -135,8 +172,8 @@ def test_trainer_side_loads_a_shipped_plan_without_transformers_or_vllm():
 # ---- vLLM side ------------------------------------------------------------------------------------------------------
 def test_alias_only_config_records_and_verifies_bitwise(tmp_path):
     """The issue's case: a GPT-2 config with only n_layer/n_embd/..., shrunk through an alias override, through vLLM."""
-    from shardplan.record import verify
     from shardplan.plan.layout import Layout
+    from shardplan.record import verify
     from shardplan.record.session import RecordSession
 
     path = write(tmp_path, dict(GPT2_ALIASES_ONLY, n_layer=3, n_positions=256))
@@ -181,8 +218,14 @@ def test_public_names():
 
 # ------------------------------------------------------------------------------------------ bounds, decoding, nesting
 
-LLAMA_TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "vocab_size": 128}
+LLAMA_TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 128,
+}
 
 
 def _with_raw(tmp_path: Path, name: str, raw_value: str) -> Path:
@@ -192,11 +235,16 @@ def _with_raw(tmp_path: Path, name: str, raw_value: str) -> Path:
     return path.parent
 
 
-@pytest.mark.parametrize("raw, needle", [("[" * 200_000 + "]" * 200_000, "nests arrays/objects deeper"),
-                                         ("[" * 40 + "]" * 40, "nests more than 32 levels"),
-                                         ("9" * 5000, "an integer of 5000 digits"),
-                                         ("-" + "9" * 20, "an integer of 20 digits"),
-                                         (str(1 << 63), "beyond the int64 range")])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ("[" * 200_000 + "]" * 200_000, "nests arrays/objects deeper"),
+        ("[" * 40 + "]" * 40, "nests more than 32 levels"),
+        ("9" * 5000, "an integer of 5000 digits"),
+        ("-" + "9" * 20, "an integer of 20 digits"),
+        (str(1 << 63), "beyond the int64 range"),
+    ],
+)
 def test_config_file_beyond_the_bounds_is_a_named_error(tmp_path, raw, needle):
     # used to end in a bare RecursionError / ValueError (int-string conversion limit)
     with pytest.raises(ConfigError, match="config.json") as info:
@@ -205,12 +253,16 @@ def test_config_file_beyond_the_bounds_is_a_named_error(tmp_path, raw, needle):
     assert resolve_model(str(_with_raw(tmp_path, "ok", str((1 << 63) - 1)))).config["x"] == (1 << 63) - 1
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["num_hidden_layers=" + "9" * 5000], "integer of 5000 digits"),
-    ({"num_hidden_layers": 10 ** 5000}, "beyond the int64 range"),
-    (["x=" + "[" * 100_000 + "]" * 100_000], "deeper than Python's JSON reader"),
-    ({"x": json.loads("[" * 40 + "]" * 40)}, "nests more than 32 levels"),
-    (["a." * 40 + "b=1"], "41 dotted parts")])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["num_hidden_layers=" + "9" * 5000], "integer of 5000 digits"),
+        ({"num_hidden_layers": 10**5000}, "beyond the int64 range"),
+        (["x=" + "[" * 100_000 + "]" * 100_000], "deeper than Python's JSON reader"),
+        ({"x": json.loads("[" * 40 + "]" * 40)}, "nests more than 32 levels"),
+        (["a." * 40 + "b=1"], "41 dotted parts"),
+    ],
+)
 def test_override_beyond_the_bounds_is_a_named_error(overrides, needle):
     with pytest.raises(ConfigError, match="override") as info:
         resolve_model("llama-3.1-8b", overrides)
@@ -222,42 +274,66 @@ def test_non_finite_floats_are_decoded_as_transformers_does(tmp_path):
     from_pretrained decodes them; shardplan used to refuse the file."""
     from transformers import AutoConfig, GraniteMoeHybridConfig
 
-    config = GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                    vocab_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
-                                    layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32,
-                                    shared_intermediate_size=128, time_step_limit=(0.0, float("inf")))
+    config = GraniteMoeHybridConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        shared_intermediate_size=128,
+        time_step_limit=(0.0, float("inf")),
+    )
     config.architectures = ["GraniteMoeHybridForCausalLM"]
     config.save_pretrained(tmp_path / "granite")
     assert '"__float__": "Infinity"' in (tmp_path / "granite" / "config.json").read_text()
     view = hf_view(resolve_model(str(tmp_path / "granite")))
-    assert tuple(view.text_config.time_step_limit) == tuple(AutoConfig.from_pretrained(tmp_path / "granite")
-                                                            .time_step_limit) == (0.0, float("inf"))
-    assert view.config["time_step_limit"][1] == {"__float__": "Infinity"}   # vLLM gets the file's own spelling
+    assert (
+        tuple(view.text_config.time_step_limit)
+        == tuple(AutoConfig.from_pretrained(tmp_path / "granite").time_step_limit)
+        == (0.0, float("inf"))
+    )
+    assert view.config["time_step_limit"][1] == {"__float__": "Infinity"}  # vLLM gets the file's own spelling
     with pytest.raises(ConfigError, match=r"GraniteMoeHybridConfig rejects this config: .*time_step_limit"):
         hf_view(resolve_model(str(tmp_path / "granite"), ['time_step_limit=[0.0, {"__float__": "Lots"}]']))
 
 
 def test_nested_override_keys_are_checked_like_top_level_ones():
-    with pytest.raises(UnknownConfigKey, match=r"'rope_scaling.factorr' names no key of 'rope_scaling'.*"
-                                               r"Did you mean 'rope_scaling.factor'"):
+    with pytest.raises(
+        UnknownConfigKey,
+        match=r"'rope_scaling.factorr' names no key of 'rope_scaling'.*"
+        r"Did you mean 'rope_scaling.factor'",
+    ):
         hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.factorr=2"]))
     assert hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.factor=2"])).config["rope_scaling"]["factor"] == 2
-    assert hf_view(resolve_model("kimi-k2", ["num_hidden_layers=2", "rope_scaling.beta_fast=2"])
-                   ).config["rope_scaling"]["beta_fast"] == 2
+    assert (
+        hf_view(resolve_model("kimi-k2", ["num_hidden_layers=2", "rope_scaling.beta_fast=2"])).config["rope_scaling"][
+            "beta_fast"
+        ]
+        == 2
+    )
     on_purpose = hf_view(resolve_model("llama-3.1-8b", ["rope_scaling.+factorr=2"])).config["rope_scaling"]
     assert on_purpose["factorr"] == 2 and on_purpose["factor"] == 8.0
-    with pytest.raises(UnknownConfigKey, match=r"'rope_scaling.mscalee'"):   # a new mapping: RoPE keys only
-        hf_view(resolve_model("qwen3-30b-a3b", ['rope_scaling={}', "rope_scaling.mscalee=1"]))
+    with pytest.raises(UnknownConfigKey, match=r"'rope_scaling.mscalee'"):  # a new mapping: RoPE keys only
+        hf_view(resolve_model("qwen3-30b-a3b", ["rope_scaling={}", "rope_scaling.mscalee=1"]))
 
 
 def test_absurd_model_sizes_are_refused_before_anything_is_built(monkeypatch):
     from shardplan.record import checkpoint, configs
 
     monkeypatch.setattr(checkpoint, "saved_state", lambda *a, **k: pytest.fail("built"))
-    with pytest.raises(configs.ModelTooLarge, match=r"1000000 layers x 0 experts is an estimated 16000008 "
-                                                    r"checkpoint tensors.*1048576 writes a plan holds per rank"):
+    with pytest.raises(
+        configs.ModelTooLarge,
+        match=r"1000000 layers x 0 experts is an estimated 16000008 "
+        r"checkpoint tensors.*1048576 writes a plan holds per rank",
+    ):
         checkpoint.checkpoint_tensors(resolve_model("llama-3.1-8b", ["num_hidden_layers=1000000"]))
     with pytest.raises(configs.ModelTooLarge, match=r"hidden_size 16777216 x vocab_size 16777217"):
         hf_view(resolve_model("llama-3.1-8b", ["hidden_size=16777216", "vocab_size=16777217"]))
     kimi = hf_view(resolve_model("kimi-k2"))
-    assert configs.estimated_tensors(kimi) == 71_256   # the largest built-in (69,975 tensors): 15x under the bound
+    assert configs.estimated_tensors(kimi) == 71_256  # the largest built-in (69,975 tensors): 15x under the bound

@@ -4,6 +4,7 @@ The full sweep (every text decoder vLLM implements, TP 1/2/4, every rank) runs o
 `python -m shardplan.record.coverage` and writes docs/coverage.md; here a hybrid linear-attention MoE, an alias-only
 config, a Mamba-2 (A = -exp(A_log) through composed_weight_loader) and Phi (the Transformers backend creates
 lm_head.bias while loading) run at TP 2 (with EP where the model has experts), every rank, bitwise, no fallback."""
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,27 @@ import pytest
 
 from shardplan.record import coverage, tiny
 
-
 MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"}
 
 
 # MiniMax-M2 and Kimi-Linear need their public config fields (publicfields.py), Kimi-Linear also vLLM's CPU-worker
 # set-up and its dense layer's on-disk names; Qwen3.5 imports torchvision through transformers (record/cpushim)
-@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GPT2LMHeadModel", "Mamba2ForCausalLM", "PhiForCausalLM",
-                                  "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Qwen3NextForCausalLM",
+        "GPT2LMHeadModel",
+        "Mamba2ForCausalLM",
+        "PhiForCausalLM",
+        "MiniMaxM2ForCausalLM",
+        "KimiLinearForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    ],
+)
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
     row = coverage.run_architecture(arch, tmp_path, tps=(2,))
     assert row["status"] == "pass", row
-    (layout, result), = row["layouts"].items()
+    ((layout, result),) = row["layouts"].items()
     assert result["ranks"] == result["equal"] == 2 and not result["mismatched"] and not result["fallbacks"]
     assert layout == ("tp2-ep" if arch in MOE else "tp2")
 
@@ -60,8 +70,13 @@ def test_every_registry_architecture_is_enumerated():
 def test_render_counts_and_rows():
     rows = [
         {"arch": "A", "status": "pass", "reason": "", "layouts": {"tp1": {"ranks": 1, "equal": 1}}, "fallbacks": []},
-        {"arch": "B", "status": "fallback", "reason": "", "layouts": {"tp2": {"ranks": 2, "equal": 2}},
-         "fallbacks": ["x.A_log (Tensor.exp)"]},
+        {
+            "arch": "B",
+            "status": "fallback",
+            "reason": "",
+            "layouts": {"tp2": {"ranks": 2, "equal": 2}},
+            "fallbacks": ["x.A_log (Tensor.exp)"],
+        },
         {"arch": "C", "status": "cannot", "reason": "a | b", "layouts": {}, "fallbacks": []},
     ]
     text = coverage.render(rows, "vLLM x")
@@ -74,8 +89,9 @@ def test_a_hanging_architecture_costs_one_row(tmp_path, monkeypatch):
     # the worker hangs on Llama (injected: a timing would make the test depend on the machine's speed)
     monkeypatch.setenv("SHARDPLAN_COVERAGE_HANG", "LlamaForCausalLM")
     results = tmp_path / "results.jsonl"
-    rows = coverage.sweep(["LlamaForCausalLM", "BailingMoeForCausalLM"], results, timeout=8, resume=False,
-                          progress=lambda line: None)
+    rows = coverage.sweep(
+        ["LlamaForCausalLM", "BailingMoeForCausalLM"], results, timeout=8, resume=False, progress=lambda line: None
+    )
     assert [r["arch"] for r in rows] == ["LlamaForCausalLM", "BailingMoeForCausalLM"]
     assert rows[0]["status"] == "cannot" and "timed out after 8 s" in rows[0]["reason"]
     assert rows[1]["status"] == "cannot" and "remote code" in rows[1]["reason"]  # the sweep went on

@@ -1,6 +1,7 @@
 """The import-only torchvision stand-in (shardplan/record/cpushim): with no torchvision installed, the recorder's
 first vLLM/transformers import puts it on the path, so vLLM's Qwen3.5 modules import (transformers' image
 processors import torchvision); calling anything in it raises a named error; a spawned process inherits it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,9 +10,11 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None and
-                                "cpushim" not in (importlib.util.find_spec("torchvision").origin or ""),
-                                reason="a real torchvision is installed: the stand-in is never activated")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None
+    and "cpushim" not in (importlib.util.find_spec("torchvision").origin or ""),
+    reason="a real torchvision is installed: the stand-in is never activated",
+)
 
 CODE = """
 import importlib, os, subprocess, sys

@@ -1,33 +1,62 @@
 """record -> plan file -> replay -> pack -> apply == vLLM's real load_weights, bitwise, for random models, consumer
 layouts (TP, EP) and trainer layouts (full tensors, or TP/EP/PP shards), destinations poisoned with NaN first."""
+
 from __future__ import annotations
 
 import functools
 import os
 
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from shardplan.runtime.apply import Applier
-from shardplan.record.build import build_model, loading_context
 from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFile, decode, encode
+from shardplan.plan.layout import Layout
+from shardplan.plan.names import expert_of
+from shardplan.record.build import build_model, loading_context
+from shardplan.record.verify import RankVerdict, compare_models, poison, random_checkpoint
+from shardplan.runtime.apply import Applier
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.shards import compose, ep_shards, layer_stage, local_tensors, plan_shards, pp_shards, tp_shards
-from shardplan.plan.names import expert_of
-from shardplan.record.verify import RankVerdict, compare_models, poison, random_checkpoint
 
 MODELS = {
-    "qwen3-30b-a3b": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32",
-                      "num_attention_heads=4", "num_key_value_heads=2", "head_dim=16", "num_experts=4",
-                      "num_experts_per_tok=2", "vocab_size=300"],
-    "kimi-k2": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32",
-                "n_routed_experts=4", "num_attention_heads=4", "num_key_value_heads=4", "q_lora_rank=32",
-                "kv_lora_rank=16", "qk_rope_head_dim=8", "qk_nope_head_dim=16", "v_head_dim=16", "vocab_size=300",
-                "num_experts_per_tok=2"],
-    "llama-3.1-8b": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
-                     "num_key_value_heads=2", "vocab_size=300"],
+    "qwen3-30b-a3b": [
+        "num_hidden_layers=2",
+        "hidden_size=64",
+        "intermediate_size=128",
+        "moe_intermediate_size=32",
+        "num_attention_heads=4",
+        "num_key_value_heads=2",
+        "head_dim=16",
+        "num_experts=4",
+        "num_experts_per_tok=2",
+        "vocab_size=300",
+    ],
+    "kimi-k2": [
+        "num_hidden_layers=2",
+        "hidden_size=64",
+        "intermediate_size=128",
+        "moe_intermediate_size=32",
+        "n_routed_experts=4",
+        "num_attention_heads=4",
+        "num_key_value_heads=4",
+        "q_lora_rank=32",
+        "kv_lora_rank=16",
+        "qk_rope_head_dim=8",
+        "qk_nope_head_dim=16",
+        "v_head_dim=16",
+        "vocab_size=300",
+        "num_experts_per_tok=2",
+    ],
+    "llama-3.1-8b": [
+        "num_hidden_layers=2",
+        "hidden_size=64",
+        "intermediate_size=128",
+        "num_attention_heads=4",
+        "num_key_value_heads=2",
+        "vocab_size=300",
+    ],
 }
 
 
@@ -37,9 +66,15 @@ def _plan_file(model: str, tp: int, ep: bool):
 
     session = RecordSession(model, Layout(tp=tp, ep=ep), overrides=MODELS[model])
     plans = [session.record_rank(r)[0] for r in range(tp)]
-    data = encode(compile_plans(plans, session.sources), model=model, architecture=session.spec.architecture,
-                  config_sha256=session.spec.config_sha256, layout=session.layout, dtype="bfloat16",
-                  vllm_version=session.vllm_version)
+    data = encode(
+        compile_plans(plans, session.sources),
+        model=model,
+        architecture=session.spec.architecture,
+        config_sha256=session.spec.config_sha256,
+        layout=session.layout,
+        dtype="bfloat16",
+        vllm_version=session.vllm_version,
+    )
     return session, PlanFile(*decode(data))
 
 
@@ -47,6 +82,7 @@ def _trainer_shards(kind: str, sources, num_layers: int, num_experts: int):
     def split_dim(name):
         meta = sources[name]
         return 0 if len(meta.shape) == 2 and meta.shape[0] % 2 == 0 else None
+
     tp2 = tp_shards(sources, 2, split_dim)
     if kind == "tp2":
         return tp2
@@ -57,16 +93,24 @@ def _trainer_shards(kind: str, sources, num_layers: int, num_experts: int):
     raise ValueError(kind)
 
 
-@settings(max_examples=int(os.environ.get("SHARDPLAN_E2E_EXAMPLES", "8")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(model=st.sampled_from(sorted(MODELS)), tp=st.sampled_from([1, 2, 4]), ep=st.booleans(),
-       trainer=st.sampled_from(["full", "tp2", "ep2", "pp2xtp2"]), data=st.data())
+@settings(
+    max_examples=int(os.environ.get("SHARDPLAN_E2E_EXAMPLES", "8")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    model=st.sampled_from(sorted(MODELS)),
+    tp=st.sampled_from([1, 2, 4]),
+    ep=st.booleans(),
+    trainer=st.sampled_from(["full", "tp2", "ep2", "pp2xtp2"]),
+    data=st.data(),
+)
 def test_pack_apply_equals_real_loader(model, tp, ep, trainer, data):
     assume(not (ep and model == "llama-3.1-8b"))
     session, plan_file = _plan_file(model, tp, ep)
     rank = data.draw(st.integers(0, tp - 1), label="rank")
     plan = plan_file.rank(rank)
-    checkpoint = random_checkpoint(session.tensors, data.draw(st.integers(0, 2 ** 16), label="seed"))
+    checkpoint = random_checkpoint(session.tensors, data.draw(st.integers(0, 2**16), label="seed"))
 
     real = build_model(session.vllm_config, session.layout, rank, "cpu")
     poison(real)

@@ -5,13 +5,21 @@ Per layout (tiny Qwen3 dense TP=1 and TP=2, tiny Qwen3-MoE TP=2), once per modul
 (transformers, AdamW, no vLLM). Three versions: train a step, save the checkpoint, sync; the engine's greedy tokens
 must change at every step and equal a fresh engine of the same layout started from the saved checkpoint.
 """
+
 from __future__ import annotations
 
 import pytest
-import torch
-
-from engine_support import (TIMEOUT_S, FsdpTrainers, Trainer, fresh_tokens, greedy, make_model, record_plan,
-                            start_llm, stop_llm)
+from engine_support import (
+    TIMEOUT_S,
+    FsdpTrainers,
+    Trainer,
+    fresh_tokens,
+    greedy,
+    make_model,
+    record_plan,
+    start_llm,
+    stop_llm,
+)
 
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
@@ -90,7 +98,7 @@ def test_trainer_killed_mid_sync_leaves_the_engine_paused_and_marked_incomplete(
     driver = threading.Thread(target=lambda: outcome.append(_catch(lambda: w.driver.sync(version))), daemon=True)
     driver.start()
     tag, _ = w.trainer._recv(120)
-    assert tag == "packed"   # the first group is on its way
+    assert tag == "packed"  # the first group is on its way
     time.sleep(1.0)
     w.trainer.kill()
     driver.join(4 * TIMEOUT_S)
@@ -129,18 +137,28 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
     """A plan for another model config, layout or vLLM version is refused at init, naming the field; the engine
     keeps serving and keeps its sync (a later sync still works)."""
     from shardplan.engine.errors import EnginePlanMismatch
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import PlanFile, encode, write_plan
+    from shardplan.plan.layout import Layout
 
     w = world
     good = PlanFile.read(w.plan)
     h = good.header
-    cases = {"config": dict(config_sha256="0" * 64), "layout": dict(layout=Layout(tp=2)),
-             "vLLM": dict(vllm_version="0.31.0"), "dtype": dict(dtype="float16"),
-             "quantization": dict(quantizer="fp8-e4m3-block-amax448-v1/128x128")}   # a block-FP8 engine's plan
+    cases = {
+        "config": dict(config_sha256="0" * 64),
+        "layout": dict(layout=Layout(tp=2)),
+        "vLLM": dict(vllm_version="0.31.0"),
+        "dtype": dict(dtype="float16"),
+        "quantization": dict(quantizer="fp8-e4m3-block-amax448-v1/128x128"),
+    }  # a block-FP8 engine's plan
     for field, change in cases.items():
-        fields = dict(model=h.model, architecture=h.architecture, config_sha256=h.config_sha256, layout=h.layout,
-                      dtype=h.dtype, vllm_version=h.vllm_version)
+        fields = dict(
+            model=h.model,
+            architecture=h.architecture,
+            config_sha256=h.config_sha256,
+            layout=h.layout,
+            dtype=h.dtype,
+            vllm_version=h.vllm_version,
+        )
         fields.update(change)
         path = tmp_path / f"bad-{field}.plan"
         write_plan(path, encode(good.body, **fields))
@@ -167,17 +185,18 @@ def test_wrong_control_port_is_named_within_the_init_timeout(world):
     t0 = time.monotonic()
     with pytest.raises(EngineControlUnreachable, match=rf"127.0.0.1:{port} within 2.0 s"):
         other.init()
-    assert time.monotonic() - t0 < 20   # 2 s of connect, plus the RPC and the plan check on a loaded 2-core box
-    report, _ = sync(world, world.version + 1)   # the engine's own sync still works
+    assert time.monotonic() - t0 < 20  # 2 s of connect, plus the RPC and the plan check on a loaded 2-core box
+    report, _ = sync(world, world.version + 1)  # the engine's own sync still works
     assert report.complete, report
     world.version += 1
 
 
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_trainer_missing_a_tensor_is_named(world):
+    from safetensors.torch import load_file
+
     from shardplan.engine.trainer import ModuleSource
     from shardplan.errors import MissingTensorError
-    from safetensors.torch import load_file
 
     tensors = load_file(str(world.model / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.weight"]
@@ -218,12 +237,13 @@ def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
         shards = shards_from_json(layouts[0])
         halves = {s.name: s.box[0] for s in shards if s.rank == 1}
         assert halves and all(box[1] - box[0] > 0 for box in halves.values())
-        driver = EngineSync([w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120),
-                            shards=shards)
+        driver = EngineSync(
+            [w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120), shards=shards
+        )
         trainers.call("join", (driver.control.host, driver.control.port))
         (checkpoint, local), _ = trainers.call("step", 1)
         name = "model.layers.0.mlp.gate_proj.weight"
-        assert local[name] == (256, 256) and halves[name] == (256, 512)   # the rank holds half of the rows
+        assert local[name] == (256, 256) and halves[name] == (256, 512)  # the rank holds half of the rows
         before = greedy(w.llm)
         version = w.version + 1
         trainers.send("sync", version)
@@ -238,4 +258,4 @@ def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
         assert fresh_tokens(checkpoint, w.tp) == tokens
     finally:
         trainers.stop()
-        w.driver.initialized = False   # the engine now follows the sharded driver: re-init at the next sync
+        w.driver.initialized = False  # the engine now follows the sharded driver: re-init at the next sync

@@ -7,6 +7,7 @@ Each engine has its own EngineSync: two independent TP=1 engines are both plan r
 (its consumers are the plan's ranks; engines that together form a DP layout share one). The trainer takes the same steps from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in
 one pytest session the fresh engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint bytes).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,7 @@ import os
 import threading
 
 import pytest
-from engine_support import (MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, engine_kwargs, fresh_tokens, make_model,
-                            record_plan)
+from engine_support import MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, engine_kwargs, fresh_tokens, make_model, record_plan
 
 from shardplan.engine.clients import AsyncLLMClient, RayClient, as_client
 from shardplan.engine.trainer import EngineSync
@@ -35,9 +35,11 @@ class AsyncEngine:
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        args = AsyncEngineArgs(model=model_dir, weight_transfer_config=WeightTransferConfig(backend="shardplan"),
-                               **engine_kwargs(1))
+        args = AsyncEngineArgs(
+            model=model_dir, weight_transfer_config=WeightTransferConfig(backend="shardplan"), **engine_kwargs(1)
+        )
         return AsyncLLM.from_engine_args(args)
 
     def run(self, coro, timeout_s: float = 300):
@@ -45,24 +47,29 @@ class AsyncEngine:
 
     def greedy(self) -> list[list[int]]:
         from vllm import SamplingParams
+
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
         async def one(i, prompt):
             last = None
-            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=f"r{i}-{id(params)}"):
+            async for out in self.engine.generate(
+                {"prompt_token_ids": prompt}, params, request_id=f"r{i}-{id(params)}"
+            ):
                 last = out
             return list(last.outputs[0].token_ids)
 
         async def every():
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
         return self.run(every())
 
     def stop(self):
         import gc
+
         try:
             self.engine.shutdown()
             self.engine = None
-            gc.collect()   # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
+            gc.collect()  # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
@@ -74,29 +81,49 @@ def _ray_engine(model_dir):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    env = {k: os.environ[k] for k in ("PYTHONPATH", "GLOO_SOCKET_IFNAME", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
-                                      "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM") if k in os.environ}
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
-             runtime_env={"env_vars": env}, log_to_driver=False)
+    env = {
+        k: os.environ[k]
+        for k in (
+            "PYTHONPATH",
+            "GLOO_SOCKET_IFNAME",
+            "VLLM_CPU_KVCACHE_SPACE",
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "TOKENIZERS_PARALLELISM",
+        )
+        if k in os.environ
+    }
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 << 20,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+    )
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    actor = ray.remote(num_cpus=0)(LLM).remote(model=str(model_dir), **engine_kwargs(1),
-                                                weight_transfer_config=WeightTransferConfig(backend="shardplan"))
-    ray.get(actor.get_weight_version.remote(), timeout=900)   # wait for the engine to come up
+    actor = ray.remote(num_cpus=0)(LLM).remote(
+        model=str(model_dir), **engine_kwargs(1), weight_transfer_config=WeightTransferConfig(backend="shardplan")
+    )
+    ray.get(actor.get_weight_version.remote(), timeout=900)  # wait for the engine to come up
     return actor
 
 
 def _ray_greedy(actor) -> list[list[int]]:
     import ray
     from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = ray.get(actor.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False),
-                   timeout=300)
+    outs = ray.get(
+        actor.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False), timeout=300
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     import ray
+
     root = tmp_path_factory.mktemp("clients")
     model = make_model(root, moe=False)
     plan = record_plan(model, 1, root / "plans")
@@ -159,6 +186,7 @@ def test_two_engines_serving_the_same_plan_rank_are_refused_by_name(engines):
     """Independent engines of one layout are each plan rank 0: one EngineSync cannot drive them (its consumers are the
     plan's ranks); init says so instead of letting the second join replace the first."""
     from shardplan.engine.errors import EnginePlanMismatch
+
     root, model, plan, async_engine, actor = engines
     driver = EngineSync([async_engine.engine, actor], plan, config=SyncConfig(timeout_s=TIMEOUT_S))
     with pytest.raises(EnginePlanMismatch, match="plan rank 0"):
@@ -168,10 +196,12 @@ def test_two_engines_serving_the_same_plan_rank_are_refused_by_name(engines):
 def test_async_client_refuses_the_loops_own_thread(engines):
     """A blocking call from the AsyncLLM's own loop would wait on itself: refused by name instead of hanging."""
     from shardplan.engine.errors import EngineCallFailed
+
     async_engine = engines[3]
     client = AsyncLLMClient(async_engine.engine, async_engine.loop)
 
     async def inside():
         client.get_weight_version()
+
     with pytest.raises(EngineCallFailed, match="deadlock"):
         async_engine.run(inside())

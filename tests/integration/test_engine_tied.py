@@ -11,27 +11,42 @@ the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM p
 Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right with F.linear, wrong with a
 packed copy (vLLM 0.32's bug; the assertion fails once vLLM fixes it, and then says so).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from engine_support import (TIMEOUT_S, VOCAB, Trainer, fresh_tokens, greedy, record_plan, start_llm, stop_llm)
+from engine_support import TIMEOUT_S, VOCAB, Trainer, fresh_tokens, greedy, record_plan, start_llm, stop_llm
 
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
 # each architecture at TP1 and TP2, each with and without a packed copy (sgl and oneDNN both build one)
-CASES = {"llama-tp1-onednn": ("llama", 1, "onednn"), "llama-tp2-torch": ("llama", 2, "torch"),
-         "qwen3-tp1-torch": ("qwen3", 1, "torch"), "qwen3-tp2-sgl": ("qwen3", 2, "sgl")}
+CASES = {
+    "llama-tp1-onednn": ("llama", 1, "onednn"),
+    "llama-tp2-torch": ("llama", 2, "torch"),
+    "qwen3-tp1-torch": ("qwen3", 1, "torch"),
+    "qwen3-tp2-sgl": ("qwen3", 2, "sgl"),
+}
 
 
 def make_tied_model(root, arch: str):
     """A tiny random model with tie_word_embeddings, as transformers saves it (lm_head stored once, as the embedding)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-    common = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+    common = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config = (LlamaConfig if arch == "llama" else Qwen3Config)(**common)
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
@@ -47,13 +62,13 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
     arch, tp, gemm = CASES[case]
     model = make_tied_model(tmp_path, arch)
     with safe_open(str(model / "model.safetensors"), "pt") as f:
-        assert "lm_head.weight" not in set(f.keys())   # tied: the checkpoint holds the embedding only
+        assert "lm_head.weight" not in set(f.keys())  # tied: the checkpoint holds the embedding only
     plan = record_plan(model, tp, tmp_path / "plans")
     llm = start_llm(model, tp, gemm=gemm)
     trainer = None
     try:
         kinds = llm.collective_rpc("gemm_kinds")
-        assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds   # the path this case is about was taken
+        assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds  # the path this case is about was taken
         driver = EngineSync([llm], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
         trainer = Trainer(model, plan, driver.control, tmp_path / "ckpt", save_pretrained=True)
         tokens, steps = greedy(llm), []
@@ -67,7 +82,7 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
             assert new != tokens, f"version {version} did not change the engine's tokens"
             steps.append((checkpoint, new))
             tokens = new
-        assert llm.collective_rpc("shardplan_readers") == [["lm_head"]] * tp   # found through the shared storage
+        assert llm.collective_rpc("shardplan_readers") == [["lm_head"]] * tp  # found through the shared storage
         assert [k["lm_head"] for k in llm.collective_rpc("gemm_kinds")] == [gemm] * tp
         fresh = [fresh_tokens(checkpoint, tp, gemm) for checkpoint, _ in steps]
         for version, ((checkpoint, got), want) in enumerate(zip(steps, fresh), 1):
@@ -82,7 +97,8 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
         else:
             assert reloaded != fresh[0], (
                 "vLLM's reload_weights now gives a fresh engine's tokens with a packed tied lm_head: its bug "
-                "(the lm_head's handle is not rebuilt) is fixed in this vLLM; update docs/engine.md")
+                "(the lm_head's handle is not rebuilt) is fixed in this vLLM; update docs/engine.md"
+            )
     finally:
         if trainer is not None:
             trainer.stop()

@@ -6,6 +6,7 @@ load_with_placement); independently, every physical slot is compared with the ch
 there (the down projection is copied whole into an EP slot), so a reference that loaded the wrong experts would fail
 too.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,12 +14,13 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from shardplan.plan.file.format import PlanFile, decode
 from shardplan.plan.layout import Layout
 from shardplan.plan.names import expert_of, layer_of
 from shardplan.plan.placement import PlacementBinder, make_placement
-from shardplan.plan.file.format import PlanFile, decode
 from shardplan.record import eplb
 from shardplan.record.build import build_model, loading_context
 from shardplan.record.verify import RankVerdict, bits, compare_models, poison, random_checkpoint
@@ -26,17 +28,46 @@ from shardplan.runtime.apply import Applier
 from shardplan.runtime.replay import Replayer
 
 MODELS = {
-    "qwen3-30b-a3b": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32",
-                      "num_attention_heads=4", "num_key_value_heads=2", "head_dim=16", "num_experts=4",
-                      "num_experts_per_tok=2", "vocab_size=300"],
-    "kimi-k2": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32",
-                "n_routed_experts=4", "num_attention_heads=4", "num_key_value_heads=4", "q_lora_rank=32",
-                "kv_lora_rank=16", "qk_rope_head_dim=8", "qk_nope_head_dim=16", "v_head_dim=16", "vocab_size=300",
-                "num_experts_per_tok=2"],
+    "qwen3-30b-a3b": [
+        "num_hidden_layers=2",
+        "hidden_size=64",
+        "intermediate_size=128",
+        "moe_intermediate_size=32",
+        "num_attention_heads=4",
+        "num_key_value_heads=2",
+        "head_dim=16",
+        "num_experts=4",
+        "num_experts_per_tok=2",
+        "vocab_size=300",
+    ],
+    "kimi-k2": [
+        "num_hidden_layers=2",
+        "hidden_size=64",
+        "intermediate_size=128",
+        "moe_intermediate_size=32",
+        "n_routed_experts=4",
+        "num_attention_heads=4",
+        "num_key_value_heads=4",
+        "q_lora_rank=32",
+        "kv_lora_rank=16",
+        "qk_rope_head_dim=8",
+        "qk_nope_head_dim=16",
+        "v_head_dim=16",
+        "vocab_size=300",
+        "num_experts_per_tok=2",
+    ],
 }
 # (model, tp = EP size, redundant): 4 logical experts; R > E gives an expert three replicas
-CASES = [("qwen3-30b-a3b", 2, 2), ("qwen3-30b-a3b", 4, 4), ("kimi-k2", 2, 2), ("kimi-k2", 2, 6),
-         ("kimi-k2", 4, 4), ("qwen3-30b-a3b", 2, 6), ("qwen3-30b-a3b", 2, 4, 2), ("kimi-k2", 1, 2, 2)]
+CASES = [
+    ("qwen3-30b-a3b", 2, 2),
+    ("qwen3-30b-a3b", 4, 4),
+    ("kimi-k2", 2, 2),
+    ("kimi-k2", 2, 6),
+    ("kimi-k2", 4, 4),
+    ("qwen3-30b-a3b", 2, 6),
+    ("qwen3-30b-a3b", 2, 4, 2),
+    ("kimi-k2", 1, 2, 2),
+]
 # (..., dp): the EP group spans data-parallel ranks too (dp x tp)
 
 
@@ -52,8 +83,9 @@ def _recorded(model: str, tp: int, redundant: int, dp: int = 1):
 
 
 def _checkpoint(session, seed: int):
-    real_names = [t for t in session.tensors if expert_of(t[0]) is None
-                  or expert_of(t[0]) < session.eplb.num_logical_experts]
+    real_names = [
+        t for t in session.tensors if expert_of(t[0]) is None or expert_of(t[0]) < session.eplb.num_logical_experts
+    ]
     return random_checkpoint(real_names, seed)
 
 
@@ -96,28 +128,33 @@ def _slot_experts(model, session, rank, checkpoint, placement) -> dict[tuple[int
         if not name.endswith("w2_weight"):
             continue
         layer = layer_of(name)
-        expert_map = next(m.expert_map for n, m in model.named_modules() if name.startswith(n + ".")
-                          and getattr(m, "expert_map", None) is not None)
+        expert_map = next(
+            m.expert_map
+            for n, m in model.named_modules()
+            if name.startswith(n + ".") and getattr(m, "expert_map", None) is not None
+        )
         for slot, local in enumerate(expert_map.tolist()):
             if local < 0:
                 continue
             expert = placement.rows[layer][slot]
-            source = next(t for n, t in checkpoint.items() if n.endswith(f"layers.{layer}.mlp.experts.{expert}."
-                                                                         f"down_proj.weight"))
+            source = next(
+                t for n, t in checkpoint.items() if n.endswith(f"layers.{layer}.mlp.experts.{expert}.down_proj.weight")
+            )
             out[(layer, slot)] = bool(torch.equal(bits(p.data[local]), bits(source)))
         assert sum(1 for x in expert_map.tolist() if x >= 0) == slots.slots_per_rank
     return out
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(case=st.sampled_from(CASES), placement_seed=st.integers(0, 2 ** 16), seed=st.integers(0, 2 ** 16))
+@given(case=st.sampled_from(CASES), placement_seed=st.integers(0, 2**16), seed=st.integers(0, 2**16))
 def test_bound_plan_equals_real_loader_with_that_placement(case, placement_seed, seed):
     session, plan_file = _recorded(*case)
     slots = plan_file.header.eplb
     assert slots == session.eplb and slots.num_redundant_experts == case[2]
     rng = random.Random(placement_seed)
-    placement = make_placement([_surjective(rng, slots.num_logical_experts, slots.num_physical_experts)
-                                for _ in slots.moe_layers], slots)
+    placement = make_placement(
+        [_surjective(rng, slots.num_logical_experts, slots.num_physical_experts) for _ in slots.moe_layers], slots
+    )
     checkpoint = _checkpoint(session, seed)
     for rank in plan_file.ranks:
         real = _load_real(session, rank, checkpoint, placement)
@@ -138,7 +175,7 @@ def test_bound_plan_equals_real_loader_with_that_placement(case, placement_seed,
             assert missed and all(_same_rank_replica(placement, slots, rank, k) for k in missed), missed
             assert all(n.endswith(("w13_weight", "w2_weight")) for n in verdict.mismatched), verdict.mismatched
         params = dict(ours.named_parameters())
-        for meta in bound.params:   # every element the plan covers was written
+        for meta in bound.params:  # every element the plan covers was written
             assert not torch.isnan(params[meta.name].float()).any(), meta.name
 
 
@@ -153,8 +190,9 @@ def _assert_alias_path_writes_the_same(plan_file, rank, checkpoint, placement, m
     params = params_from_plan(unbound, fill=float("nan"))
     with torch.no_grad():
         replayer = Replayer(unbound, plan_file.sources)
-        Applier(unbound, replayer.layout, params).apply(replayer.pack(with_slot_aliases(checkpoint, slot_names,
-                                                                                        placement)))
+        Applier(unbound, replayer.layout, params).apply(
+            replayer.pack(with_slot_aliases(checkpoint, slot_names, placement))
+        )
     written = dict(model.named_parameters())
     for name, t in params.items():
         assert torch.equal(bits(t), bits(written[name])), name
@@ -197,9 +235,13 @@ def test_vllm_own_reload_loads_wrong_experts_after_a_rebalance(model):
 def test_plan_header_and_slot_names():
     session, plan_file = _recorded("kimi-k2", 2, 2)
     slots = plan_file.header.eplb
-    assert (slots.num_logical_experts, slots.num_redundant_experts, slots.num_ep_ranks, slots.slots_per_rank) == \
-        (4, 2, 2, 3)
-    assert slots.moe_layers == (1,)   # Kimi-K2's layer 0 is dense
+    assert (slots.num_logical_experts, slots.num_redundant_experts, slots.num_ep_ranks, slots.slots_per_rank) == (
+        4,
+        2,
+        2,
+        3,
+    )
+    assert slots.moe_layers == (1,)  # Kimi-K2's layer 0 is dense
     plan = plan_file.rank(1)
     slot_reads = {n for n in plan.sources_read() if ".slot." in n}
     # rank 1 holds physical slots 3, 4, 5 of layer 1, and reads no checkpoint expert by name before binding
@@ -217,8 +259,11 @@ def test_deepseek_loader_skips_a_second_replica_on_the_same_rank():
     placement = make_placement([[0, 2, 1, 3, 3, 1] for _ in slots.moe_layers], slots)
     real = _load_real(session, 1, checkpoint, placement)
     layer = slots.moe_layers[0]
-    assert _slot_experts(real, session, 1, checkpoint, placement) == {(layer, 3): True, (layer, 4): False,
-                                                                      (layer, 5): True}
+    assert _slot_experts(real, session, 1, checkpoint, placement) == {
+        (layer, 3): True,
+        (layer, 4): False,
+        (layer, 5): True,
+    }
     ours, _ = _load_shardplan(session, plan_file, 1, checkpoint, placement)
     assert all(_slot_experts(ours, session, 1, checkpoint, placement).values())
 
@@ -265,6 +310,7 @@ def test_engine_reads_the_live_placement_drains_first_and_notices_a_change(model
     def drain_async():
         drained.append(True)
         model_state.rebalanced = False
+
     state = SimpleNamespace(is_async=True, model_states={"m": model_state}, drain_async=drain_async)
     engine = EngineEplb(model, slots, use_async=True, eplb_state=state)
     assert engine.before_update() == placement and drained == [True]
@@ -289,7 +335,7 @@ def test_live_placement_through_publish_pack_apply_equals_the_real_loader():
 
     session, plan_file = _recorded("kimi-k2", 2, 6)
     slots = plan_file.header.eplb
-    rows = [[3, 1, 2, 0, 1, 1, 2, 3, 0, 0]] * len(slots.moe_layers)   # expert 1 thrice (twice on rank 0)
+    rows = [[3, 1, 2, 0, 1, 1, 2, 3, 0, 0]] * len(slots.moe_layers)  # expert 1 thrice (twice on rank 0)
     placement = make_placement(rows, slots)
     checkpoint = _checkpoint(session, 11)
     control = Control.serve("127.0.0.1")
@@ -326,11 +372,13 @@ def test_backend_refuses_a_plan_whose_eplb_slots_are_not_the_engines():
     from shardplan.engine.errors import EnginePlanMismatch
 
     backend = object.__new__(ShardplanWeightTransferEngine)
-    backend.parallel_config = SimpleNamespace(enable_eplb=True, eplb_config=SimpleNamespace(
-        num_redundant_experts=2, use_async=True))
+    backend.parallel_config = SimpleNamespace(
+        enable_eplb=True, eplb_config=SimpleNamespace(num_redundant_experts=2, use_async=True)
+    )
     plain = SimpleNamespace(header=SimpleNamespace(eplb=None), path="plans/m--tp2-ep--bfloat16.plan")
-    with pytest.raises(EnginePlanMismatch, match="EplbPlanMismatch: .* recorded without EPLB slots.*"
-                                                 "--eplb-redundant 2"):
+    with pytest.raises(
+        EnginePlanMismatch, match="EplbPlanMismatch: .* recorded without EPLB slots.*--eplb-redundant 2"
+    ):
         backend._check_eplb(plain)
     _, plan_file = _recorded("qwen3-30b-a3b", 2, 4)
     with pytest.raises(EnginePlanMismatch, match="recorded with 4 redundant expert slots.*num_redundant_experts=2"):
@@ -345,8 +393,17 @@ def test_cli_records_an_eplb_plan_of_its_own_and_refuses_layouts_vllm_would(tmp_
     from shardplan.cli import main
     from shardplan.plan.inspect import inspect_plan
 
-    args = ["record", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "--out", str(tmp_path),
-            *[x for o in MODELS["qwen3-30b-a3b"] for x in ("--override", o)]]
+    args = [
+        "record",
+        "--model",
+        "qwen3-30b-a3b",
+        "--tp",
+        "2",
+        "--ep",
+        "--out",
+        str(tmp_path),
+        *[x for o in MODELS["qwen3-30b-a3b"] for x in ("--override", o)],
+    ]
     assert main(args + ["--eplb-redundant", "2"]) == 0
     (path,) = tmp_path.glob("*.plan")
     assert "--tp2-ep-eplb2--" in path.name

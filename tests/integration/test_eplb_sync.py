@@ -2,6 +2,7 @@
 driver publishes each consumer's placement as its engine backend would (`v<V>/placement/<consumer>`); every consumer
 slot must then hold the expert of that version's placement, bitwise, after rebalances between versions; a consumer that
 publishes nothing fails only its own lanes, named (PlacementNotPublished), and the other consumer completes."""
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,15 @@ from shardplan.plan.placement import make_placement
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
 from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
 from shardplan.transport import consumer_name
-from tests.integration.test_sync import TIMEOUT_S, LocalCluster, _cluster_setup, _context, _FullSource, _Received, \
-    received
+from tests.integration.test_sync import (
+    TIMEOUT_S,
+    LocalCluster,
+    _cluster_setup,
+    _context,
+    _FullSource,
+    _Received,
+    received,
+)
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots
 
 MOE = (1, 2)
@@ -42,6 +50,7 @@ class EplbWorld:
 
     def unpacker(self, rank):
         from shardplan.runtime.apply import params_from_plan
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         return _Received(ApplyUnpacker(self.plans[rank], params), params)
 
@@ -51,8 +60,9 @@ def build_eplb_rank(world_factory, name, transport, control, config=None):
     config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
     if name.startswith("trainer"):
         rank = int(name[7:])
-        return TrainerSync(rank, world.packer(control, config.timeout_s), world.source(rank), transport, control,
-                           config)
+        return TrainerSync(
+            rank, world.packer(control, config.timeout_s), world.source(rank), transport, control, config
+        )
     return ConsumerSync(int(name[8:]), world.unpacker(int(name[8:])), transport, control, config)
 
 
@@ -73,9 +83,11 @@ def test_each_version_fills_slots_from_the_placement_its_consumer_published():
     world = cluster.world
     slots = world.slots
     try:
-        placements = {1: [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]],     # start-up
-                      2: [[1, 2, 0, 3, 2, 0], [3, 3, 2, 1, 0, 1]],     # rebalanced: a replica twice on rank 0
-                      3: [[0, 2, 1, 3, 1, 1], [2, 3, 0, 1, 0, 2]]}
+        placements = {
+            1: [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]],  # start-up
+            2: [[1, 2, 0, 3, 2, 0], [3, 3, 2, 1, 0, 1]],  # rebalanced: a replica twice on rank 0
+            3: [[0, 2, 1, 3, 1, 1], [2, 3, 0, 1, 0, 2]],
+        }
         for version in (1, 2):
             placement = make_placement(placements[version], slots)
             for c in range(world.num_consumers):
@@ -96,7 +108,7 @@ def test_each_version_fills_slots_from_the_placement_its_consumer_published():
         assert results["consumer0"][0] == "ok", results
         expected_slots(cluster.call("consumer0", received), placement, slots, 0, world.tensors)
         failed = [t for t in ("trainer0", "trainer1") if results[t][0] != "ok"]
-        assert failed, results   # the trainer(s) serving consumer1
+        assert failed, results  # the trainer(s) serving consumer1
         for t in failed:
             assert results[t][0] == "error" and "consumer1" in str(results[t][1]), results[t]
             assert "published no EPLB placement for version 3" in str(results[t][1]), results[t]

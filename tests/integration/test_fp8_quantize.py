@@ -13,16 +13,18 @@
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
   repeating vLLM's reason; `test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason`: the CLI's one-paragraph error.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import PlanFile, decode
+from shardplan.plan.layout import Layout
 from shardplan.record import verify
 from shardplan.record.build import Fp8BlockMisaligned, build_model, loading_context
 from shardplan.record.session import RecordSession
@@ -42,15 +44,38 @@ def fp8_overrides(model: str, tp_max: int = 4) -> list[str]:
     384 rows, so that TP2 and TP4 give 192- and 96-row expert partitions: not whole 128-blocks, the refined scale grid
     (vLLM: blocks of gcd(128, rows per rank, hidden) = 64 and 32) that the real model has at TP4 (768 / 4 = 192)."""
     if model.startswith("qwen3"):
-        return ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
-                "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
-                "vocab_size=300"]
+        return [
+            "num_hidden_layers=2",
+            "hidden_size=256",
+            "num_attention_heads=8",
+            "num_key_value_heads=4",
+            "head_dim=128",
+            "moe_intermediate_size=384",
+            "num_experts=4",
+            "num_experts_per_tok=2",
+            "vocab_size=300",
+        ]
     inter = 128 * tp_max
-    return ["num_hidden_layers=2", "first_k_dense_replace=1", "hidden_size=256", "num_attention_heads=8",
-            "num_key_value_heads=8", f"intermediate_size={inter}", f"moe_intermediate_size={inter}",
-            "n_routed_experts=4", "num_experts_per_tok=2", "n_group=1", "topk_group=1", "n_shared_experts=1",
-            "q_lora_rank=128", "kv_lora_rank=128", "qk_nope_head_dim=64", "qk_rope_head_dim=64", "v_head_dim=128",
-            "vocab_size=300"]
+    return [
+        "num_hidden_layers=2",
+        "first_k_dense_replace=1",
+        "hidden_size=256",
+        "num_attention_heads=8",
+        "num_key_value_heads=8",
+        f"intermediate_size={inter}",
+        f"moe_intermediate_size={inter}",
+        "n_routed_experts=4",
+        "num_experts_per_tok=2",
+        "n_group=1",
+        "topk_group=1",
+        "n_shared_experts=1",
+        "q_lora_rank=128",
+        "kv_lora_rank=128",
+        "qk_nope_head_dim=64",
+        "qk_rope_head_dim=64",
+        "v_head_dim=128",
+        "vocab_size=300",
+    ]
 
 
 _SESSIONS: dict = {}
@@ -130,7 +155,7 @@ def bf16_and_fp8_checkpoints(s: RecordSession, seed: int):
 @given(model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 4]), ep=st.booleans(), data=st.data())
 def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     rank = data.draw(st.integers(0, tp - 1), label="rank")
-    check_rank(model, tp, ep, rank, data.draw(st.integers(0, 2 ** 16), label="seed"))
+    check_rank(model, tp, ep, rank, data.draw(st.integers(0, 2**16), label="seed"))
 
 
 def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
@@ -153,7 +178,7 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
     replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
     assert not any(n.endswith("_scale_inv") for n in replayer.sources_read())
     with torch.no_grad():
-        consumer_layout = PackLayout.from_plans(plan, 256, None)   # what the consumer computes from its own plan
+        consumer_layout = PackLayout.from_plans(plan, 256, None)  # what the consumer computes from its own plan
         assert consumer_layout.digest == replayer.layout.digest
         Applier(plan, consumer_layout, params).apply(replayer.pack(trainer))
     verdict = verify.RankVerdict(rank)
@@ -189,10 +214,14 @@ def test_refined_scale_grid_is_recorded_exactly():
 def test_misaligned_layout_is_named():
     """Dense MLP of 256 at TP4: 64-row partitions of 128-blocks; vLLM's reason is repeated."""
     overrides = [o for o in fp8_overrides("deepseek-v3-fp8") if not o.startswith("intermediate_size")]
-    s = RecordSession("deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True),
-                      overrides=overrides + ["intermediate_size=256"])
-    with pytest.raises(Fp8BlockMisaligned, match=r"vLLM refuses block-FP8 deepseek-v3-fp8 on tp4-ep .*is not "
-                                                 r"divisible by weight quantization block_k = 128"):
+    s = RecordSession(
+        "deepseek-v3-fp8", Layout(tp=4, pp=1, dp=1, ep=True), overrides=overrides + ["intermediate_size=256"]
+    )
+    with pytest.raises(
+        Fp8BlockMisaligned,
+        match=r"vLLM refuses block-FP8 deepseek-v3-fp8 on tp4-ep .*is not "
+        r"divisible by weight quantization block_k = 128",
+    ):
         s.record_rank(0)
 
 
@@ -201,11 +230,27 @@ def test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason(tmp_path, capsys):
     576 columns): exit 2, one paragraph that names the model, the layout, vLLM's sentence and what to do."""
     from shardplan.cli import main
 
-    assert main(["record", "--model", "kimi-k2-fp8", "--tp", "32", "--override", "num_hidden_layers=2",
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "record",
+                "--model",
+                "kimi-k2-fp8",
+                "--tp",
+                "32",
+                "--override",
+                "num_hidden_layers=2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err, err
-    assert err.startswith("shardplan record: error: vLLM refuses block-FP8 kimi-k2-fp8 on tp32 (rank 0): Weight "
-                          "input_size_per_partition = 576 is not divisible by weight quantization block_k = 128."), err
+    assert err.startswith(
+        "shardplan record: error: vLLM refuses block-FP8 kimi-k2-fp8 on tp32 (rank 0): Weight "
+        "input_size_per_partition = 576 is not divisible by weight quantization block_k = 128."
+    ), err
     assert "choose a smaller TP size" in err
     assert not list(tmp_path.glob("*.plan"))

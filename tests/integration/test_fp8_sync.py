@@ -9,6 +9,7 @@ replicated trainers hold BF16 tensors under the BF16 checkpoint's names (no scal
 nccl adapter (gloo), Mooncake TCP, Ray RDT over gloo and over NIXL, all on loopback. Then the trainer side's named
 errors: a tensor the quantizer cannot take, an inf/NaN source, a misaligned box.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,17 +17,24 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
+
+from shardplan.plan.compile.compiler import compile_plans
+from shardplan.runtime.quantize import BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError, quantize_blocks
 from shardplan.sync import SyncConfig
 from shardplan.transport import consumer_name
-from shardplan.plan.compile.compiler import compile_plans
-from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError,
-                                        quantize_blocks)
 
-QWEN3_FP8_SHRUNK = ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
-                    "head_dim=128", "moe_intermediate_size=384", "num_experts=4", "num_experts_per_tok=2",
-                    "vocab_size=300"]
+QWEN3_FP8_SHRUNK = [
+    "num_hidden_layers=2",
+    "hidden_size=256",
+    "num_attention_heads=8",
+    "num_key_value_heads=4",
+    "head_dim=128",
+    "moe_intermediate_size=384",
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "vocab_size=300",
+]
 # each decoder layer moves in 2-3 parts (the parts path); every part re-quantizes the weights it reads
 FP8_PART_BYTES = 256 << 10
 
@@ -65,6 +73,7 @@ def _one_thread() -> None:
 @dataclass
 class Fp8World(PlanWorld):
     """A recorded FP8 plan file: 2 replicated BF16 trainers (quantizing packers) -> 4 consumers."""
+
     path: str = ""
     seed: int = 0
     num_consumers: int = 4
@@ -72,12 +81,14 @@ class Fp8World(PlanWorld):
     def __post_init__(self):
         from shardplan.plan.file.format import PlanFile
         from shardplan.sync import ReplayPacker, spans_of
+
         plan_file = PlanFile.read(self.path)
         self.plans = [plan_file.rank(r) for r in range(self.num_consumers)]
         self.sources = {n: plan_file.sources[n] for n in plan_file.sources}
         self.tensors = trainer_tensors(self.sources, self.seed)
-        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=FP8_PART_BYTES,
-                                    quantizer=plan_file.header.quantizer)
+        self._packer = ReplayPacker(
+            self.plans, self.sources, max_group_bytes=FP8_PART_BYTES, quantizer=plan_file.header.quantizer
+        )
         self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
         assert any("/" in g for g in self.groups), "the parts path is not exercised"
 
@@ -89,6 +100,7 @@ class Fp8World(PlanWorld):
         _one_thread()
         from shardplan.runtime.apply import params_from_plan
         from shardplan.sync import ApplyUnpacker
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
 
@@ -127,8 +139,8 @@ _RECORDED: dict = {}
 
 def recorded(tmp_path_factory):
     """(session, plans, plan file path) of the shrunk Qwen3-30B-A3B-FP8 at TP4, recorded once per module."""
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import write_plan
+    from shardplan.plan.layout import Layout
     from shardplan.record.session import RecordSession
 
     if not _RECORDED:
@@ -150,8 +162,13 @@ def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factor
         pytest.importorskip("mooncake.engine", exc_type=ImportError)
     session, plans, path = recorded(tmp_path_factory)
     world = Fp8World(path=str(path), seed=11)
-    assert not any(n.endswith("_scale_inv") for s in world.spans.values() for spans in s.values()
-                   for span in spans for n in span.sources), "trainers hold no scales"
+    assert not any(
+        n.endswith("_scale_inv")
+        for s in world.spans.values()
+        for spans in s.values()
+        for span in spans
+        for n in span.sources
+    ), "trainers hold no scales"
     got = run_sync(functools.partial(Fp8World, path=str(path), seed=11), transport)
     for rank in range(4):
         real_params = real_loader_bytes(session, world, rank)
@@ -159,7 +176,7 @@ def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factor
         assert any("experts" in n for n in fp8) and any(n.endswith("w13_weight_scale_inv") for n in real_params)
         for meta in plans[rank].params:
             assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
-        for name in fp8:   # every fp8 byte arrived (no NaN poison left, which both sides would share)
+        for name in fp8:  # every fp8 byte arrived (no NaN poison left, which both sides would share)
             assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
 
 
@@ -175,7 +192,7 @@ def real_loader_bytes(session, world, rank: int) -> dict[str, torch.Tensor]:
     if rank not in _REAL:
         checkpoint = fp8_checkpoint(world.tensors, world.sources)
         real = build_model(session.vllm_config, session.layout, rank, "cpu")
-        verify.poison(real)   # a param the loader skipped stays NaN: never equal to the consumer's bytes by chance
+        verify.poison(real)  # a param the loader skipped stays NaN: never equal to the consumer's bytes by chance
         with torch.no_grad(), loading_context(session.vllm_config, session.layout, rank):
             real.load_weights(iter(list(checkpoint.items())))
         _REAL[rank] = {n: as_bytes(t) for n, t in real.named_parameters()}
@@ -215,8 +232,10 @@ def test_fp8_packer_names_bad_trainer_input(tmp_path_factory):
 
     def shifted(w):
         region = w.src.region
-        return dataclasses.replace(w, src=ir.View(w.src.leaf, ir.Region(region.offset + 64 * hidden, region.sizes,
-                                                                         region.strides)))
+        return dataclasses.replace(
+            w, src=ir.View(w.src.leaf, ir.Region(region.offset + 64 * hidden, region.sizes, region.strides))
+        )
+
     writes = tuple(shifted(w) if ir.is_pure_view(w) and w.src.leaf == ir.Source(q) else w for w in plan.writes)
     assert writes != plan.writes
     with pytest.raises(BlockAlignmentError, match=rf"rank 1 reads rows/cols \[\[320, 576\], \[0, 256\]\] of '{q}'"):
@@ -241,8 +260,13 @@ def test_engine_trainer_side_quantizes_an_fp8_plan_by_itself(tmp_path_factory):
     assert not any(n.endswith("_scale_inv") for n in metas) and metas[q].dtype == "bfloat16"
     tensors = source.group("layers.0")
     assert tensors[q].dtype == torch.bfloat16 and torch.equal(tensors[q], world.tensors[q])
-    packer = make_packer([plan_file.rank(1)], plan_file.sources, plan_file.header.eplb, max_group_bytes=None,
-                         quantizer=plan_file.header.quantizer)
+    packer = make_packer(
+        [plan_file.rank(1)],
+        plan_file.sources,
+        plan_file.header.eplb,
+        max_group_bytes=None,
+        quantizer=plan_file.header.quantizer,
+    )
     spans = packer.spans(1, "layers.0")
     out = torch.zeros(packer.replayers[1].for_group("layers.0").layout.nbytes, dtype=torch.uint8)
     packer.pack(1, "layers.0", tensors, out, list(range(len(spans))))

@@ -1,8 +1,8 @@
 """Tests for shardplan.models: built-in configs, resolution, overrides, errors, and on-disk tensor listings."""
+
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import struct
@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shardplan import models
 from shardplan.errors import ShardplanError
 from shardplan.models import (
-    ConfigError, ModelSpec, UnknownModelError, config_sha256, list_models, resolve_model,
+    ConfigError,
+    ModelSpec,
+    UnknownModelError,
+    config_sha256,
+    list_models,
+    resolve_model,
 )
 from shardplan.record import checkpoint
 from shardplan.record.checkpoint import checkpoint_tensors, read_safetensors_header
@@ -37,51 +41,157 @@ BUILTINS = {
     "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
     "qwen3-30b-a3b-fp8": "Qwen/Qwen3-30B-A3B-FP8",
 }
-VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}   # their HF id names resolve to the BF16 one
+VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}  # their HF id names resolve to the BF16 one
 
 # Public facts about each model (from the hub config.json files and model cards).
 KNOWN_FACTS = {
-    "kimi-k2": dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
-                    n_routed_experts=384, vocab_size=163840, first_k_dense_replace=1, moe_intermediate_size=2048,
-                    num_attention_heads=64, n_shared_experts=1, num_experts_per_tok=8, kv_lora_rank=512,
-                    q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    num_nextn_predict_layers=0, tie_word_embeddings=False),
-    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
-                        n_routed_experts=256, vocab_size=129280, first_k_dense_replace=3, num_attention_heads=128,
-                        moe_intermediate_size=2048, intermediate_size=18432, num_nextn_predict_layers=1,
-                        n_group=8, topk_group=4),
-    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=94, num_experts=128,
-                            hidden_size=4096, head_dim=128, num_key_value_heads=4, num_attention_heads=64,
-                            moe_intermediate_size=1536, num_experts_per_tok=8, vocab_size=151936),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=48, num_experts=128,
-                          hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4),
-    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], num_hidden_layers=32, hidden_size=4096,
-                         intermediate_size=14336, vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0),
-    "llama-3.1-70b": dict(architectures=["LlamaForCausalLM"], num_hidden_layers=80, hidden_size=8192,
-                          intermediate_size=28672, vocab_size=128256, num_attention_heads=64, num_key_value_heads=8),
-    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], num_hidden_layers=28, hidden_size=3584,
-                       intermediate_size=18944, vocab_size=152064, num_key_value_heads=4, num_attention_heads=28),
-    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], num_hidden_layers=32, num_local_experts=8,
-                         intermediate_size=14336, vocab_size=32000, hidden_size=4096, num_experts_per_tok=2),
-    "gpt-oss-120b": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=36, num_local_experts=128,
-                         hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
-                         head_dim=64, vocab_size=201088, num_experts_per_tok=4, sliding_window=128),
-    "qwen3-next-80b-a3b": dict(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=48, num_experts=512,
-                               hidden_size=2048, num_experts_per_tok=10, full_attention_interval=4, head_dim=256,
-                               linear_num_value_heads=32, linear_num_key_heads=16, vocab_size=151936),
-    "glm-4.5": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=92, n_routed_experts=160,
-                    hidden_size=5120, num_attention_heads=96, num_key_value_heads=8, first_k_dense_replace=3,
-                    moe_intermediate_size=1536, vocab_size=151552, max_position_embeddings=131072),
-    "glm-4.6": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=92, n_routed_experts=160,
-                    hidden_size=5120, max_position_embeddings=202752),
+    "kimi-k2": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        hidden_size=7168,
+        num_hidden_layers=61,
+        n_routed_experts=384,
+        vocab_size=163840,
+        first_k_dense_replace=1,
+        moe_intermediate_size=2048,
+        num_attention_heads=64,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+    ),
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        hidden_size=7168,
+        num_hidden_layers=61,
+        n_routed_experts=256,
+        vocab_size=129280,
+        first_k_dense_replace=3,
+        num_attention_heads=128,
+        moe_intermediate_size=2048,
+        intermediate_size=18432,
+        num_nextn_predict_layers=1,
+        n_group=8,
+        topk_group=4,
+    ),
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        num_hidden_layers=94,
+        num_experts=128,
+        hidden_size=4096,
+        head_dim=128,
+        num_key_value_heads=4,
+        num_attention_heads=64,
+        moe_intermediate_size=1536,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        num_hidden_layers=48,
+        num_experts=128,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+    ),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+    ),
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=128256,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        num_hidden_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        vocab_size=152064,
+        num_key_value_heads=4,
+        num_attention_heads=28,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        num_hidden_layers=32,
+        num_local_experts=8,
+        intermediate_size=14336,
+        vocab_size=32000,
+        hidden_size=4096,
+        num_experts_per_tok=2,
+    ),
+    "gpt-oss-120b": dict(
+        architectures=["GptOssForCausalLM"],
+        num_hidden_layers=36,
+        num_local_experts=128,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=201088,
+        num_experts_per_tok=4,
+        sliding_window=128,
+    ),
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"],
+        num_hidden_layers=48,
+        num_experts=512,
+        hidden_size=2048,
+        num_experts_per_tok=10,
+        full_attention_interval=4,
+        head_dim=256,
+        linear_num_value_heads=32,
+        linear_num_key_heads=16,
+        vocab_size=151936,
+    ),
+    "glm-4.5": dict(
+        architectures=["Glm4MoeForCausalLM"],
+        num_hidden_layers=92,
+        n_routed_experts=160,
+        hidden_size=5120,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        first_k_dense_replace=3,
+        moe_intermediate_size=1536,
+        vocab_size=151552,
+        max_position_embeddings=131072,
+    ),
+    "glm-4.6": dict(
+        architectures=["Glm4MoeForCausalLM"],
+        num_hidden_layers=92,
+        n_routed_experts=160,
+        hidden_size=5120,
+        max_position_embeddings=202752,
+    ),
 }
 
 # Overrides that shrink each built-in to 2 layers with few experts, keeping one dense and one MoE layer where the
 # model has both kinds.
 SHRINK = {
     "kimi-k2": ["num_hidden_layers=2", "n_routed_experts=4"],
-    "deepseek-v3": ["num_hidden_layers=2", "n_routed_experts=4", "first_k_dense_replace=1", "n_group=1",
-                    "topk_group=1"],
+    "deepseek-v3": [
+        "num_hidden_layers=2",
+        "n_routed_experts=4",
+        "first_k_dense_replace=1",
+        "n_group=1",
+        "topk_group=1",
+    ],
     "qwen3-235b-a22b": ["num_hidden_layers=2", "num_experts=4", "mlp_only_layers=[1]"],
     "qwen3-30b-a3b": ["num_hidden_layers=2", "num_experts=4"],
     "llama-3.1-8b": ["num_hidden_layers=2"],
@@ -94,7 +204,8 @@ SHRINK = {
 # vLLM's own cache, as it resolves before the fixture below redirects XDG_CACHE_HOME: reusing it keeps the vLLM test
 # fast after its first run (vLLM caches each architecture's inspection there).
 USER_VLLM_CACHE = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +216,7 @@ def _cache_in_tmp(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ expected tensors
 # Written independently of transformers, from the architectures' published checkpoint layouts.
+
 
 def expected_tensors(cfg: dict, dtype: str = "bfloat16") -> dict[str, tuple[tuple[int, ...], str]]:
     arch = cfg["architectures"][0]
@@ -121,29 +233,48 @@ def expected_tensors(cfg: dict, dtype: str = "bfloat16") -> dict[str, tuple[tupl
         if arch == "DeepseekV3ForCausalLM":
             nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
             qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-            out.update({
-                p + "self_attn.q_a_proj.weight": (qr, H), p + "self_attn.q_a_layernorm.weight": (qr,),
-                p + "self_attn.q_b_proj.weight": (heads * (nope + rope), qr),
-                p + "self_attn.kv_a_proj_with_mqa.weight": (kvr + rope, H),
-                p + "self_attn.kv_a_layernorm.weight": (kvr,),
-                p + "self_attn.kv_b_proj.weight": (heads * (nope + vd), kvr),
-                p + "self_attn.o_proj.weight": (H, heads * vd),
-            })
+            out.update(
+                {
+                    p + "self_attn.q_a_proj.weight": (qr, H),
+                    p + "self_attn.q_a_layernorm.weight": (qr,),
+                    p + "self_attn.q_b_proj.weight": (heads * (nope + rope), qr),
+                    p + "self_attn.kv_a_proj_with_mqa.weight": (kvr + rope, H),
+                    p + "self_attn.kv_a_layernorm.weight": (kvr,),
+                    p + "self_attn.kv_b_proj.weight": (heads * (nope + vd), kvr),
+                    p + "self_attn.o_proj.weight": (H, heads * vd),
+                }
+            )
         else:
             hd = cfg.get("head_dim") or H // heads
             kv = cfg["num_key_value_heads"]
-            out.update({p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
-                        p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": (heads * hd, H),
+                    p + "self_attn.k_proj.weight": (kv * hd, H),
+                    p + "self_attn.v_proj.weight": (kv * hd, H),
+                    p + "self_attn.o_proj.weight": (H, heads * hd),
+                }
+            )
             if arch == "Qwen2ForCausalLM":
-                out.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
-                            p + "self_attn.v_proj.bias": (kv * hd,)})
+                out.update(
+                    {
+                        p + "self_attn.q_proj.bias": (heads * hd,),
+                        p + "self_attn.k_proj.bias": (kv * hd,),
+                        p + "self_attn.v_proj.bias": (kv * hd,),
+                    }
+                )
             if arch == "Qwen3MoeForCausalLM":
                 out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
 
         def swiglu(prefix, inter, names=("gate_proj", "up_proj", "down_proj")):
             gate, up, down = names
-            out.update({prefix + f"{gate}.weight": (inter, H), prefix + f"{up}.weight": (inter, H),
-                        prefix + f"{down}.weight": (H, inter)})
+            out.update(
+                {
+                    prefix + f"{gate}.weight": (inter, H),
+                    prefix + f"{up}.weight": (inter, H),
+                    prefix + f"{down}.weight": (H, inter),
+                }
+            )
 
         if arch == "DeepseekV3ForCausalLM":
             if i >= cfg["first_k_dense_replace"] and i % cfg["moe_layer_freq"] == 0:
@@ -179,6 +310,7 @@ def as_dict(tensors):
 
 
 # ------------------------------------------------------------------------------------------ registry
+
 
 def test_list_models_names_every_builtin():
     listed = {short: (hf_id, arch) for short, hf_id, arch in list_models()}
@@ -219,14 +351,20 @@ def test_deepseek_family_describes_bf16_checkpoint_without_remote_code(short):
     assert config["rope_scaling"]["type"] == "yarn"
 
 
-@pytest.mark.parametrize("short,bf16", [("kimi-k2-fp8", "kimi-k2"), ("deepseek-v3-fp8", "deepseek-v3"),
-                                        ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b")])
+@pytest.mark.parametrize(
+    "short,bf16",
+    [("kimi-k2-fp8", "kimi-k2"), ("deepseek-v3-fp8", "deepseek-v3"), ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b")],
+)
 def test_fp8_builtins_are_the_bf16_config_plus_the_public_quantization_config(short, bf16):
     fp8, base = resolve_model(short).config, resolve_model(bf16).config
     quant = fp8.pop("quantization_config")
     assert fp8 == base
     assert {k: quant[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     if short.startswith("qwen3"):  # the LM head and every layer's router stay in BF16, as in the hub config
         assert quant["modules_to_not_convert"] == ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(48)]
     else:
@@ -256,6 +394,7 @@ def test_missing_path_says_so(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ broken configs
+
 
 def write_config(directory: Path, config: dict | str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
@@ -307,10 +446,19 @@ def test_directory_without_config(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ overrides
 
+
 def test_overrides_values_nested_and_dict_form():
     base = resolve_model("kimi-k2")
-    spec = resolve_model("kimi-k2", ["num_hidden_layers=2", "rope_scaling.factor=8.0", "torch_dtype=float16",
-                                     "eos_token_id=[1, 2]", "new_block.inner.x=true"])
+    spec = resolve_model(
+        "kimi-k2",
+        [
+            "num_hidden_layers=2",
+            "rope_scaling.factor=8.0",
+            "torch_dtype=float16",
+            "eos_token_id=[1, 2]",
+            "new_block.inner.x=true",
+        ],
+    )
     config = spec.config
     assert config["num_hidden_layers"] == 2 and isinstance(config["num_hidden_layers"], int)
     assert config["rope_scaling"]["factor"] == 8.0
@@ -319,19 +467,29 @@ def test_overrides_values_nested_and_dict_form():
     assert config["new_block"] == {"inner": {"x": True}}
     assert spec.config_sha256 != base.config_sha256
     assert resolve_model("kimi-k2").config["num_hidden_layers"] == 61  # the built-in is not modified
-    as_dict_form = resolve_model("kimi-k2", {"num_hidden_layers": 2, "rope_scaling.factor": 8.0,
-                                             "torch_dtype": "float16", "eos_token_id": [1, 2],
-                                             "new_block.inner.x": True})
+    as_dict_form = resolve_model(
+        "kimi-k2",
+        {
+            "num_hidden_layers": 2,
+            "rope_scaling.factor": 8.0,
+            "torch_dtype": "float16",
+            "eos_token_id": [1, 2],
+            "new_block.inner.x": True,
+        },
+    )
     assert as_dict_form.config_sha256 == spec.config_sha256
     assert resolve_model("kimi-k2", "num_hidden_layers=3").config["num_hidden_layers"] == 3  # single string
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("foo", "key=value"),
-    ("=3", "empty part"),
-    ("rope_scaling..factor=2", "empty part"),
-    ("num_hidden_layers.x=1", "'num_hidden_layers' is 61"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("foo", "key=value"),
+        ("=3", "empty part"),
+        ("rope_scaling..factor=2", "empty part"),
+        ("num_hidden_layers.x=1", "'num_hidden_layers' is 61"),
+    ],
+)
 def test_bad_overrides(override, needle):
     with pytest.raises(ConfigError) as info:
         resolve_model("kimi-k2", [override])
@@ -346,6 +504,7 @@ def test_override_through_null_and_invalidating_override():
 
 
 # ------------------------------------------------------------------------------------------ local + materialize
+
 
 def test_local_dir_and_config_path(tmp_path):
     config = dict(resolve_model("qwen2.5-7b").config, _shardplan={"hf_id": "x", "aliases": []})
@@ -389,13 +548,15 @@ def test_spec_is_hashable_and_frozen():
 
 # ------------------------------------------------------------------------------------------ checkpoint tensors
 
+
 @pytest.mark.parametrize("short", sorted(SHRINK))  # the families expected_tensors knows
 def test_checkpoint_tensors_per_expert_names_match_config(short):
     spec = resolve_model(short, SHRINK[short])
     tensors = checkpoint_tensors(spec)
     assert as_dict(tensors) == expected_tensors(spec.config)
     assert [name for name, _, _ in tensors] == sorted(
-        (name for name, _, _ in tensors), key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+        (name for name, _, _ in tensors), key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")]
+    )
     assert config_sha256(spec.config) == spec.config_sha256  # listing must not modify the config
 
 
@@ -414,6 +575,7 @@ def test_dtype_argument_and_float32_bias():
     assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
     assert {d for n, d in dtypes.items() if not n.endswith("e_score_correction_bias")} == {"float16"}
     import torch
+
     assert checkpoint_tensors(spec, dtype=torch.float16) == checkpoint_tensors(spec, dtype="float16")
     with pytest.raises(ShardplanError, match="Unknown dtype"):
         checkpoint_tensors(spec, dtype="bfloat17")
@@ -442,9 +604,11 @@ def test_mtp_layers_only_on_request():
     assert extra["model.layers.2.mlp.experts.3.down_proj.weight"] == ((H, 2048), "bfloat16")
     assert extra["model.layers.2.mlp.gate.e_score_correction_bias"] == ((4,), "float32")
     assert set(with_mtp) - set(without) == set(extra) and len(extra) == 6 + len(
-        [n for n in without if n.startswith("model.layers.1.")])
-    assert checkpoint_tensors(resolve_model("kimi-k2", SHRINK["kimi-k2"]), include_mtp=True) == \
-        checkpoint_tensors(resolve_model("kimi-k2", SHRINK["kimi-k2"]))  # Kimi-K2 ships no MTP layers
+        [n for n in without if n.startswith("model.layers.1.")]
+    )
+    assert checkpoint_tensors(resolve_model("kimi-k2", SHRINK["kimi-k2"]), include_mtp=True) == checkpoint_tensors(
+        resolve_model("kimi-k2", SHRINK["kimi-k2"])
+    )  # Kimi-K2 ships no MTP layers
 
 
 def test_hub_model_type_kimi_k2_and_unknown_model_type(tmp_path):
@@ -478,9 +642,18 @@ def test_kimi_k2_full_size_count_and_cache():
 
 # ------------------------------------------------------------------------------------------ safetensors
 
-TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=16, intermediate_size=24,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32,
-                  tie_word_embeddings=False, torch_dtype="bfloat16")
+TINY_LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=32,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
 
 
 def write_tiny_checkpoint(directory: Path, with_index: bool) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -489,8 +662,10 @@ def write_tiny_checkpoint(directory: Path, with_index: bool) -> dict[str, tuple[
     from safetensors.torch import save_file
 
     write_config(directory, TINY_LLAMA)
-    expected = {name: (shape, "float32" if "norm" in name else "bfloat16")
-                for name, (shape, _) in expected_tensors(TINY_LLAMA).items()}
+    expected = {
+        name: (shape, "float32" if "norm" in name else "bfloat16")
+        for name, (shape, _) in expected_tensors(TINY_LLAMA).items()
+    }
     shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
     for name, (shape, dtype) in expected.items():
         shard = "model-00001-of-00002.safetensors" if ".layers.1." not in name else "model-00002-of-00002.safetensors"
@@ -507,10 +682,20 @@ def test_read_safetensors_header(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    save_file({"a.weight": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.float32),
-               "c": torch.zeros((), dtype=torch.int64)}, str(tmp_path / "t.safetensors"), metadata={"k": "v"})
+    save_file(
+        {
+            "a.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
+            "b": torch.zeros(5, dtype=torch.float32),
+            "c": torch.zeros((), dtype=torch.int64),
+        },
+        str(tmp_path / "t.safetensors"),
+        metadata={"k": "v"},
+    )
     assert read_safetensors_header(tmp_path / "t.safetensors") == {
-        "a.weight": ((3, 4), "bfloat16"), "b": ((5,), "float32"), "c": ((), "int64")}
+        "a.weight": ((3, 4), "bfloat16"),
+        "b": ((5,), "float32"),
+        "c": ((), "int64"),
+    }
     (tmp_path / "short.safetensors").write_bytes(b"abc")
     with pytest.raises(ConfigError, match="short.safetensors"):
         read_safetensors_header(tmp_path / "short.safetensors")
@@ -547,6 +732,7 @@ def test_index_without_shards_takes_shapes_from_config(tmp_path):
 
 # ------------------------------------------------------------------------------------------ acceptance
 
+
 @pytest.mark.parametrize("short", sorted(BUILTINS))
 def test_transformers_accepts_materialized_config(short):
     from transformers import AutoConfig
@@ -571,8 +757,9 @@ def test_vllm_accepts_every_builtin(monkeypatch):
     dirs = [spec.materialize() for spec in specs]
 
     def build(model_dir):
-        return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
-                           enforce_eager=True)
+        return ModelConfig(
+            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, enforce_eager=True
+        )
 
     for spec, model_dir in zip(specs, dirs):
         model_config = build(model_dir)
@@ -585,7 +772,7 @@ def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
     """The checkpoint name list is kept on disk (the recording's own fixed cost): a hit returns the same list without a
     build, a corrupt or malformed entry is rebuilt, another config or transformers version is another entry, and
     SHARDPLAN_NAMES_CACHE=0 keeps nothing."""
-    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "1")   # tests/conftest.py turns it off for every other test
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "1")  # tests/conftest.py turns it off for every other test
     spec = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=4"])
     checkpoint._META_CACHE.clear()
     built = checkpoint_tensors(spec)
@@ -595,18 +782,23 @@ def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):
     real = checkpoint.on_disk_tensors
     monkeypatch.setattr(checkpoint, "on_disk_tensors", lambda *a, **k: builds.append(1) or real(*a, **k))
     checkpoint._META_CACHE.clear()
-    assert checkpoint_tensors(spec) == built and builds == []   # from disk, no build
-    for bad in ("{not json", json.dumps({"format": 1, "tensors": [["a", [2, -1], None]]}),
-                json.dumps({"format": 99, "tensors": [["a", [2], None]]}), json.dumps([1, 2])):
+    assert checkpoint_tensors(spec) == built and builds == []  # from disk, no build
+    for bad in (
+        "{not json",
+        json.dumps({"format": 1, "tensors": [["a", [2, -1], None]]}),
+        json.dumps({"format": 99, "tensors": [["a", [2], None]]}),
+        json.dumps([1, 2]),
+    ):
         entries[0].write_text(bad)
         checkpoint._META_CACHE.clear()
-        assert checkpoint_tensors(spec) == built   # rebuilt, and the entry rewritten whole
+        assert checkpoint_tensors(spec) == built  # rebuilt, and the entry rewritten whole
         assert json.loads(entries[0].read_text())["format"] == checkpoint._NAMES_CACHE_FORMAT
     assert len(builds) == 4
     other = resolve_model("qwen3-30b-a3b", ["num_hidden_layers=2", "num_experts=2"])
     checkpoint._META_CACHE.clear()
     assert checkpoint_tensors(other) != built
     import transformers
+
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
     checkpoint._META_CACHE.clear()
     assert checkpoint_tensors(spec) == built
@@ -642,24 +834,29 @@ def test_names_cache_entries_are_sealed_and_any_edit_is_rebuilt(tmp_path, monkey
     (other_entry,) = set(entry.parent.glob("*.json")) - {entry}
     rows = pristine["tensors"]
     norm = next(i for i, r in enumerate(rows) if r[0].endswith("input_layernorm.weight"))
-    resealed = lambda e: {**e, "sha256": checkpoint._names_seal(e["key"], e["tensors"])}   # noqa: E731
+    resealed = lambda e: {**e, "sha256": checkpoint._names_seal(e["key"], e["tensors"])}  # noqa: E731
 
     def edited(fn):
         e = json.loads(json.dumps(pristine))
         fn(e)
         return e
+
     edits = {
         "norm dropped": edited(lambda e: e["tensors"].pop(norm)),
         "shape changed": edited(lambda e: e["tensors"][norm][1].__setitem__(0, 7)),
         "dtype changed": edited(lambda e: e["tensors"][norm].__setitem__(2, "float32")),
-        "names swapped": edited(lambda e: e["tensors"].__setitem__(slice(0, 2), [
-            [e["tensors"][1][0]] + e["tensors"][0][1:], [e["tensors"][0][0]] + e["tensors"][1][1:]])),
+        "names swapped": edited(
+            lambda e: e["tensors"].__setitem__(
+                slice(0, 2), [[e["tensors"][1][0]] + e["tensors"][0][1:], [e["tensors"][0][0]] + e["tensors"][1][1:]]
+            )
+        ),
         "row duplicated": edited(lambda e: e["tensors"].append(e["tensors"][norm])),
         "seal edited": edited(lambda e: e.__setitem__("sha256", "0" * 64)),
         "extra field": edited(lambda e: e.__setitem__("note", 1)),
         "other key, resealed": resealed(edited(lambda e: e.__setitem__("key", "f" * 64))),
-        "norm dropped, resealed under the other key": resealed(edited(
-            lambda e: (e["tensors"].pop(norm), e.__setitem__("key", json.loads(other_entry.read_text())["key"])))),
+        "norm dropped, resealed under the other key": resealed(
+            edited(lambda e: (e["tensors"].pop(norm), e.__setitem__("key", json.loads(other_entry.read_text())["key"])))
+        ),
         "another config's entry": json.loads(other_entry.read_text()),
     }
     builds = []
@@ -672,7 +869,7 @@ def test_names_cache_entries_are_sealed_and_any_edit_is_rebuilt(tmp_path, monkey
         assert len(builds) == i + 1, f"{what}: served from the edited entry"
         assert json.loads(entry.read_text()) == pristine, f"{what}: not rewritten whole"
     checkpoint._META_CACHE.clear()
-    assert checkpoint_tensors(spec) == built and len(builds) == len(edits)   # the rewritten entry is a hit
+    assert checkpoint_tensors(spec) == built and len(builds) == len(edits)  # the rewritten entry is a hit
     # a plan recorded through an edited entry is the plan recorded without the cache
     entry.write_text(json.dumps(edits["norm dropped"]))
     checkpoint._META_CACHE.clear()

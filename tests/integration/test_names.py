@@ -6,6 +6,7 @@ the saved headers exactly, except where the released checkpoints are known to st
 revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts), which
 are then applied to the saved names. Architectures transformers cannot build must raise the named NamesError instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,12 @@ import pytest
 from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
-    _DISK_NAME_FIXUPS, FLOAT32_ON_DISK, NamesError, checkpoint_tensors, model_class, read_safetensors_header,
+    _DISK_NAME_FIXUPS,
+    FLOAT32_ON_DISK,
+    NamesError,
+    checkpoint_tensors,
+    model_class,
+    read_safetensors_header,
     transformers_config,
 )
 
@@ -38,7 +44,7 @@ def test_the_sweep_has_configs_for_most_architectures():
 def saved_headers(hf_config, arch: str, out: Path) -> dict:
     import torch
 
-    hf_config = transformers_config(hf_config, arch)   # vLLM's own class (kimi_linear) -> transformers'
+    hf_config = transformers_config(hf_config, arch)  # vLLM's own class (kimi_linear) -> transformers'
     cls = model_class(arch, hf_config)
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
@@ -97,15 +103,23 @@ def test_names_equal_save_pretrained(arch, tmp_path):
     if fixup is not None:
         renamed = ((fixup(n, view.text_config), v) for n, v in expected.items())
         expected = {n: v for n, v in renamed if n is not None}
-    assert set(derived) == set(expected), (sorted(set(derived) - set(expected))[:5],
-                                           sorted(set(expected) - set(derived))[:5])
+    assert set(derived) == set(expected), (
+        sorted(set(derived) - set(expected))[:5],
+        sorted(set(expected) - set(derived))[:5],
+    )
     wrong = {n: (derived[n], expected[n]) for n in derived if derived[n] != expected[n]}
     assert not wrong, list(wrong.items())[:5]
 
 
-@pytest.mark.parametrize("arch, fused", [("GptOssForCausalLM", "mlp.experts.gate_up_proj"),
-                                         ("Llama4ForCausalLM", "feed_forward.experts.gate_up_proj"),
-                                         ("MixtralForCausalLM", None), ("Qwen3MoeForCausalLM", None)])
+@pytest.mark.parametrize(
+    "arch, fused",
+    [
+        ("GptOssForCausalLM", "mlp.experts.gate_up_proj"),
+        ("Llama4ForCausalLM", "feed_forward.experts.gate_up_proj"),
+        ("MixtralForCausalLM", None),
+        ("Qwen3MoeForCausalLM", None),
+    ],
+)
 def test_experts_fused_or_per_expert_as_the_hub_stores_them(arch, fused, tmp_path):
     """GPT-OSS and Llama 4 hub checkpoints store experts fused; Mixtral and Qwen3-MoE one tensor per expert."""
     (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_config(arch)))
@@ -160,10 +174,15 @@ def test_deepseek_v3_names_equal_the_public_full_size_checkpoint(include_mtp):
     the built-in deepseek-v3 (BF16) lists exactly its tensors in BF16 form (fp8 weights as bfloat16, no
     weight_scale_inv; the router's e_score_correction_bias stays float32), MTP layer 61 only when asked for."""
     public = _public_tensors("deepseek-r1-fp8-tensors.json")
-    want = {n: (shape, "bfloat16" if dtype == "float8_e4m3fn" else dtype) for n, (shape, dtype) in public.items()
-            if not n.endswith("_scale_inv") and (include_mtp or not n.startswith("model.layers.61."))}
-    got = {n: (tuple(shape), str(dtype)) for n, shape, dtype in
-           checkpoint_tensors(models.resolve_model("deepseek-v3"), include_mtp=include_mtp)}
+    want = {
+        n: (shape, "bfloat16" if dtype == "float8_e4m3fn" else dtype)
+        for n, (shape, dtype) in public.items()
+        if not n.endswith("_scale_inv") and (include_mtp or not n.startswith("model.layers.61."))
+    }
+    got = {
+        n: (tuple(shape), str(dtype))
+        for n, shape, dtype in checkpoint_tensors(models.resolve_model("deepseek-v3"), include_mtp=include_mtp)
+    }
     assert sorted(set(want) - set(got))[:5] == [] and sorted(set(got) - set(want))[:5] == []
     assert {n: v for n, v in got.items() if v != want[n]} == {}
 
@@ -174,11 +193,14 @@ def test_deepseek_v3_fp8_lists_the_public_fp8_checkpoint_exactly():
     tensors, names, shapes and dtypes (MTP layer 61 left out, as vLLM's DeepseekV3ForCausalLM does not load it)."""
     from shardplan.record.fp8 import fp8_checkpoint_tensors
 
-    public = {n: v for n, v in _public_tensors("deepseek-r1-fp8-tensors.json").items()
-              if not n.startswith("model.layers.61.")}
+    public = {
+        n: v for n, v in _public_tensors("deepseek-r1-fp8-tensors.json").items() if not n.startswith("model.layers.61.")
+    }
     spec = models.resolve_model("deepseek-v3-fp8")
-    got = {n: (tuple(shape), str(dtype)) for n, shape, dtype in
-           fp8_checkpoint_tensors(checkpoint_tensors(spec, include_mtp=False), spec.config)}
+    got = {
+        n: (tuple(shape), str(dtype))
+        for n, shape, dtype in fp8_checkpoint_tensors(checkpoint_tensors(spec, include_mtp=False), spec.config)
+    }
     assert sorted(set(public) - set(got))[:5] == [] and sorted(set(got) - set(public))[:5] == []
     assert {n: v for n, v in got.items() if v != public[n]} == {}
 

@@ -1,6 +1,7 @@
 """Every architecture the recorder supports, recorded at TP2 (and TP2+EP for MoE), goes through the format-2 writer and
 reader: the strict reader accepts every real recording (Calls, in-place updates, constants, ordered writes, fallbacks)
 and gives back exactly the recorded plan. Sessions and plans are shared with test_record_archs when both run."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ from shardplan.plan.file.format import PlanFile, decode
 from shardplan.plan.layout import Layout
 
 CASES = [(arch, Layout(tp=2)) for arch in archs_test.ALL_ARCHS] + [
-    (arch, Layout(tp=2, ep=True)) for arch in archs_test.ALL_ARCHS if archs_test._num_experts(arch)]
+    (arch, Layout(tp=2, ep=True)) for arch in archs_test.ALL_ARCHS if archs_test._num_experts(arch)
+]
 
 
 @pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay.tag()}" for a, lay in CASES])

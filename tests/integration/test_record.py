@@ -6,6 +6,7 @@ and compares bit for bit with the same `load_weights` run on real tensors. Each 
 (a pure view stays a `Source` leaf, a copy becomes the expected `Call`, a constant is recorded by value, ...), so a
 recorder that got the values right by falling back, or by recording the wrong thing, fails too.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,16 +48,19 @@ def checkpoint(sources: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: in
     return {n: torch.randn(shape, generator=gen).to(dtype) for n, (shape, dtype) in sources.items()}
 
 
-def run(make, sources, *, rank: int = 0, allow_nan: tuple[str, ...] = (), strict: bool = False,
-        tier: str | None = None):
+def run(
+    make, sources, *, rank: int = 0, allow_nan: tuple[str, ...] = (), strict: bool = False, tier: str | None = None
+):
     """Record `make()`'s loader on meta, replay it, and compare with the real loader. Returns (plan, recording).
 
     sources: name -> shape (float32) or name -> (shape, dtype). Every parameter the plan writes must be fully
     written (no NaN left) unless listed in allow_nan. The recording is made by both tiers (record_loader's "auto",
     which tries the fast tier first, and "full"): their plans must be equal; `tier` ("fast"/"full"), when given, is
     the tier "auto" must have ended up with."""
-    sources = {n: (v if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype) else (v, torch.float32))
-               for n, v in sources.items()}
+    sources = {
+        n: (v if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype) else (v, torch.float32))
+        for n, v in sources.items()
+    }
     tensors = [(n, tuple(s), str(d).removeprefix("torch.")) for n, (s, d) in sources.items()]
     with torch.device("meta"):
         meta = make()
@@ -116,24 +120,40 @@ def assert_pure_views(plan: ir.RankPlan, n: int | None = None) -> None:
 def test_fast_tier_records_plain_views_and_padding_fills():
     def fn(m, name, t):
         m.w.data[:2].copy_(t.t().narrow(0, 1, 2))
-        m.w.data[2:].fill_(0.0)           # vocab padding rows: a Full write, no source read
+        m.w.data[2:].fill_(0.0)  # vocab padding rows: a Full write, no source read
         m.v.data.copy_(t[0], non_blocking=True)
+
     plan, rec = run(lambda: Toy({"w": (3, 3), "v": (3,)}, fn), {"x": (3, 3)}, tier="fast")
     assert rec.tier_note == ""
     assert [type(w.src.leaf).__name__ for w in plan.writes] == ["Source", "Full", "Source"]
 
 
-@pytest.mark.parametrize("idiom", ["imul", "data_alias_mul", "cat", "contiguous", "to_dtype", "dtype_view",
-                                   "broadcast", "scratch", "setitem", "param_storage", "value_read_swallowed"])
+@pytest.mark.parametrize(
+    "idiom",
+    [
+        "imul",
+        "data_alias_mul",
+        "cat",
+        "contiguous",
+        "to_dtype",
+        "dtype_view",
+        "broadcast",
+        "scratch",
+        "setitem",
+        "param_storage",
+        "value_read_swallowed",
+    ],
+)
 def test_fast_tier_gives_up_on_what_it_cannot_see(idiom):
     """Each idiom changes the loaded values or the copy's meaning in a way the fast tier's sink cannot see from the
     source's geometry alone: it must give up, and the full tier's recording must still equal the real loader."""
+
     def fn(m, name, t):
         if idiom == "imul":
-            t *= 2.0                      # not a hooked method: caught by the version counter at the sink
+            t *= 2.0  # not a hooked method: caught by the version counter at the sink
             m.w.data.copy_(t)
         elif idiom == "data_alias_mul":
-            t.data.mul_(2.0)              # .data has its own version counter: caught by the hook on mul_
+            t.data.mul_(2.0)  # .data has its own version counter: caught by the hook on mul_
             m.w.data.copy_(t)
         elif idiom == "cat":
             m.w.data.copy_(torch.cat([t[2:], t[:2]]))
@@ -155,12 +175,14 @@ def test_fast_tier_gives_up_on_what_it_cannot_see(idiom):
             m.w.data = t
         elif idiom == "value_read_swallowed":
             try:
-                t[0].zero_()              # the fast tier gives up here; the loader swallows it and carries on
+                t[0].zero_()  # the fast tier gives up here; the loader swallows it and carries on
             except Exception:
                 pass
             m.w.data.copy_(t)
-    plan, rec = run(lambda: Toy({"w": (4,)}, fn), {"x": (4,)}, tier="full",
-                    allow_nan=("w",) if idiom == "param_storage" else ())
+
+    plan, rec = run(
+        lambda: Toy({"w": (4,)}, fn), {"x": (4,)}, tier="full", allow_nan=("w",) if idiom == "param_storage" else ()
+    )
     assert rec.tier_note, "a give-up must say why"
     if idiom == "param_storage":  # the full tier cannot express it either: a fallback, the real loader runs for it
         assert [f.source for f in plan.fallbacks] == ["x"] and "storage" in plan.fallbacks[0].reason
@@ -173,6 +195,7 @@ def test_recordings_do_not_nest():
     def fn(m, name, t):
         record_loader(Toy({"v": (4,)}, lambda *a: None), [("y", (4,), "float32")], rank=0)
         m.w.data.copy_(t)
+
     with torch.device("meta"):
         model = Toy({"w": (4,)}, fn)
     with pytest.raises(RecordError, match="do not nest"):
@@ -186,8 +209,10 @@ def test_param_data_assignment_is_a_fallback_and_the_rest_is_recorded():
             m.w.data = t
         elif name == "y":
             m.v.data.copy_(t)
-    plan, rec = run(lambda: Toy({"w": (4,), "v": (4,)}, fn), {"skipped": (4,), "x": (4,), "y": (4,)}, tier="full",
-                    allow_nan=("w",))
+
+    plan, rec = run(
+        lambda: Toy({"w": (4,), "v": (4,)}, fn), {"skipped": (4,), "x": (4,), "y": (4,)}, tier="full", allow_nan=("w",)
+    )
     assert [f.source for f in plan.fallbacks] == ["x"] and plan.sources_read() == {"y"}
     assert plan.not_needed == ("skipped",)
 
@@ -196,6 +221,7 @@ def test_param_data_assignment_is_a_fallback_and_the_rest_is_recorded():
 def test_narrow():
     def fn(m, name, t):
         m.w.data.copy_(t.narrow(0, 2, 3).narrow(1, 1, 4))
+
     plan, _ = run(lambda: Toy({"w": (3, 4)}, fn), {"x": (6, 5)})
     assert_pure_views(plan, 1)
     assert plan.writes[0].src.region == ir.Region(2 * 5 + 1, (3, 4), (5, 1))
@@ -204,6 +230,7 @@ def test_narrow():
 def test_view():
     def fn(m, name, t):
         m.w.data.copy_(t.view(4, 6))
+
     plan, _ = run(lambda: Toy({"w": (4, 6)}, fn), {"x": (24,)})
     assert_pure_views(plan, 1)
 
@@ -211,6 +238,7 @@ def test_view():
 def test_reshape_as_view():
     def fn(m, name, t):
         m.w.data.copy_(t.reshape(2, 12)[:, 3:9].reshape(2, 2, 3)[1])
+
     plan, _ = run(lambda: Toy({"w": (2, 3)}, fn), {"x": (4, 6)})
     assert_pure_views(plan, 1)
     assert "Tensor.reshape" not in ops(plan)
@@ -220,6 +248,7 @@ def test_reshape_needing_copy():
     # view -> transpose -> reshape (Bloom's query_key_value repack): the last reshape must copy
     def fn(m, name, t):
         m.w.data.copy_(t.view(2, 3, 4).transpose(0, 1).reshape(6, 4))
+
     plan, _ = run(lambda: Toy({"w": (6, 4)}, fn), {"x": (6, 4)})
     assert ops(plan) == ["Tensor.reshape"]
     call = plan.writes[0].src.leaf
@@ -230,9 +259,15 @@ def test_reshape_needing_copy():
 @pytest.mark.parametrize("how", ["transpose", "t", "T", "mT", "data.t"])
 def test_transpose(how):
     def fn(m, name, t):
-        src = {"transpose": lambda: t.transpose(0, 1), "t": lambda: t.t(), "T": lambda: t.T, "mT": lambda: t.mT,
-               "data.t": lambda: t.data.t()}[how]()
+        src = {
+            "transpose": lambda: t.transpose(0, 1),
+            "t": lambda: t.t(),
+            "T": lambda: t.T,
+            "mT": lambda: t.mT,
+            "data.t": lambda: t.data.t(),
+        }[how]()
         m.w.data.copy_(src)
+
     plan, _ = run(lambda: Toy({"w": (5, 3)}, fn), {"x": (3, 5)})
     assert_pure_views(plan, 1)
     assert plan.writes[0].src.region.strides == (1, 5)
@@ -244,6 +279,7 @@ def test_ops_on_property_views_are_recorded(how):
     def fn(m, name, t):
         v = t.T if how == "T" else t.data.t()
         m.w.data.copy_(v.contiguous())
+
     plan, _ = run(lambda: Toy({"w": (5, 3)}, fn), {"x": (3, 5)})
     assert ops(plan) == ["Tensor.contiguous"]
 
@@ -251,6 +287,7 @@ def test_ops_on_property_views_are_recorded(how):
 def test_permute():
     def fn(m, name, t):
         m.w.data.copy_(t.permute(2, 0, 1))
+
     plan, _ = run(lambda: Toy({"w": (4, 2, 3)}, fn), {"x": (2, 3, 4)})
     assert_pure_views(plan, 1)
 
@@ -261,6 +298,7 @@ def test_unsqueeze_squeeze():
             m.w.data.copy_(t.unsqueeze(-1))
         else:
             m.v.data.copy_(t.squeeze(0))
+
     plan, _ = run(lambda: Toy({"w": (6, 1), "v": (6,)}, fn), {"a": (6,), "b": (1, 6)})
     assert_pure_views(plan, 2)
 
@@ -271,6 +309,7 @@ def test_expand_and_broadcast_copy():
             m.w.data.copy_(t.unsqueeze(0).expand(4, -1))  # explicit expand
         else:
             m.v.data.copy_(t)  # copy_ broadcasts [6] over [3, 6]
+
     plan, _ = run(lambda: Toy({"w": (4, 6), "v": (3, 6)}, fn), {"row": (6,), "bias": (6,)})
     assert_pure_views(plan, 2)
     assert all(w.src.region.strides[0] == 0 for w in plan.writes)
@@ -281,18 +320,20 @@ def test_getitem_slices_ints_ellipsis():
         m.a.data.copy_(t[1, ..., 2:5])
         m.b.data.copy_(t[:, ::2, -1])
         m.c.data.copy_(t[..., None, 0])
+
     plan, _ = run(lambda: Toy({"a": (4, 3), "b": (3, 2), "c": (3, 4, 1)}, fn), {"x": (3, 4, 6)})
     assert_pure_views(plan, 3)
 
 
 def test_chunk_split_unbind_keep_their_output():
     def fn(m, name, t):
-        m.c.data.copy_(t.chunk(3, dim=0)[1])              # the middle chunk, not the first
-        first, second = t.split([2, 4], dim=0)             # both outputs of split
+        m.c.data.copy_(t.chunk(3, dim=0)[1])  # the middle chunk, not the first
+        first, second = t.split([2, 4], dim=0)  # both outputs of split
         m.s0.data.copy_(first)
         m.s1.data.copy_(second)
-        for i, row in enumerate(t.unbind(1)):              # every output of unbind
+        for i, row in enumerate(t.unbind(1)):  # every output of unbind
             m.u.data[i].copy_(row)
+
     plan, _ = run(lambda: Toy({"c": (2, 3), "s0": (2, 3), "s1": (4, 3), "u": (3, 6)}, fn), {"x": (6, 3)})
     assert_pure_views(plan, 6)
     by_param = {w.param: w.src.region for w in plan.writes}
@@ -303,6 +344,7 @@ def test_chunk_split_unbind_keep_their_output():
 def test_contiguous():
     def fn(m, name, t):
         m.w.data.copy_(t.t().contiguous())
+
     plan, _ = run(lambda: Toy({"w": (5, 3)}, fn), {"x": (3, 5)})
     assert ops(plan) == ["Tensor.contiguous"]
 
@@ -311,6 +353,7 @@ def test_cat_of_two_pieces_of_one_source():
     # Falcon's query_key_value: pieces of one fused tensor, reordered and concatenated
     def fn(m, name, t):
         m.w.data.copy_(torch.cat([t[4:].t(), t[:4].t()], dim=1))
+
     plan, _ = run(lambda: Toy({"w": (3, 6)}, fn), {"x": (6, 3)})
     assert ops(plan) == ["torch.cat"]
     call = plan.writes[0].src.leaf
@@ -323,6 +366,7 @@ def test_to_dtype():
     def fn(m, name, t):
         m.w.data.copy_(t.to(torch.float16).to(torch.float32))
         m.h.data.copy_(t.to(dtype=torch.bfloat16))
+
     plan, _ = run(lambda: Toy({"w": (4, 4), "h": (4, 4)}, fn), {"x": (4, 4)})
     assert ops(plan).count("Tensor.to") == 3
     assert ir.DType("float16") in plan.writes[0].src.leaf.inputs[0].leaf.args
@@ -342,12 +386,16 @@ def test_index_with_constant_index_tensor_from_the_model(idiom):
         m.w.data.copy_(t.index_select(0, idx))
         m.v.data.copy_(t[idx])
 
-    expected = {"attribute": perm, "computed": torch.arange(4).flip(0),
-                "moved_to_loaded_device": torch.tensor([1, 3])}[idiom]
+    expected = {"attribute": perm, "computed": torch.arange(4).flip(0), "moved_to_loaded_device": torch.tensor([1, 3])}[
+        idiom
+    ]
     shape = (len(expected), 3)
-    expert_map = torch.tensor([-1, 0, -1, 1])  # CPU, as shardplan.record.build keeps vLLM's expert maps when building on meta
-    plan, _ = run(lambda: Toy({"w": shape, "v": shape}, fn, perm=perm.clone(), expert_map=expert_map.clone()),
-                  {"x": (4, 3)})
+    expert_map = torch.tensor(
+        [-1, 0, -1, 1]
+    )  # CPU, as shardplan.record.build keeps vLLM's expert maps when building on meta
+    plan, _ = run(
+        lambda: Toy({"w": shape, "v": shape}, fn, perm=perm.clone(), expert_map=expert_map.clone()), {"x": (4, 3)}
+    )
     assert not plan.fallbacks, plan.fallbacks
     assert sorted(ops(plan)) == ["Tensor.__getitem__", "Tensor.index_select"]
     consts = [a for leaf in leaves(plan) for a in leaf.args if isinstance(a, ir.Const)]
@@ -359,8 +407,11 @@ def test_index_tensor_on_meta_is_a_fallback():
     class M(Toy):
         def __init__(self):
             super().__init__({"w": (2, 3)}, lambda m, n, t: m.w.data.copy_(t.index_select(0, m.idx)))
-            self.register_buffer("idx", torch.tensor([1, 0]) if torch.empty(0).device.type != "meta"
-                                 else torch.empty(2, dtype=torch.long))
+            self.register_buffer(
+                "idx",
+                torch.tensor([1, 0]) if torch.empty(0).device.type != "meta" else torch.empty(2, dtype=torch.long),
+            )
+
     plan, _ = run(M, {"x": (4, 3)})
     assert [f.source for f in plan.fallbacks] == ["x"] and "meta" in plan.fallbacks[0].reason
 
@@ -393,6 +444,7 @@ def test_inplace_op_seen_through_an_earlier_alias():
         alias = t[1]
         t.mul_(3.0)
         m.w.data.copy_(alias)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, fn), {"x": (2, 4)})
     assert "Tensor.mul_" in ops(plan)
 
@@ -400,8 +452,9 @@ def test_inplace_op_seen_through_an_earlier_alias():
 def test_setitem_into_param():
     def fn(m, name, t):
         i = int(name[-1])
-        m.w.data[i] = t                 # int index
-        m.v.data[2 * i:2 * i + 2] = t   # slice, broadcast over 2 rows
+        m.w.data[i] = t  # int index
+        m.v.data[2 * i : 2 * i + 2] = t  # slice, broadcast over 2 rows
+
     plan, _ = run(lambda: Toy({"w": (2, 4), "v": (4, 4)}, fn), {"e0": (4,), "e1": (4,)}, allow_nan=("v",))
     assert_pure_views(plan, 4)
     assert sorted(w.dst.offset for w in plan.writes if w.param == "w") == [0, 4]
@@ -411,7 +464,8 @@ def test_zero_filled_padding_rows_without_reading_the_source():
     # VocabParallelEmbedding: copy the shard, then fill the padding rows with 0
     def fn(m, name, t):
         m.w[: t.shape[0]].data.copy_(t)
-        m.w[t.shape[0]:].data.fill_(0)
+        m.w[t.shape[0] :].data.fill_(0)
+
     plan, _ = run(lambda: Toy({"w": (8, 3)}, fn), {"x": (5, 3)})
     fulls = [w for w in plan.writes if isinstance(w.src.leaf, ir.Full)]
     assert len(fulls) == 1 and fulls[0].src.leaf.value == 0 and fulls[0].dst == ir.Region(15, (3, 3), (3, 1))
@@ -422,6 +476,7 @@ def test_one_source_copied_to_two_places():
     def fn(m, name, t):
         m.a.data.copy_(t)
         m.b.data[1].copy_(t[0])
+
     plan, _ = run(lambda: Toy({"a": (2, 3), "b": (2, 3)}, fn), {"x": (2, 3)}, allow_nan=("b",))
     assert_pure_views(plan, 2)
     assert {w.param for w in plan.writes} == {"a", "b"}
@@ -432,13 +487,16 @@ def test_scratch_tensor_filled_then_copied(factory):
     # a loader that builds a full-size tensor, fills parts of it from the checkpoint, and copies it in: the rows it
     # does not fill keep the factory's value (they used to become NaN in the plan)
     def fn(m, name, t):
-        buf = {"zeros": lambda: torch.zeros(4, 3, dtype=t.dtype, device=t.device),
-               "ones": lambda: torch.ones((4, 3), dtype=t.dtype, device=t.device),
-               "full": lambda: torch.full((4, 3), 2.5, dtype=t.dtype, device=t.device),
-               "new_zeros": lambda: m.w.data.new_zeros(4, 3)}[factory]()
+        buf = {
+            "zeros": lambda: torch.zeros(4, 3, dtype=t.dtype, device=t.device),
+            "ones": lambda: torch.ones((4, 3), dtype=t.dtype, device=t.device),
+            "full": lambda: torch.full((4, 3), 2.5, dtype=t.dtype, device=t.device),
+            "new_zeros": lambda: m.w.data.new_zeros(4, 3),
+        }[factory]()
         buf[1:3] = t
         buf[3] = t[0]  # a second write into the (now tracked) scratch tensor
         m.w.data.copy_(buf)
+
     plan, _ = run(lambda: Toy({"w": (4, 3)}, fn), {"x": (2, 3)})
     assert not plan.fallbacks and plan.sources_read() == {"x"}
 
@@ -448,6 +506,7 @@ def test_setitem_into_the_loaded_tensor():
         t[0] = 0.0
         t[1, 1:] = t[2, :2]
         m.w.data.copy_(t)
+
     plan, _ = run(lambda: Toy({"w": (3, 3)}, fn), {"x": (3, 3)})
     assert isinstance(plan.writes[0].src.leaf, ir.Update)
 
@@ -458,7 +517,7 @@ def load_scale(m, name, t):
     if name == "scale":
         m.s.data.fill_(t.item())
     elif name == "maybe":
-        m.w.data[0].copy_(t[0])          # a partial write before the value read: must be dropped
+        m.w.data[0].copy_(t[0])  # a partial write before the value read: must be dropped
         if bool(t.any()):
             m.w.data[1].copy_(t[1])
     else:
@@ -488,6 +547,7 @@ def test_strict_raises_naming_tensor_op_and_loader():
 def test_op_outside_the_allowlist_is_a_fallback():
     def load_log(m, name, t):
         m.w.data.copy_(-torch.log(t.float()) if name == "A_log" else t)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, load_log), {"A_log": (4,)})
     assert [(f.source, f.op) for f in plan.fallbacks] == [("A_log", "torch.log")]
 
@@ -497,11 +557,13 @@ def test_exp_of_the_loaded_tensor_is_recorded(dtype):
     # vLLM's mamba_mixer A_weight_loader: `weight_loader(param, -torch.exp(loaded_weight.float()))`, split per TP rank
     def load_a(m, name, t):
         m.w.data.copy_((-torch.exp(t.float())).split(4, dim=0)[m.tp_rank])
+
     for rank in (0, 1):
         plan, _ = run(lambda: Toy({"w": (4, 3)}, load_a, tp_rank=rank), {"A_log": ((8, 3), dtype)})
         # (float() of a float32 tensor returns it: a view, no op)
         assert not plan.fallbacks and ops(plan) == ["Tensor.neg", "torch.exp"] + ["Tensor.float"] * (
-            dtype != torch.float32)
+            dtype != torch.float32
+        )
 
 
 def test_vllm_composed_weight_loader_is_recorded():
@@ -512,15 +574,17 @@ def test_vllm_composed_weight_loader_is_recorded():
     def make():
         toy = Toy({"A": (6,), "norm": (6,), "w": (6,)}, None)
         toy.A.weight_loader = composed_weight_loader(
-            lambda p, t: p.data.copy_(t.narrow(0, 6, 6)), lambda x: -torch.exp(x.float()))
+            lambda p, t: p.data.copy_(t.narrow(0, 6, 6)), lambda x: -torch.exp(x.float())
+        )
         toy.norm.weight_loader = composed_weight_loader(default_weight_loader, lambda x: x + 1.0)
         toy.fn = lambda m, name, t: getattr(getattr(m, name.split("_")[0]), "weight_loader", default_weight_loader)(
-            getattr(m, name.split("_")[0]), t)
+            getattr(m, name.split("_")[0]), t
+        )
         return toy
-    plan, rec = run(make, {"A_log": ((12,), torch.bfloat16), "norm_weight": ((6,), torch.bfloat16),
-                           "w_weight": (6,)})
+
+    plan, rec = run(make, {"A_log": ((12,), torch.bfloat16), "norm_weight": ((6,), torch.bfloat16), "w_weight": (6,)})
     assert not plan.fallbacks and rec.tier == "full"
-    assert sorted(w.param for w in plan.writes) == ["A", "norm", "w"]   # one write each: the plain loads replaced
+    assert sorted(w.param for w in plan.writes) == ["A", "norm", "w"]  # one write each: the plain loads replaced
     assert {"torch.exp", "Tensor.neg", "Tensor.add"} <= set(ops(plan)), ops(plan)
 
 
@@ -532,6 +596,7 @@ def test_composed_loader_over_a_partly_written_param_is_a_fallback():
         toy = Toy({"A": (6,)}, lambda m, name, t: m.A.weight_loader(m.A, t))
         toy.A.weight_loader = composed_weight_loader(lambda p, t: p.data[:3].copy_(t), lambda x: -torch.exp(x))
         return toy
+
     with torch.device("meta"):
         meta = make()
     rec = record_loader(meta, [("A_log", (3,), "float32")], rank=0)
@@ -581,6 +646,7 @@ def test_inplace_op_on_a_loaded_parameter_is_a_fallback():
         m.w.data.copy_(t)
         if name == "x":
             m.w.data.mul_(2.0)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, load_then_scale), {"x": (4,), "y": (4,)})
     assert [(f.source, f.op) for f in plan.fallbacks] == [("x", "Tensor.mul_")]
     assert plan.sources_read() == {"y"}
@@ -591,6 +657,7 @@ def test_loader_exception_is_a_fallback_naming_the_tensor():
         if name == "bad":
             raise KeyError("no such parameter")
         m.w.data.copy_(t)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, load_picky), {"bad": (4,), "good": (4,)})
     assert [(f.source, f.op) for f in plan.fallbacks] == [("bad", "KeyError")]
     assert plan.sources_read() == {"good"}
@@ -601,16 +668,25 @@ class _BrokenStr(Exception):
         raise RuntimeError("__str__ fails")
 
 
-@pytest.mark.parametrize("exc, reason", [
-    (ValueError(), "(no message)"), (RuntimeError("\n\n  \n"), "(no message)"), (KeyError(("a", 1)), "('a', 1)"),
-    (RuntimeError(b"\xff\x00"), "b'\\xff\\x00'"), (TypeError(None, 3), "(None, 3)"), (_BrokenStr(7), "(7,)"),
-    (RuntimeError("first\nsecond"), "first")])
+@pytest.mark.parametrize(
+    "exc, reason",
+    [
+        (ValueError(), "(no message)"),
+        (RuntimeError("\n\n  \n"), "(no message)"),
+        (KeyError(("a", 1)), "('a', 1)"),
+        (RuntimeError(b"\xff\x00"), "b'\\xff\\x00'"),
+        (TypeError(None, 3), "(None, 3)"),
+        (_BrokenStr(7), "(7,)"),
+        (RuntimeError("first\nsecond"), "first"),
+    ],
+)
 def test_loader_exception_of_any_message_is_a_fallback_naming_it(exc, reason):
     # an empty message (vLLM's bare asserts), non-str args or a failing __str__ used to end in a recorder traceback
     def load_picky(m, name, t):
         if name == "bad":
             raise exc
         m.w.data.copy_(t)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, load_picky), {"bad": (4,), "good": (4,)})
     assert [(f.source, f.op, f.reason) for f in plan.fallbacks] == [("bad", type(exc).__name__, reason)]
     assert plan.sources_read() == {"good"}
@@ -624,8 +700,11 @@ def test_loader_assert_on_a_tensors_geometry_is_a_named_error():
     with torch.device("meta"):
         m = Toy({"w": (4,)}, lambda m, name, t: default_weight_loader(m.w, t))
     for tier in ("auto", "full"):
-        with pytest.raises(LoaderRejectsCheckpoint, match=r"tensor padded \[8\] float32 on rank 3: AssertionError: "
-                                                          r"Attempted to load .* at `assert param.size\(\) =="):
+        with pytest.raises(
+            LoaderRejectsCheckpoint,
+            match=r"tensor padded \[8\] float32 on rank 3: AssertionError: "
+            r"Attempted to load .* at `assert param.size\(\) ==",
+        ):
             record_loader(m, [("good", (4,), "float32"), ("padded", (8,), "float32")], rank=3, tier=tier)
 
 
@@ -633,6 +712,7 @@ def test_loader_failing_before_reading_anything_is_an_error():
     class Broken(torch.nn.Module):
         def load_weights(self, weights):
             raise RuntimeError("broken")
+
     with torch.device("meta"):
         m = Broken()
     with pytest.raises(RecordError):
@@ -649,6 +729,7 @@ def test_tensor_held_back_by_the_loader_survives_a_fallback():
             m.s.data.fill_(t.item())
         else:
             m.w.data.copy_(torch.cat([m.pending, t]))
+
     plan, _ = run(lambda: Toy({"w": (4,), "s": (1,)}, load_fused), {"q": (2,), "scale": (), "k": (2,)})
     assert [f.source for f in plan.fallbacks] == ["scale"]
     assert plan.sources_read() == {"q", "k"} and not plan.not_needed
@@ -659,6 +740,7 @@ def test_not_needed_names():
         if name.startswith("skip"):
             return
         m.w.data.copy_(t)
+
     plan, _ = run(lambda: Toy({"w": (4,)}, load_some), {"skip.a": (4,), "x": (4,), "skip.b": (2,)})
     assert plan.not_needed == ("skip.a", "skip.b")
     assert plan.sources_read() == {"x"} and not plan.fallbacks
@@ -667,6 +749,7 @@ def test_not_needed_names():
 # ---- the fake parallel state ----------------------------------------------------------------------------------------
 def _ps():
     import vllm.distributed.parallel_state as ps
+
     return ps
 
 
@@ -747,6 +830,7 @@ def test_loader_asking_for_the_rank_outside_a_parallel_state_falls_back():
 def test_record_is_deterministic():
     def fn(m, name, t):
         m.w.data.copy_(torch.cat([t.t()[1:], t.t()[:1]]).mul(2.0))
+
     plans = []
     for _ in range(2):
         with torch.device("meta"):
@@ -795,7 +879,7 @@ def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers
         shard[1].add_(1.0)
         m.w.data.copy_(shard)
 
-    make = lambda rank: Toy({"w": (4, 6)}, load_scaled, dtype=torch.bfloat16, rank=rank)   # noqa: E731
+    make = lambda rank: Toy({"w": (4, 6)}, load_scaled, dtype=torch.bfloat16, rank=rank)  # noqa: E731
     name, sources = "model.layers.0.mlp.w.weight", [ir.TensorMeta("model.layers.0.mlp.w.weight", (8, 6), "bfloat16")]
     plans = []
     for rank in (0, 1):
@@ -805,16 +889,25 @@ def test_loader_mutating_its_loaded_weight_replays_without_touching_the_trainers
         assert "Tensor.mul_" in ops(plan) and not plan.fallbacks
         plans.append(plan)
     path = tmp_path / "toy.plan"
-    data = planfile.encode(compile_plans(plans, sources), model="t/toy", architecture="ToyForCausalLM",
-                           config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+    data = planfile.encode(
+        compile_plans(plans, sources),
+        model="t/toy",
+        architecture="ToyForCausalLM",
+        config_sha256="0" * 64,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version="0.32.0",
+    )
     planfile.write_plan(path, data)
     plan_file = planfile.PlanFile.read(path)
     trainer = {name: torch.randn(8, 6).to(torch.bfloat16)}
     pristine = bits(trainer[name]).clone()
     control = Control.serve("127.0.0.1")
     rank = TrainerRank(str(path), ModuleSource(trainer, plan_file), control)
-    packers = {"ReplayPacker": ReplayPacker([plan_file.rank(r) for r in (0, 1)], plan_file.sources),
-               "TrainerRank": rank.packer}
+    packers = {
+        "ReplayPacker": ReplayPacker([plan_file.rank(r) for r in (0, 1)], plan_file.sources),
+        "TrainerRank": rank.packer,
+    }
     try:
         for how, packer in packers.items():
             for consumer in (0, 1):

@@ -2,6 +2,7 @@
 and the plan header says so. The directory here holds a renamed Llama (model_type "my_llama", which neither
 transformers nor vLLM knows) as a hub snapshot of a remote-code model would: config.json's auto_map names the
 classes in configuration_*.py / modeling_*.py next to it."""
+
 from __future__ import annotations
 
 import json
@@ -9,33 +10,42 @@ import json
 import pytest
 
 from shardplan.models import ConfigError
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import decode
+from shardplan.plan.layout import Layout
 from shardplan.record.remote import RemoteCodeError
 from shardplan.record.session import RecordSession
 from shardplan.record.verify import random_checkpoint, verify_rank
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "my_llama",
-    "auto_map": {"AutoConfig": "configuration_my.MyLlamaConfig",
-                 "AutoModelForCausalLM": "modeling_my.MyLlamaForCausalLM"},
-    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "my_llama",
+    "auto_map": {
+        "AutoConfig": "configuration_my.MyLlamaConfig",
+        "AutoModelForCausalLM": "modeling_my.MyLlamaForCausalLM",
+    },
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
 }
-CONFIGURATION = '''from transformers import LlamaConfig
+CONFIGURATION = """from transformers import LlamaConfig
 
 
 class MyLlamaConfig(LlamaConfig):
     model_type = "my_llama"
-'''
-MODELING = '''from transformers import LlamaForCausalLM
+"""
+MODELING = """from transformers import LlamaForCausalLM
 
 from .configuration_my import MyLlamaConfig
 
 
 class MyLlamaForCausalLM(LlamaForCausalLM):
     config_class = MyLlamaConfig
-'''
+"""
 
 
 @pytest.fixture

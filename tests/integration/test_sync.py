@@ -8,6 +8,7 @@ Reusable pieces (the lead extends these to real plans):
 A "world" is anything with `num_trainers`, `num_consumers`, `groups`, `spans`, `packer(rank)`, `source(rank)`,
 `unpacker(rank)`: the stand-in world below, or one built from real plans (Replayer / Applier adapters).
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")     # LOOPBACK ONLY: every byte of the tests stays on 127.0.0.1
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # LOOPBACK ONLY: every byte of the tests stays on 127.0.0.1
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -26,13 +27,27 @@ import torch
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.ir import TensorMeta
 from shardplan.plan.names import group_of
-from shardplan.sync import (ConsumerSync, Coordinator, LayoutMismatch, NotAMember, Schedule, ScheduleError, Span,
-                            SyncConfig, SyncConfigError, SyncFailed, SyncState, TrainerSync, build_schedule, checksum)
 from shardplan.runtime.apply import FallbackRequiredError
+from shardplan.sync import (
+    ConsumerSync,
+    Coordinator,
+    LayoutMismatch,
+    NotAMember,
+    Schedule,
+    ScheduleError,
+    Span,
+    SyncConfig,
+    SyncConfigError,
+    SyncFailed,
+    SyncState,
+    TrainerSync,
+    build_schedule,
+    checksum,
+)
 from shardplan.transport import Control, PeerAborted, PeerDied, PeerTimeout, consumer_name, create, trainer_name
 
 TIMEOUT_S = 2.0
-PART_BYTES = 2048   # PlanWorld moves each decoder layer in parts of at most this many bytes
+PART_BYTES = 2048  # PlanWorld moves each decoder layer in parts of at most this many bytes
 
 
 # ---- stand-in world: pack = copy byte ranges of source tensors; apply = keep the bytes --------------------------------------
@@ -41,13 +56,14 @@ class StandInWorld:
     """3 decoder-layer groups + head; each consumer gets a 1/num_consumers byte slice of every tensor plus one
     replicated tensor per group. Trainer 0 holds everything whole; the others hold everything but layers.0 whole
     (layers.0 they hold only half of: a partial box the scheduler must not use)."""
+
     num_trainers: int = 2
     num_consumers: int = 4
     num_layers: int = 3
     seed: int = 0
     tensors: dict = field(default_factory=dict)
-    spans: dict = field(default_factory=dict)   # consumer -> group -> [Span]
-    picks: dict = field(default_factory=dict)     # (consumer, group) -> [(source name, start byte)]
+    spans: dict = field(default_factory=dict)  # consumer -> group -> [Span]
+    picks: dict = field(default_factory=dict)  # (consumer, group) -> [(source name, start byte)]
 
     def __post_init__(self):
         g = torch.Generator().manual_seed(self.seed)
@@ -64,7 +80,9 @@ class StandInWorld:
                 for w in range(3):
                     name = f"model.{group}.w{w}"
                     total = self.tensors[name].numel() * self.tensors[name].element_size()
-                    nbytes, start = (total, 0) if w == 2 else (total // self.num_consumers, c * (total // self.num_consumers))
+                    nbytes, start = (
+                        (total, 0) if w == 2 else (total // self.num_consumers, c * (total // self.num_consumers))
+                    )
                     segs.append(Span(offset, nbytes, (name,)))
                     picks.append((name, start))
                     offset = (offset + nbytes + 255) // 256 * 256
@@ -88,7 +106,7 @@ class StandInWorld:
         out = {}
         for seg, (name, start) in zip(self.spans[c][group], self.picks[(c, group)]):
             raw = self.tensors[name].view(-1).view(torch.uint8)
-            out[seg.offset] = bytes(raw[start:start + seg.nbytes].numpy())
+            out[seg.offset] = bytes(raw[start : start + seg.nbytes].numpy())
         return out
 
 
@@ -100,18 +118,21 @@ class StandInSource:
         return {n: TensorMeta(n, tuple(t.shape), str(t.dtype)[6:]) for n, t in self.world.tensors.items()}
 
     def boxes(self):
-        return {n: ((0, t.shape[0]),) if self.world.holds_whole(self.rank, n) else ((0, t.shape[0] // 2),)
-                for n, t in self.world.tensors.items()}
+        return {
+            n: ((0, t.shape[0]),) if self.world.holds_whole(self.rank, n) else ((0, t.shape[0] // 2),)
+            for n, t in self.world.tensors.items()
+        }
 
     def group(self, group: str):
-        return {n: t for n, t in self.world.tensors.items()
-                if f".{group}." in n and self.world.holds_whole(self.rank, n)}
+        return {
+            n: t for n, t in self.world.tensors.items() if f".{group}." in n and self.world.holds_whole(self.rank, n)
+        }
 
 
 class StandInPacker:
     def __init__(self, world: StandInWorld):
         self.world = world
-        self.stall_at: str | None = None   # fault: sleep "forever" when packing this group
+        self.stall_at: str | None = None  # fault: sleep "forever" when packing this group
 
     def consumers(self):
         return range(self.world.num_consumers)
@@ -132,14 +153,14 @@ class StandInPacker:
         for i in segments:
             seg, (name, start) = layout[i], picks[i]
             raw = tensors[name].view(-1).view(torch.uint8)
-            out[seg.offset:seg.offset + seg.nbytes].copy_(raw[start:start + seg.nbytes])
+            out[seg.offset : seg.offset + seg.nbytes].copy_(raw[start : start + seg.nbytes])
 
 
 class StandInUnpacker:
     def __init__(self, world: StandInWorld, rank: int):
         self.world, self.rank = world, rank
         self.received: dict[str, dict[int, bytes]] = {}
-        self.die_at: str | None = None     # fault: the process exits while applying this group
+        self.die_at: str | None = None  # fault: the process exits while applying this group
 
     def sizes(self):
         return {g: max(s.offset + s.nbytes for s in segs) for g, segs in self.world.spans[self.rank].items()}
@@ -150,8 +171,9 @@ class StandInUnpacker:
     def apply(self, group, buffer):
         if group == self.die_at:
             os._exit(17)
-        self.received[group] = {s.offset: bytes(buffer[s.offset:s.offset + s.nbytes].numpy())
-                                for s in self.world.spans[self.rank][group]}
+        self.received[group] = {
+            s.offset: bytes(buffer[s.offset : s.offset + s.nbytes].numpy()) for s in self.world.spans[self.rank][group]
+        }
 
 
 # ---- real-plan worlds: shardplan.runtime's replay / apply / shards behind the engine's adapters ----------------
@@ -159,6 +181,7 @@ def tiny_llama_plans(num_consumers: int = 2, hidden: int = 64, num_layers: int =
     """Plans shaped like vLLM's Llama loader at TP=num_consumers: fused qkv rows, o_proj columns, replicated norms,
     lm_head rows. Returns (plans, sources)."""
     from shardplan.plan import ir
+
     h, shard = hidden, hidden // num_consumers
     sources, plans = {}, []
 
@@ -174,12 +197,19 @@ def tiny_llama_plans(num_consumers: int = 2, hidden: int = 64, num_layers: int =
             params.append(ir.TensorMeta(qkv, (3 * shard, h), "bfloat16"))
             for j, name in enumerate("qkv"):
                 s = src(f"{pre}.self_attn.{name}_proj.weight", (h, h))
-                writes.append(ir.Write(qkv, ir.Region(j * shard * h, (shard, h), (h, 1)),
-                                       ir.View(ir.Source(s), ir.Region(r * shard * h, (shard, h), (h, 1)))))
+                writes.append(
+                    ir.Write(
+                        qkv,
+                        ir.Region(j * shard * h, (shard, h), (h, 1)),
+                        ir.View(ir.Source(s), ir.Region(r * shard * h, (shard, h), (h, 1))),
+                    )
+                )
             o = f"{pre}.self_attn.o_proj.weight"
             params.append(ir.TensorMeta(o, (h, shard), "bfloat16"))
             s = src(o, (h, h))
-            writes.append(ir.Write(o, ir.full_region((h, shard)), ir.View(ir.Source(s), ir.Region(r * shard, (h, shard), (h, 1)))))
+            writes.append(
+                ir.Write(o, ir.full_region((h, shard)), ir.View(ir.Source(s), ir.Region(r * shard, (h, shard), (h, 1))))
+            )
             norm = f"{pre}.input_layernorm.weight"
             params.append(ir.TensorMeta(norm, (h,), "float32"))
             s = src(norm, (h,), "float32")
@@ -187,13 +217,16 @@ def tiny_llama_plans(num_consumers: int = 2, hidden: int = 64, num_layers: int =
         head, rows = "lm_head.weight", vocab // num_consumers
         params.append(ir.TensorMeta(head, (rows, h), "bfloat16"))
         s = src(head, (vocab, h))
-        writes.append(ir.Write(head, ir.full_region((rows, h)), ir.View(ir.Source(s), ir.Region(r * rows * h, (rows, h), (h, 1)))))
+        writes.append(
+            ir.Write(head, ir.full_region((rows, h)), ir.View(ir.Source(s), ir.Region(r * rows * h, (rows, h), (h, 1))))
+        )
         plans.append(ir.RankPlan(r, tuple(params), tuple(writes)))
     return plans, sources
 
 
 def full_tensors(sources, seed: int = 0) -> dict[str, torch.Tensor]:
     from shardplan.plan.interp import to_dtype
+
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(m.shape, generator=g).to(to_dtype(m.dtype)) for n, m in sorted(sources.items())}
 
@@ -233,11 +266,13 @@ class _FullSource:
 @dataclass
 class PlanWorld:
     """Real plans through ReplayPacker / ApplyUnpacker: 2 replicated trainers -> TP2 consumers."""
+
     num_trainers: int = 2
     num_consumers: int = 2
 
     def __post_init__(self):
         from shardplan.sync import ReplayPacker, spans_of
+
         self.plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.tensors = full_tensors(self.sources)
         # small parts: every decoder layer's group is moved in several parts (PackLayout's max_group_bytes)
@@ -254,12 +289,14 @@ class PlanWorld:
     def unpacker(self, rank):
         from shardplan.runtime.apply import params_from_plan
         from shardplan.sync import ApplyUnpacker
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES), params)
 
     def reference(self, rank):
-        from shardplan.runtime.apply import params_from_plan
         from shardplan.plan.interp import apply_reference
+        from shardplan.runtime.apply import params_from_plan
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         apply_reference(self.plans[rank], self.tensors, params)
         return params
@@ -274,14 +311,16 @@ class FallbackWorld(PlanWorld):
     def __post_init__(self):
         from shardplan.plan import ir
         from shardplan.sync import ReplayPacker, spans_of
+
         plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.sources["model.layers.5.mixer.A_log"] = ir.TensorMeta("model.layers.5.mixer.A_log", (24,), "float32")
         self.fallback_names = ("model.layers.1.self_attn.o_proj.weight", "model.layers.5.mixer.A_log")
         self.plans = []
         for plan in plans:
             writes = tuple(w for w in plan.writes if w.src.leaf != ir.Source(self.fallback_names[0]))
-            fallbacks = tuple(ir.Fallback(n, "torch.exp", "stand-in for an unrecordable loader", "test")
-                              for n in self.fallback_names)
+            fallbacks = tuple(
+                ir.Fallback(n, "torch.exp", "stand-in for an unrecordable loader", "test") for n in self.fallback_names
+            )
             self.plans.append(ir.RankPlan(plan.rank, plan.params, writes, fallbacks, plan.not_needed))
         self.tensors = full_tensors(self.sources)
         self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
@@ -291,12 +330,18 @@ class FallbackWorld(PlanWorld):
     def unpacker(self, rank):
         from shardplan.runtime.apply import params_from_plan
         from shardplan.sync import ApplyUnpacker
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
 
         def loader(name, tensor):
             params[f"fallback:{name}"] = tensor
-        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES, sources=self.sources,
-                                       fallback_loader=loader), params)
+
+        return _Received(
+            ApplyUnpacker(
+                self.plans[rank], params, max_group_bytes=PART_BYTES, sources=self.sources, fallback_loader=loader
+            ),
+            params,
+        )
 
     def reference(self, rank):
         params = super().reference(rank)
@@ -312,9 +357,12 @@ class ShardedWorld(PlanWorld):
     def __post_init__(self):
         from shardplan.runtime.shards import local_tensors, plan_shards, tp_shards
         from shardplan.sync import ShardedPacker, spans_of
+
         self.plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.tensors = full_tensors(self.sources)
-        self.shards = tp_shards(self.sources, self.num_trainers, lambda n: 0 if len(self.sources[n].shape) == 2 else None)
+        self.shards = tp_shards(
+            self.sources, self.num_trainers, lambda n: 0 if len(self.sources[n].shape) == 2 else None
+        )
         self.sharded = plan_shards(self.plans, self.sources, self.shards)
         self.local = {t: local_tensors(self.shards, t, self.tensors) for t in range(self.num_trainers)}
         first = ShardedPacker(self.sharded, 0)
@@ -322,14 +370,16 @@ class ShardedWorld(PlanWorld):
 
     def packer(self, rank):
         from shardplan.sync import ShardedPacker
+
         return ShardedPacker(self.sharded, rank)
 
     def source(self, rank):
-        return _FullSource(self.local[rank])   # local shards under the full names; `only` pins segments to ranks
+        return _FullSource(self.local[rank])  # local shards under the full names; `only` pins segments to ranks
 
     def unpacker(self, rank):
         from shardplan.runtime.apply import params_from_plan
         from shardplan.sync import ShardedUnpacker
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         return _Received(ShardedUnpacker(self.sharded, rank, params), params)
 
@@ -397,8 +447,9 @@ def _cluster_setup(cluster, transport: str, world_factory, config: SyncConfig | 
     cluster.control = Control.serve("127.0.0.1")
     cluster.build = functools.partial(build_rank, world_factory, config=cluster.config)
     cluster.coordinator = Coordinator(cluster.control, world.spans, world.groups, world.num_trainers, cluster.config)
-    cluster.names = [trainer_name(t) for t in range(world.num_trainers)] + \
-                    [consumer_name(c) for c in range(world.num_consumers)]
+    cluster.names = [trainer_name(t) for t in range(world.num_trainers)] + [
+        consumer_name(c) for c in range(world.num_consumers)
+    ]
 
 
 class LocalCluster:
@@ -416,8 +467,9 @@ class LocalCluster:
 
     def _spawn(self, name):
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_rank_main, args=(name, self.transport, self.control, self.build, child),
-                                daemon=True)
+        proc = self.ctx.Process(
+            target=_rank_main, args=(name, self.transport, self.control, self.build, child), daemon=True
+        )
         proc.start()
         self.procs[name] = (proc, parent)
 
@@ -488,7 +540,9 @@ class RayCluster:
 
     def __init__(self, transport: str, world_factory, config: SyncConfig | None = None):
         import ray
+
         from shardplan.transport.rdt import router_actor
+
         self.ray = ray
         _cluster_setup(self, transport, world_factory, config)
         self.router = None if transport == "rdt:nixl" else router_actor().remote()
@@ -499,13 +553,14 @@ class RayCluster:
 
     def _new_actor(self, name):
         from shardplan.transport.rdt import sync_actor
+
         return sync_actor().remote(name, self.transport, self.control, self.build, TIMEOUT_S)
 
     def restart(self, name):
         self.kill(name)
         self.actors[name] = self._new_actor(name)
         self.ray.get(self.actors[name].start.remote(self.actors, self.router), timeout=120)
-        for other, actor in self.actors.items():   # the others learn the new handle
+        for other, actor in self.actors.items():  # the others learn the new handle
             if other != name:
                 try:
                     self.ray.get(actor.call.remote(_set_handle, name, self.actors[name]), timeout=30)
@@ -590,8 +645,9 @@ def scenario(cluster, *, stall: bool) -> None:
     # v1: every consumer gets exactly what the trainers packed
     results = cluster.sync(1)
     assert all(r[0] == "ok" for r in results.values()), results
-    assert sum(r[1].nbytes for n, r in results.items() if n.startswith("trainer")) == \
-        sum(r[1].nbytes for n, r in results.items() if n.startswith("consumer"))
+    assert sum(r[1].nbytes for n, r in results.items() if n.startswith("trainer")) == sum(
+        r[1].nbytes for n, r in results.items() if n.startswith("consumer")
+    )
     assert_bitwise(cluster, everyone)
     assert all(cluster.call(consumer_name(c), state) == (1, True) for c in everyone)
 
@@ -599,20 +655,20 @@ def scenario(cluster, *, stall: bool) -> None:
     cluster.call("consumer2", arm_death, "layers.1")
     results = cluster.sync(2)
     assert results["consumer2"][0] == "died", results
-    assert max(cluster.seconds.values()) < 2 * TIMEOUT_S + 3   # nobody waited longer than its timeout
+    assert max(cluster.seconds.values()) < 2 * TIMEOUT_S + 3  # nobody waited longer than its timeout
     killed = {n for n, r in results.items() if r[0] == "died" and n.startswith("trainer")}
     if killed:
         # Ray 2.60 kills BOTH actors of a failed collective RDT transfer (rdt:gloo / rdt:nccl, docs/transports.md):
         # a trainer that was sending to consumer2 when it died goes down with it
         assert cluster.transport in ("rdt:gloo", "rdt:nccl"), results
     trainer_errors = {n: r[1] for n, r in results.items() if n.startswith("trainer") and r[0] == "error"}
-    assert killed or trainer_errors, results   # someone had bytes for consumer2 after its death and says so
+    assert killed or trainer_errors, results  # someone had bytes for consumer2 after its death and says so
     for name, err in trainer_errors.items():
         assert isinstance(err, SyncFailed) and set(err.failures) == {"consumer2"}, err
         assert isinstance(err.failures["consumer2"], (PeerDied, PeerTimeout)), err
     survivors = [c for c in (0, 1, 3) if results[consumer_name(c)][0] == "ok"]
     for c in (0, 1, 3):
-        if c not in survivors:   # only possible when Ray took a trainer down: it names that trainer
+        if c not in survivors:  # only possible when Ray took a trainer down: it names that trainer
             err = results[consumer_name(c)][1]
             assert killed and isinstance(err, SyncFailed) and set(err.failures) <= killed, results
             assert cluster.call(consumer_name(c), state) == (2, False)
@@ -644,10 +700,10 @@ def scenario(cluster, *, stall: bool) -> None:
         err = results[consumer_name(c)][1]
         assert isinstance(err, SyncFailed) and "trainer1" in err.failures, err
         assert isinstance(err.failures["trainer1"], PeerTimeout)
-        assert cluster.call(consumer_name(c), state) == (4, False)   # layers.0/1 of v4 applied, layers.2 not
-    assert max(cluster.seconds[consumer_name(c)] for c in failed) < 2 * TIMEOUT_S + 2   # bounded by the timeout
+        assert cluster.call(consumer_name(c), state) == (4, False)  # layers.0/1 of v4 applied, layers.2 not
+    assert max(cluster.seconds[consumer_name(c)] for c in failed) < 2 * TIMEOUT_S + 2  # bounded by the timeout
     tag, err = results["trainer0"]
-    if tag == "error":   # its lanes to the failed consumers ended at once, naming the culprit
+    if tag == "error":  # its lanes to the failed consumers ended at once, naming the culprit
         assert isinstance(err, SyncFailed), err
         assert all(isinstance(e, PeerAborted) and "trainer1" in str(e) for e in err.failures.values()), err
     else:
@@ -675,11 +731,14 @@ def test_schedule_covers_every_byte_once_and_respects_holdings():
             covered = sorted(i for p in sched.of(c, gi) for i in p.segments)
             assert covered == list(range(len(segs)))
             pieces = sched.of(c, gi)
-            assert all(a.hi <= b.lo for a, b in zip(pieces, pieces[1:]))   # byte order, no overlap
+            assert all(a.hi <= b.lo for a, b in zip(pieces, pieces[1:]))  # byte order, no overlap
             for p in pieces:
-                assert p.lo == segs[p.segments[0]].offset and p.hi == segs[p.segments[-1]].offset + segs[p.segments[-1]].nbytes
+                assert (
+                    p.lo == segs[p.segments[0]].offset
+                    and p.hi == segs[p.segments[-1]].offset + segs[p.segments[-1]].nbytes
+                )
                 if group == "layers.0":
-                    assert p.trainer == 0    # only trainer0 holds layers.0 whole
+                    assert p.trainer == 0  # only trainer0 holds layers.0 whole
     load = sched.bytes_by_trainer()
     total = sum(load.values())
     # layers.0 must all go to trainer0; the rest is balanced so the two end within one group of each other
@@ -709,10 +768,22 @@ def test_checksum_sees_a_changed_byte_and_works_unaligned():
     assert checksum(buf[:0]) == 0
 
 
-@pytest.mark.parametrize("field, value", [("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("nan")),
-                                          ("timeout_s", float("inf")), ("timeout_s", "5"), ("timeout_s", True),
-                                          ("timeout_s", None), ("announce_timeout_s", float("nan")),
-                                          ("announce_timeout_s", "600"), ("verify", "yes"), ("verify", 1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("timeout_s", 0),
+        ("timeout_s", -1.0),
+        ("timeout_s", float("nan")),
+        ("timeout_s", float("inf")),
+        ("timeout_s", "5"),
+        ("timeout_s", True),
+        ("timeout_s", None),
+        ("announce_timeout_s", float("nan")),
+        ("announce_timeout_s", "600"),
+        ("verify", "yes"),
+        ("verify", 1),
+    ],
+)
 def test_config_refuses_bad_numbers_by_name(field, value):
     # NaN used to pass and fail later with "cannot convert float NaN to integer"
     with pytest.raises(SyncConfigError, match=f"SyncConfig: {field} must be"):
@@ -734,11 +805,12 @@ def test_control_connect_honours_its_timeout():
     t0 = time.monotonic()
     with pytest.raises(ControlUnreachable, match=rf"control channel at 127.0.0.1:{port} within 1.0 s"):
         Control("127.0.0.1", port, connect_timeout_s=1.0).prewarm(4)
-    assert time.monotonic() - t0 < 10   # one bounded connect, not four (generous: a loaded 2-core box)
+    assert time.monotonic() - t0 < 10  # one bounded connect, not four (generous: a loaded 2-core box)
     with pytest.raises(ValueError, match="connect_timeout_s"):
         Control("127.0.0.1", port, connect_timeout_s=float("nan"))
     served = Control.serve("127.0.0.1")
     import pickle
+
     again = pickle.loads(pickle.dumps(Control(served.host, served.port, connect_timeout_s=2.5)))
     assert again.connect_timeout_s == 2.5
     again.set("k", "v")
@@ -751,11 +823,12 @@ def test_coordinator_membership_excludes_silent_and_readmits_rejoined():
     config = SyncConfig(timeout_s=0.3)
     coord = Coordinator(control, world.spans, world.groups, 2, config)
     from shardplan.sync.control import join
+
     for name in coord.names():
         join(control, name, None)
     ann = coord.announce(1)
     assert set(ann.members) == set(coord.names())
-    for name, epoch in ann.members.items():   # everyone but consumer1 reports; consumer3 failed (bumped epoch)
+    for name, epoch in ann.members.items():  # everyone but consumer1 reports; consumer3 failed (bumped epoch)
         if name != "consumer1":
             control.set(f"v1/result/{name}", f'{{"ok": true, "epoch": {epoch + (5 if name == "consumer3" else 0)}}}')
     ann2 = coord.announce(2)
@@ -763,9 +836,9 @@ def test_coordinator_membership_excludes_silent_and_readmits_rejoined():
     assert ann2.members["consumer3"] == ann.members["consumer3"] + 5
     for name, epoch in ann2.members.items():
         control.set(f"v2/result/{name}", f'{{"ok": true, "epoch": {epoch}}}')
-    join(control, "consumer1", None)           # restarted
+    join(control, "consumer1", None)  # restarted
     ann3 = coord.announce(3)
-    assert "consumer1" in ann3.members and ann3.schedule_id == ann.schedule_id   # same membership, same schedule
+    assert "consumer1" in ann3.members and ann3.schedule_id == ann.schedule_id  # same membership, same schedule
 
 
 # ---- whole syncs over each transport -------------------------------------------------------------------------------------------
@@ -786,9 +859,11 @@ def test_sync_mooncake_tcp_with_faults():
         cluster.close()
 
 
-@pytest.mark.parametrize("world", [PlanWorld, functools.partial(PlanWorld, num_consumers=1), ShardedWorld,
-                                   FallbackWorld],
-                         ids=["replicated-trainers", "groups-split-across-trainers", "sharded-trainers", "fallbacks"])
+@pytest.mark.parametrize(
+    "world",
+    [PlanWorld, functools.partial(PlanWorld, num_consumers=1), ShardedWorld, FallbackWorld],
+    ids=["replicated-trainers", "groups-split-across-trainers", "sharded-trainers", "fallbacks"],
+)
 def test_sync_real_plans_equal_reference(world):
     """Through the replay/apply adapters, consumer params equal the reference interpreter's, bitwise; fallback
     tensors reach each consumer's fallback loader whole."""
@@ -804,13 +879,15 @@ def test_sync_real_plans_equal_reference(world):
 def test_fallback_plan_needs_sources_and_loader_on_the_consumer():
     from shardplan.runtime.apply import params_from_plan
     from shardplan.sync import ApplyUnpacker
+
     w = FallbackWorld()
     params = params_from_plan(w.plans[0], fill=float("nan"))
     with pytest.raises(FallbackRequiredError, match="model.layers.1.self_attn.o_proj.weight.*fallback_loader="):
         ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES)
     # both sides place fallback tensors identically: the consumer's group sizes match the trainers' layouts
-    unpacker = ApplyUnpacker(w.plans[0], params, max_group_bytes=PART_BYTES, sources=w.sources,
-                             fallback_loader=lambda n, t: None)
+    unpacker = ApplyUnpacker(
+        w.plans[0], params, max_group_bytes=PART_BYTES, sources=w.sources, fallback_loader=lambda n, t: None
+    )
     for group, size in unpacker.sizes().items():
         segs = w.spans[0][group]
         assert max(seg.offset + seg.nbytes for seg in segs) == size, group
@@ -819,11 +896,17 @@ def test_fallback_plan_needs_sources_and_loader_on_the_consumer():
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    here = os.path.dirname(os.path.abspath(__file__))   # workers import this module (the rank builder) by name
+    here = os.path.dirname(os.path.abspath(__file__))  # workers import this module (the rank builder) by name
     root = os.path.dirname(os.path.dirname(here))
     path = os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield ray
     ray.shutdown()
 
@@ -845,7 +928,7 @@ def test_rank_left_out_of_a_version_rejoins():
     cluster = LocalCluster("nccl", functools.partial(StandInWorld, num_consumers=2, num_layers=1))
     try:
         assert all(r[0] == "ok" for r in cluster.sync(1).values())
-        cluster.control.lease().delete_key("v1/result/consumer1")   # as if consumer1 had gone silent in v1
+        cluster.control.lease().delete_key("v1/result/consumer1")  # as if consumer1 had gone silent in v1
         results = cluster.sync(2)
         assert "consumer1" not in results and all(r[0] == "ok" for r in results.values()), results
         with pytest.raises(NotAMember, match=r"consumer1 \(epoch \d+\) is not part of version 2"):
@@ -859,22 +942,33 @@ def test_rank_left_out_of_a_version_rejoins():
 
 
 # ---- recorded plans of a shrunk MoE model, checked against vLLM's real loader ---------------------------------------------------
-QWEN3_MOE_SHRUNK = ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "moe_intermediate_size=32",
-                    "num_attention_heads=4", "num_key_value_heads=2", "head_dim=16", "num_experts=4",
-                    "num_experts_per_tok=2", "vocab_size=256"]
+QWEN3_MOE_SHRUNK = [
+    "num_hidden_layers=2",
+    "hidden_size=64",
+    "intermediate_size=128",
+    "moe_intermediate_size=32",
+    "num_attention_heads=4",
+    "num_key_value_heads=2",
+    "head_dim=16",
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "vocab_size=256",
+]
 
 
 @dataclass
 class RecordedWorld(PlanWorld):
     """Plans from a recorded plan file (no vLLM in the rank processes): 2 replicated trainers -> 4 consumers."""
+
     path: str = ""
     seed: int = 0
     num_consumers: int = 4
 
     def __post_init__(self):
         from shardplan.plan.file.format import PlanFile
-        from shardplan.sync import ReplayPacker, spans_of
         from shardplan.record.verify import random_checkpoint
+        from shardplan.sync import ReplayPacker, spans_of
+
         plan_file = PlanFile.read(self.path)
         self.plans = [plan_file.rank(r) for r in range(self.num_consumers)]
         metas = [plan_file.sources[n] for n in plan_file.sources]
@@ -891,8 +985,8 @@ _RECORDED: dict[str, tuple] = {}
 
 def recorded_moe(layout_id: str, tmp_path_factory):
     """(session, plans, plan file) of the shrunk Qwen3-MoE at TP4 or TP2 x EP2, recorded once per module."""
-    from shardplan.plan.layout import Layout
     from shardplan.plan.file.format import write_plan
+    from shardplan.plan.layout import Layout
     from shardplan.record.session import RecordSession
 
     if layout_id not in _RECORDED:
@@ -956,6 +1050,7 @@ class FreshTensorWorld(PlanWorld):
     def reference_at(self, rank, version):
         from shardplan.plan.interp import apply_reference
         from shardplan.runtime.apply import params_from_plan
+
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         apply_reference(self.plans[rank], full_tensors(self.sources, seed=version), params)
         return params
@@ -988,12 +1083,15 @@ def test_sync_packs_the_tensors_the_source_hands_at_this_sync():
 def _swap_q_and_k(plan):
     """The same plan with the destinations of q_proj and k_proj swapped: equal sizes, different bytes per param row."""
     from shardplan.plan import ir
+
     writes = list(plan.writes)
     q = [i for i, w in enumerate(writes) if ".q_proj." in getattr(w.src.leaf, "name", "")]
     k = [i for i, w in enumerate(writes) if ".k_proj." in getattr(w.src.leaf, "name", "")]
     for i, j in zip(q, k):
-        writes[i], writes[j] = (ir.Write(writes[i].param, writes[j].dst, writes[i].src),
-                                ir.Write(writes[j].param, writes[i].dst, writes[j].src))
+        writes[i], writes[j] = (
+            ir.Write(writes[i].param, writes[j].dst, writes[i].src),
+            ir.Write(writes[j].param, writes[i].dst, writes[j].src),
+        )
     return ir.RankPlan(plan.rank, plan.params, tuple(writes), plan.fallbacks, plan.not_needed)
 
 
@@ -1004,6 +1102,7 @@ class SwappedTrainerWorld(PlanWorld):
     def __post_init__(self):
         super().__post_init__()
         from shardplan.sync import ReplayPacker
+
         trainer_plans = [self.plans[0], _swap_q_and_k(self.plans[1])]
         self._packer = ReplayPacker(trainer_plans, self.sources, max_group_bytes=PART_BYTES)
 
@@ -1011,13 +1110,16 @@ class SwappedTrainerWorld(PlanWorld):
 def _swap_q_and_k_sources(plan):
     """The same plan with the sources of q_proj and k_proj swapped: the same destinations, other bytes in them."""
     from shardplan.plan import ir
+
     writes = list(plan.writes)
     q = [i for i, w in enumerate(writes) if ".q_proj." in getattr(w.src.leaf, "name", "")]
     k = [i for i, w in enumerate(writes) if ".k_proj." in getattr(w.src.leaf, "name", "")]
     assert q and len(q) == len(k)
     for i, j in zip(q, k):
-        writes[i], writes[j] = (ir.Write(writes[i].param, writes[i].dst, writes[j].src),
-                                ir.Write(writes[j].param, writes[j].dst, writes[i].src))
+        writes[i], writes[j] = (
+            ir.Write(writes[i].param, writes[i].dst, writes[j].src),
+            ir.Write(writes[j].param, writes[j].dst, writes[i].src),
+        )
     return ir.RankPlan(plan.rank, plan.params, tuple(writes), plan.fallbacks, plan.not_needed)
 
 
@@ -1029,6 +1131,7 @@ class SwappedSourcesTrainerWorld(PlanWorld):
     def __post_init__(self):
         super().__post_init__()
         from shardplan.sync import ReplayPacker
+
         self.trainer_plans = [self.plans[0], _swap_q_and_k_sources(self.plans[1])]
         self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
 
@@ -1042,6 +1145,7 @@ class NextRankSlicesTrainerWorld(PlanWorld):
         super().__post_init__()
         from shardplan.plan import ir
         from shardplan.sync import ReplayPacker
+
         wrong = ir.RankPlan(1, self.plans[1].params, self.plans[0].writes, self.plans[1].fallbacks)
         self.trainer_plans = [self.plans[0], wrong]
         self._packer = ReplayPacker(self.trainer_plans, self.sources, max_group_bytes=PART_BYTES)
@@ -1055,17 +1159,22 @@ class WrongRankWorld(PlanWorld):
         return super().unpacker(0)
 
 
-@pytest.mark.parametrize("world", [SwappedTrainerWorld, WrongRankWorld, SwappedSourcesTrainerWorld,
-                                   NextRankSlicesTrainerWorld],
-                         ids=["different-destinations", "wrong-rank", "q-k-sources-swapped", "next-rank-slices"])
+@pytest.mark.parametrize(
+    "world",
+    [SwappedTrainerWorld, WrongRankWorld, SwappedSourcesTrainerWorld, NextRankSlicesTrainerWorld],
+    ids=["different-destinations", "wrong-rank", "q-k-sources-swapped", "next-rank-slices"],
+)
 def test_layout_disagreement_is_refused_on_both_sides_before_any_byte_moves(world):
     if world in (SwappedSourcesTrainerWorld, NextRankSlicesTrainerWorld):
         # source-only differences: the pack layouts (destinations) agree, only what the writes read differs
         from shardplan.runtime.pack import PackLayout
+
         w = world()
         consumer, trainer = w.plans[1], w.trainer_plans[1]
-        assert PackLayout.from_plans(consumer, 256, PART_BYTES).digest == \
-            PackLayout.from_plans(trainer, 256, PART_BYTES).digest
+        assert (
+            PackLayout.from_plans(consumer, 256, PART_BYTES).digest
+            == PackLayout.from_plans(trainer, 256, PART_BYTES).digest
+        )
         assert w.unpacker(1).stamp() != w._packer.stamp(1)
         assert w.unpacker(0).stamp() == w._packer.stamp(0)
     cluster = LocalCluster("nccl", world)

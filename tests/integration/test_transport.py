@@ -1,6 +1,7 @@
 """Transport adapters alone: choosing by name, missing optional dependencies, and a trainer/consumer pair per adapter
 (bytes land bitwise at the tag's slot and offset; a stalled or dead peer ends the wait with an error naming it; a
 restarted peer with a new epoch gets a fresh connection). Ray adapters are exercised end to end in test_sync.py."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,34 +11,48 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")     # LOOPBACK ONLY
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # LOOPBACK ONLY
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import pytest
 import torch
 
-from shardplan.transport import (NAMES, Control, MissingDependency, PeerDied, PeerError, PeerTimeout, Tag,
-                                 UnknownTransport, create)
+from shardplan.transport import (
+    NAMES,
+    Control,
+    MissingDependency,
+    PeerDied,
+    PeerError,
+    PeerTimeout,
+    Tag,
+    UnknownTransport,
+    create,
+)
 
 TIMEOUT_S = 2.0
-NBYTES = 8 << 20   # larger than socket buffers: a send to a peer that never receives cannot complete
+NBYTES = 8 << 20  # larger than socket buffers: a send to a peer that never receives cannot complete
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(UnknownTransport, match="unknown transport 'tcp'.*nccl, rdt:nccl, rdt:gloo, rdt:nixl, mooncake:tcp"):
+    with pytest.raises(
+        UnknownTransport, match="unknown transport 'tcp'.*nccl, rdt:nccl, rdt:gloo, rdt:nixl, mooncake:tcp"
+    ):
         create("tcp")
     assert NAMES == ("nccl", "rdt:nccl", "rdt:gloo", "rdt:nixl", "mooncake:tcp", "mooncake:rdma")
 
 
-@pytest.mark.parametrize("name, hidden, words", [
-    ("mooncake:tcp", ["mooncake", "mooncake.engine"], "pip install mooncake-transfer-engine"),
-    ("mooncake:rdma", ["mooncake", "mooncake.engine"], "libibverbs1"),
-    ("rdt:gloo", ["ray"], "pip install 'ray>=2.60'"),
-    ("rdt:nixl", ["nixl"], "pip install nixl"),
-])
+@pytest.mark.parametrize(
+    "name, hidden, words",
+    [
+        ("mooncake:tcp", ["mooncake", "mooncake.engine"], "pip install mooncake-transfer-engine"),
+        ("mooncake:rdma", ["mooncake", "mooncake.engine"], "libibverbs1"),
+        ("rdt:gloo", ["ray"], "pip install 'ray>=2.60'"),
+        ("rdt:nixl", ["nixl"], "pip install nixl"),
+    ],
+)
 def test_missing_optional_dependency_says_how_to_install(monkeypatch, name, hidden, words):
     for module in hidden:
-        monkeypatch.setitem(sys.modules, module, None)   # import of it now raises ImportError
+        monkeypatch.setitem(sys.modules, module, None)  # import of it now raises ImportError
     options = {"me": "trainer0", "control": Control("127.0.0.1", 1)}
     if name.startswith("rdt:"):
         options = {"me": "trainer0", "actor": None, "handles": {}, "router": object()}
@@ -47,9 +62,11 @@ def test_missing_optional_dependency_says_how_to_install(monkeypatch, name, hidd
 
 
 def test_core_modules_import_no_optional_dependency():
-    code = ("import sys, shardplan.sync, shardplan.transport, shardplan.transport.nccl;"
-            "bad = [m for m in ('ray', 'nixl', 'mooncake', 'vllm') if m in sys.modules];"
-            "assert not bad, bad")
+    code = (
+        "import sys, shardplan.sync, shardplan.transport, shardplan.transport.nccl;"
+        "bad = [m for m in ('ray', 'nixl', 'mooncake', 'vllm') if m in sys.modules];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -78,7 +95,7 @@ def _consumer(name, control, epoch, mode, conn):
     control.set(f"ready/{epoch}", "1")
     transport.connect({"consumer0": epoch, "trainer0": 1})
     tag = Tag(1, 0, 1, 256, 4096)
-    dst = buffers[1][256:256 + 4096]
+    dst = buffers[1][256 : 256 + 4096]
     transport.recv("trainer0", dst, tag).wait(10)
     if transport.one_sided:
         control.get(f"sent/{epoch}", 10, "trainer0")
@@ -113,7 +130,7 @@ def test_pair_bytes_land_then_dead_or_stalled_peer_is_named(name):
             proc, conn = _spawn(ctx, name, control, epoch, mode)
             procs.append(proc)
             control.get(f"ready/{epoch}", 60, "consumer0")
-            trainer.connect({"trainer0": 1, "consumer0": epoch})   # a new epoch: a fresh connection
+            trainer.connect({"trainer0": 1, "consumer0": epoch})  # a new epoch: a fresh connection
             staging[:4096] = pattern(4096, epoch)
             trainer.send("consumer0", staging[:4096], Tag(1, 0, 1, 256, 4096)).wait(10)
             control.set(f"sent/{epoch}", "1")

@@ -1,5 +1,6 @@
 """Tests that need SGLang: they run in .venv-sglang (`make test-sglang`, part of `make test`); the vLLM venv's run
 skips this folder (tests/conftest.py). The built-ins' shrink overrides are the vLLM tests' own (one home)."""
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ version 0, then for two trainer versions packs each rank's bytes from HF-named t
 and pushes them through the shardplan loader between begin/end_weight_update; after each, greedy tokens must equal a
 fresh engine started on that version's checkpoint. Also: a plan recorded without the CPU engine is refused by name,
 and nothing is applied. Prints one JSON line of results."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
     path.mkdir(parents=True, exist_ok=True)
     shutil.copy(HERE / "qwen3-tiny" / "config.json", path / "config.json")
     gen = torch.Generator().manual_seed(seed)
-    tensors = {n: (torch.randn(s, generator=gen) * (0.02 if len(s) > 1 else 1) + (1 if len(s) == 1 else 0)
-                   ).to(getattr(torch, d)) for n, s, d in names}
+    tensors = {
+        n: (torch.randn(s, generator=gen) * (0.02 if len(s) > 1 else 1) + (1 if len(s) == 1 else 0)).to(
+            getattr(torch, d)
+        )
+        for n, s, d in names
+    }
     save_file(tensors, str(path / "model.safetensors"))
     return tensors
 
@@ -37,10 +42,22 @@ def engine(path, tp):
 
     from shardplan.engine.sglang.loader import LOAD_FORMAT
 
-    return sgl.Engine(model_path=str(path), device="cpu", skip_tokenizer_init=True, attention_backend="torch_native",
-                      sampling_backend="pytorch", disable_cuda_graph=True, max_total_tokens=2048,
-                      max_running_requests=2, tp_size=tp, log_level="error", mem_fraction_static=0.4,
-                      grammar_backend="none", custom_weight_loader=[LOAD_FORMAT], random_seed=0)
+    return sgl.Engine(
+        model_path=str(path),
+        device="cpu",
+        skip_tokenizer_init=True,
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        disable_cuda_graph=True,
+        max_total_tokens=2048,
+        max_running_requests=2,
+        tp_size=tp,
+        log_level="error",
+        mem_fraction_static=0.4,
+        grammar_backend="none",
+        custom_weight_loader=[LOAD_FORMAT],
+        random_seed=0,
+    )
 
 
 def greedy(llm):
@@ -60,7 +77,7 @@ def main():
     s = SglangRecordSession(str(HERE / "qwen3-tiny"), Layout(tp=tp), options=SglangOptions(cpu_engine=True))
     plan_path = work / "plan.plan"
     write_plan(plan_path, s.encode(s.record_plans(list(range(tp))).body))
-    foreign = work / "gpu.plan"   # the same plan, but its header says: recorded without the CPU engine
+    foreign = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
     wrong = SglangRecordSession.__new__(SglangRecordSession)
     wrong.__dict__.update(s.__dict__, options=SglangOptions())
     write_plan(foreign, wrong.encode(s.record_plans(list(range(tp))).body))
@@ -82,8 +99,9 @@ def main():
     results["v0"] = greedy(live)
     for version in (1, 2):
         ok, message = push(live, plan_path, versions[version])[:2]
-        results["versions"].append({"version": version, "ok": ok, "message": message, "updated": greedy(live),
-                                    "fresh": fresh[version]})
+        results["versions"].append(
+            {"version": version, "ok": ok, "message": message, "updated": greedy(live), "fresh": fresh[version]}
+        )
     before = greedy(live)
     try:
         push(live, foreign, v0)

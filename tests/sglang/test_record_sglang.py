@@ -10,6 +10,7 @@ w_kc/w_vc); everything bitwise equal. On top: every checkpoint name is exactly o
 needed, no fallbacks, no param the plan writes left NaN, and under EP every expert tensor is read by exactly the ranks
 SGLang's expert placement gives it (one per MoE-TP rank of its EP rank).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -40,12 +41,14 @@ def overrides(model: str) -> list[str]:
     return [] if model == QWEN3_TINY else shrink_overrides(model)
 
 
-def session(model: str, layout: Layout, options: SglangOptions, dtype: str = "bfloat16",
-            extra: tuple = ()) -> SglangRecordSession:
+def session(
+    model: str, layout: Layout, options: SglangOptions, dtype: str = "bfloat16", extra: tuple = ()
+) -> SglangRecordSession:
     key = (model, layout, options, dtype, extra)
     if key not in _SESSIONS:
-        _SESSIONS[key] = SglangRecordSession(model, layout, dtype=dtype, options=options,
-                                             overrides=[*overrides(model), *extra])
+        _SESSIONS[key] = SglangRecordSession(
+            model, layout, dtype=dtype, options=options, overrides=[*overrides(model), *extra]
+        )
     return _SESSIONS[key]
 
 
@@ -85,15 +88,16 @@ def test_replay_equals_sglang_load_weights(case, data):
     try:
         s = session(model, layout, options, dtype)
         rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
-        check(s, rank, data.draw(st.integers(0, 2 ** 16), label="seed"))
-    except SglangLayoutRejected:   # SGLang's own refusal (e.g. attention heads over TP), named
+        check(s, rank, data.draw(st.integers(0, 2**16), label="seed"))
+    except SglangLayoutRejected:  # SGLang's own refusal (e.g. attention heads over TP), named
         assume(False)
 
 
 @pytest.mark.parametrize("model, tp, ep", [("deepseek-v3-fp8", 2, 2), ("kimi-k2-fp8", 4, 1)])
 def test_block_fp8_records_and_verifies(model, tp, ep):
-    s = SglangRecordSession(model, Layout(tp=tp, ep=ep > 1), options=SglangOptions(ep_size=ep),
-                            overrides=fp8_overrides(model))
+    s = SglangRecordSession(
+        model, Layout(tp=tp, ep=ep > 1), options=SglangOptions(ep_size=ep), overrides=fp8_overrides(model)
+    )
     assert s.quantizer == "fp8-e4m3-block-amax448-v1/128x128"
     for rank in range(tp):
         plan = check(s, rank, 7 + rank)
@@ -123,8 +127,12 @@ def test_dp_attention_shards_attention_over_attention_tp():
     plans = [s.record_rank(r)[0] for r in range(4)]
 
     def boxes(plan, name):
-        return sorted((w.src.region.offset, w.src.region.sizes) for w in plan.writes
-                      if isinstance(w.src.leaf, ir.Source) and w.src.leaf.name == name)
+        return sorted(
+            (w.src.region.offset, w.src.region.sizes)
+            for w in plan.writes
+            if isinstance(w.src.leaf, ir.Source) and w.src.leaf.name == name
+        )
+
     name = "model.layers.0.self_attn.q_b_proj.weight"
     assert boxes(plans[0], name) == boxes(plans[2], name) != boxes(plans[1], name)
 
@@ -138,10 +146,16 @@ def test_harness_fails_wrong_plans():
     assert not verify_rank(s.builder, 1, dropped, checkpoint).ok
     i = next(i for i, w in enumerate(plan.writes) if w.src.region.offset > 0)
     w = plan.writes[i]
-    shifted = w.__class__(w.param, w.dst, w.src.__class__(w.src.leaf, w.src.region.__class__(
-        w.src.region.offset - 1, w.src.region.sizes, w.src.region.strides)))
-    bad = ir.RankPlan(plan.rank, plan.params, plan.writes[:i] + (shifted,) + plan.writes[i + 1:], plan.fallbacks,
-                      plan.not_needed)
+    shifted = w.__class__(
+        w.param,
+        w.dst,
+        w.src.__class__(
+            w.src.leaf, w.src.region.__class__(w.src.region.offset - 1, w.src.region.sizes, w.src.region.strides)
+        ),
+    )
+    bad = ir.RankPlan(
+        plan.rank, plan.params, plan.writes[:i] + (shifted,) + plan.writes[i + 1 :], plan.fallbacks, plan.not_needed
+    )
     assert not verify_rank(s.builder, 1, bad, checkpoint).ok
 
 

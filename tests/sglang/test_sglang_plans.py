@@ -3,6 +3,7 @@ engine and its recording options; sampled layers and extended ranks give the sam
 `load_plan(engine="sglang")` finds it; the trainer-side runtime (Replayer -> buffer -> Applier, no SGLang) fills a
 NaN-poisoned SGLang model exactly as SGLang's own `load_weights` does; and SGLang options given without
 `--engine sglang`, or a plain --dp, are refused by name."""
+
 from __future__ import annotations
 
 import re
@@ -27,18 +28,22 @@ from shardplan.runtime.replay import Replayer
 def _record(tmp_path, *extra: str, model="qwen3-30b-a3b", layers=6) -> PlanFile:
     args = ["record", "--engine", "sglang", "--model", model, *extra, "--out", str(tmp_path)]
     for o in [o for o in shrink_overrides(model) if not o.startswith("num_hidden_layers")] + [
-            f"num_hidden_layers={layers}"]:
+        f"num_hidden_layers={layers}"
+    ]:
         args += ["--override", o]
     assert main(args) == 0
     (path,) = tmp_path.glob("*.plan")
     return PlanFile.read(path)
 
 
-@pytest.mark.parametrize("extra, tag, ep_size, dp_size", [
-    (["--tp", "4", "--ep", "--ep-size", "2"], "tp4-ep-sglang-ep2", 2, 1),
-    (["--tp", "4", "--ep", "--enable-dp-attention", "--dp", "2"], "tp4-ep-sglang-ep4-dpattn2", 4, 2),
-    (["--tp", "2", "--pp", "2"], "tp2-pp2-sglang", 1, 1),
-])
+@pytest.mark.parametrize(
+    "extra, tag, ep_size, dp_size",
+    [
+        (["--tp", "4", "--ep", "--ep-size", "2"], "tp4-ep-sglang-ep2", 2, 1),
+        (["--tp", "4", "--ep", "--enable-dp-attention", "--dp", "2"], "tp4-ep-sglang-ep4-dpattn2", 4, 2),
+        (["--tp", "2", "--pp", "2"], "tp2-pp2-sglang", 1, 1),
+    ],
+)
 def test_sampled_and_extended_equals_exhaustive(tmp_path, extra, tag, ep_size, dp_size):
     model = "deepseek-v3" if "--enable-dp-attention" in extra else "qwen3-30b-a3b"
     sampled = _record(tmp_path / "s", *extra, model=model)
@@ -54,17 +59,21 @@ def test_sampled_and_extended_equals_exhaustive(tmp_path, extra, tag, ep_size, d
 def test_load_plan_finds_it_by_engine(tmp_path, monkeypatch):
     plan = _record(tmp_path, "--tp", "2", "--ep", model="qwen3-30b-a3b", layers=2)
     overrides = [o for o in shrink_overrides("qwen3-30b-a3b") if not o.startswith("num_hidden_layers")] + [
-        "num_hidden_layers=2"]
+        "num_hidden_layers=2"
+    ]
     found = store.load_plan("qwen3-30b-a3b", tp=2, ep=True, overrides=overrides, engine="sglang", path=plan.path)
     assert found.header == plan.header
     with pytest.raises(store.PlanNotFound, match="records sglang's loaders, not vllm's"):
         store.load_plan("qwen3-30b-a3b", tp=2, ep=True, overrides=overrides, path=plan.path)
 
 
-@pytest.mark.parametrize("model, layout, options", [
-    ("deepseek-v3", Layout(tp=2, ep=True), SglangOptions(ep_size=2)),
-    ("qwen3-30b-a3b", Layout(tp=4, ep=True), SglangOptions(ep_size=2, dp_size=2)),
-])
+@pytest.mark.parametrize(
+    "model, layout, options",
+    [
+        ("deepseek-v3", Layout(tp=2, ep=True), SglangOptions(ep_size=2)),
+        ("qwen3-30b-a3b", Layout(tp=4, ep=True), SglangOptions(ep_size=2, dp_size=2)),
+    ],
+)
 def test_runtime_replay_fills_an_sglang_model_like_its_loader(model, layout, options):
     """Through the plan file and the trainer's runtime: pack the rank's bytes from HF-named tensors, apply them to the
     params of a NaN-poisoned SGLang model, run SGLang's post_load_weights (as end_weight_update does) ==
@@ -93,11 +102,14 @@ def test_runtime_replay_fills_an_sglang_model_like_its_loader(model, layout, opt
         assert verdict.ok, (rank, verdict.mismatched)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--ep-size", "2", "--tp", "2", "--ep"], "--ep-size is an SGLang server arg: add --engine sglang"),
-    (["--engine", "sglang", "--tp", "2", "--dp", "2"], "data-parallel replicas"),
-    (["--engine", "sglang", "--tp", "4", "--ep", "--ep-size", "3"], "ep_size \\(3\\) to divide tp_size"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ep-size", "2", "--tp", "2", "--ep"], "--ep-size is an SGLang server arg: add --engine sglang"),
+        (["--engine", "sglang", "--tp", "2", "--dp", "2"], "data-parallel replicas"),
+        (["--engine", "sglang", "--tp", "4", "--ep", "--ep-size", "3"], "ep_size \\(3\\) to divide tp_size"),
+    ],
+)
 def test_cli_refuses_engine_args_by_name(tmp_path, capsys, argv, match):
     assert main(["record", "--model", "qwen3-30b-a3b", *argv, "--out", str(tmp_path)]) == 2
     assert re.search(match, capsys.readouterr().err)

@@ -1,5 +1,6 @@
 """Run Python code in a fresh interpreter where vLLM, transformers and safetensors cannot be imported: what the
 trainer side (plan files, runtime, sync, transports, the engine's trainer half, the simulator) must work with."""
+
 from __future__ import annotations
 
 import subprocess

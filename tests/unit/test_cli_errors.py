@@ -1,13 +1,14 @@
 """CLI input that used to be accepted silently or end in a traceback: a named error, a hint, exit code 2, and for
 `record` the refusal comes before any recording starts."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pytest
-
 from planfile_helpers import rich_bytes
+
 from shardplan import cli
 from shardplan.plan.layout import LayoutError, parse_ranks
 
@@ -17,9 +18,17 @@ def _main(capsys, *argv):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, match", [("31-0", "reversed range"), ("3-1,5", "reversed range"),
-                                         ("", "cannot parse ''"), ("0,,1", "cannot parse ''"),
-                                         ("-1", "cannot parse"), ("0-40", "outside 0..31")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("31-0", "reversed range"),
+        ("3-1,5", "reversed range"),
+        ("", "cannot parse ''"),
+        ("0,,1", "cannot parse ''"),
+        ("-1", "cannot parse"),
+        ("0-40", "outside 0..31"),
+    ],
+)
 def test_bad_rank_lists_are_refused(text, match):
     with pytest.raises(LayoutError, match=match):
         parse_ranks(text, 32)
@@ -32,8 +41,10 @@ def test_good_rank_lists():
 
 def _no_recording(monkeypatch):
     """Fail the test if recording starts: the CLI must refuse before it."""
+
     def boom(*a, **k):
         raise AssertionError("recording started")
+
     monkeypatch.setattr(cli, "RecordSession", boom)
 
 
@@ -43,7 +54,7 @@ def test_reversed_ranks_exit_2(capsys, monkeypatch):
     assert code == 2 and "reversed range" in err and "write 0-31" in err
 
 
-@pytest.mark.slow   # builds the config through transformers: `make test`, not `make test-fast`
+@pytest.mark.slow  # builds the config through transformers: `make test`, not `make test-fast`
 def test_unknown_override_key_names_the_closest(capsys, monkeypatch):
     _no_recording(monkeypatch)
     code, err = _main(capsys, "record", "--model", "llama-3.1-8b", "--override", "num_hiden_layers=2")
@@ -77,7 +88,7 @@ def test_inspect_uncovered_rank(capsys, tmp_path):
     assert cli.main(["inspect", str(path), "--rank", "1"]) == 0
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "truncated", "format1"])
 def test_inspect_odd_files_exit_2_without_traceback(kind, tmp_path):
     import os
@@ -90,7 +101,8 @@ def test_inspect_odd_files_exit_2_without_traceback(kind, tmp_path):
     elif kind == "format1":
         path = str(tmp_path / "old.plan")
         open(path, "wb").write(b"SHRDPLAN\x01\x00\x00\x00" + bytes(40))
-    out = subprocess.run([sys.executable, "-m", "shardplan.cli", "inspect", path], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "shardplan.cli", "inspect", path], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert path in out.stderr and "docs/plan-format.md" in out.stderr

@@ -1,5 +1,6 @@
 """The command line is an interface users script against: its commands, options, defaults and choices are frozen
 here (tests/unit/golden/cli_surface.txt). Change them on purpose: SHARDPLAN_REGOLD=1 rewrites the file."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,10 @@ def _surface(parser: argparse.ArgumentParser, prefix: str = "shardplan") -> list
                 lines += _surface(sub, f"{prefix} {name}")
         elif not isinstance(action, argparse._HelpAction):
             flags = ",".join(action.option_strings) or f"<{action.dest}>"
-            lines.append(f"{prefix} {flags} dest={action.dest} default={action.default!r} "
-                         f"required={action.required} choices={action.choices!r} nargs={action.nargs!r}")
+            lines.append(
+                f"{prefix} {flags} dest={action.dest} default={action.default!r} "
+                f"required={action.required} choices={action.choices!r} nargs={action.nargs!r}"
+            )
     return lines
 
 

@@ -1,17 +1,18 @@
 """The live-engine integration's trainer side (shardplan.engine: trainer, clients, protocol, errors) loads with vLLM,
 transformers and safetensors unimportable, and names its errors."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from blocked_imports import run_without_vllm
 
 from shardplan.engine.clients import HttpClient, as_client
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, EplbNotSupported, raise_named
 from shardplan.engine.protocol import EngineInitInfo
-from blocked_imports import run_without_vllm
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_trainer_side_imports_without_vllm_transformers_safetensors():
     out = run_without_vllm("""
         import shardplan.engine, shardplan.engine.trainer, shardplan.engine.clients
@@ -24,8 +25,10 @@ def test_trainer_side_imports_without_vllm_transformers_safetensors():
 def test_worker_errors_come_back_as_the_named_class():
     """collective_rpc passes a worker's exception on as text; the backend puts the class name in front of it."""
     with pytest.raises(EplbNotSupported, match="enable_eplb"):
-        raise_named(RuntimeError("Worker failed with error 'EplbNotSupported: the engine runs with EPLB "
-                                 "(enable_eplb)'"), "llm: init_weight_transfer_engine")
+        raise_named(
+            RuntimeError("Worker failed with error 'EplbNotSupported: the engine runs with EPLB (enable_eplb)'"),
+            "llm: init_weight_transfer_engine",
+        )
     with pytest.raises(EnginePlanMismatch, match="^http://x: init"):
         raise_named(RuntimeError("HTTP 500 ... EnginePlanMismatch: a.plan is for dtype float16"), "http://x: init")
     with pytest.raises(EngineCallFailed, match="ConnectionRefusedError"):
@@ -41,8 +44,14 @@ def test_engine_handles_are_recognised_or_refused_by_name():
 
 def test_init_info_travels_as_plain_json():
     import json
-    info = EngineInitInfo(control_host="127.0.0.1", control_port=1234, transport="mooncake:tcp",
-                          transport_options={"device_name": ""}, plan_sha256="ab" * 32)
+
+    info = EngineInitInfo(
+        control_host="127.0.0.1",
+        control_port=1234,
+        transport="mooncake:tcp",
+        transport_options={"device_name": ""},
+        plan_sha256="ab" * 32,
+    )
     assert EngineInitInfo(**json.loads(json.dumps(info.to_dict()))) == info
 
 
@@ -52,11 +61,16 @@ def test_dtensor_placements_give_torchs_boxes_for_every_rank():
     from torch.distributed.tensor import Replicate, Shard
 
     from shardplan.engine.sharding import placement_boxes
+
     assert placement_boxes((5, 4), [0, 1], [Shard(0)]) == {0: ((0, 3), (0, 4)), 1: ((3, 5), (0, 4))}
-    assert placement_boxes((2, 4), [0, 1, 2], [Shard(0)])[2] == ((2, 2), (0, 4))   # torch.chunk: rank 2 gets none
+    assert placement_boxes((2, 4), [0, 1, 2], [Shard(0)])[2] == ((2, 2), (0, 4))  # torch.chunk: rank 2 gets none
     mesh = [[0, 1], [2, 3]]
     assert placement_boxes((8, 6), mesh, [Shard(0), Shard(1)]) == {
-        0: ((0, 4), (0, 3)), 1: ((0, 4), (3, 6)), 2: ((4, 8), (0, 3)), 3: ((4, 8), (3, 6))}
+        0: ((0, 4), (0, 3)),
+        1: ((0, 4), (3, 6)),
+        2: ((4, 8), (0, 3)),
+        3: ((4, 8), (3, 6)),
+    }
     assert placement_boxes((8, 6), mesh, [Shard(0), Shard(0)])[2] == ((4, 6), (0, 6))
     assert placement_boxes((8, 6), mesh, [Replicate(), Shard(1)])[3] == ((0, 8), (3, 6))
 
@@ -67,6 +81,7 @@ def test_placements_without_one_box_per_rank_are_refused_by_name():
 
     from shardplan.engine.sharding import placement_boxes
     from shardplan.runtime.shards import ShardLayoutError
+
     with pytest.raises(ShardLayoutError, match="Partial"):
         placement_boxes((4,), [0, 1], [Partial()], "w")
     with pytest.raises(ShardLayoutError, match="w: placement _StridedShard"):
@@ -82,6 +97,7 @@ def test_trainer_shards_travel_as_json():
 
     from shardplan.engine.sharding import placement_shards, shards_from_json, shards_to_json
     from shardplan.runtime.shards import ShardLayoutError
+
     shards = placement_shards({"a.weight": (6, 4), "b.weight": (3,)}, [0, 1], lambda n: [Shard(0)])
     assert shards_from_json(json.loads(json.dumps(shards_to_json(shards)))) == shards
     with pytest.raises(ShardLayoutError, match="trainer_shards is not"):

@@ -1,15 +1,17 @@
 """Rank extension (plan/compile/extend.py, record/ranks.py) on synthetic plans shaped like vLLM loaders' (no vLLM): whatever
 the layout and the rank dependence, the extended body encodes to the same bytes as compiling every rank's plan."""
+
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.compile.extend import FlatRank, Line, NotAffine, body_from_flat, flat_rank, sorted_rows
-from shardplan.plan.layout import Layout
 from shardplan.plan.file.format import encode
+from shardplan.plan.layout import Layout
 from shardplan.plan.template import build_trie, trie_from_rows
 from shardplan.record.ranks import extend_ranks, rank_classes
 
@@ -17,8 +19,11 @@ COLS = 4
 
 
 def _write(param, dst_offset, rows, src, src_offset):
-    return ir.Write(param, ir.Region(dst_offset, (rows, COLS), (COLS, 1)),
-                    ir.View(ir.Source(src), ir.Region(src_offset, (rows, COLS), (COLS, 1))))
+    return ir.Write(
+        param,
+        ir.Region(dst_offset, (rows, COLS), (COLS, 1)),
+        ir.View(ir.Source(src), ir.Region(src_offset, (rows, COLS), (COLS, 1))),
+    )
 
 
 def synthetic_plan(layout: Layout, rank: int, case: dict) -> tuple[ir.RankPlan, dict]:
@@ -41,10 +46,17 @@ def synthetic_plan(layout: Layout, rank: int, case: dict) -> tuple[ir.RankPlan, 
     real = max(0, min(per_rank_vocab, vocab - start))
     if real:
         writes.append(_write("embed.weight", 0, real, "embed.weight", start * COLS))
-    if real < per_rank_vocab:   # padding rows: a constant write
-        writes.append(ir.Write("embed.weight", ir.Region(real * COLS, (per_rank_vocab - real, COLS), (COLS, 1)),
-                               ir.View(ir.Full(0.0, (per_rank_vocab - real, COLS), "bfloat16"),
-                                       ir.full_region((per_rank_vocab - real, COLS)))))
+    if real < per_rank_vocab:  # padding rows: a constant write
+        writes.append(
+            ir.Write(
+                "embed.weight",
+                ir.Region(real * COLS, (per_rank_vocab - real, COLS), (COLS, 1)),
+                ir.View(
+                    ir.Full(0.0, (per_rank_vocab - real, COLS), "bfloat16"),
+                    ir.full_region((per_rank_vocab - real, COLS)),
+                ),
+            )
+        )
     for layer in range(case["num_layers"]):
         qkv = f"model.layers.{layer}.attn.qkv.weight"
         param(qkv, (2 * shard, COLS))
@@ -79,14 +91,20 @@ def layouts_and_cases(draw):
     ep = draw(st.booleans())
     num_experts = draw(st.sampled_from([0, 5, 8, 12, 16]))
     assume(not ep or (num_experts and num_experts >= tp * dp))
-    case = {"shard": draw(st.integers(1, 3)), "vocab": draw(st.integers(tp, 40)), "num_kv": draw(st.sampled_from([1, 2, 4, 8])),
-            "num_layers": draw(st.integers(1, 3)), "num_experts": num_experts}
+    case = {
+        "shard": draw(st.integers(1, 3)),
+        "vocab": draw(st.integers(tp, 40)),
+        "num_kv": draw(st.sampled_from([1, 2, 4, 8])),
+        "num_layers": draw(st.integers(1, 3)),
+        "num_experts": num_experts,
+    }
     return Layout(tp=tp, dp=dp, ep=ep), case
 
 
 def _bytes(body, layout):
-    return encode(body, model="m", architecture="A", config_sha256="0" * 64, layout=layout, dtype="bfloat16",
-                  vllm_version="0")
+    return encode(
+        body, model="m", architecture="A", config_sha256="0" * 64, layout=layout, dtype="bfloat16", vllm_version="0"
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,6 +123,7 @@ def test_extended_body_is_byte_identical_to_compiling_every_rank(layout_case, da
     def record(rank):
         recorded.append(rank)
         return flat_rank(plans[rank])
+
     ext = extend_ranks(layout, ranks, record, case["num_experts"])
     assert sorted(ext.flats) == ranks and sorted(recorded) == sorted(set(recorded))
     want = _bytes(compile_plans([plans[r] for r in ranks], list(sources.values())), layout)
@@ -114,15 +133,19 @@ def test_extended_body_is_byte_identical_to_compiling_every_rank(layout_case, da
 def test_few_ranks_are_recorded_where_the_layout_is_affine():
     """TP 8 x DP 4 with EP: a plane over (TP rank, DP rank) and its checks; DP replicas without EP: copies."""
     case = {"shard": 2, "vocab": 64, "num_kv": 64, "num_layers": 2, "num_experts": 64}
-    for layout, most in [(Layout(tp=8, dp=4, ep=True), 4), (Layout(tp=8, dp=4), 4), (Layout(tp=1, dp=32, ep=True), 3),
-                         (Layout(tp=32, ep=True), 3)]:
+    for layout, most in [
+        (Layout(tp=8, dp=4, ep=True), 4),
+        (Layout(tp=8, dp=4), 4),
+        (Layout(tp=1, dp=32, ep=True), 3),
+        (Layout(tp=32, ep=True), 3),
+    ]:
         ranks = list(range(layout.world_size))
         plans = {r: synthetic_plan(layout, r, case)[0] for r in ranks}
         recorded = []
         ext = extend_ranks(layout, ranks, lambda r: recorded.append(r) or flat_rank(plans[r]), case["num_experts"])
         assert len(recorded) <= most, (layout, recorded, ext.notes)
         assert not ext.notes
-        for r in ranks:   # every prediction equals the plan the rank would record
+        for r in ranks:  # every prediction equals the plan the rank would record
             assert sorted_rows(ext.flats[r]).same_as(flat_rank(plans[r])) is None, r
 
 
@@ -145,8 +168,15 @@ def test_line_refuses_what_is_not_affine():
     flats = [flat_rank(synthetic_plan(layout, r, case)[0]) for r in range(4)]
     line = Line(flats[0], (0,), [(flats[3], (3,))])
     assert sorted_rows(line.at((1,))).same_as(flats[1]) is None
-    odd = FlatRank({k: v + 1 for k, v in flats[3].rows.items()}, flats[3].ordered, flats[3].ordered_ints,
-                   flats[3].ordered_counts, flats[3].params, flats[3].param_ints, flats[3].fallbacks)
+    odd = FlatRank(
+        {k: v + 1 for k, v in flats[3].rows.items()},
+        flats[3].ordered,
+        flats[3].ordered_ints,
+        flats[3].ordered_counts,
+        flats[3].params,
+        flats[3].param_ints,
+        flats[3].fallbacks,
+    )
     try:
         Line(flats[0], (0,), [(odd, (2,))])
     except NotAffine:
@@ -157,15 +187,23 @@ def test_line_refuses_what_is_not_affine():
 
 def test_rank_classes_follow_the_layout():
     by_key = {c.key: c.coords for c in rank_classes(Layout(tp=2, dp=3, ep=True), range(6), num_experts=8)}
-    assert by_key == {(("pp", 0), ("more experts", True)): {0: (0, 0), 1: (1, 0)},
-                      (("pp", 0), ("more experts", False)): {2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)}}
-    without_ep = rank_classes(Layout(tp=2, dp=2), range(4))   # MoE layers span the DP ranks without EP too
+    assert by_key == {
+        (("pp", 0), ("more experts", True)): {0: (0, 0), 1: (1, 0)},
+        (("pp", 0), ("more experts", False)): {2: (0, 1), 3: (1, 1), 4: (0, 2), 5: (1, 2)},
+    }
+    without_ep = rank_classes(Layout(tp=2, dp=2), range(4))  # MoE layers span the DP ranks without EP too
     assert [c.coords for c in without_ep] == [{0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}]
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.sets(st.tuples(st.integers(0, 5), st.integers(-1, 4), st.sampled_from([0, 1, 2, 3, 5, 8, 9, 12])),
-               min_size=1, max_size=80), st.integers(1, 3))
+@given(
+    st.sets(
+        st.tuples(st.integers(0, 5), st.integers(-1, 4), st.sampled_from([0, 1, 2, 3, 5, 8, 9, 12])),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(1, 3),
+)
 def test_trie_from_rows_equals_build_trie(tuples, width):
     """The numpy trie builder (compile._make_groups on ~10^6 rows of an extended layout) makes build_trie's trie."""
     rows = sorted({t[:width] for t in tuples})

@@ -2,6 +2,7 @@
 
 CI re-executes every notebook (`pytest --nbmake notebooks`); this checks what readers see on the page: the outputs
 committed in the files."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ def test_committed_outputs_show_plots_and_no_noise(path):
         outputs = cell.get("outputs", [])
         assert cell.get("execution_count") is not None, f"{path.name} code cell {i} was not executed before commit"
         assert not [o for o in outputs if o["output_type"] == "error"], f"{path.name} code cell {i} failed"
-        noise = ["".join(o.get("text", "")).splitlines()[0] for o in outputs
-                 if o["output_type"] == "stream" and o.get("name") == "stderr"]
+        noise = [
+            "".join(o.get("text", "")).splitlines()[0]
+            for o in outputs
+            if o["output_type"] == "stream" and o.get("name") == "stderr"
+        ]
         assert not noise, f"{path.name} code cell {i} shows stderr output (third-party noise?): {noise}"
         if "plt.show()" in source:
             images = [o for o in outputs if "image/png" in o.get("data", {})]

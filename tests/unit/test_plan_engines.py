@@ -1,5 +1,6 @@
 """Plans of another engine than vLLM (plan/file/engines.py): the header's `engine` map, its rules, and the store
 choosing by engine. SGLang itself is not needed: tests/sglang records and verifies real SGLang plans."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,16 @@ SPEC = resolve_model("llama-3.1-8b")
 
 def _plan(engine: EngineInfo | None, vllm_version: str = "0.32.0") -> bytes:
     plans, sources = rich_plans()
-    return planfile.encode(compile_plans(plans, sources), model=SPEC.hf_id, architecture=SPEC.architecture,
-                           config_sha256=SPEC.config_sha256, layout=Layout(tp=2), dtype="bfloat16",
-                           vllm_version=vllm_version, engine=engine)
+    return planfile.encode(
+        compile_plans(plans, sources),
+        model=SPEC.hf_id,
+        architecture=SPEC.architecture,
+        config_sha256=SPEC.config_sha256,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version=vllm_version,
+        engine=engine,
+    )
 
 
 SGL = SglangOptions(ep_size=1, moe_runner_backend="triton").engine_info("0.5.23")
@@ -33,19 +41,22 @@ def test_engine_map_round_trips_and_vllm_plans_have_none():
     assert SglangOptions.from_engine_info(header.engine) == SglangOptions(moe_runner_backend="triton")
     plain = PlanFile(*decode(_plan(None), "v.plan"), "v.plan").header
     assert plain.engine is None and engine_name(plain) == "vllm" and engine_version(plain) == "0.32.0"
-    assert "engine" not in raw_parts(_plan(None))[0]   # vLLM plans' bytes are what they were before
+    assert "engine" not in raw_parts(_plan(None))[0]  # vLLM plans' bytes are what they were before
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda e: e.update(name="trtllm"), "name must be one of"),
-    (lambda e: e.pop("version"), "exactly the keys"),
-    (lambda e: e.update(version="0.5 23"), "version"),
-    (lambda e: e["options"].update(zz_opt=[1]), "boolean, an integer or a short word"),
-    (lambda e: e["options"].update(ep_size=-1), "must lie in"),
-    (lambda e: e["options"].update(ep_size="x" * 65), "short word"),
-    (lambda e: e.update(options={"b": 1, "a": 2}), "sorted"),
-    (lambda e: e.update(options={"Bad-Key": 1}), "sorted lowercase identifiers"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda e: e.update(name="trtllm"), "name must be one of"),
+        (lambda e: e.pop("version"), "exactly the keys"),
+        (lambda e: e.update(version="0.5 23"), "version"),
+        (lambda e: e["options"].update(zz_opt=[1]), "boolean, an integer or a short word"),
+        (lambda e: e["options"].update(ep_size=-1), "must lie in"),
+        (lambda e: e["options"].update(ep_size="x" * 65), "short word"),
+        (lambda e: e.update(options={"b": 1, "a": 2}), "sorted"),
+        (lambda e: e.update(options={"Bad-Key": 1}), "sorted lowercase identifiers"),
+    ],
+)
 def test_malformed_engine_maps_are_refused_by_name(mutate, match):
     h, b = raw_parts(_plan(SGL, NO_VLLM))
     mutate(h["engine"])
@@ -71,8 +82,7 @@ def test_store_chooses_by_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("SHARDPLAN_PLAN_PATH", str(tmp_path / "plans"))
     monkeypatch.setattr(store, "installed_vllm_version", lambda: "0.32.0")
-    monkeypatch.setattr(store, "installed_engine_version",
-                        lambda e: {"vllm": "0.32.0", "sglang": "0.5.23"}[e])
+    monkeypatch.setattr(store, "installed_engine_version", lambda e: {"vllm": "0.32.0", "sglang": "0.5.23"}[e])
     (tmp_path / "plans").mkdir()
     planfile.write_plan(tmp_path / "plans" / "s.plan", _plan(SGL, NO_VLLM))
     # only an SGLang plan: a vLLM consumer must not get it
@@ -104,5 +114,13 @@ def test_sglang_options_check_layouts_by_name():
     assert a.differences(b) == ["moe_a2a_backend: plan 'deepep', engine 'none'"]
     assert a.tag() == "sglang-ep4-deepep"
     assert SglangOptions(ep_size=8, dp_size=8, enable_dp_lm_head=True).server_args(Layout(tp=8, ep=True)) == dict(
-        tp_size=8, pp_size=1, ep_size=8, moe_runner_backend="auto", moe_a2a_backend="none",
-        ep_num_redundant_experts=0, enable_dp_lm_head=True, dp_size=8, enable_dp_attention=True)
+        tp_size=8,
+        pp_size=1,
+        ep_size=8,
+        moe_runner_backend="auto",
+        moe_a2a_backend="none",
+        ep_num_redundant_experts=0,
+        enable_dp_lm_head=True,
+        dp_size=8,
+        enable_dp_attention=True,
+    )

@@ -1,4 +1,5 @@
 """Plan files: canonical writer, one named error per cause, plan lookup by fingerprint, trainer imports no vLLM."""
+
 from __future__ import annotations
 
 import struct
@@ -25,24 +26,40 @@ from shardplan.plan.file.format import (
 )
 from shardplan.plan.layout import Layout
 
-SOURCES = [ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
-           ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
-           ir.TensorMeta("model.embed.weight", (16, 4), "bfloat16")]
-PARAMS = (ir.TensorMeta("model.layers.0.w.weight", (4, 4), "bfloat16"),
-          ir.TensorMeta("model.layers.1.w.weight", (4, 4), "bfloat16"))
+SOURCES = [
+    ir.TensorMeta("model.layers.0.w.weight", (8, 4), "bfloat16"),
+    ir.TensorMeta("model.layers.1.w.weight", (8, 4), "bfloat16"),
+    ir.TensorMeta("model.embed.weight", (16, 4), "bfloat16"),
+]
+PARAMS = (
+    ir.TensorMeta("model.layers.0.w.weight", (4, 4), "bfloat16"),
+    ir.TensorMeta("model.layers.1.w.weight", (4, 4), "bfloat16"),
+)
 
 
 def _plan(rank: int, writes=None) -> ir.RankPlan:
     if writes is None:
-        writes = tuple(ir.Write(f"model.layers.{i}.w.weight", ir.full_region((4, 4)),
-                                ir.View(ir.Source(f"model.layers.{i}.w.weight"), ir.Region(16 * rank, (4, 4), (4, 1))))
-                       for i in (1, 0))
+        writes = tuple(
+            ir.Write(
+                f"model.layers.{i}.w.weight",
+                ir.full_region((4, 4)),
+                ir.View(ir.Source(f"model.layers.{i}.w.weight"), ir.Region(16 * rank, (4, 4), (4, 1))),
+            )
+            for i in (1, 0)
+        )
     return ir.RankPlan(rank, PARAMS, tuple(writes))
 
 
 def _encode(plans, sources=SOURCES) -> bytes:
-    return encode(compile_plans(plans, sources), model="test/model", architecture="TestForCausalLM",
-                  config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+    return encode(
+        compile_plans(plans, sources),
+        model="test/model",
+        architecture="TestForCausalLM",
+        config_sha256="0" * 64,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version="0.32.0",
+    )
 
 
 def _good() -> bytes:
@@ -92,8 +109,8 @@ def test_bad_magic_and_trailing_bytes_and_corrupt_header():
         decode(_good() + b"\0", "x.plan")
     data = _good()
     (header_len,) = struct.unpack_from("<Q", data, 12)
-    broken = data[:28] + b"\xc1" * header_len + data[28 + header_len:]  # 0xc1 is never valid msgpack
-    with pytest.raises(PlanChecksumError):   # the header is sealed too
+    broken = data[:28] + b"\xc1" * header_len + data[28 + header_len :]  # 0xc1 is never valid msgpack
+    with pytest.raises(PlanChecksumError):  # the header is sealed too
         decode(broken, "x.plan")
     with pytest.raises(PlanCorrupt, match="header is not valid msgpack"):
         decode(reseal(broken), "x.plan")
@@ -107,8 +124,12 @@ def _rewrite_body(data: bytes, mutate) -> bytes:
 
 
 def test_op_outside_allowlist_is_refused():
-    call = ir.Call("Tensor.reshape", (ir.Arg(0), 16), (), (ir.View(ir.Source("model.layers.0.w.weight"),
-                                                                     ir.Region(0, (4, 4), (4, 1))),))
+    call = ir.Call(
+        "Tensor.reshape",
+        (ir.Arg(0), 16),
+        (),
+        (ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(0, (4, 4), (4, 1))),),
+    )
     w = ir.Write("model.layers.0.w.weight", ir.Region(0, (16,), (1,)), ir.View(call, ir.full_region((16,))))
     data = _encode([_plan(0, [w])])
     assert decode(data)  # allowlisted: fine
@@ -116,13 +137,16 @@ def test_op_outside_allowlist_is_refused():
     def evil(raw):
         text = repr(raw)
         assert "Tensor.reshape" in text
+
         def walk(node):
             if isinstance(node, list):
                 for i, x in enumerate(node):
                     if x == "Tensor.reshape":
                         node[i] = "os.system"
                     walk(x)
+
         walk(raw)
+
     with pytest.raises(PlanOpNotAllowed, match="os.system"):
         decode(_rewrite_body(data, evil), "x.plan")
 
@@ -138,12 +162,14 @@ def _exp_plan_file() -> bytes:
 
 def _exp_node(raw) -> list:
     found = []
+
     def walk(node):
         if isinstance(node, list):
             if node[:2] == ["C", "torch.exp"]:
                 found.append(node)
             for x in node:
                 walk(x)
+
     walk(raw)
     assert len(found) == 1
     return found[0]
@@ -156,13 +182,16 @@ def test_exp_roundtrips():
     assert "torch.exp" in ir.literal_ops(w.src.leaf) and ir.leaf_str(w.src.leaf, {}).startswith("Tensor.neg(torch.exp(")
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda c: c[2].append(["a", 0]), "args"),                       # exp(x, x)
-    (lambda c: c[2].__setitem__(0, ["f", 2.0]), "args"),             # exp(2.0): not the input
-    (lambda c: c[3].append(["out", ["a", 0]]), "kwargs"),            # exp(x, out=x): would write a trainer tensor
-    (lambda c: c.__setitem__(5, 0), "out"),                          # exp(x)[0]
-    (lambda c: c[4].append(c[4][0]), "one input"),                   # a second input
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda c: c[2].append(["a", 0]), "args"),  # exp(x, x)
+        (lambda c: c[2].__setitem__(0, ["f", 2.0]), "args"),  # exp(2.0): not the input
+        (lambda c: c[3].append(["out", ["a", 0]]), "kwargs"),  # exp(x, out=x): would write a trainer tensor
+        (lambda c: c.__setitem__(5, 0), "out"),  # exp(x)[0]
+        (lambda c: c[4].append(c[4][0]), "one input"),  # a second input
+    ],
+)
 def test_exp_with_other_arguments_is_refused(mutate, words):
     data = _rewrite_body(_exp_plan_file(), lambda raw: mutate(_exp_node(raw)))
     with pytest.raises(planfile.PlanFieldError, match=r"torch\.exp takes exactly one tensor") as info:
@@ -171,16 +200,22 @@ def test_exp_with_other_arguments_is_refused(mutate, words):
 
 
 def test_box_outside_source_bounds():
-    w = ir.Write("model.layers.0.w.weight", ir.full_region((4, 4)),
-                 ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(24, (4, 4), (4, 1))))  # rows 6..9 of 8
+    w = ir.Write(
+        "model.layers.0.w.weight",
+        ir.full_region((4, 4)),
+        ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(24, (4, 4), (4, 1))),
+    )  # rows 6..9 of 8
     header, body = decode(_encode([_plan(0, [w])]))
     with pytest.raises(PlanBoundsError, match="source model.layers.0.w.weight"):
         PlanFile(header, body, "x.plan").rank(0)
 
 
 def test_box_outside_destination_bounds():
-    w = ir.Write("model.layers.0.w.weight", ir.Region(4, (4, 4), (4, 1)),
-                 ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(0, (4, 4), (4, 1))))
+    w = ir.Write(
+        "model.layers.0.w.weight",
+        ir.Region(4, (4, 4), (4, 1)),
+        ir.View(ir.Source("model.layers.0.w.weight"), ir.Region(0, (4, 4), (4, 1))),
+    )
     header, body = decode(_encode([_plan(0, [w])]))
     with pytest.raises(PlanBoundsError, match="destination model.layers.0.w.weight"):
         PlanFile(header, body, "x.plan").rank(0)
@@ -211,13 +246,20 @@ def isolated_store(tmp_path, monkeypatch):
 
 def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
     from shardplan.plan.file import store
+
     tmp_path = isolated_store
     from shardplan.models import resolve_model
 
     spec = resolve_model("llama-3.1-8b")
-    data = encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id, architecture=spec.architecture,
-                  config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16",
-                  vllm_version=store.installed_vllm_version() or "0.32.0")
+    data = encode(
+        compile_plans([_plan(0), _plan(1)], SOURCES),
+        model=spec.hf_id,
+        architecture=spec.architecture,
+        config_sha256=spec.config_sha256,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version=store.installed_vllm_version() or "0.32.0",
+    )
     planfile.write_plan(tmp_path / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16"), data)
     plan = store.load_plan("Llama-3.1-8B", tp=2, rank=1)
     assert isinstance(plan, ir.RankPlan) and plan.rank == 1
@@ -237,9 +279,16 @@ def test_load_plan_returns_the_bytes_whose_fingerprint_it_checked(isolated_store
     from shardplan.plan.file import store
 
     def plan_bytes(spec):
-        return encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id or spec.name,
-                      architecture=spec.architecture, config_sha256=spec.config_sha256, layout=Layout(tp=2),
-                      dtype="bfloat16", vllm_version=store.installed_vllm_version() or "0.32.0")
+        return encode(
+            compile_plans([_plan(0), _plan(1)], SOURCES),
+            model=spec.hf_id or spec.name,
+            architecture=spec.architecture,
+            config_sha256=spec.config_sha256,
+            layout=Layout(tp=2),
+            dtype="bfloat16",
+            vllm_version=store.installed_vllm_version() or "0.32.0",
+        )
+
     spec, other = resolve_model("llama-3.1-8b"), resolve_model("llama-3.1-8b", ["num_hidden_layers=2"])
     path = isolated_store / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16")
     planfile.write_plan(path, plan_bytes(spec))
@@ -247,8 +296,9 @@ def test_load_plan_returns_the_bytes_whose_fingerprint_it_checked(isolated_store
 
     def read_then_swap(p):
         data = real(p)
-        planfile.write_plan(path, plan_bytes(other))   # replaced right after its header was read
+        planfile.write_plan(path, plan_bytes(other))  # replaced right after its header was read
         return data
+
     monkeypatch.setattr(store, "read_plan_bytes", read_then_swap)
     plan = store.load_plan("llama-3.1-8b", tp=2)
     assert plan.header.config_sha256 == spec.config_sha256 != other.config_sha256
@@ -267,12 +317,20 @@ def test_inspect_refuses_a_negative_max_lines(capsys):
 
 def test_stale_vllm_is_refused(isolated_store, monkeypatch):
     from shardplan.plan.file import store
+
     tmp_path = isolated_store
     from shardplan.models import resolve_model
 
     spec = resolve_model("llama-3.1-8b")
-    data = encode(compile_plans([_plan(0), _plan(1)], SOURCES), model=spec.hf_id, architecture=spec.architecture,
-                  config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.1.0")
+    data = encode(
+        compile_plans([_plan(0), _plan(1)], SOURCES),
+        model=spec.hf_id,
+        architecture=spec.architecture,
+        config_sha256=spec.config_sha256,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version="0.1.0",
+    )
     planfile.write_plan(tmp_path / "x.plan", data)
     monkeypatch.setattr(store, "installed_vllm_version", lambda: "0.32.0")
     with pytest.raises(store.StalePlan, match="vLLM 0.1.0"):
@@ -287,7 +345,7 @@ def test_corrupt_file_in_store_gives_named_error(tmp_path):
         PlanFile.read(path)
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
     """Plan loading, instantiation, replay and apply with vLLM, transformers and safetensors made unimportable."""
     path = tmp_path / "a.plan"
@@ -305,12 +363,13 @@ def test_trainer_side_imports_without_vllm_transformers_safetensors(tmp_path):
     assert out.strip() == "ok 2"
 
 
-def _cli(*args, timeout=600):   # generous: a loaded 2-core box imports torch + transformers slowly
-    return subprocess.run([sys.executable, "-m", "shardplan.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def _cli(*args, timeout=600):  # generous: a loaded 2-core box imports torch + transformers slowly
+    return subprocess.run(
+        [sys.executable, "-m", "shardplan.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_inspect_shipped_kimi_plan():
     """The full-size Kimi-K2 TP32+EP plan: 32 ranks, ~31x less than a full broadcast, no fallbacks; fast."""
     out = _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "5", timeout=60)
@@ -319,13 +378,18 @@ def test_inspect_shipped_kimi_plan():
     assert "layout tp32-ep, ranks 32" in text and "fallbacks: 0" in text
     assert "31.0x" in text  # 1912 GiB checkpoint / 61.7 GiB per rank
     assert "IR of rank 3 (3015 writes, 66960 checkpoint tensors not needed)" in text
-    assert "model.layers.1.mlp.experts" in _cli("inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3",
-                                               "--max-lines", "0", timeout=60).stdout
+    assert (
+        "model.layers.1.mlp.experts"
+        in _cli(
+            "inspect", "plans/kimi-k2--tp32-ep--bfloat16.plan", "--rank", "3", "--max-lines", "0", timeout=60
+        ).stdout
+    )
 
 
-@pytest.mark.parametrize("fp8,bf16", [("kimi-k2-fp8--tp16-ep", "kimi-k2--tp16-ep"),
-                                      ("qwen3-30b-a3b-fp8--tp4", "qwen3-30b-a3b--tp4")])
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.parametrize(
+    "fp8,bf16", [("kimi-k2-fp8--tp16-ep", "kimi-k2--tp16-ep"), ("qwen3-30b-a3b-fp8--tp4", "qwen3-30b-a3b--tp4")]
+)
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_inspect_fp8_plan_next_to_bf16(fp8, bf16):
     """An FP8 plan's inspect shows fp8 + scale bytes per rank and what the same layout moves in BF16, computed from
     the FP8 plan alone: that BF16 figure is exactly the shipped BF16 plan's bytes per rank; the IR still prints."""
@@ -347,7 +411,7 @@ def test_inspect_fp8_plan_next_to_bf16(fp8, bf16):
     assert "BF16" not in inspect_plan(f"plans/{bf16}--bfloat16.plan")
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_cli_errors_are_clean():
     out = _cli("record", "--model", "no-such-model", "--tp", "2")
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -14,6 +14,7 @@ only when they modify tensors the plan made, else refused by name; the trainer's
 with huge arguments (refused by name before any allocation, or packed; memory flat), and trainer plans that differ
 from the consumer's only in what they read (whenever the packed bytes differ, the stamps differ).
 """
+
 from __future__ import annotations
 
 import collections
@@ -98,10 +99,47 @@ def _named(e: PlanFileError) -> None:
 
 
 # ---- structure-aware mutations ---------------------------------------------------------------------------
-HOSTILE = [-1, 0, 1, 2, 3, 7, -(1 << 63), (1 << 63) - 1, (1 << 64) - 1, 1 << 48, (1 << 48) + 1, 10 ** 12, True, False,
-           None, "false", "true", "", "x", "{}", "{0}", "{", HOLE, "bfloat16", "float128", "Tensor.reshape",
-           "os.system", "\x1b[2J", 1.5, float("nan"), float("inf"), -0.0, [], {}, [HOLE], [0, 1, 1, None],
-           [[0, 1 << 40, 1, None]], b"\x00", {"tp": 1}]
+HOSTILE = [
+    -1,
+    0,
+    1,
+    2,
+    3,
+    7,
+    -(1 << 63),
+    (1 << 63) - 1,
+    (1 << 64) - 1,
+    1 << 48,
+    (1 << 48) + 1,
+    10**12,
+    True,
+    False,
+    None,
+    "false",
+    "true",
+    "",
+    "x",
+    "{}",
+    "{0}",
+    "{",
+    HOLE,
+    "bfloat16",
+    "float128",
+    "Tensor.reshape",
+    "os.system",
+    "\x1b[2J",
+    1.5,
+    float("nan"),
+    float("inf"),
+    -0.0,
+    [],
+    {},
+    [HOLE],
+    [0, 1, 1, None],
+    [[0, 1 << 40, 1, None]],
+    b"\x00",
+    {"tp": 1},
+]
 
 
 def _nodes(tree):
@@ -151,7 +189,7 @@ def mutate(rng: random.Random, parts, nodes):
         del parent[key]
         return f"del {path}"
     if op == 5 and isinstance(parent, list):
-        parent.insert(key, parent[key])   # shared, not copied: msgpack writes it twice
+        parent.insert(key, parent[key])  # shared, not copied: msgpack writes it twice
         return f"dup {path}"
     if op == 6 and isinstance(parent, list) and len(parent) > 1:
         other = rng.randrange(len(parent))
@@ -170,7 +208,7 @@ def _sealed(rng, parts) -> bytes | None:
         h, b = parts
         hb, bb = _with_nests(msgpack.packb(h, use_bin_type=True)), _with_nests(msgpack.packb(b, use_bin_type=True))
         return seal(None, None, header_bytes=hb, body_bytes=bb)
-    except (OverflowError, ValueError, TypeError):   # a value msgpack itself cannot hold
+    except (OverflowError, ValueError, TypeError):  # a value msgpack itself cannot hold
         return None
 
 
@@ -182,8 +220,9 @@ def test_structure_aware_mutations(name):
     nodes = list(_nodes(list(base)))
     for case in range(CASES):
         parts = copy.deepcopy(list(base))
-        what = [mutate(rng, parts, nodes if i == 0 else list(_nodes(parts)))
-                for i in range(rng.choice((1, 1, 1, 2, 3)))]
+        what = [
+            mutate(rng, parts, nodes if i == 0 else list(_nodes(parts))) for i in range(rng.choice((1, 1, 1, 2, 3)))
+        ]
         data = _sealed(rng, parts)
         if data is not None:
             try:
@@ -199,21 +238,21 @@ def test_hostile_sizes_and_nesting():
         h, b = raw_parts(original)
         g = rng.randrange(len(b[3]))
         choice = rng.randrange(6)
-        if choice == 0:     # an index claiming 10^k writes
+        if choice == 0:  # an index claiming 10^k writes
             b[3][g][3][0][3] = [[0, 10 ** rng.randrange(1, 15), rng.choice((1, 2, 7)), None]]
-        elif choice == 1:   # a source table claiming 10^k names
+        elif choice == 1:  # a source table claiming 10^k names
             b[0][1][3] = [[0, 10 ** rng.randrange(1, 15), 1, None]]
             h["num_sources"] = rng.choice((6, 10 ** rng.randrange(1, 9)))
-        elif choice == 2:   # header counts that match a huge index
+        elif choice == 2:  # header counts that match a huge index
             n = 10 ** rng.randrange(3, 9)
             b[3][g][3] = [[0, 2, 1, [[0, n, 1, None]]]]
             h["num_writes"] = [n + 3, n + 3]
-        elif choice == 3:   # huge shapes
+        elif choice == 3:  # huge shapes
             b[rng.choice((0, 1))][0][1] = [rng.choice((1 << 31, 1 << 47, 1 << 62)), rng.choice((1, 1 << 20))]
-        elif choice == 4:   # deep nesting anywhere
+        elif choice == 4:  # deep nesting anywhere
             path = rng.choice(list(_nodes([h, b]))[1:])
             _get([h, b], path[:-1])[path[-1]] = _deep(rng.choice((25, 200, 900, 5000)))
-        else:               # hostile preamble lengths
+        else:  # hostile preamble lengths
             data = bytearray(original)
             data[12:28] = rng.randbytes(16)
             check(bytes(data), original, "sizes", sealed=False)
@@ -235,7 +274,7 @@ def test_truncations_and_byte_flips(name):
         for _ in range(rng.choice((1, 1, 2, 8))):
             data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
         check(bytes(data), original, "flip", sealed=False)
-        start = rng.randrange(planfile.PREAMBLE_BYTES, len(original) - 32)   # inside header or body, resealed
+        start = rng.randrange(planfile.PREAMBLE_BYTES, len(original) - 32)  # inside header or body, resealed
         data = bytearray(original)
         for _ in range(rng.choice((1, 1, 2, 4))):
             data[rng.randrange(start, len(data) - 32)] ^= rng.randrange(1, 256)
@@ -251,7 +290,7 @@ def test_odd_files(tmp_path):
     paths = [tmp_path / n for n in ("fifo.plan", "dir.plan", "dangling.plan", "loop.plan")] + [Path("/dev/zero")]
     for i in range(50):
         p = tmp_path / f"random{i}.plan"
-        p.write_bytes(planfile.MAGIC[:rng.randrange(9)] + rng.randbytes(rng.randrange(64)))
+        p.write_bytes(planfile.MAGIC[: rng.randrange(9)] + rng.randbytes(rng.randrange(64)))
         paths.append(p)
     for path in paths:
         with deadline(), pytest.raises(PlanFileError) as info:
@@ -269,6 +308,7 @@ def _replay_imports():
     from shardplan.plan.file import skeletons
     from shardplan.plan.layout import Layout
     from shardplan.runtime.replay import Replayer
+
     return torch, interp, ir, compile_plans, skeletons, Layout, Replayer
 
 
@@ -278,16 +318,35 @@ def _random_leaf_over(rng: random.Random, ir, src):
     A0 = ir.Arg(0)
     full = ir.full_region((4, 4))
     target = src
-    for _ in range(rng.randrange(3)):   # view-ish ops that may return the trainer's own storage
-        op = rng.choice(["Tensor.view", "Tensor.contiguous", "Tensor.float", "Tensor.to", "Tensor.reshape",
-                         "Tensor.__getitem__", "Tensor.clone", "Tensor.mul", "torch.exp"])
-        args = {"Tensor.view": (A0, (4, 4)), "Tensor.reshape": (A0, (4, 4)), "Tensor.to": (A0, ir.DType("float32")),
-                "Tensor.__getitem__": (A0, ir.Slice(None, None, None)), "Tensor.mul": (A0, 1.0)}.get(op, (A0,))
+    for _ in range(rng.randrange(3)):  # view-ish ops that may return the trainer's own storage
+        op = rng.choice(
+            [
+                "Tensor.view",
+                "Tensor.contiguous",
+                "Tensor.float",
+                "Tensor.to",
+                "Tensor.reshape",
+                "Tensor.__getitem__",
+                "Tensor.clone",
+                "Tensor.mul",
+                "torch.exp",
+            ]
+        )
+        args = {
+            "Tensor.view": (A0, (4, 4)),
+            "Tensor.reshape": (A0, (4, 4)),
+            "Tensor.to": (A0, ir.DType("float32")),
+            "Tensor.__getitem__": (A0, ir.Slice(None, None, None)),
+            "Tensor.mul": (A0, 1.0),
+        }.get(op, (A0,))
         target = ir.View(ir.Call(op, args, (), (target,)), full)
     for _ in range(rng.randrange(1, 3)):
         op = rng.choice(sorted(ir.INPLACE_OPS))
-        extra = {"Tensor.zero_": (), "Tensor.fill_": (rng.choice([0.0, float("nan"), -1.0]),),
-                 "Tensor.copy_": (ir.Arg(1),)}.get(op, (rng.choice([0.5, 2.0, -1.0]),))
+        extra = {
+            "Tensor.zero_": (),
+            "Tensor.fill_": (rng.choice([0.0, float("nan"), -1.0]),),
+            "Tensor.copy_": (ir.Arg(1),),
+        }.get(op, (rng.choice([0.5, 2.0, -1.0]),))
         inputs = (target,) + ((ir.View(ir.Full(7.0, (4, 4), "float32"), full),) if op == "Tensor.copy_" else ())
         kwargs = (("out", A0),) if rng.random() < 0.05 else ()
         target = ir.View(ir.Call(op, (A0,) + extra, kwargs, inputs), full)
@@ -302,9 +361,10 @@ def test_inplace_ops_on_sources():
     Either way the trainer's tensors stay bitwise as they were."""
     torch, interp, ir, compile_plans, skeletons, Layout, Replayer = _replay_imports()
     from shardplan.runtime.apply import params_from_plan
+
     rng = random.Random(f"{SEED}-inplace")
     meta = ir.TensorMeta("model.layers.0.w.weight", (4, 4), "float32")
-    for case in range(CASES // 10):   # each case writes, reads and packs a plan file: the slowest family per case
+    for case in range(CASES // 10):  # each case writes, reads and packs a plan file: the slowest family per case
         src = ir.View(ir.Source(meta.name), rng.choice([ir.full_region((4, 4)), ir.Region(0, (4, 4), (1, 4))]))
         value = _random_leaf_over(rng, ir, src)
         plan = ir.RankPlan(0, (meta,), (ir.Write(meta.name, ir.full_region((4, 4)), value),))
@@ -313,10 +373,17 @@ def test_inplace_ops_on_sources():
         refused = ir.foreign_write(value.leaf)
         signal.signal(signal.SIGVTALRM, _alarm)
         saved = skeletons.SkeletonRules.foreign_write
-        skeletons.SkeletonRules.foreign_write = lambda *a: None   # a writer without the check
+        skeletons.SkeletonRules.foreign_write = lambda *a: None  # a writer without the check
         try:
-            data = planfile.encode(compile_plans([plan], [meta]), model="t/m", architecture="TForCausalLM",
-                                   config_sha256="0" * 64, layout=Layout(tp=1), dtype="bfloat16", vllm_version="0.32.0")
+            data = planfile.encode(
+                compile_plans([plan], [meta]),
+                model="t/m",
+                architecture="TForCausalLM",
+                config_sha256="0" * 64,
+                layout=Layout(tp=1),
+                dtype="bfloat16",
+                vllm_version="0.32.0",
+            )
         finally:
             skeletons.SkeletonRules.foreign_write = saved
         try:
@@ -334,13 +401,15 @@ def test_inplace_ops_on_sources():
                 buf = Replayer(loaded, {meta.name: meta}).pack(trainer)
                 params = params_from_plan(plan)
                 interp.apply_reference(plan, trainer, params)
-                assert torch.equal(buf[:64].view(torch.float32).view(4, 4).nan_to_num(7.5),
-                                   params[meta.name].nan_to_num(7.5))
+                assert torch.equal(
+                    buf[:64].view(torch.float32).view(4, 4).nan_to_num(7.5), params[meta.name].nan_to_num(7.5)
+                )
                 outcome = "packed"
             assert torch.equal(trainer[meta.name], before), "a trainer tensor was modified"
         except (AssertionError, Exception) as e:
-            raise AssertionError(f"seed {SEED}, case {case}: {ir.leaf_str(value.leaf, {})}: {type(e).__name__}: "
-                                 f"{e}") from e
+            raise AssertionError(
+                f"seed {SEED}, case {case}: {ir.leaf_str(value.leaf, {})}: {type(e).__name__}: {e}"
+            ) from e
         STATS["replay-inplace"][outcome] += 1
     assert STATS["replay-inplace"]["refused"] and STATS["replay-inplace"]["packed"]
 
@@ -356,7 +425,7 @@ def test_oversized_op_outputs():
     A0, src = ir.Arg(0), ir.View(ir.Source(meta.name), ir.full_region((4,)))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for case in range(CASES // 5):
-        big = rng.choice([1, 2, 3, 10 ** 3, 10 ** 5, 10 ** 9, 10 ** 12, 1 << 48])
+        big = rng.choice([1, 2, 3, 10**3, 10**5, 10**9, 10**12, 1 << 48])
         kind = rng.randrange(6)
         if kind == 0:
             leaf = ir.Call("Tensor.repeat", (A0, rng.choice([1, big]), big), (), (src,))
@@ -397,13 +466,15 @@ def _source_only_change(rng: random.Random, ir, plan, other, sources):
     writes = list(plan.writes)
     pure = [i for i, w in enumerate(writes) if ir.is_pure_view(w)]
     kind = rng.randrange(5)
-    if kind == 0 and len(pure) > 1:   # swap the sources of two writes of equal source sizes
+    if kind == 0 and len(pure) > 1:  # swap the sources of two writes of equal source sizes
         i, j = rng.sample(pure, 2)
         if writes[i].src.region.sizes == writes[j].src.region.sizes:
-            writes[i], writes[j] = (ir.Write(writes[i].param, writes[i].dst, writes[j].src),
-                                    ir.Write(writes[j].param, writes[j].dst, writes[i].src))
+            writes[i], writes[j] = (
+                ir.Write(writes[i].param, writes[i].dst, writes[j].src),
+                ir.Write(writes[j].param, writes[j].dst, writes[i].src),
+            )
         return "swap", writes
-    if kind == 1:   # the next slice: shift one source region by one step of its first dim, within bounds
+    if kind == 1:  # the next slice: shift one source region by one step of its first dim, within bounds
         i = rng.choice(pure)
         r = writes[i].src.region
         step = r.strides[0] * rng.choice([-1, 1]) if r.strides else 0
@@ -412,9 +483,9 @@ def _source_only_change(rng: random.Random, ir, plan, other, sources):
         if lo >= 0 and hi <= sources[writes[i].src.leaf.name].numel:
             writes[i] = ir.Write(writes[i].param, writes[i].dst, ir.View(writes[i].src.leaf, shifted))
         return "shift", writes
-    if kind == 2:   # the other rank's reads into this rank's destinations
+    if kind == 2:  # the other rank's reads into this rank's destinations
         return "other-rank", [ir.Write(w.param, w.dst, o.src) for w, o in zip(writes, other.writes)]
-    if kind == 3:   # another source of the same shape and dtype
+    if kind == 3:  # another source of the same shape and dtype
         i = rng.choice(pure)
         name = writes[i].src.leaf.name
         same = [s.name for s in sources.values() if (s.shape, s.dtype) == (sources[name].shape, sources[name].dtype)]
@@ -432,21 +503,27 @@ def test_source_only_layout_differences():
 
     from shardplan.runtime.apply import params_from_plan
     from shardplan.sync.adapters import ApplyUnpacker, ReplayPacker
+
     rng = random.Random(f"{SEED}-stamps")
     plans, source_list = rich_plans()
     sources = {s.name: s for s in source_list}
-    tensors = {s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).to(getattr(torch, s.dtype))
-               for i, s in enumerate(source_list)}
+    tensors = {
+        s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i)).to(getattr(torch, s.dtype))
+        for i, s in enumerate(source_list)
+    }
     for case in range(CASES // 5):
         rank = rng.randrange(2)
         consumer = plans[rank]
         what, writes = _source_only_change(rng, ir, consumer, plans[1 - rank], sources)
         trainer_plan = ir.RankPlan(rank, consumer.params, tuple(writes), consumer.fallbacks)
         try:
-            differ = not torch.equal(Replayer(consumer, sources).pack(tensors), Replayer(trainer_plan, sources).pack(tensors))
+            differ = not torch.equal(
+                Replayer(consumer, sources).pack(tensors), Replayer(trainer_plan, sources).pack(tensors)
+            )
             trainer = ReplayPacker([trainer_plan], sources).stamp(rank)
-            mine = ApplyUnpacker(consumer, params_from_plan(consumer), sources=sources,
-                                 fallback_loader=lambda n, t: None).stamp()
+            mine = ApplyUnpacker(
+                consumer, params_from_plan(consumer), sources=sources, fallback_loader=lambda n, t: None
+            ).stamp()
             if differ:
                 assert trainer != mine, "other bytes, same stamp: the consumer would apply them"
             elif writes == list(consumer.writes):
@@ -461,7 +538,8 @@ def test_zz_report_and_memory():
     """Prints what the families above produced (pytest -s), and bounds the memory all of them together used."""
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for family, counter in sorted(STATS.items()):
-        print(f"fuzz {family}: {sum(counter.values())} inputs: " + ", ".join(f"{k} {v}" for k, v in
-                                                                        counter.most_common()))
+        print(
+            f"fuzz {family}: {sum(counter.values())} inputs: " + ", ".join(f"{k} {v}" for k, v in counter.most_common())
+        )
     print(f"peak RSS {peak_mib:.0f} MiB (seed {SEED}, {CASES} cases per family)")
     assert peak_mib < 3000

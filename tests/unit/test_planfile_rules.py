@@ -1,5 +1,6 @@
 """One test per rule of docs/plan-format.md ("Validation", "Limits"): a plan that breaks exactly that rule, sealed with
 a valid checksum (as a buggy or hostile writer would), is refused with the named error, naming the file and field."""
+
 from __future__ import annotations
 
 import copy
@@ -9,18 +10,31 @@ import time
 from pathlib import Path
 
 import pytest
-
 from planfile_helpers import raw_parts, reseal, rich_bytes, seal
-from shardplan.plan.file import format as planfile
+
 from shardplan.plan.file import checks as plancheck
-from shardplan.plan.file.format import (PlanBoundsError, PlanChecksumError, PlanCorrupt, PlanFieldError, PlanFile,
-                                PlanFileError, PlanFormatVersionError, PlanLimitError, PlanNotCanonical,
-                                PlanOpNotAllowed, PlanOversize, PlanTruncated, PlanUnreadable, decode)
+from shardplan.plan.file import format as planfile
+from shardplan.plan.file.format import (
+    PlanBoundsError,
+    PlanChecksumError,
+    PlanCorrupt,
+    PlanFieldError,
+    PlanFile,
+    PlanFileError,
+    PlanFormatVersionError,
+    PlanLimitError,
+    PlanNotCanonical,
+    PlanOpNotAllowed,
+    PlanOversize,
+    PlanTruncated,
+    PlanUnreadable,
+    decode,
+)
 
 HOLE = "\x00#"
 GOOD = rich_bytes()
-LAYER = 1        # body.groups[1]: the pure-view template over layers (holes: dst name, offset, 2 sizes, 2 strides,
-CALL = 0         # src name, offset, 2 sizes, 2 strides); body.groups[0]: the reshape Call template
+LAYER = 1  # body.groups[1]: the pure-view template over layers (holes: dst name, offset, 2 sizes, 2 strides,
+CALL = 0  # src name, offset, 2 sizes, 2 strides); body.groups[0]: the reshape Call template
 DEEP = 900
 
 
@@ -33,19 +47,26 @@ def _set(path):
         for k in path[1:-1]:
             node = node[k]
         node[path[-1]] = value
+
     return mutate
 
 
 def _coef(group: int, hole: int, value: int, column: int = 0):
     def mutate(h, b):
         b[3][group][2][hole * 3 + column] = value
+
     return mutate
 
 
 def _nest(depth: int):
     leaf = ["S", "model.norm.weight"]
     for _ in range(depth):
-        leaf = ["U", leaf, ["r", [HOLE], [HOLE], [HOLE]], ["v", ["S", "model.norm.weight"], ["r", [HOLE], [HOLE], [HOLE]]]]
+        leaf = [
+            "U",
+            leaf,
+            ["r", [HOLE], [HOLE], [HOLE]],
+            ["v", ["S", "model.norm.weight"], ["r", [HOLE], [HOLE], [HOLE]]],
+        ]
     return leaf
 
 
@@ -59,14 +80,14 @@ def _swap_groups(h, b):
 
 def _huge_index(h, b):
     """A ~100-byte change claiming 10^12 writes: refused by counting the trie, never by expanding it."""
-    b[3][LAYER][3] = [[0, 2, 1, [[0, 10 ** 6, 1, None]]]]
-    b[3][LAYER][3][0][3][0][1] = 10 ** 12
+    b[3][LAYER][3] = [[0, 2, 1, [[0, 10**6, 1, None]]]]
+    b[3][LAYER][3][0][3][0][1] = 10**12
 
 
 def _capacity(h, b):
     """Declared counts that agree with the index, but more writes than the rank's params have elements."""
     b[3][LAYER][3] = [[0, 2, 1, [[0, 200, 1, None]]]]
-    b[3][LAYER][2][0 * 3 + 2] = 0   # dst name no longer follows the layer
+    b[3][LAYER][2][0 * 3 + 2] = 0  # dst name no longer follows the layer
     h["num_writes"] = [200 + 3, 200 + 3]
 
 
@@ -75,8 +96,11 @@ CASES = {
     "header.missing_key": (lambda h, b: h.pop("model"), PlanFieldError, "header keys"),
     "header.extra_key": (lambda h, b: h.update(evil=1), PlanFieldError, "header keys"),
     "header.format_version": (lambda h, b: h.update(format_version=1), PlanFieldError, "format_version"),
-    "header.shardplan_version": (lambda h, b: h.update(shardplan_version="0.1 \x1b[2J"), PlanFieldError,
-                                 "shardplan_version"),
+    "header.shardplan_version": (
+        lambda h, b: h.update(shardplan_version="0.1 \x1b[2J"),
+        PlanFieldError,
+        "shardplan_version",
+    ),
     "header.vllm_version": (lambda h, b: h.update(vllm_version=32), PlanFieldError, "vllm_version"),
     "header.model": (lambda h, b: h.update(model=""), PlanFieldError, "header.model"),
     "header.architecture": (lambda h, b: h.update(architecture="os.system"), PlanFieldError, "architecture"),
@@ -108,8 +132,11 @@ CASES = {
     "body.sources.index_for_no_holes": (_set(("b", 0, 0, 3, [[0, 1, 1, None]])), PlanFieldError, "must be nil"),
     "body.sources.step0": (_set(("b", 0, 1, 3, [[0, 3, 0, None]])), PlanFieldError, "step"),
     "body.sources.reversed_run": (_set(("b", 0, 1, 3, [[3, 0, 1, None]])), PlanFieldError, "start < stop"),
-    "body.sources.overlapping_runs": (_set(("b", 0, 1, 3, [[0, 2, 1, None], [1, 3, 1, None]])), PlanFieldError,
-                                      "sorted and disjoint"),
+    "body.sources.overlapping_runs": (
+        _set(("b", 0, 1, 3, [[0, 2, 1, None], [1, 3, 1, None]])),
+        PlanFieldError,
+        "sorted and disjoint",
+    ),
     "body.sources.negative_index": (_set(("b", 0, 1, 3, [[-1, 3, 1, None]])), PlanFieldError, "start"),
     "body.sources.deep_index": (_set(("b", 0, 1, 3, [[0, 3, 1, [[0, 1, 1, None]]]])), PlanFieldError, "nil"),
     "body.sources.unsorted": (lambda h, b: b[0].reverse(), PlanFieldError, "strictly increasing"),
@@ -123,17 +150,29 @@ CASES = {
     "body.params.negative_dim": (_set(("b", 1, 1, 1, [4, -1])), PlanFieldError, r"params\[1\].shape\[1\]"),
     "body.params.huge_shape": (_set(("b", 1, 1, 1, [1 << 30, 1 << 30])), PlanLimitError, r"params\[1\].shape"),
     "body.params.row": (_set(("b", 1, 1, ["a", [4]])), PlanFieldError, r"params\[1\].*exactly 3"),
-    "body.rank_params.negative_index": (_set(("b", 2, 0, 1, [-1, 1, 2, 3, 4])), PlanFieldError,
-                                        r"rank_params\[0\].params\[0\]"),
+    "body.rank_params.negative_index": (
+        _set(("b", 2, 0, 1, [-1, 1, 2, 3, 4])),
+        PlanFieldError,
+        r"rank_params\[0\].params\[0\]",
+    ),
     "body.rank_params.index_outside": (_set(("b", 2, 0, 1, [0, 1, 2, 3, 5])), PlanFieldError, "params"),
     "body.rank_params.rank": (_set(("b", 2, 1, 0, 2)), PlanFieldError, "rank"),
     # the indices of all ranks are checked with numpy at once; a broken rule is then named index by index
-    "body.rank_params.bool_index": (_set(("b", 2, 1, 1, [0, True, 2, 3, 4])), PlanFieldError,
-                                    r"rank_params\[1\].params\[1\].*integer"),
-    "body.rank_params.huge_index": (_set(("b", 2, 1, 1, [0, 1, 2, 3, (1 << 64) - 1])), PlanFieldError,
-                                    r"rank_params\[1\].params\[4\]"),
-    "body.rank_params.unsorted": (_set(("b", 2, 1, 1, [0, 1, 3, 2, 4])), PlanFieldError,
-                                  r"rank_params\[1\].params\[3\].*strictly increasing"),
+    "body.rank_params.bool_index": (
+        _set(("b", 2, 1, 1, [0, True, 2, 3, 4])),
+        PlanFieldError,
+        r"rank_params\[1\].params\[1\].*integer",
+    ),
+    "body.rank_params.huge_index": (
+        _set(("b", 2, 1, 1, [0, 1, 2, 3, (1 << 64) - 1])),
+        PlanFieldError,
+        r"rank_params\[1\].params\[4\]",
+    ),
+    "body.rank_params.unsorted": (
+        _set(("b", 2, 1, 1, [0, 1, 3, 2, 4])),
+        PlanFieldError,
+        r"rank_params\[1\].params\[3\].*strictly increasing",
+    ),
     "body.rank_params.repeated": (_set(("b", 2, 0, 1, [0, 1, 1, 3, 4])), PlanFieldError, "strictly increasing"),
     "body.groups.tag": (_set(("b", 3, LAYER, 0, 0, "X")), PlanFieldError, "tag"),
     "body.groups.op": (_set(("b", 3, CALL, 0, 3, 1, 1, "os.system")), PlanOpNotAllowed, "os.system"),
@@ -146,14 +185,21 @@ CASES = {
     "body.groups.rank_outside": (_set(("b", 3, LAYER, 3, 0, 1, 3)), PlanFieldError, "ranks must be among"),
     "body.groups.huge_index": (_huge_index, PlanLimitError, "writes"),
     "body.groups.capacity": (_capacity, PlanLimitError, "can hold"),
-    "body.groups.nesting": (lambda h, b: b[3][LAYER].__setitem__(0, ["W", ["n", "x"], ["r", [HOLE], [], []],
-                                                                      ["v", _nest(DEEP), ["r", [HOLE], [], []]]]),
-                            PlanLimitError, "nested deeper"),
+    "body.groups.nesting": (
+        lambda h, b: b[3][LAYER].__setitem__(
+            0, ["W", ["n", "x"], ["r", [HOLE], [], []], ["v", _nest(DEEP), ["r", [HOLE], [], []]]]
+        ),
+        PlanLimitError,
+        "nested deeper",
+    ),
     "body.ordered.nesting": (_deep_write, PlanLimitError, "nested deeper"),
     "body.ordered.holes": (lambda h, b: b[4][0][1][0][1].pop(), PlanFieldError, "holes"),
     "body.ordered.rank": (_set(("b", 4, 0, 0, 7)), PlanFieldError, "header's ranks"),
-    "body.ordered.param": (lambda h, b: b[4][0][1][0][0][1].__setitem__(1, "model.other.weight"), PlanBoundsError,
-                           "not one of its params"),
+    "body.ordered.param": (
+        lambda h, b: b[4][0][1][0][0][1].__setitem__(1, "model.other.weight"),
+        PlanBoundsError,
+        "not one of its params",
+    ),
     "body.fallbacks.source": (_set(("b", 5, 0, 1, 0, 0, "model.nothing")), PlanBoundsError, "model.nothing"),
     "body.fallbacks.control": (_set(("b", 5, 0, 1, 0, 2, "\x1b]0;owned\x07")), PlanFieldError, "control"),
     "body.canonical": (_swap_groups, PlanNotCanonical, "canonical"),
@@ -187,7 +233,7 @@ RANK_CASES = {
     "call.src_outside": (_coef(CALL, 4, 40), "outside source"),
     "call.dst_stride0": (_coef(CALL, 2, 0), "self-overlapping"),
     "ordered.view_outside": (lambda h, b: b[4][0][1][0][1].__setitem__(3, 1), "outside source"),
-    "ordered.fill_too_big": (lambda h, b: b[4][0][1][1][1].__setitem__(3, 10 ** 9), "constant fill"),
+    "ordered.fill_too_big": (lambda h, b: b[4][0][1][1][1].__setitem__(3, 10**9), "constant fill"),
 }
 
 
@@ -207,7 +253,7 @@ def test_the_header_is_sealed():
     h, _ = raw_parts(GOOD)
     header_len = struct.unpack_from("<Q", GOOD, 12)[0]
     at = GOOD.index(b"bfloat16", 28)
-    edited = GOOD[:at] + b"float32\0"[:8] + GOOD[at + 8:]
+    edited = GOOD[:at] + b"float32\0"[:8] + GOOD[at + 8 :]
     assert at < 28 + header_len
     with pytest.raises(PlanChecksumError):
         decode(edited, "x.plan")
@@ -251,8 +297,13 @@ def _odd_paths(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_odd_file_kinds_are_refused(tmp_path):
-    expected = {"directory": "a directory", "FIFO": "a FIFO", "dangling symlink": "dangling symlink",
-                "symlink loop": "symlink loop", "character device": "a character device"}
+    expected = {
+        "directory": "a directory",
+        "FIFO": "a FIFO",
+        "dangling symlink": "dangling symlink",
+        "symlink loop": "symlink loop",
+        "character device": "a character device",
+    }
     for kind, path in _odd_paths(tmp_path).items():
         start = time.perf_counter()
         with pytest.raises(PlanUnreadable, match=expected[kind]) as info:
@@ -263,7 +314,7 @@ def test_odd_file_kinds_are_refused(tmp_path):
 def test_junk_after_a_valid_plan_is_refused_without_reading_it(tmp_path, monkeypatch):
     path = tmp_path / "big.plan"
     path.write_bytes(GOOD)
-    os.truncate(path, len(GOOD) + (1 << 30))   # + 1 GiB (sparse)
+    os.truncate(path, len(GOOD) + (1 << 30))  # + 1 GiB (sparse)
     read = []
     real_read = os.read
     monkeypatch.setattr(planfile.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
@@ -279,7 +330,7 @@ def test_reads_are_capped_at_the_declared_size(tmp_path, monkeypatch):
     real_read = os.read
     monkeypatch.setattr(planfile.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
     assert PlanFile.read(path).digest == GOOD[-32:].hex()
-    assert sum(read) == len(GOOD) + 1   # the declared bytes, then one byte to see the end of the file
+    assert sum(read) == len(GOOD) + 1  # the declared bytes, then one byte to see the end of the file
 
 
 # ---- the store: a bad entry never breaks lookups of good plans -----------------------------------------------
@@ -296,15 +347,22 @@ def store_dir(tmp_path, monkeypatch):
 
 def _llama_plan() -> bytes:
     from planfile_helpers import rich_plans
+
+    from shardplan.models import resolve_model
     from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
-    from shardplan.models import resolve_model
 
     spec = resolve_model("llama-3.1-8b")
     plans, sources = rich_plans()
-    return planfile.encode(compile_plans(plans, sources), model=spec.hf_id, architecture=spec.architecture,
-                           config_sha256=spec.config_sha256, layout=Layout(tp=2), dtype="bfloat16",
-                           vllm_version="0.32.0")
+    return planfile.encode(
+        compile_plans(plans, sources),
+        model=spec.hf_id,
+        architecture=spec.architecture,
+        config_sha256=spec.config_sha256,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version="0.32.0",
+    )
 
 
 def test_bad_entries_in_a_search_dir_are_skipped(store_dir):
@@ -345,13 +403,21 @@ def test_every_error_points_at_docs_that_exist():
 
 def test_the_writer_refuses_what_the_reader_would():
     from planfile_helpers import rich_plans
+
     from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
 
     plans, sources = rich_plans()
     with pytest.raises(PlanFieldError, match="header.architecture"):
-        planfile.encode(compile_plans(plans, sources), model="m", architecture="not a class", config_sha256="0" * 64,
-                        layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+        planfile.encode(
+            compile_plans(plans, sources),
+            model="m",
+            architecture="not a class",
+            config_sha256="0" * 64,
+            layout=Layout(tp=2),
+            dtype="bfloat16",
+            vllm_version="0.32.0",
+        )
 
 
 def test_reseal_helper_roundtrip():
@@ -361,6 +427,7 @@ def test_reseal_helper_roundtrip():
 def _uneven_bytes() -> bytes:
     """rich_plans with rank 1's first layer param declared [2, 4] (rank 0's stays [4, 4]), as uneven EP does."""
     from planfile_helpers import rich_plans
+
     from shardplan.plan import ir
     from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
@@ -368,11 +435,24 @@ def _uneven_bytes() -> bytes:
     plans, sources = rich_plans()
     small = ir.TensorMeta("model.layers.0.w.weight", (2, 4), "bfloat16")
     p1 = plans[1]
-    writes = tuple(ir.Write(w.param, ir.Region(0, (2, 4), (4, 1)), ir.View(w.src.leaf, ir.Region(
-        w.src.region.offset, (2, 4), (4, 1)))) if w.param == small.name else w for w in p1.writes)
+    writes = tuple(
+        ir.Write(
+            w.param, ir.Region(0, (2, 4), (4, 1)), ir.View(w.src.leaf, ir.Region(w.src.region.offset, (2, 4), (4, 1)))
+        )
+        if w.param == small.name
+        else w
+        for w in p1.writes
+    )
     plans[1] = ir.RankPlan(1, tuple(small if m.name == small.name else m for m in p1.params), writes, p1.fallbacks)
-    return planfile.encode(compile_plans(plans, sources), model="test/model", architecture="TestForCausalLM",
-                           config_sha256="0" * 64, layout=Layout(tp=2), dtype="bfloat16", vllm_version="0.32.0")
+    return planfile.encode(
+        compile_plans(plans, sources),
+        model="test/model",
+        architecture="TestForCausalLM",
+        config_sha256="0" * 64,
+        layout=Layout(tp=2),
+        dtype="bfloat16",
+        vllm_version="0.32.0",
+    )
 
 
 def test_a_param_declared_differently_by_two_ranks_keeps_both_shapes():

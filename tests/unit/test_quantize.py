@@ -1,15 +1,25 @@
 """runtime/quantize.py without vLLM: the quantizing replay on hand-made FP8 plans (two TP ranks of one [256, 384]
 weight), checked against the reference quantizer run on the whole tensor, and its named errors."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardplan.plan import ir
 from shardplan.runtime import fp8kernel
-from shardplan.runtime.quantize import (BlockAlignmentError, NonFiniteBlockError, QuantizeError, QuantizerDTypeError,
-                                        QuantizerMismatch, QuantizingReplayer, quantize_blocks, quantizer_id)
+from shardplan.runtime.quantize import (
+    BlockAlignmentError,
+    NonFiniteBlockError,
+    QuantizeError,
+    QuantizerDTypeError,
+    QuantizerMismatch,
+    QuantizingReplayer,
+    quantize_blocks,
+    quantizer_id,
+)
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import StaleBindingError
 
@@ -17,8 +27,11 @@ W, S = "layer.proj.weight", "layer.proj.weight_scale_inv"
 SHAPE = (256, 384)
 BLOCK = (128, 128)
 QID = quantizer_id(BLOCK)
-SOURCES = {W: ir.TensorMeta(W, SHAPE, "float8_e4m3fn"), S: ir.TensorMeta(S, (2, 3), "float32"),
-           "norm": ir.TensorMeta("norm", (384,), "bfloat16")}
+SOURCES = {
+    W: ir.TensorMeta(W, SHAPE, "float8_e4m3fn"),
+    S: ir.TensorMeta(S, (2, 3), "float32"),
+    "norm": ir.TensorMeta("norm", (384,), "bfloat16"),
+}
 
 
 def rows_plan(rank: int, lo: int, hi: int, scale_rows: tuple[int, int] | None = None) -> ir.RankPlan:
@@ -26,11 +39,20 @@ def rows_plan(rank: int, lo: int, hi: int, scale_rows: tuple[int, int] | None = 
     tensor)."""
     cols, rows = SHAPE[1], hi - lo
     s_lo, s_hi = scale_rows or (lo // BLOCK[0], -(-hi // BLOCK[0]))
-    params = (ir.TensorMeta("w", (rows, cols), "float8_e4m3fn"), ir.TensorMeta("s", (s_hi - s_lo, 3), "float32"),
-              ir.TensorMeta("n", (384,), "bfloat16"))
-    writes = (ir.Write("w", ir.full_region((rows, cols)), ir.View(ir.Source(W), ir.Region(lo * cols, (rows, cols), (cols, 1)))),
-              ir.Write("s", ir.full_region((s_hi - s_lo, 3)), ir.View(ir.Source(S), ir.Region(s_lo * 3, (s_hi - s_lo, 3), (3, 1)))),
-              ir.Write("n", ir.full_region((384,)), ir.View(ir.Source("norm"), ir.full_region((384,)))))
+    params = (
+        ir.TensorMeta("w", (rows, cols), "float8_e4m3fn"),
+        ir.TensorMeta("s", (s_hi - s_lo, 3), "float32"),
+        ir.TensorMeta("n", (384,), "bfloat16"),
+    )
+    writes = (
+        ir.Write(
+            "w", ir.full_region((rows, cols)), ir.View(ir.Source(W), ir.Region(lo * cols, (rows, cols), (cols, 1)))
+        ),
+        ir.Write(
+            "s", ir.full_region((s_hi - s_lo, 3)), ir.View(ir.Source(S), ir.Region(s_lo * 3, (s_hi - s_lo, 3), (3, 1)))
+        ),
+        ir.Write("n", ir.full_region((384,)), ir.View(ir.Source("norm"), ir.full_region((384,)))),
+    )
     return ir.RankPlan(rank, params, writes)
 
 
@@ -40,8 +62,11 @@ def trainer_tensors(seed: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2 ** 16), rank=st.sampled_from([0, 1, None]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+@given(
+    seed=st.integers(0, 2**16),
+    rank=st.sampled_from([0, 1, None]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
 def test_pack_equals_reference_checkpoint(seed, rank, dtype):
     """Each rank's buffer (or both ranks in one buffer) == the ordinary replay of the reference FP8 checkpoint of the
     whole tensor: quantizing only the rank's box gives the same bytes."""
@@ -72,7 +97,12 @@ def test_reference_quantizer_values():
 
 
 def test_quantizer_mismatch_refused():
-    for bad in ("", "fp8-e4m3-block-amax448-v2/128x128", "fp8-e4m3-block-amax448-v1", "fp8-e4m3-block-amax448-v1/0x128"):
+    for bad in (
+        "",
+        "fp8-e4m3-block-amax448-v2/128x128",
+        "fp8-e4m3-block-amax448-v1",
+        "fp8-e4m3-block-amax448-v1/0x128",
+    ):
         with pytest.raises(QuantizerMismatch, match="the plan expects"):
             QuantizingReplayer(rows_plan(0, 0, 128), SOURCES, quantizer=bad)
 
@@ -85,7 +115,9 @@ def test_rows_within_the_scale_blocks_read_are_quantized_whole():
     assert replayer.boxes[W] == ((0, 256), (0, 384))
     tensors = trainer_tensors(7)
     fp8, scale = quantize_blocks(tensors[W], BLOCK)
-    assert torch.equal(replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
+    assert torch.equal(
+        replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]})
+    )
 
 
 def test_scale_blocks_read_by_several_writes_cover_the_rows():
@@ -98,7 +130,9 @@ def test_scale_blocks_read_by_several_writes_cover_the_rows():
     assert replayer.boxes[W] == ((0, 256), (0, 384))
     tensors = trainer_tensors(7)
     fp8, scale = quantize_blocks(tensors[W], BLOCK)
-    assert torch.equal(replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]}))
+    assert torch.equal(
+        replayer.pack(tensors), Replayer(plan, SOURCES).pack({W: fp8, S: scale, "norm": tensors["norm"]})
+    )
 
 
 def test_misaligned_box_refused():
@@ -134,12 +168,17 @@ def test_non_finite_block_refused_before_any_byte(bad):
 def _fused_on_cpu(monkeypatch):
     """The fused path with each launch replaced by the programs' torch reference (the kernel itself: tests/gpu)."""
     monkeypatch.setattr(fp8kernel, "available", lambda device, block: None)
-    monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: self.plan.run_reference(
-        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks))
+    monkeypatch.setattr(
+        fp8kernel.FusedQuantBinding,
+        "launch",
+        lambda self: self.plan.run_reference(
+            dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks
+        ),
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2 ** 16), data=st.data())
+@given(seed=st.integers(0, 2**16), data=st.data())
 def test_fused_programs_pack_the_eager_bytes(seed, data):
     """Row shards on and off block boundaries (a refined scale grid: Qwen3-30B-A3B-FP8 TP4's 192-row shards), one
     rank or several in one buffer, a transposed read (left to the eager quantizer): the fused path's buffer == the
@@ -151,12 +190,17 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
         plans = [rows_plan(r, lo, hi) for r, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:]))]
         plans = data.draw(st.sampled_from([plans, plans[:1], plans[-1:]]))
         transposed = data.draw(st.booleans())
-        if transposed:   # rank 9 reads a [128, 128] block transposed: not a box, so the weight goes eager
+        if transposed:  # rank 9 reads a [128, 128] block transposed: not a box, so the weight goes eager
             t = ir.Write("t", ir.full_region((128, 128)), ir.View(ir.Source(W), ir.Region(0, (128, 128), (1, 384))))
             ts = ir.Write("ts", ir.full_region((1, 1)), ir.View(ir.Source(S), ir.Region(0, (1, 1), (3, 1))))
-            plans = plans + [ir.RankPlan(9, (ir.TensorMeta("t", (128, 128), "float8_e4m3fn"),
-                                             ir.TensorMeta("ts", (1, 1), "float32")), (t, ts))]
-        if data.draw(st.booleans()):   # an upsampled scale read (stride 0), as vLLM's loader makes for refined grids
+            plans = plans + [
+                ir.RankPlan(
+                    9,
+                    (ir.TensorMeta("t", (128, 128), "float8_e4m3fn"), ir.TensorMeta("ts", (1, 1), "float32")),
+                    (t, ts),
+                )
+            ]
+        if data.draw(st.booleans()):  # an upsampled scale read (stride 0), as vLLM's loader makes for refined grids
             up = ir.Write("su", ir.full_region((2, 2, 3)), ir.View(ir.Source(S), ir.Region(0, (2, 2, 3), (3, 0, 1))))
             plans = plans + [ir.RankPlan(7, (ir.TensorMeta("su", (2, 2, 3), "float32"),), (up,))]
         replayer = QuantizingReplayer(plans, SOURCES, quantizer=QID)
@@ -167,9 +211,9 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
         assert bound.kernel is not None and bound.fused_error is None
         assert plan.eager == ((W,) if transposed else ())
         assert bool(plan.segments) != transposed
-        bound.out[:] = 0   # padding is never written
+        bound.out[:] = 0  # padding is never written
         assert torch.equal(bound.pack(), eager)
-        tensors[W].mul_(-3)   # in-place update: the next pack re-quantizes
+        tensors[W].mul_(-3)  # in-place update: the next pack re-quantizes
         assert torch.equal(bound.pack(), replayer.bind(tensors, fused=False).pack())
     finally:
         monkeypatch.undo()
@@ -177,9 +221,14 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
 
 def test_fused_path_names_a_non_finite_block_and_a_stale_tensor(monkeypatch):
     _fused_on_cpu(monkeypatch)
-    monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", lambda self: (self.plan.run_reference(
-        dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks), self.flag.fill_(
-            int(not all(torch.isfinite(t).all() for t in self.tensors)))))
+    monkeypatch.setattr(
+        fp8kernel.FusedQuantBinding,
+        "launch",
+        lambda self: (
+            self.plan.run_reference(dict(zip(self.plan.weights, self.tensors)), self.out, self.scales, quantize_blocks),
+            self.flag.fill_(int(not all(torch.isfinite(t).all() for t in self.tensors))),
+        ),
+    )
     tensors = trainer_tensors(3)
     bound = QuantizingReplayer(rows_plan(1, 128, 256), SOURCES, quantizer=QID).bind(tensors)
     assert bound.kernel is not None

@@ -6,25 +6,33 @@ unsqueeze, expand, select, stepped slices) whose storage_offset/sizes/strides be
 writes (last write wins), dtype conversions, and Call/Full/Update leaves. Destinations start as NaN: every element the
 plan covers must equal the reference's bits, every other element must still be NaN.
 """
-from __future__ import annotations
 
-from plan_worlds import (NAN, neg_exp, assert_matches_reference, bits_equal, random_tensors,
-                         reference_params, worlds)
+from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_worlds import NAN, assert_matches_reference, bits_equal, neg_exp, random_tensors, reference_params, worlds
 
+from shardplan.errors import DisallowedOpError, MissingTensorError, PlanError, ReplayError, ShardplanError
 from shardplan.plan import ir
+from shardplan.plan.interp import resolve_op, to_dtype, write_source
+from shardplan.plan.names import base_group, group_order
 from shardplan.plan.overlap import overlap_levels
 from shardplan.runtime.apply import Applier, FallbackRequiredError, LayoutMismatchError, params_from_plan
-from shardplan.errors import ShardplanError
-from shardplan.errors import DisallowedOpError, MissingTensorError, PlanError, ReplayError
-from shardplan.plan.interp import resolve_op, to_dtype, write_source
-from shardplan.runtime.tensors import (PackBufferError, StaleBindingError, TensorDTypeError, TensorLayoutError, TensorShapeError, collapse, widen)
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.replay import Replayer
-from shardplan.plan.names import base_group, group_order
+from shardplan.runtime.tensors import (
+    PackBufferError,
+    StaleBindingError,
+    TensorDTypeError,
+    TensorLayoutError,
+    TensorShapeError,
+    collapse,
+    widen,
+)
+
 
 # ---- properties -------------------------------------------------------------------------------------------------
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -40,8 +48,9 @@ def test_pack_apply_equals_reference(world, seed, flat, alignment):
     for seg in replayer.layout.segments:
         if seg.nbytes:
             w, dtype = by_rank[seg.refs[0].rank].writes[seg.refs[0].index], to_dtype(seg.dtype)
-            expected[seg.offset:seg.offset + seg.nbytes].view(dtype).view(seg.shape).copy_(
-                write_source(w, dtype, tensors))
+            expected[seg.offset : seg.offset + seg.nbytes].view(dtype).view(seg.shape).copy_(
+                write_source(w, dtype, tensors)
+            )
     assert torch.equal(buffer, expected), "the batched pack differs from the reference interpreter's bytes"
     for plan in plans:
         params = params_from_plan(plan, fill=NAN)
@@ -61,16 +70,17 @@ def test_groups_pack_and_apply_independently(world, seed, max_group_bytes):
     replayer = Replayer(plans, sources, max_group_bytes=max_group_bytes)
     whole = PackLayout.from_plans(plans)
     layout = replayer.layout
-    assert [(s.offset, s.nbytes, s.refs) for s in layout.segments] == \
-        [(s.offset, s.nbytes, s.refs) for s in whole.segments] and layout.nbytes == whole.nbytes
+    assert [(s.offset, s.nbytes, s.refs) for s in layout.segments] == [
+        (s.offset, s.nbytes, s.refs) for s in whole.segments
+    ] and layout.nbytes == whole.nbytes
     assert list(layout.group_names) == sorted(layout.group_names, key=group_order)
     for g in whole.groups:
         parts = [p for p in layout.groups if base_group(p.name) == g.name]
         assert (parts[0].start, parts[0].first, parts[-1].stop, parts[-1].last) == (g.start, g.first, g.stop, g.last)
         assert all(a.stop == b.start and a.last == b.first for a, b in zip(parts, parts[1:]))
         if max_group_bytes is not None and len(parts) > 1:
-            for p in parts:   # about equal parts: over the limit by less than one of its segments
-                segs = layout.segments[p.first:p.last]
+            for p in parts:  # about equal parts: over the limit by less than one of its segments
+                segs = layout.segments[p.first : p.last]
                 assert segs[-1].offset + segs[-1].nbytes - p.start <= max_group_bytes + max(x.nbytes for x in segs)
         elif max_group_bytes is not None:
             assert g.nbytes <= max_group_bytes or g.last - g.first == 1 or parts[0].name == g.name
@@ -81,7 +91,7 @@ def test_groups_pack_and_apply_independently(world, seed, max_group_bytes):
         for span in replayer.layout.groups:
             needed = replayer.sources_read(span.name)
             buf = replayer.pack_group(span.name, {n: tensors[n] for n in needed})
-            assert torch.equal(buf, full[span.start:span.stop])
+            assert torch.equal(buf, full[span.start : span.stop])
             applier.apply_group(span.name, buf)
         assert applier.applied_groups == set(replayer.layout.group_names)
         assert_matches_reference(plan, applier, params, tensors)
@@ -103,7 +113,7 @@ def test_subset_packs_only_its_segments_at_their_offsets(world, seed, data):
     mask = torch.zeros(replayer.layout.nbytes, dtype=torch.bool)
     for i in chosen:
         seg = replayer.layout.segments[i]
-        mask[seg.offset:seg.offset + seg.nbytes] = True
+        mask[seg.offset : seg.offset + seg.nbytes] = True
     assert torch.equal(out[mask], full[mask])
     assert (out[~mask] == 0xAB).all()
     with pytest.raises(PlanError, match=f"segments \\[{n}\\] are not in this layout"):
@@ -127,19 +137,23 @@ def test_layout_invariants(world, alignment):
         assert len({(w.src, w.dst.sizes) for w in writes}) == 1  # shared only when the bytes are identical
     assert layout.nbytes >= end
     for g in layout.groups:
-        assert all(s.group == g.name for s in layout.segments[g.first:g.last])
+        assert all(s.group == g.name for s in layout.segments[g.first : g.last])
         assert g.start % alignment == 0
     # identical bytes are never packed twice (within a group)
-    keys = [(s.group, w.src, s.dtype, s.shape) for s in layout.segments
-            for w in [next(p for p in plans if p.rank == s.refs[0].rank).writes[s.refs[0].index]]]
+    keys = [
+        (s.group, w.src, s.dtype, s.shape)
+        for s in layout.segments
+        for w in [next(p for p in plans if p.rank == s.refs[0].rank).writes[s.refs[0].index]]
+    ]
     assert len(keys) == len(set(keys))
 
 
 def test_replicated_writes_share_one_segment():
     src = {"model.norm.weight": ir.TensorMeta("model.norm.weight", (8,), "bfloat16")}
     params = (ir.TensorMeta("model.norm.weight", (8,), "bfloat16"),)
-    write = ir.Write("model.norm.weight", ir.full_region((8,)), ir.View(ir.Source("model.norm.weight"),
-                                                                         ir.full_region((8,))))
+    write = ir.Write(
+        "model.norm.weight", ir.full_region((8,)), ir.View(ir.Source("model.norm.weight"), ir.full_region((8,)))
+    )
     plans = [ir.RankPlan(r, params, (write,)) for r in range(4)]
     layout = PackLayout.from_plans(plans)
     assert len(layout.segments) == 1 and len(layout.segments[0].refs) == 4
@@ -180,11 +194,15 @@ def test_overlapping_writes_keep_plan_order():
     """Two writes to the same rows: the later one must win even though layout order and batching differ."""
     src = {n: ir.TensorMeta(n, (4, 4), "float32") for n in ("layers.0.a", "layers.0.b")}
     params = (ir.TensorMeta("layers.0.p", (4, 4), "float32"),)
-    writes = (ir.Write("layers.0.p", ir.full_region((4, 4)), ir.View(ir.Source("layers.0.b"), ir.full_region((4, 4)))),
-              ir.Write("layers.0.p", ir.Region(4, (2, 4), (4, 1)), ir.View(ir.Source("layers.0.a"),
-                                                                          ir.Region(0, (2, 4), (4, 1)))),
-              ir.Write("layers.0.p", ir.Region(8, (1, 4), (4, 1)), ir.View(ir.Full(5.0, (1, 4), "float32"),
-                                                                          ir.full_region((1, 4)))))
+    writes = (
+        ir.Write("layers.0.p", ir.full_region((4, 4)), ir.View(ir.Source("layers.0.b"), ir.full_region((4, 4)))),
+        ir.Write(
+            "layers.0.p", ir.Region(4, (2, 4), (4, 1)), ir.View(ir.Source("layers.0.a"), ir.Region(0, (2, 4), (4, 1)))
+        ),
+        ir.Write(
+            "layers.0.p", ir.Region(8, (1, 4), (4, 1)), ir.View(ir.Full(5.0, (1, 4), "float32"), ir.full_region((1, 4)))
+        ),
+    )
     plan = ir.RankPlan(0, params, writes)
     tensors = random_tensors(src, 0)
     replayer = Replayer(plan, src)
@@ -196,8 +214,9 @@ def test_overlapping_writes_keep_plan_order():
 
 
 def test_overlap_levels():
-    levels = overlap_levels([("p", 0, 10, 0), ("p", 10, 20, 1), ("p", 5, 15, 2), ("q", 0, 10, 3), ("p", 0, 1, 4),
-                             ("p", 6, 7, 5)])
+    levels = overlap_levels(
+        [("p", 0, 10, 0), ("p", 10, 20, 1), ("p", 5, 15, 2), ("q", 0, 10, 3), ("p", 0, 1, 4), ("p", 6, 7, 5)]
+    )
     assert levels == {0: 0, 1: 0, 2: 1, 3: 0, 4: 1, 5: 2}
 
 
@@ -220,12 +239,15 @@ def _small():
     return ir.RankPlan(0, params, (write,)), src
 
 
-@pytest.mark.parametrize("tensor, error, words", [
-    (None, MissingTensorError, ["layers.0.w", "missing", "bfloat16[4, 6]"]),
-    (torch.zeros(4, 5, dtype=torch.bfloat16), TensorShapeError, ["layers.0.w", "[4, 5]", "bfloat16[4, 6]"]),
-    (torch.zeros(4, 6, dtype=torch.float16), TensorDTypeError, ["layers.0.w", "float16", "bfloat16[4, 6]"]),
-    (torch.zeros(6, 4, dtype=torch.bfloat16).t(), TensorLayoutError, ["layers.0.w", "contiguous"]),
-])
+@pytest.mark.parametrize(
+    "tensor, error, words",
+    [
+        (None, MissingTensorError, ["layers.0.w", "missing", "bfloat16[4, 6]"]),
+        (torch.zeros(4, 5, dtype=torch.bfloat16), TensorShapeError, ["layers.0.w", "[4, 5]", "bfloat16[4, 6]"]),
+        (torch.zeros(4, 6, dtype=torch.float16), TensorDTypeError, ["layers.0.w", "float16", "bfloat16[4, 6]"]),
+        (torch.zeros(6, 4, dtype=torch.bfloat16).t(), TensorLayoutError, ["layers.0.w", "contiguous"]),
+    ],
+)
 def test_bad_trainer_tensor(tensor, error, words):
     plan, src = _small()
     tensors = {} if tensor is None else {"layers.0.w": tensor}
@@ -236,9 +258,14 @@ def test_bad_trainer_tensor(tensor, error, words):
         assert word in str(info.value)
 
 
-@pytest.mark.parametrize("param, error", [
-    (None, MissingTensorError), (torch.zeros(3, 6), TensorShapeError), (torch.zeros(2, 6, dtype=torch.float64),
-                                                                        TensorDTypeError)])
+@pytest.mark.parametrize(
+    "param, error",
+    [
+        (None, MissingTensorError),
+        (torch.zeros(3, 6), TensorShapeError),
+        (torch.zeros(2, 6, dtype=torch.float64), TensorDTypeError),
+    ],
+)
 def test_bad_param(param, error):
     plan, src = _small()
     layout = PackLayout.from_plans(plan)
@@ -253,8 +280,14 @@ def test_disallowed_op_and_resolution():
         with pytest.raises(DisallowedOpError, match="ALLOWED_OPS"):
             resolve_op(name)
     plan, src = _small()
-    bad = ir.Write("layers.0.p", ir.full_region((2, 6)), ir.View(ir.Call("torch.load", (ir.Arg(0),), (), (
-        ir.View(ir.Source("layers.0.w"), ir.full_region((4, 6))),)), ir.Region(0, (2, 6), (6, 1))))
+    bad = ir.Write(
+        "layers.0.p",
+        ir.full_region((2, 6)),
+        ir.View(
+            ir.Call("torch.load", (ir.Arg(0),), (), (ir.View(ir.Source("layers.0.w"), ir.full_region((4, 6))),)),
+            ir.Region(0, (2, 6), (6, 1)),
+        ),
+    )
     with pytest.raises(DisallowedOpError):
         Replayer(ir.RankPlan(0, plan.params, (bad,)), src)
 
@@ -263,15 +296,25 @@ def test_disallowed_op_and_resolution():
 def test_exp_replays_as_the_mamba_loader_computes_it(dtype):
     # what vLLM's A_weight_loader writes, `-torch.exp(A_log.float())`, split per TP rank: the reference interpreter and
     # the replay runtime (pack + apply) give its bits, special values (inf, -inf, nan, -0.0) included
-    a_log = torch.cat([torch.randn(14, generator=torch.Generator().manual_seed(1)),
-                       torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 100.0])]).to(
-        getattr(torch, dtype)).reshape(4, 5)
+    a_log = (
+        torch.cat(
+            [
+                torch.randn(14, generator=torch.Generator().manual_seed(1)),
+                torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 100.0]),
+            ]
+        )
+        .to(getattr(torch, dtype))
+        .reshape(4, 5)
+    )
     src = {"A_log": ir.TensorMeta("A_log", (4, 5), dtype)}
     call = neg_exp(ir.View(ir.Source("A_log"), ir.full_region((4, 5))), (4, 5))
     for rank in (0, 1):
         want = (-torch.exp(a_log.float())).split(2, dim=0)[rank]
-        plan = ir.RankPlan(rank, (ir.TensorMeta("A", (2, 5), "float32"),), (ir.Write(
-            "A", ir.full_region((2, 5)), ir.View(call, ir.Region(10 * rank, (2, 5), (5, 1)))),))
+        plan = ir.RankPlan(
+            rank,
+            (ir.TensorMeta("A", (2, 5), "float32"),),
+            (ir.Write("A", ir.full_region((2, 5)), ir.View(call, ir.Region(10 * rank, (2, 5), (5, 1)))),),
+        )
         ref = reference_params(plan, {"A_log": a_log})["A"]
         replayer = Replayer(plan, src)
         params = params_from_plan(plan, fill=NAN)
@@ -281,16 +324,18 @@ def test_exp_replays_as_the_mamba_loader_computes_it(dtype):
 
 def test_plan_errors():
     plan, src = _small()
-    out_of_bounds = ir.Write("layers.0.p", ir.full_region((2, 6)), ir.View(ir.Source("layers.0.w"),
-                                                                          ir.Region(20, (2, 6), (6, 1))))
+    out_of_bounds = ir.Write(
+        "layers.0.p", ir.full_region((2, 6)), ir.View(ir.Source("layers.0.w"), ir.Region(20, (2, 6), (6, 1)))
+    )
     with pytest.raises(PlanError, match="layers.0.w"):
         Replayer(ir.RankPlan(0, plan.params, (out_of_bounds,)), src)
     with pytest.raises(PlanError, match="sources table"):
         Replayer(plan, {})
     with pytest.raises(PlanError, match="distinct"):
         Replayer([plan, plan], src)
-    dst_out_of_bounds = ir.RankPlan(0, plan.params, (ir.Write("layers.0.p", ir.Region(6, (2, 6), (6, 1)),
-                                                              plan.writes[0].src),))
+    dst_out_of_bounds = ir.RankPlan(
+        0, plan.params, (ir.Write("layers.0.p", ir.Region(6, (2, 6), (6, 1)), plan.writes[0].src),)
+    )
     with pytest.raises(PlanError, match="layers.0.p"):
         Applier(dst_out_of_bounds, PackLayout.from_plans(dst_out_of_bounds), params_from_plan(dst_out_of_bounds))
 
@@ -341,8 +386,9 @@ def test_from_model_uses_parameters_and_buffers():
     plan, src = _small()
     model = torch.nn.Module()
     model.register_parameter("p", torch.nn.Parameter(torch.full((2, 6), NAN)))
-    renamed = ir.RankPlan(0, (ir.TensorMeta("p", (2, 6), "float32"),),
-                          tuple(ir.Write("p", w.dst, w.src) for w in plan.writes))
+    renamed = ir.RankPlan(
+        0, (ir.TensorMeta("p", (2, 6), "float32"),), tuple(ir.Write("p", w.dst, w.src) for w in plan.writes)
+    )
     layout = PackLayout.from_plans(renamed)
     tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
     Applier.from_model(renamed, layout, model).apply(Replayer(renamed, src).pack(tensors))
@@ -355,8 +401,9 @@ def test_param_given_new_storage_is_noticed_at_the_next_apply():
     plan, src = _small()
     model = torch.nn.Module()
     model.register_parameter("p", torch.nn.Parameter(torch.full((2, 6), NAN), requires_grad=False))
-    renamed = ir.RankPlan(0, (ir.TensorMeta("p", (2, 6), "float32"),),
-                          tuple(ir.Write("p", w.dst, w.src) for w in plan.writes))
+    renamed = ir.RankPlan(
+        0, (ir.TensorMeta("p", (2, 6), "float32"),), tuple(ir.Write("p", w.dst, w.src) for w in plan.writes)
+    )
     layout = PackLayout.from_plans(renamed)
     tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
     buffer = Replayer(renamed, src).pack(tensors)
@@ -373,11 +420,12 @@ def test_param_given_new_storage_is_noticed_at_the_next_apply():
 
 
 def test_devices_compare_by_what_they_resolve_to(monkeypatch):
-    """"cuda" and torch.device("cuda") mean the current CUDA device (as a tensor there reports it, cuda:N) wherever a
+    """ "cuda" and torch.device("cuda") mean the current CUDA device (as a tensor there reports it, cuda:N) wherever a
     device is checked; the error names the resolution and what was given. (CUDA stands in by its current-device
     query here; tests/gpu checks real CUDA tensors.)"""
     from shardplan.runtime.quantize import QuantizingReplayer
     from shardplan.runtime.tensors import describe_device, resolve_device
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert resolve_device("cuda") == resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
@@ -387,17 +435,26 @@ def test_devices_compare_by_what_they_resolve_to(monkeypatch):
     assert describe_device("cuda:0") == "cuda:0"
     plan, src = _small()
     tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
-    with pytest.raises(TensorLayoutError, match=r"'layers.0.w' is on cpu, expected cuda:1 \(the current device, "
-                                                r"given as 'cuda'\)"):
+    with pytest.raises(
+        TensorLayoutError,
+        match=r"'layers.0.w' is on cpu, expected cuda:1 \(the current device, "
+        r"given as 'cuda'\)",
+    ):
         Replayer(plan, src, device="cuda").bind(tensors)
     w = "layers.0.q.weight"
-    sources = {w: ir.TensorMeta(w, (128, 128), "float8_e4m3fn"),
-               w + "_scale_inv": ir.TensorMeta(w + "_scale_inv", (1, 1), "float32")}
-    qplan = ir.RankPlan(0, (ir.TensorMeta("q", (128, 128), "float8_e4m3fn"),), (ir.Write(
-        "q", ir.full_region((128, 128)), ir.View(ir.Source(w), ir.full_region((128, 128)))),))
+    sources = {
+        w: ir.TensorMeta(w, (128, 128), "float8_e4m3fn"),
+        w + "_scale_inv": ir.TensorMeta(w + "_scale_inv", (1, 1), "float32"),
+    }
+    qplan = ir.RankPlan(
+        0,
+        (ir.TensorMeta("q", (128, 128), "float8_e4m3fn"),),
+        (ir.Write("q", ir.full_region((128, 128)), ir.View(ir.Source(w), ir.full_region((128, 128)))),),
+    )
     with pytest.raises(TensorLayoutError, match=rf"'{w}' is on cpu, expected cuda:1 \(the current device"):
-        QuantizingReplayer(qplan, sources, quantizer="fp8-e4m3-block-amax448-v1/128x128", device=torch.device(
-            "cuda")).bind({w: torch.zeros(128, 128, dtype=torch.bfloat16)})
+        QuantizingReplayer(
+            qplan, sources, quantizer="fp8-e4m3-block-amax448-v1/128x128", device=torch.device("cuda")
+        ).bind({w: torch.zeros(128, 128, dtype=torch.bfloat16)})
     assert Replayer(plan, src, device="cpu").pack(tensors).device == torch.device("cpu")
 
 
@@ -407,13 +464,14 @@ def test_sync_binding_cache_never_packs_stale(change):
     update through the bound binding, anything else (a fresh object, a bound object whose storage was swapped in
     place) by a new bind, never the bytes of the old storage."""
     from shardplan.sync.adapters import _Packs
+
     plan, src = _small()
     replayer = Replayer(plan, src)
     out = torch.zeros(replayer.layout.nbytes, dtype=torch.uint8)
     tensors = {"layers.0.w": torch.randn(4, 6).to(torch.bfloat16)}
     packs = _Packs()
     packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)
-    packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)   # cached from here on
+    packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)  # cached from here on
     bound = next(iter(packs.bound.values()))[3][out.data_ptr()]
     new = torch.randn(4, 6).to(torch.bfloat16)
     w = tensors["layers.0.w"]
@@ -425,7 +483,7 @@ def test_sync_binding_cache_never_packs_stale(change):
         w.data = new.clone()
     elif change == "set_":
         w.set_(new.clone())
-    else:   # a new object over the bound storage: the binding still reads the right bytes
+    else:  # a new object over the bound storage: the binding still reads the right bytes
         w.copy_(new)
         tensors = {"layers.0.w": w.view(4, 6)}
     packs.run("k", replayer, range(len(replayer.layout.segments)), tensors, out)

@@ -3,18 +3,36 @@
 Consumer plans come from test_replay's generators; trainer layouts are random TP (any dim, uneven splits), EP (whole
 tensors spread over ranks), PP (by weight group) and their compositions, with optional DP replicas.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_worlds import NAN, assert_matches_reference, bits_equal, random_tensors, worlds
 
 from shardplan.plan import ir
+from shardplan.plan.names import expert_of
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.replay import Replayer
-from shardplan.runtime.shards import (ShardLayoutError, ShardOverlapError, TrainerShard, UnassignableWriteError, UncoveredSourceError, compose, ep_shards, full_box, layer_stage, local_tensors, plan_shards, pp_shards, replicate, split_range, tp_shards)
-from shardplan.plan.names import expert_of
-from plan_worlds import NAN, assert_matches_reference, bits_equal, random_tensors, worlds
+from shardplan.runtime.shards import (
+    ShardLayoutError,
+    ShardOverlapError,
+    TrainerShard,
+    UnassignableWriteError,
+    UncoveredSourceError,
+    compose,
+    ep_shards,
+    full_box,
+    layer_stage,
+    local_tensors,
+    plan_shards,
+    pp_shards,
+    replicate,
+    split_range,
+    tp_shards,
+)
 
 
 def replay_sharded(plans, sources, shards, full, alignment=256):
@@ -139,8 +157,9 @@ def test_non_box_region_needs_a_whole_holder():
     name = "model.layers.0.w.weight"
     sources = {name: ir.TensorMeta(name, (2, 6), "bfloat16")}
     params = (ir.TensorMeta("model.layers.0.p.weight", (7,), "bfloat16"),)
-    plan = ir.RankPlan(0, params, (ir.Write(params[0].name, ir.full_region((7,)),
-                                            ir.View(ir.Source(name), ir.Region(0, (7,), (1,)))),))
+    plan = ir.RankPlan(
+        0, params, (ir.Write(params[0].name, ir.full_region((7,)), ir.View(ir.Source(name), ir.Region(0, (7,), (1,)))),)
+    )
     with pytest.raises(UncoveredSourceError, match="non-box"):
         plan_shards(plan, sources, tp_shards(sources, 2, lambda n: 0))
     shards = tp_shards(sources, 2, lambda n: 0) + [TrainerShard(name, 2, full_box((2, 6)))]
@@ -169,8 +188,11 @@ def test_merged_rows_view_is_split_back_into_a_box():
     name = "model.layers.0.w.weight"
     sources = {name: ir.TensorMeta(name, (4, 6), "bfloat16")}
     params = (ir.TensorMeta("model.layers.0.p.weight", (18,), "bfloat16"),)
-    plan = ir.RankPlan(0, params, (ir.Write(params[0].name, ir.full_region((18,)),
-                                            ir.View(ir.Source(name), ir.Region(6, (18,), (1,)))),))
+    plan = ir.RankPlan(
+        0,
+        params,
+        (ir.Write(params[0].name, ir.full_region((18,)), ir.View(ir.Source(name), ir.Region(6, (18,), (1,)))),),
+    )
     shards = tp_shards(sources, 2, lambda n: 0)
     full = random_tensors(sources, 2)
     sharded, params_t, _ = replay_sharded([plan], sources, shards, full)
@@ -183,9 +205,17 @@ def test_load_balance_across_replicas():
     names = [f"model.layers.{i}.w.weight" for i in range(12)]
     sources = {n: ir.TensorMeta(n, (8, 4), "bfloat16") for n in names}
     params = tuple(ir.TensorMeta(n.replace(".w.", ".p."), (8, 4), "bfloat16") for n in names)
-    plans = [ir.RankPlan(c, params, tuple(ir.Write(p.name, ir.full_region((8, 4)), ir.View(ir.Source(n),
-                                                                                           ir.full_region((8, 4))))
-                                          for p, n in zip(params, names))) for c in range(3)]
+    plans = [
+        ir.RankPlan(
+            c,
+            params,
+            tuple(
+                ir.Write(p.name, ir.full_region((8, 4)), ir.View(ir.Source(n), ir.full_region((8, 4))))
+                for p, n in zip(params, names)
+            ),
+        )
+        for c in range(3)
+    ]
     shards = replicate(tp_shards(sources, 2, lambda n: 0), 3, 2)  # TP2 x DP3: ranks 0,2,4 hold the top rows
     sharded = plan_shards(plans, sources, shards)
     piece = 4 * 4 * 2
@@ -215,8 +245,11 @@ def test_non_view_write_needs_whole_inputs_on_one_rank():
 
 def test_overlapping_writes_split_across_ranks_are_refused():
     plan, sources, name = _tp_plan()
-    over = ir.Write(plan.writes[0].param, ir.Region(0, (1, 6), (6, 1)), ir.View(ir.Full(1.0, (1, 6), "bfloat16"),
-                                                                               ir.full_region((1, 6))))
+    over = ir.Write(
+        plan.writes[0].param,
+        ir.Region(0, (1, 6), (6, 1)),
+        ir.View(ir.Full(1.0, (1, 6), "bfloat16"), ir.full_region((1, 6))),
+    )
     plan = ir.RankPlan(0, plan.params, plan.writes + (over,))
     with pytest.raises(ShardOverlapError, match="overlap"):
         plan_shards(plan, sources, tp_shards(sources, 4, lambda n: 0))
@@ -232,13 +265,21 @@ def test_layout_errors_and_helpers():
     assert expert_of("model.layers.3.mlp.experts.17.up_proj.weight") == 17
     assert expert_of("model.layers.3.mlp.gate.weight") is None
     stage = layer_stage(61, 4)
-    assert [stage("model.embed_tokens.weight"), stage("model.layers.0.x"), stage("model.layers.60.x"),
-            stage("lm_head.weight")] == [0, 0, 3, 3]
-    experts = {f"model.layers.1.mlp.experts.{e}.w": ir.TensorMeta(f"model.layers.1.mlp.experts.{e}.w", (2,), "bfloat16")
-               for e in range(8)} | {"model.norm.weight": ir.TensorMeta("model.norm.weight", (2,), "bfloat16")}
+    assert [
+        stage("model.embed_tokens.weight"),
+        stage("model.layers.0.x"),
+        stage("model.layers.60.x"),
+        stage("lm_head.weight"),
+    ] == [0, 0, 3, 3]
+    experts = {
+        f"model.layers.1.mlp.experts.{e}.w": ir.TensorMeta(f"model.layers.1.mlp.experts.{e}.w", (2,), "bfloat16")
+        for e in range(8)
+    } | {"model.norm.weight": ir.TensorMeta("model.norm.weight", (2,), "bfloat16")}
     shards = ep_shards(experts, 4, expert_of, 8)
     assert sorted(s.rank for s in shards if s.name.endswith("experts.5.w")) == [2]
     assert sorted(s.rank for s in shards if s.name == "model.norm.weight") == [0, 1, 2, 3]
     composed = compose(ep_shards(experts, 2, expert_of, 8), tp_shards(experts, 2, lambda n: 0), 2)
-    assert sorted((s.rank, s.box) for s in composed if s.name.endswith("experts.7.w")) == [(2, ((0, 1),)),
-                                                                                             (3, ((1, 2),))]
+    assert sorted((s.rank, s.box) for s in composed if s.name.endswith("experts.7.w")) == [
+        (2, ((0, 1),)),
+        (3, ((1, 2),)),
+    ]

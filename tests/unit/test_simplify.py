@@ -1,6 +1,7 @@
 """plan/compile/simplify.py: `repeat_interleave` chains over a checkpoint view become pure-view writes (stride 0 where an
 element repeats) that write exactly what the chain writes, bitwise (reference interpreter, NaN-poisoned params), on
 random boxes: aligned and unaligned, several repeats, dims and nestings; compiled plans template them as pure views."""
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,12 @@ def chains(draw):
         repeats = rnd.randint(1, 4)
         dim = rnd.randint(-ndim, ndim - 1)
         positional = rnd.random() < 0.5
-        call = ir.Call("Tensor.repeat_interleave", (ir.Arg(0), repeats, dim) if positional else (ir.Arg(0), repeats),
-                       () if positional else (("dim", dim),), (view,))
+        call = ir.Call(
+            "Tensor.repeat_interleave",
+            (ir.Arg(0), repeats, dim) if positional else (ir.Arg(0), repeats),
+            () if positional else (("dim", dim),),
+            (view,),
+        )
         value = tuple(n * repeats if d == dim % ndim else n for d, n in enumerate(value))
         starts, lengths = random_box(rnd, value)
         view = ir.View(call, box(value, starts, lengths))
@@ -68,15 +73,15 @@ def bitwise_equal(a: dict, b: dict) -> bool:
 def test_pieces_write_what_the_chain_writes(chain, pad, seed):
     shape, src = chain
     sizes = src.region.sizes
-    param_shape = tuple(n + pad for n in sizes)   # the destination: a box of a larger param
+    param_shape = tuple(n + pad for n in sizes)  # the destination: a box of a larger param
     dst = box(param_shape, [pad] * len(sizes), sizes)
     w = ir.Write("p", dst, src)
     pieces = simplify_write(w)
-    if pieces == [w]:   # kept: only when the pieces would be too many
+    if pieces == [w]:  # kept: only when the pieces would be too many
         assert len(pieces) == 1 and not ir.is_pure_view(w)
         return
     assert all(ir.is_pure_view(p) for p in pieces) and len(pieces) <= MAX_PIECES
-    assert sum(p.dst.numel for p in pieces) == dst.numel   # a partition of the destination (equality: no element left)
+    assert sum(p.dst.numel for p in pieces) == dst.numel  # a partition of the destination (equality: no element left)
     sources = {"x": ir.TensorMeta("x", shape, "float32")}
     params = (ir.TensorMeta("p", param_shape, "float32"),)
     want = reference(ir.RankPlan(0, params, (w,)), sources, seed)
@@ -87,11 +92,15 @@ def scale_write(rank: int, expert: int) -> ir.Write:
     """One expert's refined scale, as vLLM's loader makes it (Qwen3-30B-A3B-FP8 gate_proj at TP4): the [6, 16]
     checkpoint scale upsampled x2 over rows then columns, rows [3 * rank, 3 * rank + 3) of the [12, 32] result."""
     source = ir.View(ir.Source(f"experts.{expert}.gate_proj.weight_scale_inv"), ir.full_region((6, 16)))
-    rows = ir.View(ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (("dim", -2),), (source,)),
-                   ir.full_region((12, 16)))
+    rows = ir.View(
+        ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (("dim", -2),), (source,)), ir.full_region((12, 16))
+    )
     cols = ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (("dim", -1),), (rows,))
-    return ir.Write("w13_weight_scale_inv", ir.Region(expert * 6 * 32, (3, 32), (32, 1)),
-                    ir.View(cols, box((12, 32), (3 * rank, 0), (3, 32))))
+    return ir.Write(
+        "w13_weight_scale_inv",
+        ir.Region(expert * 6 * 32, (3, 32), (32, 1)),
+        ir.View(cols, box((12, 32), (3 * rank, 0), (3, 32))),
+    )
 
 
 def test_compiled_plan_templates_refined_scales_as_pure_views():
@@ -105,15 +114,17 @@ def test_compiled_plan_templates_refined_scales_as_pure_views():
     for plan in plans:
         got = instantiate(body, plan.rank)
         assert got == canonical(plan)
-        assert len(got.writes) == 2 * 8   # a whole 2-row block and a 1-row part of one, per expert
+        assert len(got.writes) == 2 * 8  # a whole 2-row block and a 1-row part of one, per expert
         assert bitwise_equal(reference(got, table, plan.rank), reference(plan, table, plan.rank))
 
 
 def test_other_calls_are_kept():
     source = ir.View(ir.Source("x"), ir.full_region((4, 6)))
     cases = [
-        ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (), (source,)),   # no dim: flattens
-        ir.Call("Tensor.repeat_interleave", (ir.Arg(0), ir.Const("int64", (4,), (1, 2, 1, 2))), (("dim", 0),), (source,)),
+        ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (), (source,)),  # no dim: flattens
+        ir.Call(
+            "Tensor.repeat_interleave", (ir.Arg(0), ir.Const("int64", (4,), (1, 2, 1, 2))), (("dim", 0),), (source,)
+        ),
         ir.Call("Tensor.repeat_interleave", (ir.Arg(0), 2), (("dim", 0), ("output_size", 8)), (source,)),
         ir.Call("Tensor.repeat", (ir.Arg(0), 2, 1), (), (source,)),
         ir.Call("Tensor.repeat_interleave", (ir.Arg(0), True), (("dim", 0),), (source,)),
@@ -135,8 +146,15 @@ def test_repeat_interleave_returns_a_fresh_contiguous_tensor():
     torch's repeat_interleave must return one for strided, transposed, expanded and size-1 inputs alike (on the meta
     device, where the recorder runs, and on CPU)."""
     base = torch.randn(4, 6, 5)
-    views = [base, base.transpose(0, 2), base[:, ::2], base.permute(1, 2, 0), base[1:2], base[..., :1],
-             base.as_strided((3, 4), (0, 1))]
+    views = [
+        base,
+        base.transpose(0, 2),
+        base[:, ::2],
+        base.permute(1, 2, 0),
+        base[1:2],
+        base[..., :1],
+        base.as_strided((3, 4), (0, 1)),
+    ]
     for v in views:
         for repeats in (1, 2, 3):
             for dim in range(-v.dim(), v.dim()):
@@ -155,6 +173,7 @@ def test_overlap_finder_is_exact_for_boxes(rnd):
     import numpy as np
 
     from shardplan.plan.overlap import overlapping_writes
+
     shape = tuple(rnd.randint(1, 6) for _ in range(rnd.randint(1, 3)))
     regions = []
     for _ in range(rnd.randint(2, 5)):
@@ -162,7 +181,7 @@ def test_overlap_finder_is_exact_for_boxes(rnd):
         region = box(shape, starts, lengths)
         sizes, strides = [], []
         for n, stride in zip(region.sizes, region.strides):
-            if n % 2 == 0 and rnd.random() < 0.5:   # a dim split in (n / 2, 2), as the pieces' row blocks are
+            if n % 2 == 0 and rnd.random() < 0.5:  # a dim split in (n / 2, 2), as the pieces' row blocks are
                 sizes += [n // 2, 2]
                 strides += [2 * stride, stride]
             else:
@@ -170,11 +189,16 @@ def test_overlap_finder_is_exact_for_boxes(rnd):
                 strides.append(stride)
         regions.append(ir.Region(region.offset, tuple(sizes), tuple(strides)))
     width = max(len(r.sizes) for r in regions)
-    elements = [set(torch.arange(math.prod(shape)).as_strided(r.sizes, r.strides, r.offset).reshape(-1).tolist())
-                for r in regions]
+    elements = [
+        set(torch.arange(math.prod(shape)).as_strided(r.sizes, r.strides, r.offset).reshape(-1).tolist())
+        for r in regions
+    ]
     want = [any(elements[i] & elements[j] for j in range(len(regions)) if j != i) for i in range(len(regions))]
-    got = overlapping_writes(np.zeros(len(regions), dtype=np.int64), np.asarray([r.offset for r in regions]),
-                             np.asarray([r.sizes + (1,) * (width - len(r.sizes)) for r in regions]),
-                             np.asarray([r.strides + (0,) * (width - len(r.strides)) for r in regions]),
-                             np.asarray([shape] * len(regions)))
+    got = overlapping_writes(
+        np.zeros(len(regions), dtype=np.int64),
+        np.asarray([r.offset for r in regions]),
+        np.asarray([r.sizes + (1,) * (width - len(r.sizes)) for r in regions]),
+        np.asarray([r.strides + (0,) * (width - len(r.strides)) for r in regions]),
+        np.asarray([shape] * len(regions)),
+    )
     assert got.tolist() == want

@@ -1,20 +1,32 @@
 """The fleet simulator: the coordinator's view equals the engine's Packers, the pipeline follows the engine's rules
 (closed form for one group; slot reuse and two groups in flight for many), rates are max-min fair, named errors."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from blocked_imports import run_without_vllm
+
 from shardplan import cli
 from shardplan.plan.file.format import PlanFile
-from shardplan.simulate import (CoverageError, Fleet, FleetError, LinkParameterError, Links,
-                                UnreachableConsumerError, Workload, extrapolate, simulate, trainers, workload)
+from shardplan.runtime.shards import plan_shards
+from shardplan.simulate import (
+    CoverageError,
+    Fleet,
+    FleetError,
+    LinkParameterError,
+    Links,
+    UnreachableConsumerError,
+    Workload,
+    extrapolate,
+    simulate,
+    trainers,
+    workload,
+)
 from shardplan.simulate.engine import max_min_rates
 from shardplan.simulate.workload import restrict
-from shardplan.runtime.shards import plan_shards
 from shardplan.sync import ReplayPacker, ShardedPacker, Span, build_schedule, spans_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +48,7 @@ def _pieces(schedule):
 
 # ---- the coordinator's view is the engine's ---------------------------------------------------------------------
 def test_whole_tensor_workload_is_replay_packers_layout(llama):
-    part = 32 << 20   # small parts, so layers are split as the engine splits them
+    part = 32 << 20  # small parts, so layers are split as the engine splits them
     work = workload.whole_tensors(llama, num_trainers=3, layers=[0, 1], part_bytes=part)
     packer = ReplayPacker([restrict(llama.rank(r), [0, 1]) for r in llama.ranks], llama.sources, max_group_bytes=part)
     assert work.groups == tuple(packer.groups())
@@ -54,13 +66,15 @@ def test_sharded_workload_schedules_the_same_pieces_as_sharded_packer(llama):
     needed = set().union(*(p.sources_read() for p in plans))
     sharded_plan = plan_shards(plans, {n: sources[n] for n in sorted(needed)}, shards)
     packer = ShardedPacker(sharded_plan, 0)
-    real = build_schedule(spans_of(packer), packer.groups(), {t: frozenset() for t in work.trainers},
-                          work.trainers, work.consumers)
+    real = build_schedule(
+        spans_of(packer), packer.groups(), {t: frozenset() for t in work.trainers}, work.trainers, work.consumers
+    )
     ours = work.schedule()
     assert ours.groups == real.groups
     assert _pieces(ours) == _pieces(real)
-    assert sum(len(s) for lay in work.layouts.values() for s in lay.values()) < \
-        sum(len(s) for lay in spans_of(packer).values() for s in lay.values())
+    assert sum(len(s) for lay in work.layouts.values() for s in lay.values()) < sum(
+        len(s) for lay in spans_of(packer).values() for s in lay.values()
+    )
 
 
 # ---- the pipeline --------------------------------------------------------------------------------------------
@@ -72,12 +86,22 @@ def _synthetic(num_groups: int, nbytes: int, num_consumers: int = 1) -> Workload
 
 def test_one_group_takes_the_closed_form_time():
     n = 10 << 20
-    links = Links(nic_GBps=40.0, pcie_GBps=55.0, nic_latency_us=7.0, pack_GBps=100.0, apply_GBps=80.0, post_us=50.0,
-                  launch_us=20.0, poll_us=25.0, start_us=100.0, finish_us=60.0)
+    links = Links(
+        nic_GBps=40.0,
+        pcie_GBps=55.0,
+        nic_latency_us=7.0,
+        pack_GBps=100.0,
+        apply_GBps=80.0,
+        post_us=50.0,
+        launch_us=20.0,
+        poll_us=25.0,
+        start_us=100.0,
+        finish_us=60.0,
+    )
     result = simulate(_synthetic(1, n), Fleet.disaggregated(1, 1, 1), links, rate_quantum_s=0.0)
     us = 1e-6
     t0 = 100 * us
-    send_ready = max(t0 + 20 * us + 50 * us, t0 + 20 * us + n / 100e9)   # posted after the pack's launch; pack done
+    send_ready = max(t0 + 20 * us + 50 * us, t0 + 20 * us + n / 100e9)  # posted after the pack's launch; pack done
     recv_ready = t0 + 50 * us
     arrived = max(send_ready, recv_ready) + 7 * us + n / 40e9
     noticed = arrived + 25 * us
@@ -87,23 +111,23 @@ def test_one_group_takes_the_closed_form_time():
 
 
 def test_slots_are_reused_only_after_apply_and_two_groups_in_flight():
-    links = Links(nic_GBps=50.0, pack_GBps=5.0, apply_GBps=2.0)   # slow kernels, so the rules bind
+    links = Links(nic_GBps=50.0, pack_GBps=5.0, apply_GBps=2.0)  # slow kernels, so the rules bind
     result = simulate(_synthetic(6, 8 << 20), Fleet.disaggregated(1, 1, 1), links, rate_quantum_s=0.0)
     by = {(a.kind, a.group): a for a in result.activities if a.kind in ("pack", "transfer", "apply")}
     for g in range(2, 6):
-        assert by[("transfer", g)].start >= by[("apply", g - 2)].end - 1e-12   # receive slot freed by the apply
-        assert by[("pack", g)].start >= by[("transfer", g - 2)].end - 1e-12    # staging slot freed by the send
+        assert by[("transfer", g)].start >= by[("apply", g - 2)].end - 1e-12  # receive slot freed by the apply
+        assert by[("pack", g)].start >= by[("transfer", g - 2)].end - 1e-12  # staging slot freed by the send
         assert by[("apply", g)].start >= by[("transfer", g)].end - 1e-12
     assert result.seconds > result.speed_of_light.seconds
     kinds = result.critical_breakdown()
     assert sum(kinds.values()) == pytest.approx(result.seconds, rel=1e-6)
-    assert kinds.get("apply", 0) > 0   # slow applies are on the critical path
+    assert kinds.get("apply", 0) > 0  # slow applies are on the critical path
 
 
 def test_max_min_fair_rates():
     caps = np.array([10.0, 10.0, 4.0])
     rates = max_min_rates(np.array([0, 0]), np.array([1, 2]), caps)
-    assert rates.tolist() == pytest.approx([6.0, 4.0])   # the flow capped elsewhere leaves its share to the other
+    assert rates.tolist() == pytest.approx([6.0, 4.0])  # the flow capped elsewhere leaves its share to the other
     rates = max_min_rates(np.array([0, 0, 0]), np.array([1, 1, 1]), caps)
     assert rates.tolist() == pytest.approx([10 / 3] * 3)
 
@@ -195,7 +219,7 @@ def test_fleet_refuses_two_ranks_on_one_gpu():
         Fleet(((0, 0),), ((0, 0),), 1)
 
 
-@pytest.mark.slow   # subprocesses / whole shipped plans: `make test`, not `make test-fast`
+@pytest.mark.slow  # subprocesses / whole shipped plans: `make test`, not `make test-fast`
 def test_simulator_imports_no_vllm_transformers_safetensors():
     out = run_without_vllm(f"""
         from shardplan.plan.file.format import PlanFile
@@ -208,8 +232,20 @@ def test_simulator_imports_no_vllm_transformers_safetensors():
 
 # ---- the CLI ----------------------------------------------------------------------------------------------------
 def test_cli_simulate(capsys):
-    args = ["simulate", str(LLAMA_TP2), "--trainer-nodes", "1", "--inference-nodes", "1", "--gpus-per-node", "2",
-            "--tp", "2", "--layers", "0-3"]
+    args = [
+        "simulate",
+        str(LLAMA_TP2),
+        "--trainer-nodes",
+        "1",
+        "--inference-nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--tp",
+        "2",
+        "--layers",
+        "0-3",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "sync time" in out and "speed of light" in out and "critical path" in out

@@ -7,6 +7,7 @@ tensors (`Replayer.pack`) and pushed between begin/end_weight_update to `shardpl
 Colocated only (CPU shared memory / CUDA IPC through `update_weights_from_tensor`); `EngineSync` and the sync
 engine's transports do not drive SGLang engines yet (docs/sglang.md).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,15 +20,32 @@ from shardplan.runtime.replay import Replayer
 
 def check_engine(llm, plan_file: PlanFile) -> None:
     info = llm.get_server_info()
-    server_args = SimpleNamespace(**{k: info.get(k) for k in (
-        "tp_size", "pp_size", "ep_size", "dp_size", "enable_dp_attention", "enable_dp_lm_head", "moe_dense_tp_size",
-        "moe_runner_backend", "moe_a2a_backend", "ep_num_redundant_experts")})
+    server_args = SimpleNamespace(
+        **{
+            k: info.get(k)
+            for k in (
+                "tp_size",
+                "pp_size",
+                "ep_size",
+                "dp_size",
+                "enable_dp_attention",
+                "enable_dp_lm_head",
+                "moe_dense_tp_size",
+                "moe_runner_backend",
+                "moe_a2a_backend",
+                "ep_num_redundant_experts",
+            )
+        }
+    )
     world = range(int(server_args.tp_size) * int(server_args.pp_size))
     problems = plan_problems(plan_file, server_args, world, info.get("device") == "cpu")
     if problems:
-        raise EnginePlanMismatch(f"{plan_file.path} does not match this SGLang engine: " + "; ".join(problems)
-                                 + ". Record the plan with the engine's server args (docs/sglang.md); nothing was "
-                                   "sent.")
+        raise EnginePlanMismatch(
+            f"{plan_file.path} does not match this SGLang engine: "
+            + "; ".join(problems)
+            + ". Record the plan with the engine's server args (docs/sglang.md); nothing was "
+            "sent."
+        )
 
 
 def push(llm, plan_path: str, tensors) -> tuple:

@@ -7,6 +7,7 @@ bypassed). Each worker gets one tensor: the packed bytes of its own rank (`Repla
 `shardplan:<plan file path>`. The plan is checked against the engine before a byte is written (engine, version,
 layout, recording options): a mismatch raises, naming each difference, and nothing is applied.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,7 +44,8 @@ def plan_problems(plan_file: PlanFile, server_args, world_ranks, cpu_engine: boo
     if (h.layout.tp, h.layout.pp) != (int(server_args.tp_size), int(server_args.pp_size)):
         problems.append(f"layout: plan {h.layout.tag()}, engine tp{server_args.tp_size} pp{server_args.pp_size}")
     problems += SglangOptions.from_engine_info(h.engine).differences(
-        SglangOptions.from_server_args(server_args, cpu_engine))
+        SglangOptions.from_server_args(server_args, cpu_engine)
+    )
     missing = sorted(set(world_ranks) - set(h.ranks))
     if missing:
         problems.append(f"ranks {missing} are not covered (plan ranks {list(h.ranks)})")
@@ -60,9 +62,9 @@ def load(model: torch.nn.Module, named_tensors) -> None:
     for name, buffer in named_tensors:
         if not name.startswith(PREFIX):
             raise EnginePlanMismatch(f"the shardplan loader takes tensors named '{PREFIX}<plan path>', got {name!r}")
-        plan_file = _plan(name[len(PREFIX):])
+        plan_file = _plan(name[len(PREFIX) :])
         problems = plan_problems(plan_file, server_args, [world_rank], cpu_engine)
-        if problems:   # the trainer side checked first (client.check_engine): reaching here is a bug, stop loudly
+        if problems:  # the trainer side checked first (client.check_engine): reaching here is a bug, stop loudly
             raise EnginePlanMismatch(f"{plan_file.path} does not match this SGLang engine: " + "; ".join(problems))
         plan = plan_file.rank(world_rank)
         params = dict(model.named_parameters())

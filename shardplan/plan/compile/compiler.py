@@ -17,6 +17,7 @@ stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank inst
 Instantiating a rank of the body (plan/file/rank.py; tests/reference.py's `instantiate`, write by write) rebuilds
 the rank's `ir.RankPlan`, equal to the direct recording (tests/integration/test_compile.py).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -83,7 +84,7 @@ def _make_groups(skeleton, var_rows: np.ndarray, hole_rows: np.ndarray, out: lis
                 mask = split == value
                 _make_groups(skeleton, var_rows[mask], hole_rows[mask], out)
             return
-    out.append(Group(skeleton, coeffs, trie_from_rows(var_rows), var_rows.shape[1]))   # rows are distinct here
+    out.append(Group(skeleton, coeffs, trie_from_rows(var_rows), var_rows.shape[1]))  # rows are distinct here
 
 
 def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]) -> PlanBody:
@@ -106,32 +107,62 @@ def compile_plans(plans: Sequence[ir.RankPlan], sources: Sequence[ir.TensorMeta]
     ordered = {r: sorted(ws, key=lambda w: w.param) for r, ws in ordered.items()}
     params, rank_metas = split_metas({p.rank: p.params for p in plans})
     return body_from_rows(
-        by_skeleton, ordered, params, rank_metas=rank_metas,
+        by_skeleton,
+        ordered,
+        params,
+        rank_metas=rank_metas,
         rank_params={p.rank: tuple(sorted(m.name for m in p.params)) for p in plans},
         fallbacks={p.rank: list(p.fallbacks) for p in plans if p.fallbacks},
-        not_needed={p.rank: tuple(p.not_needed) for p in plans}, sources=sources)
+        not_needed={p.rank: tuple(p.not_needed) for p in plans},
+        sources=sources,
+    )
 
 
-def body_from_rows(by_skeleton: Mapping[tuple, tuple], ordered: dict[int, list[ir.Write]],
-                   params: Mapping[str, ir.TensorMeta], *, rank_params: dict[int, tuple[str, ...]],
-                   fallbacks: dict[int, list[ir.Fallback]], not_needed: dict[int, tuple[str, ...]],
-                   sources: Sequence[ir.TensorMeta] | SourceTable,
-                   rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
+def body_from_rows(
+    by_skeleton: Mapping[tuple, tuple],
+    ordered: dict[int, list[ir.Write]],
+    params: Mapping[str, ir.TensorMeta],
+    *,
+    rank_params: dict[int, tuple[str, ...]],
+    fallbacks: dict[int, list[ir.Fallback]],
+    not_needed: dict[int, tuple[str, ...]],
+    sources: Sequence[ir.TensorMeta] | SourceTable,
+    rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None,
+) -> PlanBody:
     """The templating half of compile_plans: `by_skeleton[(skeleton, num_name_vars)] = (var rows, hole rows)`, the
     var rows being [rank, layer, name ints...]. Row order does not matter. compile/extend.py feeds it rows it extended
     to unrecorded ranks, so both paths template through this one function."""
     groups: list[Group] = []
     for (skel, _), (var_rows, hole_rows) in sorted(by_skeleton.items(), key=lambda kv: repr(kv[0])):
-        _make_groups(skel, np.asarray(var_rows, dtype=np.int64),
-                     np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1), groups)
-    return body_from_groups(groups, ordered, params, rank_params=rank_params, fallbacks=fallbacks,
-                            not_needed=not_needed, sources=sources, rank_metas=rank_metas)
+        _make_groups(
+            skel,
+            np.asarray(var_rows, dtype=np.int64),
+            np.asarray(hole_rows, dtype=np.int64).reshape(len(hole_rows), -1),
+            groups,
+        )
+    return body_from_groups(
+        groups,
+        ordered,
+        params,
+        rank_params=rank_params,
+        fallbacks=fallbacks,
+        not_needed=not_needed,
+        sources=sources,
+        rank_metas=rank_metas,
+    )
 
 
-def body_from_groups(groups: list[Group], ordered: dict[int, list[ir.Write]], params: Mapping[str, ir.TensorMeta], *,
-                     rank_params: dict[int, tuple[str, ...]], fallbacks: dict[int, list[ir.Fallback]],
-                     not_needed: dict[int, tuple[str, ...]], sources: Sequence[ir.TensorMeta] | SourceTable,
-                     rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None) -> PlanBody:
+def body_from_groups(
+    groups: list[Group],
+    ordered: dict[int, list[ir.Write]],
+    params: Mapping[str, ir.TensorMeta],
+    *,
+    rank_params: dict[int, tuple[str, ...]],
+    fallbacks: dict[int, list[ir.Fallback]],
+    not_needed: dict[int, tuple[str, ...]],
+    sources: Sequence[ir.TensorMeta] | SourceTable,
+    rank_metas: dict[int, dict[str, ir.TensorMeta]] | None = None,
+) -> PlanBody:
     """The PlanBody of templated groups (body_from_rows' groups, or plan/compile/rankblocks.py's from rank classes)."""
     return PlanBody(
         ranks=tuple(sorted(rank_params)),
@@ -161,6 +192,7 @@ def rename_layer(w: ir.Write, old: int, new: int) -> ir.Write:
         if isinstance(x, ir.Update):
             return ir.Update(leaf(x.base), x.region, ir.View(leaf(x.value.leaf), x.value.region))
         return x
+
     return ir.Write(name(w.param), w.dst, ir.View(leaf(w.src.leaf), w.src.region))
 
 
@@ -198,8 +230,9 @@ def layer_split_templates(body: PlanBody, classes: dict[int, list[int]]) -> str 
     return None
 
 
-def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[int],
-                  sources: Sequence[ir.TensorMeta]) -> PlanBody:
+def extend_layers(
+    body: PlanBody, full_layers: dict[int, list[int]], drop: set[int], sources: Sequence[ir.TensorMeta]
+) -> PlanBody:
     """`full_layers[rep]`: every layer of rep's class (rep included); layers in `drop` were sampled only to check
     invariance. Rebuilds each group's index over all layers; the result equals compiling every layer directly."""
     groups: list[Group] = []
@@ -209,7 +242,7 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
             groups.append(Group(g.skeleton, g.coeffs, index, g.num_vars))
     params: dict[str, ir.TensorMeta] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
-    extended: dict[tuple[str, ...], tuple[str, ...]] = {}   # ranks of a layout mostly share their param names
+    extended: dict[tuple[str, ...], tuple[str, ...]] = {}  # ranks of a layout mostly share their param names
     for rank, names in body.rank_params.items():
         if names in extended:
             rank_params[rank] = extended[names]
@@ -233,13 +266,24 @@ def extend_layers(body: PlanBody, full_layers: dict[int, list[int]], drop: set[i
         ordered[rank] = sorted(out_writes, key=lambda w: w.param)
     rank_metas = {}
     for rank, overrides in body.rank_metas.items():
-        out_metas = {renamed: ir.TensorMeta(renamed, meta.shape, meta.dtype)
-                     for n, meta in overrides.items() for renamed in _layer_copies(n, full_layers, drop)}
+        out_metas = {
+            renamed: ir.TensorMeta(renamed, meta.shape, meta.dtype)
+            for n, meta in overrides.items()
+            for renamed in _layer_copies(n, full_layers, drop)
+        }
         if out_metas:
             rank_metas[rank] = out_metas
-    return PlanBody(ranks=body.ranks, sources=SourceTable.from_metas(sources),
-                    params=dict(sorted(params.items())), rank_params=rank_params, groups=groups, ordered=ordered,
-                    fallbacks=body.fallbacks, not_needed={}, rank_metas=rank_metas)
+    return PlanBody(
+        ranks=body.ranks,
+        sources=SourceTable.from_metas(sources),
+        params=dict(sorted(params.items())),
+        rank_params=rank_params,
+        groups=groups,
+        ordered=ordered,
+        fallbacks=body.fallbacks,
+        not_needed={},
+        rank_metas=rank_metas,
+    )
 
 
 def _layer_copies(name: str, full_layers: dict[int, list[int]], drop: set[int]) -> list[str]:
@@ -258,7 +302,7 @@ def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]
     ~2M rows over 32 ranks x 61 layers)."""
     new_children: dict[int, tuple | None] = {}
     pairs = []
-    for start, stop, step, child in index:   # the rank variable
+    for start, stop, step, child in index:  # the rank variable
         if id(child) not in new_children:
             by_layer: dict[int, object] = {}
             for s, e, st, sub in child:
@@ -266,9 +310,17 @@ def _extend_layer_index(index, full_layers: dict[int, list[int]], drop: set[int]
                     if layer in drop:
                         continue
                     for new in full_layers.get(layer, [layer]):
-                        if by_layer.setdefault(new, sub) != sub:   # two layers' rows land on one: build_trie unites
-                            return build_trie(sorted({(t[0], n) + t[2:] for t in iter_trie(index) if t[1] not in drop
-                                                      for n in full_layers.get(t[1], [t[1]])}))
+                        if by_layer.setdefault(new, sub) != sub:  # two layers' rows land on one: build_trie unites
+                            return build_trie(
+                                sorted(
+                                    {
+                                        (t[0], n) + t[2:]
+                                        for t in iter_trie(index)
+                                        if t[1] not in drop
+                                        for n in full_layers.get(t[1], [t[1]])
+                                    }
+                                )
+                            )
             new_children[id(child)] = _runs(sorted(by_layer.items(), key=lambda p: p[0])) if by_layer else None
         if new_children[id(child)] is not None:
             pairs.extend((rank, new_children[id(child)]) for rank in range(start, stop, step))

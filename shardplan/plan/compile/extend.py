@@ -17,6 +17,7 @@ the plan body of every rank from recorded FlatRanks and predictions, templating 
 template (plan/compile/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a correct
 prediction gives the same bytes as recording every rank, at a cost that does not grow with the number of ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.body import Group, PlanBody, SourceTable, split_metas
 from shardplan.plan.compile.compiler import body_from_groups
-from shardplan.plan.names import layer_of
 from shardplan.plan.compile.rankblocks import Block, groups_of_blocks, line_block, literal
 from shardplan.plan.compile.simplify import compile_writes
+from shardplan.plan.names import layer_of
 from shardplan.plan.template import Filler, flatten_write, split_name, unflatten_write
 
 
@@ -40,12 +41,15 @@ class NotAffine(Exception):
 @dataclass(frozen=True, eq=False)
 class FlatRank:
     """One rank's plan as the compiler sees it, without the rank column (so ranks compare and interpolate)."""
-    rows: dict[tuple, np.ndarray]   # (skeleton, num name ints) -> int64 [n, 1 + num name ints + num holes]; sorted, unique
-    ordered: tuple                  # skeletons of the ordered writes, in plan order
-    ordered_ints: np.ndarray        # their holes, concatenated
-    ordered_counts: tuple           # number of holes of each
-    params: tuple                   # (name text, ndim, dtype) of each param, in plan order
-    param_ints: np.ndarray          # their name ints and shapes, concatenated
+
+    rows: dict[
+        tuple, np.ndarray
+    ]  # (skeleton, num name ints) -> int64 [n, 1 + num name ints + num holes]; sorted, unique
+    ordered: tuple  # skeletons of the ordered writes, in plan order
+    ordered_ints: np.ndarray  # their holes, concatenated
+    ordered_counts: tuple  # number of holes of each
+    params: tuple  # (name text, ndim, dtype) of each param, in plan order
+    param_ints: np.ndarray  # their name ints and shapes, concatenated
     fallbacks: tuple
 
     def same_as(self, other: "FlatRank") -> str | None:
@@ -55,11 +59,16 @@ class FlatRank:
         for key, rows in self.rows.items():
             if not np.array_equal(rows, other.rows[key]):
                 return f"different rows of template {_short(key)}"
-        if (self.ordered, self.ordered_counts, self.params, self.fallbacks) != \
-                (other.ordered, other.ordered_counts, other.params, other.fallbacks):
+        if (self.ordered, self.ordered_counts, self.params, self.fallbacks) != (
+            other.ordered,
+            other.ordered_counts,
+            other.params,
+            other.fallbacks,
+        ):
             return "different ordered writes, params or fallbacks"
-        if not np.array_equal(self.ordered_ints, other.ordered_ints) or \
-                not np.array_equal(self.param_ints, other.param_ints):
+        if not np.array_equal(self.ordered_ints, other.ordered_ints) or not np.array_equal(
+            self.param_ints, other.param_ints
+        ):
             return "different ordered writes or param shapes"
         return None
 
@@ -74,7 +83,7 @@ def _ints(values: list[int]) -> np.ndarray:
 
 
 def flat_rank(plan: ir.RankPlan) -> FlatRank:
-    free, ordered = compile_writes(plan.writes)   # as compile_plans splits and rewrites them
+    free, ordered = compile_writes(plan.writes)  # as compile_plans splits and rewrites them
     rows: dict[tuple, list] = {}
     for w in free:
         skel, holes, var_values = flatten_write(w)
@@ -91,8 +100,15 @@ def flat_rank(plan: ir.RankPlan) -> FlatRank:
     for p in plan.params:
         params.append((split_name(p.name, param_ints), len(p.shape), p.dtype))
         param_ints.extend(p.shape)
-    return FlatRank(arrays, tuple(skeletons), _ints(ordered_ints), tuple(counts), tuple(params), _ints(param_ints),
-                    tuple(plan.fallbacks))
+    return FlatRank(
+        arrays,
+        tuple(skeletons),
+        _ints(ordered_ints),
+        tuple(counts),
+        tuple(params),
+        _ints(param_ints),
+        tuple(plan.fallbacks),
+    )
 
 
 class Line:
@@ -101,7 +117,7 @@ class Line:
 
     def __init__(self, a: FlatRank, u_a, others):
         self.base, self.u_a = a, tuple(u_a)
-        self.axes = []   # (axis, row slopes by template, ordered-write slope, param slope)
+        self.axes = []  # (axis, row slopes by template, ordered-write slope, param slope)
         for b, u_b in others:
             moved = [i for i, (x, y) in enumerate(zip(self.u_a, u_b)) if x != y]
             if len(moved) != 1:
@@ -110,12 +126,21 @@ class Line:
             span = u_b[axis] - self.u_a[axis]
             if a.rows.keys() != b.rows.keys():
                 raise NotAffine("different write templates")
-            if (a.ordered, a.ordered_counts, a.params, a.fallbacks) != (b.ordered, b.ordered_counts, b.params,
-                                                                         b.fallbacks):
+            if (a.ordered, a.ordered_counts, a.params, a.fallbacks) != (
+                b.ordered,
+                b.ordered_counts,
+                b.params,
+                b.fallbacks,
+            ):
                 raise NotAffine("different ordered writes, params or fallbacks")
-            self.axes.append((axis, {k: _slope(rows, b.rows[k], span, _short(k)) for k, rows in a.rows.items()},
-                              _slope(a.ordered_ints, b.ordered_ints, span, "ordered writes"),
-                              _slope(a.param_ints, b.param_ints, span, "params")))
+            self.axes.append(
+                (
+                    axis,
+                    {k: _slope(rows, b.rows[k], span, _short(k)) for k, rows in a.rows.items()},
+                    _slope(a.ordered_ints, b.ordered_ints, span, "ordered writes"),
+                    _slope(a.param_ints, b.param_ints, span, "params"),
+                )
+            )
 
     def at(self, u) -> FlatRank:
         rows = dict(self.base.rows)
@@ -148,6 +173,7 @@ class Line:
 class Predicted:
     """A rank predicted on a line, its rows not made: `rest` is its plan without rows (ordered writes, params,
     fallbacks); `flat()` makes the rows too (to check a prediction against a recording)."""
+
     line: Line
     u: tuple
     rest: FlatRank
@@ -172,16 +198,24 @@ def _slope(a: np.ndarray, b: np.ndarray, span: int, what: str) -> np.ndarray:
 def sorted_rows(f: FlatRank | Predicted) -> FlatRank:
     """A prediction with its rows sorted and unique, as flat_rank makes a recording (to compare the two)."""
     f = as_flat(f)
-    return FlatRank({k: np.unique(v, axis=0) for k, v in f.rows.items()}, f.ordered, f.ordered_ints,
-                    f.ordered_counts, f.params, f.param_ints, f.fallbacks)
+    return FlatRank(
+        {k: np.unique(v, axis=0) for k, v in f.rows.items()},
+        f.ordered,
+        f.ordered_ints,
+        f.ordered_counts,
+        f.params,
+        f.param_ints,
+        f.fallbacks,
+    )
 
 
-def body_from_flat(flats: Mapping[int, FlatRank | Predicted],
-                   sources: Sequence[ir.TensorMeta] | SourceTable) -> PlanBody:
+def body_from_flat(
+    flats: Mapping[int, FlatRank | Predicted], sources: Sequence[ir.TensorMeta] | SourceTable
+) -> PlanBody:
     """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does.
     The rows of the ranks predicted on one line are one block per template (plan/compile/rankblocks.py), not N copies."""
     blocks: dict[tuple, list[Block]] = {}
-    on_line: dict[int, tuple[Line, list[int], list[list[int]]]] = {}   # id(line) -> (line, ranks, offsets)
+    on_line: dict[int, tuple[Line, list[int], list[list[int]]]] = {}  # id(line) -> (line, ranks, offsets)
     ordered: dict[int, list[ir.Write]] = {}
     rank_metas_of: dict[int, list[ir.TensorMeta]] = {}
     rank_params: dict[int, tuple[str, ...]] = {}
@@ -200,11 +234,11 @@ def body_from_flat(flats: Mapping[int, FlatRank | Predicted],
         if f.ordered:
             writes, pos = [], 0
             for skel, count in zip(f.ordered, f.ordered_counts):
-                writes.append(unflatten_write(skel, f.ordered_ints[pos:pos + count].tolist()))
+                writes.append(unflatten_write(skel, f.ordered_ints[pos : pos + count].tolist()))
                 pos += count
             ordered[rank] = writes
         key = (f.params, f.param_ints.tobytes())
-        if key not in metas:   # ranks of a layout mostly share their params
+        if key not in metas:  # ranks of a layout mostly share their params
             filler = Filler(f.param_ints.tolist())
             metas[key] = []
             for text, ndim, dtype in f.params:
@@ -223,5 +257,13 @@ def body_from_flat(flats: Mapping[int, FlatRank | Predicted],
     for (skel, num_name_vars), key_blocks in sorted(blocks.items(), key=lambda kv: repr(kv[0])):
         groups_of_blocks(skel, key_blocks, 1 + num_name_vars, groups)
     params, rank_metas = split_metas(rank_metas_of)
-    return body_from_groups(groups, ordered, params, rank_params=rank_params, fallbacks=fallbacks, not_needed={},
-                            sources=sources, rank_metas=rank_metas)
+    return body_from_groups(
+        groups,
+        ordered,
+        params,
+        rank_params=rank_params,
+        fallbacks=fallbacks,
+        not_needed={},
+        sources=sources,
+        rank_metas=rank_metas,
+    )

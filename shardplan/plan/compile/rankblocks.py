@@ -23,6 +23,7 @@ them exactly as compiling every rank does. Every path gives the groups `_make_gr
 in the same order (tests/unit/test_extend_ranks.py compares the bytes on synthetic layouts, bench/compile_bench.py on
 real ones).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,11 +39,12 @@ from shardplan.plan.template import trie_from_rows, trie_node
 @dataclass(frozen=True, eq=False)
 class Block:
     """Rows of one template on `ranks`, without the rank column: [layer, name ints | holes]."""
-    ranks: np.ndarray     # int64 [m]
-    offsets: np.ndarray   # int64 [m, num_axes]: each rank's coordinate minus the line's base coordinate, per axis
-    base: np.ndarray      # int64 [n, width]
-    slopes: np.ndarray    # int64 [num_axes, n, width]
-    distinct: bool        # the variables of each rank's rows are distinct (checked for every rank)
+
+    ranks: np.ndarray  # int64 [m]
+    offsets: np.ndarray  # int64 [m, num_axes]: each rank's coordinate minus the line's base coordinate, per axis
+    base: np.ndarray  # int64 [n, width]
+    slopes: np.ndarray  # int64 [num_axes, n, width]
+    distinct: bool  # the variables of each rank's rows are distinct (checked for every rank)
     spanning: np.ndarray  # indices of the fewest ranks whose (1, rank, offsets) span those of all the block's ranks
 
     def rows(self, j: int) -> np.ndarray:
@@ -58,9 +60,14 @@ class Block:
 def literal(rank: int, rows: np.ndarray, num_vars: int, distinct: bool | None = None) -> Block:
     """A recorded rank's rows (sorted, unique) as a block of one rank (`distinct`: known, else checked)."""
     rows = np.asarray(rows, dtype=np.int64)
-    return Block(np.asarray([rank], dtype=np.int64), np.zeros((1, 0), dtype=np.int64), rows,
-                 np.zeros((0,) + rows.shape, dtype=np.int64),
-                 _distinct(rows[:, :num_vars]) if distinct is None else distinct, np.zeros(1, dtype=np.int64))
+    return Block(
+        np.asarray([rank], dtype=np.int64),
+        np.zeros((1, 0), dtype=np.int64),
+        rows,
+        np.zeros((0,) + rows.shape, dtype=np.int64),
+        _distinct(rows[:, :num_vars]) if distinct is None else distinct,
+        np.zeros(1, dtype=np.int64),
+    )
 
 
 def line_block(ranks, offsets, base: np.ndarray, slopes: np.ndarray, num_vars: int) -> list[Block]:
@@ -72,7 +79,7 @@ def line_block(ranks, offsets, base: np.ndarray, slopes: np.ndarray, num_vars: i
     if len(block.slopes) == 0 or not _uniform(block.slopes[:, :, :num_vars]):
         if all(_distinct(block.rows(j)[:, :num_vars]) for j in range(len(block.ranks))):
             return [block]
-    elif _distinct(base[:, :num_vars]):   # variables translated alike on every row: distinct on one rank, on all
+    elif _distinct(base[:, :num_vars]):  # variables translated alike on every row: distinct on one rank, on all
         return [block]
     return [literal(int(r), np.unique(block.rows(j), axis=0), num_vars) for j, r in enumerate(block.ranks.tolist())]
 
@@ -95,13 +102,14 @@ def groups_of_blocks(skeleton, blocks: list[Block], num_vars: int, out: list[Gro
     column = num_vars + bad
     num_ranks = sum(len(b.ranks) for b in blocks)
     if split_by_rank(num_ranks, _num_values(blocks, column)):
-        for rank, b, j in sorted(((r, b, j) for b in blocks for j, r in enumerate(b.ranks.tolist())),
-                                 key=lambda t: t[0]):
+        for rank, b, j in sorted(
+            ((r, b, j) for b in blocks for j, r in enumerate(b.ranks.tolist())), key=lambda t: t[0]
+        ):
             groups_of_blocks(skeleton, [literal(rank, b.rows(j), num_vars, b.distinct)], num_vars, out)
         return
-    by_value: dict[int, list[Block]] = {}   # split by the hole's value, in block order within each part
+    by_value: dict[int, list[Block]] = {}  # split by the hole's value, in block order within each part
     for b in blocks:
-        if len(b.slopes) and b.slopes[:, :, column].any():   # the hole moves with the rank: one block per rank
+        if len(b.slopes) and b.slopes[:, :, column].any():  # the hole moves with the rank: one block per rank
             parts = [literal(int(r), b.rows(j), num_vars, b.distinct) for j, r in enumerate(b.ranks.tolist())]
         else:
             parts = [b]
@@ -157,7 +165,7 @@ def _materialise(blocks: list[Block], num_vars: int, spanning: bool = False) -> 
             rank, rows = int(b.ranks[j]), b.rows(j)
             parts.append(np.concatenate([np.full((len(rows), 1), rank, dtype=np.int64), rows], axis=1))
     rows = np.concatenate(parts)
-    return rows[:, :num_vars + 1], rows[:, num_vars + 1:]
+    return rows[:, : num_vars + 1], rows[:, num_vars + 1 :]
 
 
 def _trie(blocks: list[Block], num_vars: int):
@@ -192,7 +200,9 @@ def shift_trie(node, move: list[int]):
         got = done.get((id(node), depth))
         if got is None:
             d = move[depth]
-            got = done[(id(node), depth)] = tuple((start + d, stop + d, step, rec(child, depth + 1))
-                                                  for start, stop, step, child in node)
+            got = done[(id(node), depth)] = tuple(
+                (start + d, stop + d, step, rec(child, depth + 1)) for start, stop, step, child in node
+            )
         return got
+
     return rec(node, 0)

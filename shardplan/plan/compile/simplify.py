@@ -17,6 +17,7 @@ decided on the writes as recorded (the pieces of one write interleave in memory,
 although their elements never do), and only writes of non-overlapping params are rewritten. A write the pass cannot
 prove equal (other ops, non-box regions, a broadcasting copy, too many pieces) is kept as recorded.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,14 +28,15 @@ from shardplan.plan import ir
 from shardplan.plan.overlap import overlapping_params
 
 REPEAT_OP = "Tensor.repeat_interleave"
-MAX_PIECES = 16   # per write; past this the computed write is kept (a pure view per element would be no gain)
+MAX_PIECES = 16  # per write; past this the computed write is kept (a pure view per element would be no gain)
 
-Digits = tuple[tuple[int, int], ...]   # (size, source stride) per mixed-radix digit of one dim, outer first
+Digits = tuple[tuple[int, int], ...]  # (size, source stride) per mixed-radix digit of one dim, outer first
 
 
 @dataclass(frozen=True)
 class _Piece:
     """One strided view of the source inside a logical tensor: where it starts (per dim), its digits, its offset."""
+
     pos: tuple[int, ...]
     digits: tuple[Digits, ...]
     offset: int
@@ -43,6 +45,7 @@ class _Piece:
 @dataclass(frozen=True)
 class _Tiled:
     """A logical tensor of `shape` (the value of a view) tiled by pieces that all read one checkpoint tensor."""
+
     source: str
     shape: tuple[int, ...]
     pieces: tuple[_Piece, ...]
@@ -74,15 +77,20 @@ def simplify_write(w: ir.Write) -> list[ir.Write]:
     out = []
     for piece in tiled.pieces:
         dst_offset = w.dst.offset + sum(p * s for p, s in zip(piece.pos, w.dst.strides))
-        dims = []   # (size, dst stride, src stride)
+        dims = []  # (size, dst stride, src stride)
         for digits, dst_stride in zip(piece.digits, w.dst.strides):
             weight = math.prod(n for n, _ in digits)
             for n, src_stride in digits:
                 weight //= n
                 dims.append((n, dst_stride * weight, src_stride))
         sizes, dst_strides, src_strides = _merge(dims)
-        out.append(ir.Write(w.param, ir.Region(dst_offset, sizes, dst_strides),
-                            ir.View(ir.Source(tiled.source), ir.Region(piece.offset, sizes, src_strides))))
+        out.append(
+            ir.Write(
+                w.param,
+                ir.Region(dst_offset, sizes, dst_strides),
+                ir.View(ir.Source(tiled.source), ir.Region(piece.offset, sizes, src_strides)),
+            )
+        )
     return out
 
 
@@ -108,8 +116,11 @@ def _lower(view: ir.View) -> _Tiled | None:
         r = view.region
         if min(r.sizes, default=1) < 1 or min(r.strides, default=0) < 0 or r.offset < 0:
             return None
-        return _Tiled(leaf.name, tuple(r.sizes),
-                      (_Piece((0,) * len(r.sizes), tuple(((s, st),) for s, st in zip(r.sizes, r.strides)), r.offset),))
+        return _Tiled(
+            leaf.name,
+            tuple(r.sizes),
+            (_Piece((0,) * len(r.sizes), tuple(((s, st),) for s, st in zip(r.sizes, r.strides)), r.offset),),
+        )
     if not isinstance(leaf, ir.Call) or leaf.op != REPEAT_OP or leaf.out is not None or len(leaf.inputs) != 1:
         return None
     repeat = _repeat_args(leaf)
@@ -126,10 +137,14 @@ def _lower(view: ir.View) -> _Tiled | None:
     # the call's value: a fresh contiguous tensor, dim `dim` r times longer (torch returns one for any input:
     # tests/unit/test_simplify.py checks it), so the view's region addresses it as the recorder saw it
     shape = tuple(s * repeats if d == dim else s for d, s in enumerate(inner.shape))
-    pieces = tuple(_Piece(tuple(p * repeats if d == dim else p for d, p in enumerate(piece.pos)),
-                          tuple(_normal(digits + ((repeats, 0),)) if d == dim else digits
-                                for d, digits in enumerate(piece.digits)), piece.offset)
-                   for piece in inner.pieces)
+    pieces = tuple(
+        _Piece(
+            tuple(p * repeats if d == dim else p for d, p in enumerate(piece.pos)),
+            tuple(_normal(digits + ((repeats, 0),)) if d == dim else digits for d, digits in enumerate(piece.digits)),
+            piece.offset,
+        )
+        for piece in inner.pieces
+    )
     return _select(_Tiled(inner.source, shape, pieces), view.region)
 
 
@@ -139,8 +154,10 @@ def _repeat_args(call: ir.Call) -> tuple[int, int] | None:
     args, kwargs = call.args, dict(call.kwargs)
     if not args or args[0] != ir.Arg(0) or len(args) > 3 or set(kwargs) - {"repeats", "dim"}:
         return None
-    values = {"repeats": args[1] if len(args) > 1 else kwargs.get("repeats"),
-              "dim": args[2] if len(args) > 2 else kwargs.get("dim")}
+    values = {
+        "repeats": args[1] if len(args) > 1 else kwargs.get("repeats"),
+        "dim": args[2] if len(args) > 2 else kwargs.get("dim"),
+    }
     if (len(args) > 1 and "repeats" in kwargs) or (len(args) > 2 and "dim" in kwargs):
         return None
     repeats, dim = values["repeats"], values["dim"]
@@ -175,7 +192,7 @@ def _select(tiled: _Tiled, region: ir.Region) -> _Tiled | None:
             lengths[d] = region.sizes[k]
     pieces = []
     for piece in tiled.pieces:
-        per_dim = []   # per tensor dim: [(position in the box, offset, digits)]
+        per_dim = []  # per tensor dim: [(position in the box, offset, digits)]
         for d, (pos, digits) in enumerate(zip(piece.pos, piece.digits)):
             length = math.prod(n for n, _ in digits)
             lo, hi = max(pos, starts[d]) - pos, min(pos + length, starts[d] + lengths[d]) - pos
@@ -189,8 +206,13 @@ def _select(tiled: _Tiled, region: ir.Region) -> _Tiled | None:
                 if len(combos) > MAX_PIECES:
                     return None
             for pos, digits, offset in combos:
-                pieces.append(_Piece(tuple(pos[d] if d is not None else 0 for d in dim_of),
-                                     tuple(digits[d] if d is not None else () for d in dim_of), offset))
+                pieces.append(
+                    _Piece(
+                        tuple(pos[d] if d is not None else 0 for d in dim_of),
+                        tuple(digits[d] if d is not None else () for d in dim_of),
+                        offset,
+                    )
+                )
             if len(pieces) > MAX_PIECES:
                 return None
     return _Tiled(tiled.source, tuple(region.sizes), tuple(pieces))
@@ -204,7 +226,7 @@ def _split(digits: Digits, lo: int, hi: int) -> list[tuple[int, int, Digits]]:
     inner = math.prod(m for m, _ in rest)
     q_lo, r_lo = divmod(lo, inner)
     q_hi, r_hi = divmod(hi, inner)
-    if q_lo == q_hi:   # inside one block of the outer digit
+    if q_lo == q_hi:  # inside one block of the outer digit
         return [(q_lo * inner + s, q_lo * stride + o, d) for s, o, d in _split(rest, r_lo, r_hi)]
     out = []
     first = q_lo

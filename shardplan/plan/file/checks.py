@@ -9,6 +9,7 @@ and checkpoint names an index can expand to, counted from the tries without expa
 Every failure is a `PlanFieldError` (a type or range rule) or a `PlanLimitError` (a limit or a declared count) whose
 message names the file, the field (e.g. `body.groups[3].index`), the value and the rule.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,31 +30,44 @@ from shardplan.plan.template import trie_count
 # ---- limits (docs/plan-format.md, "Limits") --------------------------------------------------------------
 MAX_HEADER_BYTES = 1 << 16
 MAX_BODY_BYTES = 1 << 26
-MAX_VARS = 16                # variables of a group (legit plans: 2-3)
+MAX_VARS = 16  # variables of a group (legit plans: 2-3)
 MAX_WORLD_SIZE = 1 << 16
 MAX_WRITES_PER_RANK = 1 << 20  # Kimi-K2 TP32 (the largest shipped): 69,975
 MAX_TOTAL_WRITES = 1 << 25
-MAX_SOURCES = 1 << 22          # Kimi-K2: 66,963 checkpoint tensors
-MAX_NUMEL = 1 << 48            # elements of one tensor; also bounds every integer a write holds
+MAX_SOURCES = 1 << 22  # Kimi-K2: 66,963 checkpoint tensors
+MAX_NUMEL = 1 << 48  # elements of one tensor; also bounds every integer a write holds
 MAX_TEXT = 4096
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-TENSOR_DTYPES = frozenset(ir.ITEMSIZE)   # the one dtype table: plan/ir.py
+TENSOR_DTYPES = frozenset(ir.ITEMSIZE)  # the one dtype table: plan/ir.py
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_TEXT_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")   # free text may hold tabs and newlines
+_TEXT_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # free text may hold tabs and newlines
 _TEMPLATE = re.compile(r"(?:[^{}]|\{\})*")
 _VERSION = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
 _ARCH = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
-HEADER_FIELDS = ("format_version", "shardplan_version", "vllm_version", "model", "architecture", "config_sha256",
-                 "layout", "dtype", "ranks", "num_writes", "num_sources")
-OPTIONAL_HEADER_FIELDS = ("quantizer",   # only in plans whose trainer quantizes (runtime/quantize.py)
-                          "eplb",       # only in plans with EPLB redundant expert slots (plan/placement.py)
-                          "trust_remote_code",  # only true: recorded running the model directory's own code
-                          "engine")     # only in plans of another engine than vLLM (plan/file/engines.py)
+HEADER_FIELDS = (
+    "format_version",
+    "shardplan_version",
+    "vllm_version",
+    "model",
+    "architecture",
+    "config_sha256",
+    "layout",
+    "dtype",
+    "ranks",
+    "num_writes",
+    "num_sources",
+)
+OPTIONAL_HEADER_FIELDS = (
+    "quantizer",  # only in plans whose trainer quantizes (runtime/quantize.py)
+    "eplb",  # only in plans with EPLB redundant expert slots (plan/placement.py)
+    "trust_remote_code",  # only true: recorded running the model directory's own code
+    "engine",
+)  # only in plans of another engine than vLLM (plan/file/engines.py)
 _QUANTIZER = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}/[1-9][0-9]{0,4}x[1-9][0-9]{0,4}")
 
 
@@ -123,8 +137,7 @@ class Checker(SkeletonRules):
             self.fail(where, v, f"must be one of {sorted(TENSOR_DTYPES)}")
         return v
 
-    def array(self, v, where: str, length: int | None = None, *, min_len: int = 0,
-              max_len: int | None = None) -> tuple:
+    def array(self, v, where: str, length: int | None = None, *, min_len: int = 0, max_len: int | None = None) -> tuple:
         if type(v) is not tuple:
             self.fail(where, v, f"must be an array, not {type(v).__name__}")
         if length is not None and len(v) != length:
@@ -148,8 +161,11 @@ class Checker(SkeletonRules):
     def increasing(self, keys: list, where: str, what: str) -> None:
         for i in range(1, len(keys)):
             if not keys[i - 1] < keys[i]:
-                self.fail(f"{where}[{i}]", keys[i], f"{what} must be strictly increasing (canonical order): "
-                                                    f"it follows {_show(keys[i - 1])}")
+                self.fail(
+                    f"{where}[{i}]",
+                    keys[i],
+                    f"{what} must be strictly increasing (canonical order): it follows {_show(keys[i - 1])}",
+                )
 
     # -- index tries
     def trie(self, node, where: str, depth: int, lows: tuple, stats: list) -> int:
@@ -173,8 +189,12 @@ class Checker(SkeletonRules):
             if stop - start == step and step != 1:
                 self.fail(at, run[:3], "a single-value run must have step 1 (canonical form)")
             if last_value is not None and start <= last_value:
-                self.fail(at, run[:3], f"runs must be sorted and disjoint: starts at or before {last_value}, "
-                                       f"the last value of the previous run")
+                self.fail(
+                    at,
+                    run[:3],
+                    f"runs must be sorted and disjoint: starts at or before {last_value}, "
+                    f"the last value of the previous run",
+                )
             last_value = stop - step
             s = stats[depth]
             s[0] = start if s[0] is None else min(s[0], start)
@@ -187,17 +207,28 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     """The header map: exactly HEADER_FIELDS, each of its documented type and range. Returns it unchanged."""
     if type(raw) is not dict:
         c.fail("header", raw, "must be a msgpack map")
-    optional = tuple(raw)[len(HEADER_FIELDS):]
-    if tuple(raw)[:len(HEADER_FIELDS)] != HEADER_FIELDS or \
-            optional != tuple(f for f in OPTIONAL_HEADER_FIELDS if f in optional):
-        c.fail("header keys", list(raw), f"must be exactly {list(HEADER_FIELDS)}, in that order (then optionally "
-                                         f"{list(OPTIONAL_HEADER_FIELDS)})")
+    optional = tuple(raw)[len(HEADER_FIELDS) :]
+    if tuple(raw)[: len(HEADER_FIELDS)] != HEADER_FIELDS or optional != tuple(
+        f for f in OPTIONAL_HEADER_FIELDS if f in optional
+    ):
+        c.fail(
+            "header keys",
+            list(raw),
+            f"must be exactly {list(HEADER_FIELDS)}, in that order (then optionally {list(OPTIONAL_HEADER_FIELDS)})",
+        )
     if "quantizer" in raw:
-        c.str_(raw["quantizer"], "header.quantizer", pattern=_QUANTIZER, rule="must be a quantizer id such as "
-               "'fp8-e4m3-block-amax448-v1/128x128'")
+        c.str_(
+            raw["quantizer"],
+            "header.quantizer",
+            pattern=_QUANTIZER,
+            rule="must be a quantizer id such as 'fp8-e4m3-block-amax448-v1/128x128'",
+        )
     if "trust_remote_code" in raw and raw["trust_remote_code"] is not True:
-        c.fail("header.trust_remote_code", raw["trust_remote_code"], "must be the msgpack bool true (the key is "
-               "absent when the recording ran no remote code)")
+        c.fail(
+            "header.trust_remote_code",
+            raw["trust_remote_code"],
+            "must be the msgpack bool true (the key is absent when the recording ran no remote code)",
+        )
     if "eplb" in raw:
         try:
             EplbSlots.from_dict(raw["eplb"])
@@ -223,8 +254,9 @@ def check_header(raw, path: str, version: int, c: Checker) -> dict:
     for key in ("tp", "pp", "dp"):
         world *= c.int_(layout[key], f"header.layout.{key}", 1, MAX_WORLD_SIZE)
     c.bool_(layout["ep"], "header.layout.ep")
-    if "eplb" in raw and (layout["ep"] is not True or
-                          EplbSlots.from_dict(raw["eplb"]).num_ep_ranks != layout["tp"] * layout["dp"]):
+    if "eplb" in raw and (
+        layout["ep"] is not True or EplbSlots.from_dict(raw["eplb"]).num_ep_ranks != layout["tp"] * layout["dp"]
+    ):
         c.fail("header.eplb", raw["eplb"], "num_ep_ranks must be the layout's EP group (tp x dp, with ep true)")
     if world > MAX_WORLD_SIZE:
         c.limit("header.layout", f"world size {world} exceeds {MAX_WORLD_SIZE}")
@@ -266,11 +298,13 @@ def check_body(raw, header: dict, c: Checker) -> None:
         else:
             if num_holes > MAX_VARS:
                 c.limit(f"{at}.name_template", f"more than {MAX_VARS} holes")
-            num_sources += c.trie(row[3], f"{at}.index", 0, (0,) * num_holes,
-                                  [[None, None] for _ in range(num_holes)])
+            num_sources += c.trie(row[3], f"{at}.index", 0, (0,) * num_holes, [[None, None] for _ in range(num_holes)])
         if num_sources > header["num_sources"]:
-            c.limit(f"{at}.index", f"the source table expands to more than the {header['num_sources']} checkpoint "
-                                   f"tensors the header declares")
+            c.limit(
+                f"{at}.index",
+                f"the source table expands to more than the {header['num_sources']} checkpoint "
+                f"tensors the header declares",
+            )
         keys.append((row[0], row[1], row[2]))
     c.increasing(keys, "body.sources", "source templates")
     if num_sources != header["num_sources"]:
@@ -278,7 +312,7 @@ def check_body(raw, header: dict, c: Checker) -> None:
 
     # params
     numels = _param_numels(c.array(params, "body.params"))
-    if numels is None:   # a rule is broken: the per-entry checks name it
+    if numels is None:  # a rule is broken: the per-entry checks name it
         numels = []
         for i, row in enumerate(params):
             at = f"body.params[{i}]"
@@ -287,7 +321,9 @@ def check_body(raw, header: dict, c: Checker) -> None:
             numels.append(c.shape(row[1], f"{at}.shape"))
             c.dtype(row[2], f"{at}.dtype")
     # a name appears once per distinct (shape, dtype) some rank declares it with: entries sorted by all three
-    c.increasing([(row[0], tuple(row[1]), row[2]) for row in params], "body.params", "param entries (name, shape, dtype)")
+    c.increasing(
+        [(row[0], tuple(row[1]), row[2]) for row in params], "body.params", "param entries (name, shape, dtype)"
+    )
 
     repeated_names = len({row[0] for row in params}) != len(params)
     # rank_params: exactly the header's ranks, each with sorted indices into params
@@ -298,7 +334,7 @@ def check_body(raw, header: dict, c: Checker) -> None:
         c.int_(row[0], f"{at}.rank", ranks[i], ranks[i])
         c.array(row[1], f"{at}.params")
     capacity = _rank_capacities(rank_params, params, numels, repeated_names)
-    if capacity is None:   # a rule is broken: the per-index checks below name it
+    if capacity is None:  # a rule is broken: the per-index checks below name it
         capacity = {}
         for i, (rank, idx) in enumerate(rank_params):
             at = f"body.rank_params[{i}]"
@@ -306,8 +342,7 @@ def check_body(raw, header: dict, c: Checker) -> None:
                 c.int_(k, f"{at}.params[{j}]", 0, len(params) - 1)
             c.increasing(list(idx), f"{at}.params", "param indices")
             if repeated_names:
-                c.increasing([params[k][0] for k in idx], f"{at}.params",
-                             "param names (one entry per name and rank)")
+                c.increasing([params[k][0] for k in idx], f"{at}.params", "param names (one entry per name and rank)")
             capacity[rank] = sum(numels[k] for k in idx)
 
     # groups: count writes per rank from the index tries
@@ -320,11 +355,14 @@ def check_body(raw, header: dict, c: Checker) -> None:
         num_vars = c.int_(row[4], f"{at}.num_vars", 2, MAX_VARS)
         cshape = c.array(row[1], f"{at}.coeff_shape", 2)
         if cshape != (num_holes, 1 + num_vars):
-            c.fail(f"{at}.coeff_shape", cshape, f"must be [{num_holes}, {1 + num_vars}] (holes of the skeleton, "
-                                                f"1 + num_vars)")
+            c.fail(
+                f"{at}.coeff_shape",
+                cshape,
+                f"must be [{num_holes}, {1 + num_vars}] (holes of the skeleton, 1 + num_vars)",
+            )
         coeffs = c.array(row[2], f"{at}.coeff_values", num_holes * (1 + num_vars))
         if set(map(type, coeffs)) - {int} or (coeffs and not INT64_MIN <= min(coeffs) <= max(coeffs) <= INT64_MAX):
-            for j, v in enumerate(coeffs):   # one is not an int64: name it
+            for j, v in enumerate(coeffs):  # one is not an int64: name it
                 c.int_(v, f"{at}.coeff_values[{j}]")
         stats = [[None, None] for _ in range(num_vars)]
         c.trie(row[3], f"{at}.index", 0, (0,) + (-1,) * (num_vars - 1), stats)
@@ -363,11 +401,16 @@ def check_body(raw, header: dict, c: Checker) -> None:
 
     for i, (rank, declared) in enumerate(zip(ranks, header["num_writes"])):
         if per_rank[rank] != declared:
-            c.limit(f"header.num_writes[{i}]", f"rank {rank} declares {declared} writes but its templates and "
-                                               f"ordered writes expand to {per_rank[rank]}")
+            c.limit(
+                f"header.num_writes[{i}]",
+                f"rank {rank} declares {declared} writes but its templates and "
+                f"ordered writes expand to {per_rank[rank]}",
+            )
         if per_rank[rank] > capacity[rank]:
-            c.limit(f"body.groups (rank {rank})", f"{per_rank[rank]} writes, more than the {capacity[rank]} "
-                                                  f"elements of the rank's params can hold")
+            c.limit(
+                f"body.groups (rank {rank})",
+                f"{per_rank[rank]} writes, more than the {capacity[rank]} elements of the rank's params can hold",
+            )
 
 
 def _param_numels(params: tuple) -> list[int] | None:
@@ -379,9 +422,14 @@ def _param_numels(params: tuple) -> list[int] | None:
     names, shapes, dtypes = zip(*params) if params else ((), (), ())
     if set(map(type, names)) - {str} or set(map(type, shapes)) - {tuple} or set(map(type, dtypes)) - {str}:
         return None
-    text = "".join(names)   # a control character or a brace in the concatenation is one in a name
-    if names and (min(map(len, names)) == 0 or max(map(len, names)) > MAX_TEXT or _CONTROL.search(text)
-                  or "{" in text or "}" in text):
+    text = "".join(names)  # a control character or a brace in the concatenation is one in a name
+    if names and (
+        min(map(len, names)) == 0
+        or max(map(len, names)) > MAX_TEXT
+        or _CONTROL.search(text)
+        or "{" in text
+        or "}" in text
+    ):
         return None
     if not set(dtypes) <= TENSOR_DTYPES or (shapes and max(map(len, shapes)) > MAX_NDIM):
         return None
@@ -398,7 +446,7 @@ def _rank_capacities(rank_params, params, numels: list[int], repeated_names: boo
     by index, for the error). With numpy over all ranks at once: a DP256 layout lists ~220k indices."""
     lists = [idx for _, idx in rank_params]
     total = sum(map(len, lists))
-    if not set(map(type, chain.from_iterable(lists))) <= {int}:   # exactly int: a bool is not an index
+    if not set(map(type, chain.from_iterable(lists))) <= {int}:  # exactly int: a bool is not an index
         return None
     try:
         flat = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=total)
@@ -409,16 +457,16 @@ def _rank_capacities(rank_params, params, numels: list[int], repeated_names: boo
     ends = np.cumsum([len(idx) for idx in lists], dtype=np.int64)
     starts = ends - np.asarray([len(idx) for idx in lists], dtype=np.int64)
     step = np.diff(flat)
-    inner = np.ones(len(step), dtype=bool)   # steps inside one rank's list (not across two ranks' lists)
+    inner = np.ones(len(step), dtype=bool)  # steps inside one rank's list (not across two ranks' lists)
     inner[(ends[:-1] - 1)[(ends[:-1] > 0) & (ends[:-1] < total)]] = False
     if (inner & (step <= 0)).any():
         return None
-    if repeated_names:   # entries are sorted by name (checked above): distinct names <-> a name ordinal that steps
+    if repeated_names:  # entries are sorted by name (checked above): distinct names <-> a name ordinal that steps
         names = [row[0] for row in params]
         ordinal = np.cumsum([0] + [a != b for a, b in zip(names[1:], names[:-1])], dtype=np.int64)
         if (inner & (np.diff(ordinal[flat]) <= 0)).any():
             return None
-    if total and max(numels) * total >= 1 << 62:   # int64 sums could wrap: Python ints
+    if total and max(numels) * total >= 1 << 62:  # int64 sums could wrap: Python ints
         return {rank: sum(numels[k] for k in idx) for rank, idx in rank_params}
     sums = np.concatenate([[0], np.cumsum(np.asarray(numels, dtype=np.int64)[flat])])
     return {rank: int(sums[e] - sums[s]) for (rank, _), s, e in zip(rank_params, starts.tolist(), ends.tolist())}
@@ -434,8 +482,10 @@ def _rank_of(v, ranks: list[int], where: str, c: Checker) -> int:
 def _check_ops(ops: set[str], where: str, c: Checker) -> None:
     bad = sorted(ops - ir.ALLOWED_OPS)
     if bad:
-        raise c.op_error(f"{c.path}: {where} names ops outside shardplan's allowlist: {bad}. A plan can only "
-                               f"name allowlisted ops; this one is corrupt or hostile. " + advice(c.path))
+        raise c.op_error(
+            f"{c.path}: {where} names ops outside shardplan's allowlist: {bad}. A plan can only "
+            f"name allowlisted ops; this one is corrupt or hostile. " + advice(c.path)
+        )
 
 
 def _check_hole_range(coeffs, num_holes: int, num_vars: int, stats: list, where: str, c: Checker) -> None:
@@ -443,14 +493,15 @@ def _check_hole_range(coeffs, num_holes: int, num_vars: int, stats: list, where:
     on holes can then never overflow."""
     width = 1 + num_vars
     for h in range(num_holes):
-        row = coeffs[h * width:(h + 1) * width]
+        row = coeffs[h * width : (h + 1) * width]
         lo = hi = row[0]
         for coef, (vmin, vmax) in zip(row[1:], stats):
             a, b = coef * vmin, coef * vmax
             lo, hi = lo + min(a, b), hi + max(a, b)
         if lo < -MAX_NUMEL or hi > MAX_NUMEL:
-            c.limit(f"{where}.coeff_values (hole {h})", f"takes values in [{lo}, {hi}] over the index, beyond "
-                                                       f"+-{MAX_NUMEL}")
+            c.limit(
+                f"{where}.coeff_values (hole {h})", f"takes values in [{lo}, {hi}] over the index, beyond +-{MAX_NUMEL}"
+            )
 
 
 def _count_by_rank(index, ranks: list[int], per_rank: dict, where: str, c: Checker) -> None:
@@ -458,7 +509,7 @@ def _count_by_rank(index, ranks: list[int], per_rank: dict, where: str, c: Check
     for i, (start, stop, step, child) in enumerate(index):
         count = trie_count(child)
         num_values = (stop - start) // step
-        window = ranks[bisect_left(ranks, start):bisect_right(ranks, stop - step)]   # runs are disjoint: linear
+        window = ranks[bisect_left(ranks, start) : bisect_right(ranks, stop - step)]  # runs are disjoint: linear
         hits = [r for r in window if (r - start) % step == 0]
         if len(hits) != num_values:
             c.fail(f"{where}.index[{i}]", (start, stop, step), f"ranks must be among the header's ranks {ranks}")

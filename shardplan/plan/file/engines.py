@@ -6,6 +6,7 @@ attention, the MoE runner and all-to-all backends, ...): the plan keeps them so 
 recorded under other args. This module only checks their form; what they mean is the engine's business
 (`shardplan.record.sglang.options`). Imports nothing heavy: the trainer reads headers with it.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from shardplan.errors import ShardplanError
 
 VLLM = "vllm"
-ENGINES = ("sglang",)      # engines a header's `engine` map may name (vLLM is the default, named by no map)
+ENGINES = ("sglang",)  # engines a header's `engine` map may name (vLLM is the default, named by no map)
 ENGINE_KEYS = ("name", "version", "options")
 MAX_OPTIONS = 32
 _OPTION_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -33,7 +34,7 @@ class EngineInfoError(ShardplanError):
 class EngineInfo:
     name: str
     version: str
-    options: tuple[tuple[str, bool | int | str], ...] = ()   # sorted by key
+    options: tuple[tuple[str, bool | int | str], ...] = ()  # sorted by key
 
     def __post_init__(self):
         problem = _problem(self.to_dict())

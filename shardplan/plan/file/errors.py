@@ -1,13 +1,16 @@
 """The plan-file errors: one class per cause (docs/plan-format.md, "Validation"). Each message names the file (and
 the field), says what is wrong, and points at the docs to re-record."""
+
 from __future__ import annotations
 
 from shardplan.errors import PlanError, ShardplanError
 
 
 def advice(path) -> str:
-    return (f"Re-record it with `shardplan record` (docs/recording.md; the format is docs/plan-format.md), "
-            f"or delete {path}.")
+    return (
+        f"Re-record it with `shardplan record` (docs/recording.md; the format is docs/plan-format.md), "
+        f"or delete {path}."
+    )
 
 
 class PlanFileError(ShardplanError):

@@ -15,6 +15,7 @@ before a byte is read, a file larger than declared is refused before its body is
 field (file/checks.py), and accepts only the canonical encoding of what it decoded: what is loaded is exactly what the
 bytes say. Nothing in a plan is executable: op names are checked against `ir.ALLOWED_OPS`; there is no pickle.
 """
+
 from __future__ import annotations
 
 import errno
@@ -80,7 +81,7 @@ class PlanHeader:
     layout: Layout
     dtype: str
     ranks: tuple[int, ...]
-    num_writes: tuple[int, ...]   # per rank, aligned with `ranks`
+    num_writes: tuple[int, ...]  # per rank, aligned with `ranks`
     num_sources: int
     # what the consumer's bytes are made with when the trainer transforms its tensors: "" (copied as recorded), or a
     # quantizer id such as "fp8-e4m3-block-amax448-v1/128x128" (runtime/quantize.py); written only when not empty
@@ -100,10 +101,20 @@ class PlanHeader:
             extra["trust_remote_code"] = True
         if self.engine is not None:
             extra["engine"] = self.engine.to_dict()
-        return {"format_version": self.format_version, "shardplan_version": self.shardplan_version,
-                "vllm_version": self.vllm_version, "model": self.model, "architecture": self.architecture,
-                "config_sha256": self.config_sha256, "layout": self.layout.to_dict(), "dtype": self.dtype,
-                "ranks": list(self.ranks), "num_writes": list(self.num_writes), "num_sources": self.num_sources, **extra}
+        return {
+            "format_version": self.format_version,
+            "shardplan_version": self.shardplan_version,
+            "vllm_version": self.vllm_version,
+            "model": self.model,
+            "architecture": self.architecture,
+            "config_sha256": self.config_sha256,
+            "layout": self.layout.to_dict(),
+            "dtype": self.dtype,
+            "ranks": list(self.ranks),
+            "num_writes": list(self.num_writes),
+            "num_sources": self.num_sources,
+            **extra,
+        }
 
 
 def _checker(path: str) -> Checker:
@@ -113,22 +124,25 @@ def _checker(path: str) -> Checker:
 # ---- body encoding ---------------------------------------------------------------------------------------
 def _encode_body(body: PlanBody) -> list:
     # one entry per distinct (name, shape, dtype): a name has two only where ranks declare it differently
-    entries = sorted({(m.name, m.shape, m.dtype) for m in body.params.values()}
-                     | {(m.name, m.shape, m.dtype) for o in body.rank_metas.values() for m in o.values()})
+    entries = sorted(
+        {(m.name, m.shape, m.dtype) for m in body.params.values()}
+        | {(m.name, m.shape, m.dtype) for o in body.rank_metas.values() for m in o.values()}
+    )
     entry_index = {e: i for i, e in enumerate(entries)}
     param_index = {m.name: entry_index[(m.name, m.shape, m.dtype)] for m in body.params.values()}
 
     def indices(rank: int) -> list[int]:
         names = body.rank_params[rank]
-        out = list(map(param_index.__getitem__, names))   # C-level: a DP256 layout lists ~220k params
+        out = list(map(param_index.__getitem__, names))  # C-level: a DP256 layout lists ~220k params
         override = body.rank_metas.get(rank)
-        if override:   # the names this rank declares differently (few: found by a C-level search each)
+        if override:  # the names this rank declares differently (few: found by a C-level search each)
             at = dict(zip(names, range(len(names)))) if len(override) > 8 else None
             for n, m in override.items():
                 j = at.get(n) if at is not None else names.index(n) if n in names else None
                 if j is not None:
                     out[j] = entry_index[(m.name, m.shape, m.dtype)]
         return out
+
     groups = sorted(body.groups, key=lambda g: (repr(g.skeleton), repr(g.index)))
     return [
         [[text, list(shape), dtype, index] for text, shape, dtype, index in body.sources.templates],
@@ -148,48 +162,89 @@ def _decode_body(raw, path: str) -> PlanBody:
     sources = SourceTable([(t, tuple(s), d, i) for t, s, d, i in sources_raw])
     entries = [ir.TensorMeta(n, tuple(s), d) for n, s, d in params_raw]
     entry_names = [m.name for m in entries]
-    rank_params = {r: tuple(map(entry_names.__getitem__, idx)) for r, idx in rank_params_raw}   # C-level maps
+    rank_params = {r: tuple(map(entry_names.__getitem__, idx)) for r, idx in rank_params_raw}  # C-level maps
     if len(set(entry_names)) == len(entries):
         params, rank_metas = {m.name: m for m in entries}, {}
-    else:   # a name declared differently by some ranks (plan-format.md): the one most ranks declare is the default
-        shared: dict[tuple, list] = {}   # ranks with equal lists share one (split_metas counts it once)
+    else:  # a name declared differently by some ranks (plan-format.md): the one most ranks declare is the default
+        shared: dict[tuple, list] = {}  # ranks with equal lists share one (split_metas counts it once)
         for _, idx in rank_params_raw:
             if idx not in shared:
                 shared[idx] = list(map(entries.__getitem__, idx))
         params, rank_metas = split_metas({r: shared[idx] for r, idx in rank_params_raw})
         params = dict(sorted(params.items()))
-    groups = [Group(skeleton, np.asarray(flat, dtype=np.int64).reshape(tuple(shape)), index, num_vars)
-              for skeleton, shape, flat, index, num_vars in groups_raw]
+    groups = [
+        Group(skeleton, np.asarray(flat, dtype=np.int64).reshape(tuple(shape)), index, num_vars)
+        for skeleton, shape, flat, index, num_vars in groups_raw
+    ]
     ordered = {r: [unflatten_write(skel, holes) for skel, holes in ws] for r, ws in ordered_raw}
     fallbacks = {r: [ir.Fallback(*f) for f in fs] for r, fs in fallbacks_raw}
     for r, writes in ordered.items():
         for w in writes:
             if w.param not in rank_params[r] or w.dst.numel <= 0:
-                raise PlanBoundsError(f"{path}: rank {r} has an ordered write to {w.param} {w.dst}, which is not one "
-                                      f"of its params or is empty. " + advice(path))
+                raise PlanBoundsError(
+                    f"{path}: rank {r} has an ordered write to {w.param} {w.dst}, which is not one "
+                    f"of its params or is empty. " + advice(path)
+                )
     for r, fs in fallbacks.items():
         for f in fs:
             if f.source not in sources:
-                raise PlanBoundsError(f"{path}: rank {r} has a fallback for {f.source}, which is not a checkpoint "
-                                      f"tensor of this plan. " + advice(path))
-    return PlanBody(ranks=tuple(rank_params), sources=sources, params=params, rank_params=rank_params,
-                    groups=groups, ordered=ordered, fallbacks=fallbacks, not_needed={}, rank_metas=rank_metas)
+                raise PlanBoundsError(
+                    f"{path}: rank {r} has a fallback for {f.source}, which is not a checkpoint "
+                    f"tensor of this plan. " + advice(path)
+                )
+    return PlanBody(
+        ranks=tuple(rank_params),
+        sources=sources,
+        params=params,
+        rank_params=rank_params,
+        groups=groups,
+        ordered=ordered,
+        fallbacks=fallbacks,
+        not_needed={},
+        rank_metas=rank_metas,
+    )
 
 
 # ---- write ------------------------------------------------------------------------------------------------
-def encode(body: PlanBody, *, model: str, architecture: str, config_sha256: str, layout: Layout, dtype: str,
-           vllm_version: str, quantizer: str = "", eplb: EplbSlots | None = None,
-           trust_remote_code: bool = False, engine: EngineInfo | None = None) -> bytes:
+def encode(
+    body: PlanBody,
+    *,
+    model: str,
+    architecture: str,
+    config_sha256: str,
+    layout: Layout,
+    dtype: str,
+    vllm_version: str,
+    quantizer: str = "",
+    eplb: EplbSlots | None = None,
+    trust_remote_code: bool = False,
+    engine: EngineInfo | None = None,
+) -> bytes:
     """The canonical bytes of a plan. The result is decoded once before it is returned: the writer never produces a
     file its reader refuses."""
     body_bytes = msgpack.packb(_encode_body(body), use_bin_type=True)
     ranks = tuple(sorted(body.rank_params))
-    header = PlanHeader(FORMAT_VERSION, __version__, vllm_version, model, architecture, config_sha256, layout, dtype,
-                        ranks, tuple(body.num_writes(r) for r in ranks), len(body.sources), quantizer, eplb,
-                        trust_remote_code, engine)
+    header = PlanHeader(
+        FORMAT_VERSION,
+        __version__,
+        vllm_version,
+        model,
+        architecture,
+        config_sha256,
+        layout,
+        dtype,
+        ranks,
+        tuple(body.num_writes(r) for r in ranks),
+        len(body.sources),
+        quantizer,
+        eplb,
+        trust_remote_code,
+        engine,
+    )
     header_bytes = msgpack.packb(header.to_dict(), use_bin_type=True)
-    sealed = b"".join([MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)),
-                       header_bytes, body_bytes])
+    sealed = b"".join(
+        [MAGIC, struct.pack("<IQQ", FORMAT_VERSION, len(header_bytes), len(body_bytes)), header_bytes, body_bytes]
+    )
     data = sealed + hashlib.sha256(sealed).digest()
     decode(data, "<plan being written>")
     return data
@@ -203,33 +258,44 @@ def write_plan(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
         os.replace(tmp, path)  # a reader never sees a half-written plan
     except OSError as e:
-        raise PlanWriteError(f"cannot write the plan to {path}: {e.strerror or e}. Choose another --out "
-                             f"directory (docs/recording.md).") from None
+        raise PlanWriteError(
+            f"cannot write the plan to {path}: {e.strerror or e}. Choose another --out directory (docs/recording.md)."
+        ) from None
 
 
 # ---- read -------------------------------------------------------------------------------------------------
 def _declared_size(head: bytes, path: str, actual: int) -> tuple[int, int]:
     """From the preamble: (header length, body length), after checking magic, version, limits and the file size."""
     if len(head) >= 8 and head[:8] != MAGIC:
-        raise PlanCorrupt(f"{path}: not a shardplan plan file (magic {head[:8]!r}, expected {MAGIC!r}). "
-                          + advice(path))
+        raise PlanCorrupt(
+            f"{path}: not a shardplan plan file (magic {head[:8]!r}, expected {MAGIC!r}). " + advice(path)
+        )
     if len(head) < PREAMBLE_BYTES:
-        raise PlanTruncated(f"{path}: truncated plan file ({actual} bytes, shorter than the {PREAMBLE_BYTES}-byte "
-                            f"preamble). " + advice(path))
+        raise PlanTruncated(
+            f"{path}: truncated plan file ({actual} bytes, shorter than the {PREAMBLE_BYTES}-byte "
+            f"preamble). " + advice(path)
+        )
     version, header_len, body_len = struct.unpack_from("<IQQ", head, 8)
     if version != FORMAT_VERSION:
-        raise PlanFormatVersionError(f"{path}: plan format version {version}; this shardplan {__version__} reads "
-                                     f"version {FORMAT_VERSION}. " + advice(path))
+        raise PlanFormatVersionError(
+            f"{path}: plan format version {version}; this shardplan {__version__} reads "
+            f"version {FORMAT_VERSION}. " + advice(path)
+        )
     if not 0 < header_len <= MAX_HEADER_BYTES or not 0 < body_len <= MAX_BODY_BYTES:
-        raise PlanLimitError(f"{path}: the preamble declares a {header_len}-byte header and a {body_len}-byte body; "
-                             f"the limits are 1..{MAX_HEADER_BYTES} and 1..{MAX_BODY_BYTES}. " + advice(path))
+        raise PlanLimitError(
+            f"{path}: the preamble declares a {header_len}-byte header and a {body_len}-byte body; "
+            f"the limits are 1..{MAX_HEADER_BYTES} and 1..{MAX_BODY_BYTES}. " + advice(path)
+        )
     total = PREAMBLE_BYTES + header_len + body_len + CHECKSUM_BYTES
     if actual < total:
-        raise PlanTruncated(f"{path}: truncated plan file: {actual} bytes, the preamble declares {total} "
-                            f"({header_len}-byte header, {body_len}-byte body, checksum). " + advice(path))
+        raise PlanTruncated(
+            f"{path}: truncated plan file: {actual} bytes, the preamble declares {total} "
+            f"({header_len}-byte header, {body_len}-byte body, checksum). " + advice(path)
+        )
     if actual > total:
-        raise PlanOversize(f"{path}: {actual - total} unexpected bytes after the {total} the preamble declares. "
-                           + advice(path))
+        raise PlanOversize(
+            f"{path}: {actual - total} unexpected bytes after the {total} the preamble declares. " + advice(path)
+        )
     return header_len, body_len
 
 
@@ -241,14 +307,19 @@ def _open_problem(path: str, e: OSError) -> str:
     return e.strerror or str(e)
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def read_plan_bytes(path: str | os.PathLike) -> bytes:
     """Exactly the bytes of a plan file, read with a cap: the preamble first, then only what it declares."""
     path = os.fspath(path)
-    try:   # O_NONBLOCK: opening a FIFO must not wait for a writer
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise PlanUnreadable(f"cannot read plan file {path}: {_open_problem(path, e)}. " + advice(path)) from None
@@ -256,8 +327,9 @@ def read_plan_bytes(path: str | os.PathLike) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-            raise PlanUnreadable(f"cannot read plan file {path}: it is {kind}; a plan is a regular file. "
-                                 + advice(path))
+            raise PlanUnreadable(
+                f"cannot read plan file {path}: it is {kind}; a plan is a regular file. " + advice(path)
+            )
         head = _read_upto(fd, PREAMBLE_BYTES, path)
         header_len, body_len = _declared_size(head, path, st.st_size)
         data = head + _read_upto(fd, header_len + body_len + CHECKSUM_BYTES, path)
@@ -285,22 +357,35 @@ def _read_upto(fd: int, n: int, path: str) -> bytes:
 def _unpack(data: bytes, what: str, path: str):
     try:
         return msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
-    except Exception as e:   # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError on bad keys
-        raise PlanCorrupt(f"{path}: the plan {what} is not valid msgpack ({type(e).__name__}: {e}). "
-                          + advice(path)) from None
+    except Exception as e:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError on bad keys
+        raise PlanCorrupt(
+            f"{path}: the plan {what} is not valid msgpack ({type(e).__name__}: {e}). " + advice(path)
+        ) from None
 
 
 def _sealed_header(data: bytes, path: str) -> tuple[PlanHeader, dict, int, int]:
     header_len, body_len = _declared_size(data[:PREAMBLE_BYTES], path, len(data))
     if hashlib.sha256(memoryview(data)[:-CHECKSUM_BYTES]).digest() != data[-CHECKSUM_BYTES:]:
-        raise PlanChecksumError(f"{path}: checksum mismatch (the sha256 at the end of the file does not match the "
-                                f"bytes before it): the file is corrupt. " + advice(path))
-    raw = check_header(_unpack(data[PREAMBLE_BYTES:PREAMBLE_BYTES + header_len], "header", path), path,
-                       FORMAT_VERSION, _checker(path))
-    header = PlanHeader(**{**raw, "layout": Layout.from_dict(raw["layout"]), "ranks": tuple(raw["ranks"]),
-                           "num_writes": tuple(raw["num_writes"]),
-                           **({"eplb": EplbSlots.from_dict(raw["eplb"])} if "eplb" in raw else {}),
-                           **({"engine": EngineInfo.from_dict(raw["engine"])} if "engine" in raw else {})})
+        raise PlanChecksumError(
+            f"{path}: checksum mismatch (the sha256 at the end of the file does not match the "
+            f"bytes before it): the file is corrupt. " + advice(path)
+        )
+    raw = check_header(
+        _unpack(data[PREAMBLE_BYTES : PREAMBLE_BYTES + header_len], "header", path),
+        path,
+        FORMAT_VERSION,
+        _checker(path),
+    )
+    header = PlanHeader(
+        **{
+            **raw,
+            "layout": Layout.from_dict(raw["layout"]),
+            "ranks": tuple(raw["ranks"]),
+            "num_writes": tuple(raw["num_writes"]),
+            **({"eplb": EplbSlots.from_dict(raw["eplb"])} if "eplb" in raw else {}),
+            **({"engine": EngineInfo.from_dict(raw["engine"])} if "engine" in raw else {}),
+        }
+    )
     return header, raw, header_len, body_len
 
 
@@ -312,7 +397,7 @@ def read_header(data: bytes, path: str = "<bytes>") -> PlanHeader:
 def decode(data: bytes, path: str = "<bytes>") -> tuple[PlanHeader, PlanBody]:
     header, raw_header, header_len, body_len = _sealed_header(data, path)
     start = PREAMBLE_BYTES + header_len
-    body_bytes = data[start:start + body_len]
+    body_bytes = data[start : start + body_len]
     raw = _unpack(body_bytes, "body", path)
     check_body(raw, raw_header, _checker(path))
     try:
@@ -321,11 +406,14 @@ def decode(data: bytes, path: str = "<bytes>") -> tuple[PlanHeader, PlanBody]:
         canonical &= msgpack.packb(header.to_dict(), use_bin_type=True) == data[PREAMBLE_BYTES:start]
     except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError, RecursionError) as e:
         # checks.py should make this unreachable: the fuzz tests assert that it is
-        raise PlanCorrupt(f"{path}: the plan body does not have the documented structure ({type(e).__name__}: {e}). "
-                          + advice(path)) from None
+        raise PlanCorrupt(
+            f"{path}: the plan body does not have the documented structure ({type(e).__name__}: {e}). " + advice(path)
+        ) from None
     if not canonical:
-        raise PlanNotCanonical(f"{path}: the header and body are valid but not in canonical form (docs/plan-format.md, "
-                               f"Canonical writing): it was not written by shardplan. " + advice(path))
+        raise PlanNotCanonical(
+            f"{path}: the header and body are valid but not in canonical form (docs/plan-format.md, "
+            f"Canonical writing): it was not written by shardplan. " + advice(path)
+        )
     return header, body
 
 
@@ -343,7 +431,7 @@ class PlanFile:
 
     def __init__(self, header: PlanHeader, body: PlanBody, path: str = "<bytes>", digest: str = ""):
         self.header, self.body, self.path = header, body, path
-        self.digest = digest   # sha256 (hex) of the file: one value that identifies every byte of the plan
+        self.digest = digest  # sha256 (hex) of the file: one value that identifies every byte of the plan
         self._cache: dict[int, ir.RankPlan] = {}
 
     @classmethod
@@ -366,9 +454,11 @@ class PlanFile:
 
     def check_rank(self, rank) -> None:
         if type(rank) is not int or rank not in self.body.rank_params:
-            raise PlanRankNotCovered(f"{self.path}: no plan for rank {rank!r}; this file covers ranks "
-                                     f"{list(self.body.ranks)} of layout {self.header.layout.tag()}. Record the "
-                                     f"missing ranks with `shardplan record --ranks` (docs/recording.md).")
+            raise PlanRankNotCovered(
+                f"{self.path}: no plan for rank {rank!r}; this file covers ranks "
+                f"{list(self.body.ranks)} of layout {self.header.layout.tag()}. Record the "
+                f"missing ranks with `shardplan record --ranks` (docs/recording.md)."
+            )
 
     def rank(self, rank: int) -> ir.RankPlan:
         """The rank's writes, bounds-checked (vectorised), as columns (plan/columns.py): `plan.writes` is a
@@ -377,12 +467,13 @@ class PlanFile:
         if rank not in self._cache:
             self.check_rank(rank)
             columns = rank_columns(self.body, rank, self.path)
-            self._cache[rank] = ir.RankPlan(rank=rank, params=tuple(self.body.meta(rank, n) for n in
-                                                                    self.body.rank_params[rank]),
-                                            writes=LazyWrites(columns),
-                                            fallbacks=tuple(self.body.fallbacks.get(rank, ())))
+            self._cache[rank] = ir.RankPlan(
+                rank=rank,
+                params=tuple(self.body.meta(rank, n) for n in self.body.rank_params[rank]),
+                writes=LazyWrites(columns),
+                fallbacks=tuple(self.body.fallbacks.get(rank, ())),
+            )
         return self._cache[rank]
-
 
     def not_needed(self, rank: int) -> tuple[str, ...]:
         plan = self.rank(rank)

@@ -11,19 +11,20 @@ on the columns; computed and ordered writes (rare) are built as `ir.Write` objec
 (file/bounds.py: check_bounds), as before. The result equals tests/reference.py's `instantiate` write for write
 (tests/unit/test_columns.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from shardplan.plan import ir
-from shardplan.plan.columns import WriteColumns, table_ids
 from shardplan.plan.body import PlanBody
+from shardplan.plan.columns import WriteColumns, table_ids
 from shardplan.plan.file.bounds import _overlapping, check_bounds
 from shardplan.plan.file.errors import PlanBoundsError, advice
 from shardplan.plan.rowkeys import Columns, distinct_rows, expand_trie, stable_argsort
 from shardplan.plan.template import pure_view_form, trie_child, unflatten_write
 
-_ROWS = ("param", "dst_offset", "src", "src_offset")   # per-write columns; geometry is per class
+_ROWS = ("param", "dst_offset", "src", "src_offset")  # per-write columns; geometry is per class
 
 
 def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
@@ -35,8 +36,8 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     name_cache = _name_cache(body)
     blocks: list[dict] = []
     generic: list[ir.Write] = []
-    small: dict[tuple, list] = {}   # hole layout -> [(form, coeffs, tail, position of its first write)]
-    position = 0   # of a template's first write among the free writes, in template order (the stable sort's ties)
+    small: dict[tuple, list] = {}  # hole layout -> [(form, coeffs, tail, position of its first write)]
+    position = 0  # of a template's first write among the free writes, in template order (the stable sort's ties)
     for g in body.groups:
         child = trie_child(g.index, rank)
         if child is None:
@@ -54,7 +55,8 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
             blocks[-1]["position"] = position
         elif len(tail) <= _SMALL:
             small.setdefault((form[1], form[2], form[4], form[5], g.coeffs.shape), []).append(
-                (form, g.coeffs, tail, position))
+                (form, g.coeffs, tail, position)
+            )
         else:
             blocks.append(_pure_block(form, g.coeffs, rank, tail, param_index, ids, path, name_cache))
             blocks[-1]["position"] = position
@@ -73,19 +75,43 @@ def rank_columns(body: PlanBody, rank: int, path: str) -> WriteColumns:
     parts = blocks + ([_object_block(names, ordered, ids)] if ordered else [])
     rows, tables = _concat(parts)
     # the free writes' positions in template order, where small templates were batched out of it
-    positions = np.concatenate([b["position"] if isinstance(b["position"], np.ndarray) else
-                                np.arange(b["position"], b["position"] + len(b["param"])) for b in blocks]
-                               ) if small else None
+    positions = (
+        np.concatenate(
+            [
+                b["position"]
+                if isinstance(b["position"], np.ndarray)
+                else np.arange(b["position"], b["position"] + len(b["param"]))
+                for b in blocks
+            ]
+        )
+        if small
+        else None
+    )
     order = canonical_order(rows, tables["dst"], names, num_free, positions)
     if ordered:
         order = np.concatenate([order, np.arange(num_free, len(rows["param"]), dtype=np.int64)])
     cols = {k: v[order] for k, v in rows.items()}
-    objects = _computed_objects(blocks, order, ordered, num_free) if any(
-        b["objects"] for b in blocks) or ordered else {}
+    objects = (
+        _computed_objects(blocks, order, ordered, num_free) if any(b["objects"] for b in blocks) or ordered else {}
+    )
     computed = {i: w for i, w in objects.items() if not ir.is_pure_view(w)}
-    return WriteColumns(names, cols["param"], cols["dst_offset"], None, None, None, cols["src"], cols["src_offset"],
-                        None, None, None, computed=computed, sources=ids,
-                        classes={"dst": cols["dst_class"], "src": cols["src_class"]}, tables=tables)
+    return WriteColumns(
+        names,
+        cols["param"],
+        cols["dst_offset"],
+        None,
+        None,
+        None,
+        cols["src"],
+        cols["src_offset"],
+        None,
+        None,
+        None,
+        computed=computed,
+        sources=ids,
+        classes={"dst": cols["dst_class"], "src": cols["src_class"]},
+        tables=tables,
+    )
 
 
 def _name_cache(body: PlanBody) -> dict:
@@ -97,13 +123,14 @@ def _name_cache(body: PlanBody) -> dict:
     return cache
 
 
-def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_index: dict, ids, path: str,
-                names: dict) -> dict:
+def _pure_block(
+    form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_index: dict, ids, path: str, names: dict
+) -> dict:
     ptext, kp, nd, stext, ks, ns = form
     d1 = kp + 1 + 2 * nd
     s0 = d1 + ks
     n = len(tail)
-    base = (coeffs[:, 0] + rank * coeffs[:, 1]).tolist()   # hole = base + var @ tail row (rank: the first var)
+    base = (coeffs[:, 0] + rank * coeffs[:, 1]).tolist()  # hole = base + var @ tail row (rank: the first var)
     var = coeffs[:, 2:]
     tail_t = np.ascontiguousarray(tail.T)
     scratch = np.empty(n, dtype=np.int64)
@@ -113,11 +140,11 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
         out = []
         for h in range(lo, hi):
             terms = np.flatnonzero(var[h]).tolist()
-            if len(terms) == 1 and var[h, terms[0]] == 1:   # hole = base + a variable (an expert, a layer)
+            if len(terms) == 1 and var[h, terms[0]] == 1:  # hole = base + a variable (an expert, a layer)
                 out.append(tail_t[terms[0]] + base[h])
                 continue
             col = np.full(n, base[h], dtype=np.int64)
-            for j in terms:   # in place, one scratch column: fresh temporaries cost page faults
+            for j in terms:  # in place, one scratch column: fresh temporaries cost page faults
                 np.multiply(tail_t[j], var[h, j], out=scratch)
                 col += scratch
             out.append(col)
@@ -130,11 +157,17 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
         bad = int(np.nonzero(src < 0)[0][0])
         name = stext.format(*[int(c[bad]) for c in src_holes.arrays])
         raise PlanBoundsError(f"{path}: rank {rank}: source {name} is not declared for this rank. " + advice(path))
-    block = {"param": param, "dst_offset": holes(kp, kp + 1).arrays[0], "src": src,
-             "src_offset": holes(s0, s0 + 1).arrays[0], "objects": None, "src_numel": src_numel}
+    block = {
+        "param": param,
+        "dst_offset": holes(kp, kp + 1).arrays[0],
+        "src": src,
+        "src_offset": holes(s0, s0 + 1).arrays[0],
+        "objects": None,
+        "src_numel": src_numel,
+    }
     for side, lo, ndim in (("dst", kp + 1, nd), ("src", s0 + 1, ns)):
-        if not var[lo:lo + 2 * ndim].any():   # one geometry for every write of the template
-            table = np.asarray(base[lo:lo + 2 * ndim], dtype=np.int64).reshape(1, 2 * ndim)
+        if not var[lo : lo + 2 * ndim].any():  # one geometry for every write of the template
+            table = np.asarray(base[lo : lo + 2 * ndim], dtype=np.int64).reshape(1, 2 * ndim)
             klass = np.zeros(n, dtype=np.int64)
         else:
             geometry = holes(lo, lo + 2 * ndim)
@@ -145,7 +178,7 @@ def _pure_block(form, coeffs: np.ndarray, rank: int, tail: np.ndarray, param_ind
     return block
 
 
-_SMALL = 64   # templates of at most this many writes on this rank are instantiated together (_small_block)
+_SMALL = 64  # templates of at most this many writes on this rank are instantiated together (_small_block)
 
 
 def _small_block(items: list, rank: int, param_index: dict, ids, path: str, names: dict) -> dict:
@@ -157,11 +190,11 @@ def _small_block(items: list, rank: int, param_index: dict, ids, path: str, name
     s0 = d1 + ks
     counts = [len(tail) for _, _, tail, _ in items]
     tid = np.repeat(np.arange(len(items)), counts)
-    coeffs = np.stack([c for _, c, _, _ in items])   # [templates, holes, 2 + tail vars]
+    coeffs = np.stack([c for _, c, _, _ in items])  # [templates, holes, 2 + tail vars]
     tail = np.concatenate([t for _, _, t, _ in items])
     holes = (coeffs[:, :, 0] + rank * coeffs[:, :, 1])[tid]
     for j in range(tail.shape[1]):
-        holes += coeffs[:, :, 2 + j][tid] * tail[:, j:j + 1]
+        holes += coeffs[:, :, 2 + j][tid] * tail[:, j : j + 1]
     n = len(holes)
     first, inverse = distinct_rows(Columns([tid] + [holes[:, h] for h in range(kp)], n))
     param = np.empty(len(first), dtype=np.int64)
@@ -172,8 +205,9 @@ def _small_block(items: list, rank: int, param_index: dict, ids, path: str, name
             name = names[(text, tuple(row))] = text.format(*row)
         i = param_index.get(name)
         if i is None:
-            raise PlanBoundsError(f"{path}: rank {rank}: destination {name} is not declared for this rank. "
-                                  + advice(path))
+            raise PlanBoundsError(
+                f"{path}: rank {rank}: destination {name} is not declared for this rank. " + advice(path)
+            )
         param[k] = i
     src = np.empty(n, dtype=np.int64)
     src_numel = np.empty(n, dtype=np.int64)
@@ -185,12 +219,18 @@ def _small_block(items: list, rank: int, param_index: dict, ids, path: str, name
         bad = int(np.nonzero(src < 0)[0][0])
         name = texts[tid[bad]].format(*holes[bad, d1:s0].tolist())
         raise PlanBoundsError(f"{path}: rank {rank}: source {name} is not declared for this rank. " + advice(path))
-    block = {"param": param[inverse], "dst_offset": holes[:, kp].copy(), "src": src,
-             "src_offset": holes[:, s0].copy(), "objects": None, "src_numel": src_numel,
-             "position": np.concatenate([np.arange(p, p + c) for (_, _, _, p), c in zip(items, counts)])}
+    block = {
+        "param": param[inverse],
+        "dst_offset": holes[:, kp].copy(),
+        "src": src,
+        "src_offset": holes[:, s0].copy(),
+        "objects": None,
+        "src_numel": src_numel,
+        "position": np.concatenate([np.arange(p, p + c) for (_, _, _, p), c in zip(items, counts)]),
+    }
     for side, lo, ndim in (("dst", kp + 1, nd), ("src", s0 + 1, ns)):
         first, block[f"{side}_class"] = distinct_rows(Columns([holes[:, h] for h in range(lo, lo + 2 * ndim)], n))
-        table = holes[first, lo:lo + 2 * ndim]
+        table = holes[first, lo : lo + 2 * ndim]
         block[f"{side}_table"] = (np.full(len(table), ndim, dtype=np.int64), table[:, :ndim], table[:, ndim:])
     return block
 
@@ -198,16 +238,16 @@ def _small_block(items: list, rank: int, param_index: dict, ids, path: str, name
 def _param_ids(ptext: str, holes: Columns, param_index: dict, rank: int, path: str, names: dict) -> np.ndarray:
     first, inverse = distinct_rows(holes)
     out = []
-    for row in (np.stack([c[first] for c in holes.arrays], axis=1).tolist() if holes.arrays
-                else [[]] * len(first)):
+    for row in np.stack([c[first] for c in holes.arrays], axis=1).tolist() if holes.arrays else [[]] * len(first):
         key = (ptext, tuple(row))
         name = names.get(key)
-        if name is None:   # file/checks.py admits only `{}` holes as braces: format is Filler.name
+        if name is None:  # file/checks.py admits only `{}` holes as braces: format is Filler.name
             name = names[key] = ptext.format(*row)
         i = param_index.get(name)
         if i is None:
-            raise PlanBoundsError(f"{path}: rank {rank}: destination {name} is not declared for this rank. "
-                                  + advice(path))
+            raise PlanBoundsError(
+                f"{path}: rank {rank}: destination {name} is not declared for this rank. " + advice(path)
+            )
         out.append(i)
     return np.asarray(out, dtype=np.int64)[inverse]
 
@@ -232,16 +272,19 @@ def _concat(blocks: list[dict]) -> tuple[dict, dict]:
     for side in ("dst", "src"):
         num_classes = [len(b[f"{side}_table"][0]) for b in blocks]
         bases = np.cumsum([0] + num_classes)
-        rows[f"{side}_class"] = (np.concatenate([b[f"{side}_class"] + base for b, base in zip(blocks, bases.tolist())])
-                                 if blocks else np.zeros(0, dtype=np.int64))
+        rows[f"{side}_class"] = (
+            np.concatenate([b[f"{side}_class"] + base for b, base in zip(blocks, bases.tolist())])
+            if blocks
+            else np.zeros(0, dtype=np.int64)
+        )
         ndim = np.zeros(int(bases[-1]), dtype=np.int64)
         sizes = np.ones((int(bases[-1]), width), dtype=np.int64)
         strides = np.zeros((int(bases[-1]), width), dtype=np.int64)
         for b, a, z in zip(blocks, bases[:-1].tolist(), bases[1:].tolist()):
             t_ndim, t_sizes, t_strides = b[f"{side}_table"]
             ndim[a:z] = t_ndim
-            sizes[a:z, :t_sizes.shape[1]] = t_sizes
-            strides[a:z, :t_strides.shape[1]] = t_strides
+            sizes[a:z, : t_sizes.shape[1]] = t_sizes
+            strides[a:z, : t_strides.shape[1]] = t_strides
         tables[side] = (ndim, sizes, strides)
     return rows, tables
 
@@ -272,12 +315,12 @@ def canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.n
     name_rank[np.argsort(np.asarray(names, dtype=object), kind="stable")] = np.arange(len(names))
     param_rank = name_rank[param]
     span = int(offset.max()) - int(offset.min()) + 1
-    if int(offset.min()) >= 0 and span * len(names) < 1 << 62:   # one packed key: one stable sort, not two
+    if int(offset.min()) >= 0 and span * len(names) < 1 << 62:  # one packed key: one stable sort, not two
         order = stable_argsort(param_rank * span + (offset - int(offset.min())))
     else:
         order = np.lexsort((offset, param_rank))
     tied = (np.diff(param_rank[order]) == 0) & (np.diff(offset[order]) == 0)
-    if not tied.any():   # (param, offset) decides: the usual case, free writes rarely share an offset
+    if not tied.any():  # (param, offset) decides: the usual case, free writes rarely share an offset
         return order
     # ties (few): rank each geometry class among the distinct (sizes, strides) tuples (a small table) and sort each
     # tied run by it, stably
@@ -289,7 +332,7 @@ def canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.n
     geo_rank = np.empty(len(table), dtype=np.int64)
     geo_rank[by_tuple] = np.cumsum(np.concatenate([[True], (ranked[1:] != ranked[:-1]).any(axis=1)])) - 1
     in_run = np.concatenate([tied, [False]]) | np.concatenate([[False], tied])
-    run_id = np.cumsum(np.concatenate([[True], ~tied]))   # equal along a run of ties
+    run_id = np.cumsum(np.concatenate([[True], ~tied]))  # equal along a run of ties
     where = np.flatnonzero(in_run)
     sub = order[where]
     order = order.copy()
@@ -305,15 +348,15 @@ def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, pa
     klass = block[f"{side}_class"]
     numel = param_numels[block["param"]] if side == "dst" else block["src_numel"]
     offset = block[f"{side}_offset"]
-    if len(t_sizes) == 1:   # one geometry (the usual template): its facts in Python ints, exact; integer compares
+    if len(t_sizes) == 1:  # one geometry (the usual template): its facts in Python ints, exact; integer compares
         negative, empty, reach, overlapping = _box_facts(t_sizes[0].tolist(), t_strides[0].tolist())
         if negative or (side == "dst" and (empty or overlapping)):
             bad = np.ones(len(offset), dtype=bool)
         elif empty:
             bad = offset < 0
-        elif reach >= 1 << 62:   # past any tensor
+        elif reach >= 1 << 62:  # past any tensor
             bad = np.ones(len(offset), dtype=bool)
-        else:   # numel >= 0 and 1 <= reach < 2^62: the difference does not wrap
+        else:  # numel >= 0 and 1 <= reach < 2^62: the difference does not wrap
             bad = (offset < 0) | (offset > numel - reach)
     else:
         # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
@@ -322,16 +365,21 @@ def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, pa
         u_empty = (u_sizes == 0).any(axis=1)
         u_reach = ((u_sizes - 1) * u_strides).sum(axis=1) + 1
         u_bad = u_empty | _overlapping(u_sizes, u_strides) if side == "dst" else np.zeros(len(t_sizes), dtype=bool)
-        bad = ((u_negative | u_bad)[klass] | (offset < 0)
-               | (~u_empty[klass] & (offset.astype(np.float64) + u_reach[klass] > numel.astype(np.float64))))
+        bad = (
+            (u_negative | u_bad)[klass]
+            | (offset < 0)
+            | (~u_empty[klass] & (offset.astype(np.float64) + u_reach[klass] > numel.astype(np.float64)))
+        )
     if bad.any():
         j = int(np.nonzero(bad)[0][0])
         what = "destination" if side == "dst" else "source"
         name = names[block["param"][j]] if side == "dst" else ids.name(int(block["src"][j]))
         sizes, strides = t_sizes[klass[j]], t_strides[klass[j]]
-        raise PlanBoundsError(f"{path}: rank {rank}: box (offset {int(offset[j])}, sizes {sizes.tolist()}, strides "
-                              f"{strides.tolist()}) is negative, {'empty, self-overlapping, ' if side == 'dst' else ''}"
-                              f"or lies outside {what} {name} ({int(numel[j])} elements). " + advice(path))
+        raise PlanBoundsError(
+            f"{path}: rank {rank}: box (offset {int(offset[j])}, sizes {sizes.tolist()}, strides "
+            f"{strides.tolist()}) is negative, {'empty, self-overlapping, ' if side == 'dst' else ''}"
+            f"or lies outside {what} {name} ({int(numel[j])} elements). " + advice(path)
+        )
 
 
 def _box_facts(sizes: list, strides: list) -> tuple[bool, bool, int, bool]:

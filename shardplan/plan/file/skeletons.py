@@ -1,6 +1,7 @@
 """The grammar of a write skeleton (docs/plan-format.md, "Write skeletons"), checked recursively with a depth limit:
 each tag with its exact arity, hole markers where integers were, op names collected for the allowlist check, `["a", i]`
 pointing at an existing input. A mixin of plancheck.Checker, which provides the scalar checks and the errors."""
+
 from __future__ import annotations
 
 import re
@@ -9,8 +10,8 @@ from shardplan.plan.file.errors import advice
 from shardplan.plan.ir import FRESH_OPS, INPLACE_OPS, UNARY_OPS
 from shardplan.plan.template import HOLE
 
-MAX_DEPTH = 24          # nesting of a write skeleton (legit plans: 4)
-MAX_NDIM = 16           # dims of a tensor shape or region; also inputs, args and kwargs of a Call
+MAX_DEPTH = 24  # nesting of a write skeleton (legit plans: 4)
+MAX_NDIM = 16  # dims of a tensor shape or region; also inputs, args and kwargs of a Call
 MAX_CONST_NUMEL = 1 << 16
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 
@@ -37,7 +38,7 @@ class SkeletonRules:
         self.array(t, where, max_len=MAX_NDIM)
         for i, h in enumerate(t):
             if h != HOLE or type(h) is not str:
-                self.fail(f"{where}[{i}]", h, "must be the hole marker \"\\u0000#\"")
+                self.fail(f"{where}[{i}]", h, 'must be the hole marker "\\u0000#"')
         return len(t)
 
     def region(self, s, where: str) -> int:
@@ -74,7 +75,7 @@ class SkeletonRules:
                 self.array(value, f"{where}.value", 2)
                 self.tag(value, f"{where}.value", "f")
                 if type(value[1]) is not float:
-                    self.fail(f"{where}.value", value, "a float fill value must be [\"f\", float]")
+                    self.fail(f"{where}.value", value, 'a float fill value must be ["f", float]')
             elif type(value) is not bool:
                 self.int_(value, f"{where}.value")
             self.dtype(s[3], f"{where}.dtype")
@@ -84,8 +85,10 @@ class SkeletonRules:
             op = self.str_(s[1], f"{where}.op")
             ops.add(op)
             inputs = self.array(s[4], f"{where}.inputs", max_len=MAX_NDIM)
-            holes = sum(self.literal(a, f"{where}.args[{i}]", depth + 1, len(inputs))
-                        for i, a in enumerate(self.array(s[2], f"{where}.args", max_len=MAX_NDIM)))
+            holes = sum(
+                self.literal(a, f"{where}.args[{i}]", depth + 1, len(inputs))
+                for i, a in enumerate(self.array(s[2], f"{where}.args", max_len=MAX_NDIM))
+            )
             for i, kv in enumerate(self.array(s[3], f"{where}.kwargs", max_len=MAX_NDIM)):
                 self.array(kv, f"{where}.kwargs[{i}]", 2)
                 self.str_(kv[0], f"{where}.kwargs[{i}].key", pattern=_IDENT, rule="must be an identifier")
@@ -94,22 +97,31 @@ class SkeletonRules:
             if s[5] is not None:
                 self.int_(s[5], f"{where}.out", 0, MAX_NDIM)
             if op in UNARY_OPS and (len(inputs) != 1 or s[2] != (("a", 0),) or s[3] or s[5] is not None):
-                self.fail(where, s[1:4], f"{op} takes exactly one tensor: args [[\"a\", 0]], no kwargs, one input, "
-                                         f"out nil")
+                self.fail(
+                    where, s[1:4], f'{op} takes exactly one tensor: args [["a", 0]], no kwargs, one input, out nil'
+                )
             if any(kv[0] == "out" for kv in s[3]):
                 self.foreign_write(where, f"{op} takes out=, which would write into the tensor it names")
             if op in INPLACE_OPS and not (s[2] and _is_arg(s[2][0]) and _made_by_plan(inputs[s[2][0][1]][1])):
-                self.foreign_write(where, f"in-place {op} writes into its first argument, which must be a tensor the "
-                                          f"plan made (a Tensor.clone of the view, as the recorder writes it), never a "
-                                          f"trainer tensor or a view of one")
+                self.foreign_write(
+                    where,
+                    f"in-place {op} writes into its first argument, which must be a tensor the "
+                    f"plan made (a Tensor.clone of the view, as the recorder writes it), never a "
+                    f"trainer tensor or a view of one",
+                )
             return holes
-        self.array(s, where, 4)   # "U"
-        return (self.leaf(s[1], f"{where}.base", depth + 1, ops) + self.region(s[2], f"{where}.region")
-                + self.view(s[3], f"{where}.value", depth + 1, ops))
+        self.array(s, where, 4)  # "U"
+        return (
+            self.leaf(s[1], f"{where}.base", depth + 1, ops)
+            + self.region(s[2], f"{where}.region")
+            + self.view(s[3], f"{where}.value", depth + 1, ops)
+        )
 
     def foreign_write(self, where: str, why: str):
-        raise self.op_error(f"{self.path}: {where}: {why}: replay never writes into the trainer's tensors; this plan "
-                            f"is corrupt or hostile. " + advice(self.path))
+        raise self.op_error(
+            f"{self.path}: {where}: {why}: replay never writes into the trainer's tensors; this plan "
+            f"is corrupt or hostile. " + advice(self.path)
+        )
 
     def literal(self, a, where: str, depth: int, num_inputs: int) -> int:
         """A literal of a Call; returns its number of holes."""
@@ -126,7 +138,7 @@ class SkeletonRules:
         if tag == "f":
             self.array(a, where, 2)
             if type(a[1]) is not float:
-                self.fail(where, a, "must be [\"f\", float]")
+                self.fail(where, a, 'must be ["f", float]')
         elif tag == "a":
             self.array(a, where, 2)
             self.int_(a[1], f"{where}.index", 0, num_inputs - 1)
@@ -153,7 +165,7 @@ class SkeletonRules:
                     self.fail(f"{where}.values[{i}]", x, "must be a number")
         elif tag == "e":
             self.array(a, where, 1)
-        else:   # "t"
+        else:  # "t"
             return sum(self.literal(x, f"{where}[{i + 1}]", depth + 1, num_inputs) for i, x in enumerate(a[1:]))
         return 0
 

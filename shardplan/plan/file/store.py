@@ -6,6 +6,7 @@ then the per-user cache ($XDG_CACHE_HOME/shardplan/plans, default ~/.cache/shard
 read from headers only, and refused when it was recorded with another vLLM than the one installed here (checked by
 package metadata: the trainer never imports vLLM).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -95,7 +96,7 @@ def scan(dirs: Iterable[Path] | None = None) -> list[tuple[Path, PlanHeader | No
 
 def _scan(dirs: Iterable[Path] | None = None) -> Iterator[tuple[Path, bytes | None, PlanHeader | None, str]]:
     """scan()'s entries with the bytes each header was read from (None when unusable)."""
-    for d in (search_dirs() if dirs is None else dirs):
+    for d in search_dirs() if dirs is None else dirs:
         try:
             entries = sorted(d.glob(f"*{SUFFIX}")) if d.is_dir() else []
         except OSError:
@@ -108,9 +109,20 @@ def _scan(dirs: Iterable[Path] | None = None) -> Iterator[tuple[Path, bytes | No
                 yield path, None, None, str(e)
 
 
-def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = False, dtype: str = "bfloat16",
-              overrides=(), rank: int | None = None, path: str | os.PathLike | None = None,
-              check_vllm: bool = True, engine: str = VLLM) -> PlanFile | ir.RankPlan:
+def load_plan(
+    model: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    ep: bool = False,
+    dtype: str = "bfloat16",
+    overrides=(),
+    rank: int | None = None,
+    path: str | os.PathLike | None = None,
+    check_vllm: bool = True,
+    engine: str = VLLM,
+) -> PlanFile | ir.RankPlan:
     """Find the plan recorded for `model` at this layout; with `rank`, return that rank's instantiated RankPlan.
 
     `model` is what `shardplan record --model` took (built-in name, HF id, local dir or config.json). The plan must
@@ -122,23 +134,32 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
     """
     spec = resolve_model(model, list(overrides))
     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
-    record_cmd = (f"shardplan record --model {model} --tp {tp}" + (f" --pp {pp}" if pp > 1 else "")
-                  + (f" --dp {dp}" if dp > 1 else "") + (" --ep" if ep else "")
-                  + "".join(f" --override {o}" for o in overrides) + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
-                  + (f" --engine {engine}" if engine != VLLM else ""))
+    record_cmd = (
+        f"shardplan record --model {model} --tp {tp}"
+        + (f" --pp {pp}" if pp > 1 else "")
+        + (f" --dp {dp}" if dp > 1 else "")
+        + (" --ep" if ep else "")
+        + "".join(f" --override {o}" for o in overrides)
+        + (f" --dtype {dtype}" if dtype != "bfloat16" else "")
+        + (f" --engine {engine}" if engine != VLLM else "")
+    )
     want = f"{spec.name} at {layout.tag()} {dtype}"
     if path:
         if not os.path.lexists(path):
             raise PlanNotFound(f"no plan file at {path}. Record it with: {record_cmd} --out {Path(path).parent}")
-        plan = PlanFile.read(path)   # raises the file's own named error
+        plan = PlanFile.read(path)  # raises the file's own named error
         h = plan.header
         if (h.config_sha256, h.layout, h.dtype) != (spec.config_sha256, layout, dtype):
             same = "this model" if h.config_sha256 == spec.config_sha256 else f"another config ({h.model})"
-            raise PlanNotFound(f"{path} holds a plan for {same} at {h.layout.tag()} {h.dtype}, not {want}. "
-                               f"Record it with: {record_cmd}")
+            raise PlanNotFound(
+                f"{path} holds a plan for {same} at {h.layout.tag()} {h.dtype}, not {want}. "
+                f"Record it with: {record_cmd}"
+            )
         if engine_name(h) != engine:
-            raise PlanNotFound(f"{path} records {engine_name(h)}'s loaders, not {engine}'s: the two engines lay "
-                               f"weights out differently. Record it with: {record_cmd}")
+            raise PlanNotFound(
+                f"{path} records {engine_name(h)}'s loaders, not {engine}'s: the two engines lay "
+                f"weights out differently. Record it with: {record_cmd}"
+            )
         candidates = [(Path(path), plan)]
     else:
         candidates = _find(spec, layout, dtype, want, record_cmd, engine)
@@ -147,8 +168,10 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
     if not usable:
         f, h = candidates[0]
         shown = {VLLM: "vLLM", "sglang": "SGLang"}.get(engine, engine)
-        raise StalePlan(f"{f} was recorded with {shown} {engine_version(_header(h))}, but {shown} {here} is "
-                        f"installed: its loaders may differ. Re-record with: {record_cmd}")
+        raise StalePlan(
+            f"{f} was recorded with {shown} {engine_version(_header(h))}, but {shown} {here} is "
+            f"installed: its loaders may differ. Re-record with: {record_cmd}"
+        )
     if rank is not None:
         usable = [(f, h) for f, h in usable if rank in _header(h).ranks] or usable
     errors = []
@@ -157,19 +180,22 @@ def load_plan(model: str, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: bool = F
         # may have been replaced since the scan)
         try:
             plan = found if isinstance(found, PlanFile) else PlanFile.from_bytes(found[1], str(file))
-        except PlanFileError as e:   # a sealed header over a body that does not check: try the next one
+        except PlanFileError as e:  # a sealed header over a body that does not check: try the next one
             errors.append(str(e))
             continue
         return plan if rank is None else plan.rank(rank)
-    raise PlanNotFound(f"every plan for {want} is unusable:\n  " + "\n  ".join(errors) + f"\nRecord it with: {record_cmd}")
+    raise PlanNotFound(
+        f"every plan for {want} is unusable:\n  " + "\n  ".join(errors) + f"\nRecord it with: {record_cmd}"
+    )
 
 
 def _header(found) -> PlanHeader:
     return found.header if isinstance(found, PlanFile) else found[0]
 
 
-def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str,
-          engine: str = VLLM) -> list[tuple[Path, tuple[PlanHeader, bytes]]]:
+def _find(
+    spec, layout: Layout, dtype: str, want: str, record_cmd: str, engine: str = VLLM
+) -> list[tuple[Path, tuple[PlanHeader, bytes]]]:
     matches, near, skipped = [], [], []
     for file, data, header, error in _scan():
         if header is None:
@@ -180,11 +206,18 @@ def _find(spec, layout: Layout, dtype: str, want: str, record_cmd: str,
             else:
                 near.append((file, header))
     if not matches:
-        have = "\n".join(f"  {f}: {h.layout.tag()} {h.dtype} ranks {_ranks_text(h.ranks)}" for f, h in near) or "  (none)"
-        bad = ("\nSkipped unusable plan files:\n" + "\n".join(f"  {e.splitlines()[0][:300]}" for e in skipped)
-               if skipped else "")
-        raise PlanNotFound(f"no cached plan for {want}. Plans for this model:\n{have}\n"
-                           f"Searched: {', '.join(str(d) for d in search_dirs())}.{bad}\nRecord it with: {record_cmd}")
+        have = (
+            "\n".join(f"  {f}: {h.layout.tag()} {h.dtype} ranks {_ranks_text(h.ranks)}" for f, h in near) or "  (none)"
+        )
+        bad = (
+            "\nSkipped unusable plan files:\n" + "\n".join(f"  {e.splitlines()[0][:300]}" for e in skipped)
+            if skipped
+            else ""
+        )
+        raise PlanNotFound(
+            f"no cached plan for {want}. Plans for this model:\n{have}\n"
+            f"Searched: {', '.join(str(d) for d in search_dirs())}.{bad}\nRecord it with: {record_cmd}"
+        )
     return matches
 
 

@@ -5,6 +5,7 @@ when no torchvision is installed, so `import torchvision` finds the stand-in in 
 when installed, comes first on the path and wins. Only the recorder activates it (`record.configs`, the first
 record module that imports vLLM or transformers); the trainer side never imports this package.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,5 +1,6 @@
 """The command-line options of `shardplan record|verify --engine sglang`: SGLang's server args that change layouts
 (options.SglangOptions), parsed and refused by name when given without `--engine sglang`."""
+
 from __future__ import annotations
 
 from shardplan.errors import ShardplanError
@@ -9,20 +10,38 @@ from shardplan.record.sglang.options import SglangOptions
 def add_sglang_arguments(p) -> None:
     sgl = p.add_argument_group("SGLang server args that change layouts (--engine sglang; kept in the plan header)")
     sgl.add_argument("--ep-size", type=int, default=None, help="SGLang --ep-size (default with --ep: the TP size)")
-    sgl.add_argument("--enable-dp-attention", action="store_true",
-                     help="SGLang DP attention: --dp N shards attention over tp/N ranks inside the TP group")
+    sgl.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="SGLang DP attention: --dp N shards attention over tp/N ranks inside the TP group",
+    )
     sgl.add_argument("--enable-dp-lm-head", action="store_true", help="SGLang --enable-dp-lm-head")
     sgl.add_argument("--moe-dense-tp-size", type=int, default=None, help="SGLang --moe-dense-tp-size")
     sgl.add_argument("--moe-runner-backend", default=None, help="SGLang --moe-runner-backend (default auto)")
     sgl.add_argument("--moe-a2a-backend", default=None, help="SGLang --moe-a2a-backend (default none)")
-    sgl.add_argument("--ep-num-redundant-experts", type=int, default=None,
-                     help="SGLang --ep-num-redundant-experts (EPLB's extra expert slots)")
-    sgl.add_argument("--sglang-cpu-engine", action="store_true",
-                     help="record SGLang's CPU engine layout (SGLANG_USE_CPU_ENGINE=1: padded CPU linears)")
+    sgl.add_argument(
+        "--ep-num-redundant-experts",
+        type=int,
+        default=None,
+        help="SGLang --ep-num-redundant-experts (EPLB's extra expert slots)",
+    )
+    sgl.add_argument(
+        "--sglang-cpu-engine",
+        action="store_true",
+        help="record SGLang's CPU engine layout (SGLANG_USE_CPU_ENGINE=1: padded CPU linears)",
+    )
 
 
-_SGLANG_ARGS = ("ep_size", "enable_dp_attention", "enable_dp_lm_head", "moe_dense_tp_size", "moe_runner_backend",
-                "moe_a2a_backend", "ep_num_redundant_experts", "sglang_cpu_engine")
+_SGLANG_ARGS = (
+    "ep_size",
+    "enable_dp_attention",
+    "enable_dp_lm_head",
+    "moe_dense_tp_size",
+    "moe_runner_backend",
+    "moe_a2a_backend",
+    "ep_num_redundant_experts",
+    "sglang_cpu_engine",
+)
 
 
 class EngineArgsError(ShardplanError):
@@ -34,23 +53,33 @@ def sglang_options(args):
     given = [a for a in _SGLANG_ARGS if getattr(args, a) not in (None, False)]
     if args.engine != "sglang":
         if given:
-            raise EngineArgsError(f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
-                                  f"(vLLM's layouts are --tp/--pp/--dp/--ep)")
+            raise EngineArgsError(
+                f"--{given[0].replace('_', '-')} is an SGLang server arg: add --engine sglang "
+                f"(vLLM's layouts are --tp/--pp/--dp/--ep)"
+            )
         return None
     if getattr(args, "trust_remote_code", False):
-        raise EngineArgsError("--trust-remote-code is not supported with --engine sglang: shardplan builds SGLang's "
-                              "models without remote code (docs/sglang.md)")
+        raise EngineArgsError(
+            "--trust-remote-code is not supported with --engine sglang: shardplan builds SGLang's "
+            "models without remote code (docs/sglang.md)"
+        )
     d = SglangOptions()
     if args.dp > 1 and not args.enable_dp_attention:
-        raise EngineArgsError("--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
-                              "loads (record --tp alone and use the plan for every replica); for DP attention add "
-                              "--enable-dp-attention")
+        raise EngineArgsError(
+            "--engine sglang --dp N: SGLang's data-parallel replicas each load what one TP group "
+            "loads (record --tp alone and use the plan for every replica); for DP attention add "
+            "--enable-dp-attention"
+        )
     ep_size = args.ep_size if args.ep_size is not None else (args.tp if args.ep else 1)
     if args.ep_size is not None and args.ep_size > 1 and not args.ep:
         raise EngineArgsError(f"--ep-size {args.ep_size}: add --ep (experts split over ranks)")
-    return SglangOptions(ep_size=ep_size, dp_size=args.dp if args.enable_dp_attention else 1,
-                         enable_dp_lm_head=args.enable_dp_lm_head, moe_dense_tp_size=args.moe_dense_tp_size or 0,
-                         moe_runner_backend=args.moe_runner_backend or d.moe_runner_backend,
-                         moe_a2a_backend=args.moe_a2a_backend or d.moe_a2a_backend,
-                         ep_num_redundant_experts=args.ep_num_redundant_experts or 0,
-                         cpu_engine=args.sglang_cpu_engine)
+    return SglangOptions(
+        ep_size=ep_size,
+        dp_size=args.dp if args.enable_dp_attention else 1,
+        enable_dp_lm_head=args.enable_dp_lm_head,
+        moe_dense_tp_size=args.moe_dense_tp_size or 0,
+        moe_runner_backend=args.moe_runner_backend or d.moe_runner_backend,
+        moe_a2a_backend=args.moe_a2a_backend or d.moe_a2a_backend,
+        ep_num_redundant_experts=args.ep_num_redundant_experts or 0,
+        cpu_engine=args.sglang_cpu_engine,
+    )

@@ -9,6 +9,7 @@ server args are a "dummy" ServerArgs (model_path="dummy": SGLang's own test path
 default resolution) carrying the recording options (options.py); the model config and quantization config are SGLang's
 own (`ModelConfig`, `_get_quantization_config`, `_initialize_model`), never with remote code.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,14 +39,14 @@ class SglangNotInstalled(ShardplanError):
     pass
 
 
-_imported_cpu_engine: list[bool] = []   # SGLANG_USE_CPU_ENGINE as it was when this process imported sglang
+_imported_cpu_engine: list[bool] = []  # SGLANG_USE_CPU_ENGINE as it was when this process imported sglang
 
 
 def import_sglang(cpu_engine: bool = False):
     """Import sglang with SGLANG_USE_CPU_ENGINE set as `cpu_engine` asks. SGLang reads it once, at import (module-level
     `_is_cpu` flags pick the linear loaders), so one process records one of the two: a second choice is refused."""
     if not _imported_cpu_engine:
-        if "sglang" in sys.modules:   # imported by someone else: take the state it was imported with
+        if "sglang" in sys.modules:  # imported by someone else: take the state it was imported with
             _imported_cpu_engine.append(os.environ.get(CPU_ENGINE_ENV, "") == "1")
         else:
             if cpu_engine:
@@ -54,9 +55,11 @@ def import_sglang(cpu_engine: bool = False):
                 os.environ.pop(CPU_ENGINE_ENV)
             _imported_cpu_engine.append(cpu_engine)
     if _imported_cpu_engine[0] != cpu_engine:
-        raise RecordError(f"this process imported SGLang with {CPU_ENGINE_ENV}={'1' if _imported_cpu_engine[0] else ''}"
-                          f" and SGLang reads it only at import: record {'with' if cpu_engine else 'without'} "
-                          f"--sglang-cpu-engine in another process")
+        raise RecordError(
+            f"this process imported SGLang with {CPU_ENGINE_ENV}={'1' if _imported_cpu_engine[0] else ''}"
+            f" and SGLang reads it only at import: record {'with' if cpu_engine else 'without'} "
+            f"--sglang-cpu-engine in another process"
+        )
     cpu_stubs.install()
     for name in ("sglang", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -64,8 +67,10 @@ def import_sglang(cpu_engine: bool = False):
         import sglang  # noqa: F401
         from sglang.srt import runtime_context  # noqa: F401
     except ImportError as e:
-        raise SglangNotInstalled(f"--engine sglang needs SGLang (`make setup-sglang` builds .venv-sglang on a CPU "
-                                 f"machine; `pip install -e '.[sglang]'` on a GPU one): {e}") from None
+        raise SglangNotInstalled(
+            f"--engine sglang needs SGLang (`make setup-sglang` builds .venv-sglang on a CPU "
+            f"machine; `pip install -e '.[sglang]'` on a GPU one): {e}"
+        ) from None
     return sglang
 
 
@@ -86,21 +91,28 @@ class _FakeGroup:
 def server_args(options: SglangOptions, layout: Layout, dtype: str):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path="dummy", dtype=dtype, trust_remote_code=False, skip_tokenizer_init=True,
-                      **options.server_args(layout))
+    return ServerArgs(
+        model_path="dummy",
+        dtype=dtype,
+        trust_remote_code=False,
+        skip_tokenizer_init=True,
+        **options.server_args(layout),
+    )
 
 
 def rank_context(options: SglangOptions, layout: Layout, rank: int, dtype: str):
     """An SGLang RuntimeContext of global `rank` (world = pp x tp, tp fastest, as SGLang numbers it)."""
     from sglang.srt import runtime_context as rc
 
-    layout.coords(rank)   # LayoutError for a rank outside the layout
+    layout.coords(rank)  # LayoutError for a rank outside the layout
     try:
-        ctx = rc.create_context(server_args(options, layout, dtype), role="scheduler",
-                                ranks=rc.SpawnRanks(world_rank=rank))
+        ctx = rc.create_context(
+            server_args(options, layout, dtype), role="scheduler", ranks=rc.SpawnRanks(world_rank=rank)
+        )
     except (ValueError, AssertionError, RuntimeError) as e:
-        raise SglangLayoutRejected(f"SGLang rejects {layout.tag()} with {options}: {' '.join(str(e).split())[:500]}") \
-            from None
+        raise SglangLayoutRejected(
+            f"SGLang rejects {layout.tag()} with {options}: {' '.join(str(e).split())[:500]}"
+        ) from None
     p = ctx.parallel
     groups = {f"{g}_group": _FakeGroup(g, getattr(p, f"{g}_rank"), getattr(p, f"{g}_size")) for g in _GROUPS}
     groups["world_group"] = _FakeGroup("world", rank, layout.tp * layout.pp)
@@ -128,6 +140,7 @@ def _rope_without_vllm() -> Iterator[None]:
             return original(device_id) if device_id is not None else original()
         except NotImplementedError:
             return "cpu"
+
     platform.get_device = get_device
     try:
         yield
@@ -165,8 +178,9 @@ class SglangBuilder:
             try:
                 self.model_config = ModelConfig(config_dir, trust_remote_code=False, dtype=dtype)
             except Exception as e:
-                raise SglangLayoutRejected(f"SGLang cannot read the config of {label}: "
-                                           f"{' '.join(str(e).split())[:500]}") from None
+                raise SglangLayoutRejected(
+                    f"SGLang cannot read the config of {label}: {' '.join(str(e).split())[:500]}"
+                ) from None
         self.load_config = LoadConfig()
 
     def context(self, rank: int):
@@ -196,15 +210,19 @@ class SglangBuilder:
             except ShardplanError:
                 raise
             except Exception as e:
-                raise SglangLayoutRejected(f"SGLang failed to build {self.label} for rank {rank} of "
-                                           f"{self.layout.tag()} ({self.options.tag()}): {type(e).__name__}: "
-                                           f"{' '.join(str(e).split())[:600]}") from e
+                raise SglangLayoutRejected(
+                    f"SGLang failed to build {self.label} for rank {rank} of "
+                    f"{self.layout.tag()} ({self.options.tag()}): {type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:600]}"
+                ) from e
 
     @functools.cached_property
     def num_experts(self) -> int:
         cfg = self.model_config.hf_text_config
-        return max(int(getattr(cfg, k, 0) or 0)
-                   for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"))
+        return max(
+            int(getattr(cfg, k, 0) or 0)
+            for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+        )
 
 
 @contextlib.contextmanager

@@ -5,14 +5,22 @@ torchvision wheels are CUDA builds that fail to import beside torch's CPU build 
 exist"). Text models never call it, so a module that raises on use is enough. Installed only when the real
 torchvision cannot be imported; never on a machine that has a working one.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
 import sys
 import types
 
-_SUBMODULES = ("transforms", "transforms.functional", "transforms.v2", "transforms.v2.functional", "io", "ops",
-               "transforms.InterpolationMode")
+_SUBMODULES = (
+    "transforms",
+    "transforms.functional",
+    "transforms.v2",
+    "transforms.v2.functional",
+    "io",
+    "ops",
+    "transforms.InterpolationMode",
+)
 
 
 class _Missing(types.ModuleType):
@@ -27,8 +35,10 @@ class _Missing(types.ModuleType):
         return sub
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(f"{self.__name__}: torchvision is stubbed in this CPU environment "
-                                  f"(shardplan/record/sglang/cpu_stubs.py); text models do not use it")
+        raise NotImplementedError(
+            f"{self.__name__}: torchvision is stubbed in this CPU environment "
+            f"(shardplan/record/sglang/cpu_stubs.py); text models do not use it"
+        )
 
 
 def _torchvision_works() -> bool:
@@ -36,8 +46,9 @@ def _torchvision_works() -> bool:
         return not isinstance(sys.modules["torchvision"], _Missing)
     try:
         import torchvision  # noqa: F401
+
         return True
-    except Exception:   # ImportError, or RuntimeError from a CUDA build's ops registration
+    except Exception:  # ImportError, or RuntimeError from a CUDA build's ops registration
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
         return False

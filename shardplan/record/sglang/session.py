@@ -6,6 +6,7 @@ sampled layers, rank extension, compile. The SGLang parts: the model is built by
 (build.SglangBuilder), loaded under that rank's RuntimeContext with `post_load_weights` deferred, and the header names
 the engine, its version and the recording options (options.SglangOptions).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -33,26 +34,45 @@ def sglang_version() -> str:
 class SglangRecordSession(RecordSession):
     engine = "sglang"
 
-    def __init__(self, model: str, layout: Layout, *, dtype: str = "bfloat16", overrides: Sequence[str] = (),
-                 strict: bool = False, tier: str = "auto", options: SglangOptions | None = None,
-                 eplb_redundant: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        layout: Layout,
+        *,
+        dtype: str = "bfloat16",
+        overrides: Sequence[str] = (),
+        strict: bool = False,
+        tier: str = "auto",
+        options: SglangOptions | None = None,
+        eplb_redundant: int | None = None,
+    ):
         if eplb_redundant is not None:
-            raise SglangOptionError("--eplb-redundant is vLLM's EPLB; SGLang's redundant experts are "
-                                    "--ep-num-redundant-experts (an SGLang recording option)")
+            raise SglangOptionError(
+                "--eplb-redundant is vLLM's EPLB; SGLang's redundant experts are "
+                "--ep-num-redundant-experts (an SGLang recording option)"
+            )
         self.options = options or SglangOptions(ep_size=layout.tp if layout.ep else 1)
         self._model, self._overrides, self.eplb_redundant, self.eplb = model, list(overrides), None, None
-        self.trust_remote_code = False   # SGLang's models are built without remote code
+        self.trust_remote_code = False  # SGLang's models are built without remote code
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         view = hf_view(self.spec)
-        self.builder = SglangBuilder(self.spec.materialize(config=view.config), layout, self.options, dtype,
-                                     self.spec.name)
+        self.builder = SglangBuilder(
+            self.spec.materialize(config=view.config), layout, self.options, dtype, self.spec.name
+        )
         self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
     def with_overrides(self, overrides: Sequence[str]) -> "SglangRecordSession":
-        return SglangRecordSession(self._model, self.layout, dtype=self.dtype, strict=self.strict, tier=self.tier,
-                                   overrides=overrides, options=self.options)
+        return SglangRecordSession(
+            self._model,
+            self.layout,
+            dtype=self.dtype,
+            strict=self.strict,
+            tier=self.tier,
+            overrides=overrides,
+            options=self.options,
+        )
 
     @property
     def vllm_version(self) -> str:
@@ -69,13 +89,28 @@ class SglangRecordSession(RecordSession):
             recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
         plan = recording.to_plan()
         del model
-        stats = RankStats(rank, len(plan.sources_read()), len(plan.fallbacks), len(plan.not_needed),
-                          plan_nbytes(plan, {s.name: s for s in self.sources}), time.perf_counter() - t0, "meta",
-                          recording.tier, recording.tier_note)
+        stats = RankStats(
+            rank,
+            len(plan.sources_read()),
+            len(plan.fallbacks),
+            len(plan.not_needed),
+            plan_nbytes(plan, {s.name: s for s in self.sources}),
+            time.perf_counter() - t0,
+            "meta",
+            recording.tier,
+            recording.tier_note,
+        )
         return plan, stats
 
     def encode(self, body) -> bytes:
-        return encode(body, model=self.spec.hf_id or self.spec.name, architecture=self.spec.architecture,
-                      config_sha256=self.spec.config_sha256, layout=self.layout, dtype=self.dtype,
-                      vllm_version=NO_VLLM, quantizer=self.quantizer,
-                      engine=self.options.engine_info(sglang_version()))
+        return encode(
+            body,
+            model=self.spec.hf_id or self.spec.name,
+            architecture=self.spec.architecture,
+            config_sha256=self.spec.config_sha256,
+            layout=self.layout,
+            dtype=self.dtype,
+            vllm_version=NO_VLLM,
+            quantizer=self.quantizer,
+            engine=self.options.engine_info(sglang_version()),
+        )

@@ -6,6 +6,7 @@ reference interpreter on the other, followed by SGLang's own `post_load_weights`
 a refit that bypassed the loader), and fallback tensors through the real loader. Compared: every parameter, buffer and
 tensor attribute of every module (DeepSeek's derived MLA `w_kc` / `w_vc` are plain attributes), bitwise.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -38,15 +39,18 @@ def _poison_all(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for mname, module in model.named_modules():
             skip = getattr(module, "_non_persistent_buffers_set", set())
-            for key, t in list(module._parameters.items()) + [(k, b) for k, b in module._buffers.items()
-                                                              if k not in skip] + \
-                    [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]:
+            for key, t in (
+                list(module._parameters.items())
+                + [(k, b) for k, b in module._buffers.items() if k not in skip]
+                + [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor)]
+            ):
                 if t is not None and t.is_floating_point() and t.device.type != "meta" and t.numel():
                     t.fill_(float("nan"))
 
 
-def verify_rank(builder: SglangBuilder, rank: int, plan: ir.RankPlan,
-                checkpoint: Mapping[str, torch.Tensor]) -> RankVerdict:
+def verify_rank(
+    builder: SglangBuilder, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
+) -> RankVerdict:
     verdict = RankVerdict(rank)
     real = builder.build(rank, "cpu")
     _poison_all(real)

@@ -10,6 +10,7 @@ Two architectures (GPT-OSS, Llama 4) store their experts fused on disk (`mlp.exp
 with the config and a *header-only* `model.safetensors` (names, shapes, dtypes; no data), whose names are exactly
 transformers' parameter names: for these two models they are the hub's on-disk names.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,39 +26,63 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Arch:
-    behaviours: str                    # what the loader does that the recorder must get right
-    fallback: str | None = None        # regex of checkpoint names that must (and alone may) be fallbacks
-    fused_on_disk: bool = False        # needs a header-only checkpoint dir (see module docstring)
+    behaviours: str  # what the loader does that the recorder must get right
+    fallback: str | None = None  # regex of checkpoint names that must (and alone may) be fallbacks
+    fused_on_disk: bool = False  # needs a header-only checkpoint dir (see module docstring)
 
 
 ARCHS: dict[str, Arch] = {
-    "falcon": Arch("(1) torch.cat of three reshaped narrows of one fused query_key_value (new_decoder_architecture, "
-                   "grouped kv): a Call with several inputs from one source; (2) reshape of a non-contiguous narrow"),
-    "bloom": Arch("(2) query_key_value view -> transpose -> reshape that needs a copy; (6) construction reads alibi "
-                  "slopes with .tolist(), so the model cannot be built on meta and is recorded on the CPU"),
+    "falcon": Arch(
+        "(1) torch.cat of three reshaped narrows of one fused query_key_value (new_decoder_architecture, "
+        "grouped kv): a Call with several inputs from one source; (2) reshape of a non-contiguous narrow"
+    ),
+    "bloom": Arch(
+        "(2) query_key_value view -> transpose -> reshape that needs a copy; (6) construction reads alibi "
+        "slopes with .tolist(), so the model cannot be built on meta and is recorded on the CPU"
+    ),
     "gpt2": Arch("Conv1D weights transposed with .t() before sharding (a pure strided view); tied lm_head"),
-    "phi3": Arch("fused qkv_proj / gate_up_proj checkpoint tensors split by vLLM's own shard narrowing (one source, "
-                 "several writes)"),
+    "phi3": Arch(
+        "fused qkv_proj / gate_up_proj checkpoint tensors split by vLLM's own shard narrowing (one source, "
+        "several writes)"
+    ),
     "gemma": Arch("multi-query attention (1 kv head, replicated under TP); tied embeddings"),
     "granitemoe": Arch("fused per-layer expert tensors [E, 2I, H] split with chunk + unbind (multi-output views)"),
-    "gpt_oss": Arch("(3) in-place zero_() of the loaded down_proj bias on TP ranks != 0; (2) permute(0, 2, 1)"
-                    ".contiguous() copies; attention sinks; EP slicing of fused experts", fused_on_disk=True),
-    "llama4": Arch("(2) q/k rotary permutation view -> transpose -> reshape (copy); (4) with EP, fused experts indexed "
-                   "with the model's expert-map indices moved to the loaded tensor's device: a constant index "
-                   "tensor whose values are recorded", fused_on_disk=True),
-    "mamba2": Arch("(8) composed_weight_loader writes -exp(A) computed from the parameter after loading A_log into "
-                   "it: recorded as one computed write over the loaded value (torch.exp); sharded_weight_loader asks "
-                   "for the TP rank while loading"),
-    "mamba": Arch("(8) mamba_mixer's A_weight_loader: -torch.exp(A_log.float()) of the whole loaded tensor, then "
-                  "split per TP rank; tied embeddings"),
-    "phi": Arch("(9) served through vLLM's Transformers backend, which creates lm_head.bias while loading (only when "
-                "the checkpoint has one): a parameter the plan must declare and write whole"),
-    "gpt_neox": Arch("(7) served through vLLM's Transformers backend automatically (GPTNeoXForCausalLM maps to "
-                     "TransformersForCausalLM); per-head interleaved query_key_value"),
-    "llama_transformers": Arch("(7) architectures=[TransformersForCausalLM]: a Llama through the Transformers "
-                               "backend, as model_impl='transformers' would"),
-    "qwen3_moe_transformers": Arch("(7) architectures=[TransformersMoEForCausalLM]: Qwen3-MoE experts through the "
-                                   "Transformers backend's fused MoE, with and without EP"),
+    "gpt_oss": Arch(
+        "(3) in-place zero_() of the loaded down_proj bias on TP ranks != 0; (2) permute(0, 2, 1)"
+        ".contiguous() copies; attention sinks; EP slicing of fused experts",
+        fused_on_disk=True,
+    ),
+    "llama4": Arch(
+        "(2) q/k rotary permutation view -> transpose -> reshape (copy); (4) with EP, fused experts indexed "
+        "with the model's expert-map indices moved to the loaded tensor's device: a constant index "
+        "tensor whose values are recorded",
+        fused_on_disk=True,
+    ),
+    "mamba2": Arch(
+        "(8) composed_weight_loader writes -exp(A) computed from the parameter after loading A_log into "
+        "it: recorded as one computed write over the loaded value (torch.exp); sharded_weight_loader asks "
+        "for the TP rank while loading"
+    ),
+    "mamba": Arch(
+        "(8) mamba_mixer's A_weight_loader: -torch.exp(A_log.float()) of the whole loaded tensor, then "
+        "split per TP rank; tied embeddings"
+    ),
+    "phi": Arch(
+        "(9) served through vLLM's Transformers backend, which creates lm_head.bias while loading (only when "
+        "the checkpoint has one): a parameter the plan must declare and write whole"
+    ),
+    "gpt_neox": Arch(
+        "(7) served through vLLM's Transformers backend automatically (GPTNeoXForCausalLM maps to "
+        "TransformersForCausalLM); per-head interleaved query_key_value"
+    ),
+    "llama_transformers": Arch(
+        "(7) architectures=[TransformersForCausalLM]: a Llama through the Transformers "
+        "backend, as model_impl='transformers' would"
+    ),
+    "qwen3_moe_transformers": Arch(
+        "(7) architectures=[TransformersMoEForCausalLM]: Qwen3-MoE experts through the "
+        "Transformers backend's fused MoE, with and without EP"
+    ),
 }
 
 
@@ -98,8 +123,10 @@ def _write_header_only_checkpoint(src: Path, target: Path, dtype: str) -> None:
     hf_config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    header = {name: {"dtype": _SAFETENSORS_CODE[dtype], "shape": list(t.shape), "data_offsets": [0, 0]}
-              for name, t in model.state_dict().items()}
+    header = {
+        name: {"dtype": _SAFETENSORS_CODE[dtype], "shape": list(t.shape), "data_offsets": [0, 0]}
+        for name, t in model.state_dict().items()
+    }
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", tmp / "config.json")

@@ -2,6 +2,7 @@
 * torchvision: the stub of shardplan/record/sglang/cpu_stubs.py (PyPI's CUDA build cannot import beside CPU torch);
 * SGLang 0.5.23's CPU engine at tp_size > 1 builds a PyNccl communicator for every group (use_pynccl defaults on),
   which raises on a CPU: groups are made with use_pynccl=False (gloo does the collectives)."""
+
 import importlib.abc
 import importlib.util
 import os
@@ -32,7 +33,9 @@ class _NoPynccl(importlib.abc.MetaPathFinder):
             def init_model_parallel_group(*args, **kwargs):
                 kwargs["use_pynccl"] = False
                 return make(*args, **kwargs)
+
             module.init_model_parallel_group = init_model_parallel_group
+
         spec.loader.exec_module = patched_exec
         return spec
 

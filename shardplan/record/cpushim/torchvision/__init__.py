@@ -7,6 +7,7 @@ processors. `shardplan.record.cpushim.activate` puts this directory on the path 
 Every name of every `torchvision.*` module resolves to a placeholder; calling one (or anything but reading more
 attributes) raises `TorchvisionShimCalled`, naming it.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -37,10 +38,11 @@ class _Absent:
         raise TorchvisionShimCalled(
             f"{self._path} was called, but torchvision here is shardplan's import-only stand-in "
             f"(shardplan/record/cpushim): no real torchvision imports beside this torch. Recording text decoders "
-            f"never needs it; for anything else install the torchvision build matching your torch.")
+            f"never needs it; for anything else install the torchvision build matching your torch."
+        )
 
     def __mro_entries__(self, bases):
-        return (object,)   # a class deriving from a torchvision class still defines; its use of the base does not
+        return (object,)  # a class deriving from a torchvision class still defines; its use of the base does not
 
     def __repr__(self) -> str:
         return f"<torchvision shim {self._path}>"
@@ -51,6 +53,7 @@ def _module_getattr(module_name: str):
         if name.startswith("__"):
             raise AttributeError(name)
         return _Absent(f"{module_name}.{name}")
+
     return __getattr__
 
 

@@ -5,6 +5,7 @@ SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) imports `*_cpu` ops from the CPU b
 needs one of them to serve: `assign_req_to_token_pool_cpu`, here in pure torch. Any other op raises when called,
 naming itself, so a test can never pass on a silently wrong kernel.
 """
+
 __version__ = "0.0.0+shardplan-test-shim"
 
 
@@ -12,7 +13,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     pt = 0
     for i in range(req_pool_indices.numel()):
         s, e = int(start_offset[i]), int(end_offset[i])
-        req_to_token[int(req_pool_indices[i]), s:e] = out_cache_loc[pt:pt + e - s].to(req_to_token.dtype)
+        req_to_token[int(req_pool_indices[i]), s:e] = out_cache_loc[pt : pt + e - s].to(req_to_token.dtype)
         pt += e - s
 
 
@@ -22,5 +23,6 @@ def __getattr__(name):
 
     def missing(*args, **kwargs):
         raise NotImplementedError(f"sgl_kernel test shim: {name} needs the CPU build of sgl-kernel")
+
     missing.__name__ = name
     return missing
