@@ -240,10 +240,11 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
+    # F821 silenced below: tokens() is last called before `del llm` (which frees the engine before gc.collect())
     def tokens():
         return [
             list(o.outputs[0].token_ids)
-            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)  # noqa: F821
         ]
 
     sync = EngineSync([llm], plan, config=SyncConfig(timeout_s=120))

@@ -6,8 +6,8 @@ Per plan: read the file (bytes), decode + validate it (whole file; and the colum
 names), then per sampled rank (first, last and random ones), cold (the file decoded afresh and module-level caches
 emptied first, untimed: what a trainer process pays for its one rank): instantiate the rank (bounds checks included),
 build the trainer side (`Replayer(plan, sources)`: its PackLayout, checks and batches) and the consumer side
-(`Applier(plan, layout, params)`, params on the meta device, built before the clock starts). Medians over the sampled ranks (decode: over --repeat runs). Bar: instantiate +
-Replayer + Applier <= 50 ms per rank.
+(`Applier(plan, layout, params)`, params on the meta device, built before the clock starts). Medians over the sampled
+ranks (decode: over --repeat runs). Bar: instantiate + Replayer + Applier <= 50 ms per rank.
 
 The garbage collector runs (`gc.collect()`, untimed) before each timed part: in a process that imported torch a full
 collection takes ~100-190 ms, and one falls due every ~100k surviving allocations, so without it a part's figure

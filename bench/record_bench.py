@@ -7,8 +7,9 @@ For each of (no EP, EP): builds the rank's model on meta, then times
   record:  shardplan's recording of the same loader (RecTensor + recorder mode), on a fresh build
 and prints the ratio. The recorder pauses CPython's cycle collector while it records (see record_loader); the bare
 loader is timed both as vLLM runs it (collector on) and with the collector paused too, and the ratio is taken against
-the faster of the two, so the pause is not counted as a recording speed-up. Bar (issue 2): record <= 1.3x bare. Times are this process's CPU time (time.process_time),
-so other work on the machine does not skew the ratio; both runs are single-threaded Python.
+the faster of the two, so the pause is not counted as a recording speed-up. Bar (issue 2): record <= 1.3x bare. Times
+are this process's CPU time (time.process_time), so other work on the machine does not skew the ratio; both runs are
+single-threaded Python.
 """
 
 from __future__ import annotations

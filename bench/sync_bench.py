@@ -66,12 +66,12 @@ if TRACE is not None:
     set_event_listener(lambda event: TRACE.append((time.time(), threading.current_thread().name, event)))
 
 
-# ---- plans ------------------------------------------------------------------------------------------------------------
+# ---- plans -----------------------------------------------------------------------------------------------------------
 def small_layer(layer: int, tp: int, rank: int):
     """A Llama-shaped layer small enough for a CPU smoke run (hidden 1024, 8 heads / 8 KV heads, inter 2816)."""
     from replay_bench import PlanBuilder
 
-    hidden, heads, inter = 1024, 8, 2816
+    hidden, inter = 1024, 2816
     b, pre = PlanBuilder(rank), f"model.layers.{layer}."
     rows, i_rows = hidden // tp, inter // tp
     qkv = b.param(pre + "self_attn.qkv_proj.weight", (3 * rows, hidden))
@@ -188,7 +188,7 @@ def param_sums(params) -> dict[str, int]:
     }
 
 
-# ---- one process per GPU --------------------------------------------------------------------------------------------------
+# ---- one process per GPU ---------------------------------------------------------------------------------------------
 T_START = time.time()
 
 

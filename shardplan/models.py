@@ -71,8 +71,8 @@ class ModelSpec:
     config: dict[str, Any]
     config_sha256: str = ""  # computed from config when left empty
     source_dir: str | None = None
-    # The file's config before overrides, and the overrides as (key path, value): record.configs.hf_view applies them again
-    # through the config class (aliases, nested text configs), which plain JSON keys cannot express.
+    # The file's config before overrides, and the overrides as (key path, value): record.configs.hf_view applies them
+    # again through the config class (aliases, nested text configs), which plain JSON keys cannot express.
     base_config: dict[str, Any] | None = None
     overrides: tuple[tuple[tuple[str, ...], Any], ...] = ()
 

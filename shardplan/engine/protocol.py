@@ -24,8 +24,8 @@ class EngineInitInfo:
     """A shardplan.transport name: on CPU `nccl` runs over gloo; `mooncake:tcp`; ... (docs/transports.md)."""
     transport_options: dict[str, Any] = field(default_factory=dict)
     plan_path: str = ""
-    """The plan file as the workers see it. Empty: found by fingerprint (shardplan.plan.file.store.load_plan) from the live
-    engine's model config, layout and dtype."""
+    """The plan file as the workers see it. Empty: found by fingerprint (shardplan.plan.file.store.load_plan) from the
+    live engine's model config, layout and dtype."""
     plan_sha256: str = ""
     """The trainer's plan file sha256 (PlanFile.digest): the worker refuses a different plan."""
     timeout_s: float = 30.0

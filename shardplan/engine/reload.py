@@ -8,8 +8,8 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
     begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
                    (pre-processing) layout, on the meta device
     apply(group)   materialize the layers the group writes (fresh, uninitialised tensors), scatter the group's bytes
-                   into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has now landed run what
-                   vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
+                   into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has now landed run
+                   what vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
                    update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
     end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
                    processed last; then every module the plan does not write but whose tensors share storage with a

@@ -90,8 +90,8 @@ def overlapping_writes(
     """Per write (rows; `sizes`/`strides` padded with 1/0, `shapes` the param's shape as the write's plan declares
     it, padded with trailing 1s): whether its destination may share an element with another write of the same param
     id. Extents first: writes whose extents meet nobody's are clear. Where extents meet, the writes are compared as
-    boxes of their param: the pure views the compiler makes of an upsampled scale (plan/compile/simplify.py) interleave in
-    memory (a column block next to another: intersecting extents) and share no element. A run of meeting extents
+    boxes of their param: the pure views the compiler makes of an upsampled scale (plan/compile/simplify.py) interleave
+    in memory (a column block next to another: intersecting extents) and share no element. A run of meeting extents
     longer than MAX_BOX_RUN, a destination that is not a box, or params of different shapes count as overlapping."""
     n = len(param)
     out = np.zeros(n, dtype=bool)

@@ -54,7 +54,8 @@ class NamesError(ShardplanError):
 
 
 def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
-    """(on-disk name, shape, fixed dtype or None) for the model `view` (a record.configs.HFView) describes, naturally sorted.
+    """(on-disk name, shape, fixed dtype or None) for the model `view` (a record.configs.HFView) describes, naturally
+    sorted.
 
     include_mtp: also DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers, stored as
     model.layers.<num_hidden_layers + k>), which transformers does not build."""

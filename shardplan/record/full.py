@@ -1,11 +1,12 @@
 """Record what vLLM's real `load_weights` does to each checkpoint tensor, on a model built on the meta device.
 
-The full tier (see shardplan.record.loader for the two tiers). The fast tier (`FastRecorder`) feeds plain meta tensors and hooks only the sinks: most
-loaders only take views and copy them into parameters, and a meta view's geometry is the whole record. It gives up at
-the first thing it cannot vouch for, and the full tier described below records the rank from the start.
+The full tier (see shardplan.record.loader for the two tiers). The fast tier (`FastRecorder`) feeds plain meta tensors
+and hooks only the sinks: most loaders only take views and copy them into parameters, and a meta view's geometry is the
+whole record. It gives up at the first thing it cannot vouch for, and the full tier described below records the rank
+from the start.
 
-Design of the full tier. The recording tensor `RecTensor` is a meta tensor subclass: it has a shape and dtype and no data. The
-recorder (`Recorder`) sees every torch call that has a RecTensor among its arguments (through
+Design of the full tier. The recording tensor `RecTensor` is a meta tensor subclass: it has a shape and dtype and no
+data. The recorder (`Recorder`) sees every torch call that has a RecTensor among its arguments (through
 `RecTensor.__torch_function__`) and the few calls on plain tensors that matter (writes into parameters, scratch-tensor
 factories, `.to`, in-place ops: hooked only while a recording runs). A global TorchFunctionMode would be simpler but
 costs ~1.5x on vLLM's loaders even when it does nothing; it is pushed only once a loader creates a scratch tensor.

@@ -321,7 +321,8 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def layer_classes(tensors) -> dict[int, tuple]:
-    """layer -> signature (its checkpoint names and shapes with the layer index removed): equal signature, same class."""
+    """layer -> signature (its checkpoint names and shapes with the layer index removed): equal signature, same
+    class."""
     out: dict[int, list] = {}
     for name, shape, dtype in tensors:
         layer = layer_of(name)

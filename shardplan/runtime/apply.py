@@ -359,8 +359,8 @@ def _refuse(name: str, tensor: torch.Tensor) -> None:
 # ordering the placed writes into steps of strided runs ------------------------------------------------------------
 class Placement:
     """This rank's writes placed in the layout, as columns: write index, buffer offset, param id (in the plan's
-    params), destination offset, collapsed geometry id (`geometry[id]` = (sizes, strides)), dtype id (in `dtypes`) per row;
-    only segments with bytes. `seen`: bool per write, True where the layout has a ref for it."""
+    params), destination offset, collapsed geometry id (`geometry[id]` = (sizes, strides)), dtype id (in `dtypes`) per
+    row; only segments with bytes. `seen`: bool per write, True where the layout has a ref for it."""
 
     def __init__(self, write, offset, param, dst_offset, geometry_id, geometry, dtype_id, dtypes, seen):
         self.write, self.offset, self.param, self.dst_offset = write, offset, param, dst_offset

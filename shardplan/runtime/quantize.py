@@ -4,11 +4,11 @@ straight from the trainer's BF16 (or FP16/FP32) tensors, each rank from its own 
 The reference quantizer (`REFERENCE`, `quantize_blocks`) is the one vLLM ships as `per_block_cast_to_fp8`
 (vllm/utils/deep_gemm.py, taken from DeepGEMM's test utilities, the usual BF16 -> block-FP8 conversion for
 DeepSeek-V3-style checkpoints): per bn x bk block (zero-padded at the tensor's edge) amax = max|x| in float32,
-clamped below at 1e-4; scale = amax / 448 (the largest e4m3 value; a correctly rounded division, see `exact_div`); fp8 = (x * (1 / scale)) rounded to e4m3 by
-torch's float32 -> float8_e4m3fn cast (round to nearest even, saturating only because |x / scale| <= 448);
-weight_scale_inv = scale (it is the *dequantization* factor despite its name, as in DeepSeek-V3's own checkpoints
-and its inference/fp8_cast_bf16.py, which computes bf16 = fp8 * weight_scale_inv). `tests/integration/
-test_fp8_quantize.py` checks bitwise equality with vLLM's function.
+clamped below at 1e-4; scale = amax / 448 (the largest e4m3 value; a correctly rounded division, see `exact_div`);
+fp8 = (x * (1 / scale)) rounded to e4m3 by torch's float32 -> float8_e4m3fn cast (round to nearest even, saturating
+only because |x / scale| <= 448); weight_scale_inv = scale (it is the *dequantization* factor despite its name, as in
+DeepSeek-V3's own checkpoints and its inference/fp8_cast_bf16.py, which computes bf16 = fp8 * weight_scale_inv).
+`tests/integration/test_fp8_quantize.py` checks bitwise equality with vLLM's function.
 
 Blocks never straddle two ranks: vLLM refuses block-FP8 layouts whose TP partitions are not whole blocks, so a rank's
 box starts on a block boundary and ends on one or at the tensor's edge; a box that does not is a

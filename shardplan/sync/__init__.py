@@ -4,7 +4,8 @@ Roles and what each one calls
 -----------------------------
     Coordinator (driver)      announce(version): who takes part, and the schedule id, on the control channel
     TrainerSync (per trainer) sync(version): pack each consumer's groups, send them, mark them done
-    ConsumerSync (per cons.)  sync(version): receive into two registered buffers, verify, apply; state -> (version, complete)
+    ConsumerSync (per cons.)  sync(version): receive into two registered buffers, verify, apply;
+                              state -> (version, complete)
 
 The data path per (trainer, consumer) pair is a *lane*: a thread on the trainer that, for each weight group (one
 decoder layer) the pair shares, packs the group into one of two staging slots, waits for the consumer's "slot free"

@@ -188,10 +188,10 @@ class ReplayPacker:
 
 
 class ApplyUnpacker:
-    """Unpacker over shardplan.runtime.apply: the consumer's own plan, its layout, its live params. A plan with fallbacks
-    needs `sources` (the plan file's table) and `fallback_loader(name, tensor)`, typically the real vLLM loader:
-    `lambda name, t: model.load_weights([(name, t)])`; it gets each fallback tensor whole (a copy it may keep) once
-    its group arrived."""
+    """Unpacker over shardplan.runtime.apply: the consumer's own plan, its layout, its live params. A plan with
+    fallbacks needs `sources` (the plan file's table) and `fallback_loader(name, tensor)`, typically the real vLLM
+    loader: `lambda name, t: model.load_weights([(name, t)])`; it gets each fallback tensor whole (a copy it may keep)
+    once its group arrived."""
 
     def __init__(
         self,

@@ -101,7 +101,7 @@ class SyncConfigError(ShardplanError, ValueError):
     """A SyncConfig value out of range."""
 
 
-# ---- errors and results ----------------------------------------------------------------------------------------------------
+# ---- errors and results ----------------------------------------------------------------------------------------------
 class ScheduleError(ShardplanError):
     """No schedule exists: some consumer needs a tensor no live trainer holds whole, or the two sides' plans differ."""
 

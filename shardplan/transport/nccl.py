@@ -9,8 +9,8 @@ Sends and receives are `pg.send/recv` of views of pre-allocated buffers, posted 
 On CUDA the backend is NCCL: communicators initialise lazily at the first transfer of a pair. On CPU the backend is
 gloo (same code, used by the CPU tests). NCCL waits poll `work.is_completed()` against a deadline (and the engine's
 abort check) and abort the pair's communicator when they give up (NCCL would otherwise block until its watchdog
-fires); gloo's own `work.wait(timeout)` enforces the deadline, and a dead gloo peer surfaces as a closed connection. Two-sided: the engine needs no "slot free" / "bytes done"
-marks per group with this adapter (see shardplan.sync).
+fires); gloo's own `work.wait(timeout)` enforces the deadline, and a dead gloo peer surfaces as a closed connection.
+Two-sided: the engine needs no "slot free" / "bytes done" marks per group with this adapter (see shardplan.sync).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class RdtTransport:
         self.buffers = []
 
 
-# ---- actors (built lazily so that importing this module never imports Ray) ---------------------------------------------
+# ---- actors (built lazily so that importing this module never imports Ray) -------------------------------------------
 _classes: dict[str, Any] = {}
 
 

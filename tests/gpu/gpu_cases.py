@@ -27,7 +27,9 @@ gpu_tier = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         ON_GPU and not torch.cuda.is_available(),
-        reason="the GPU tier needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on a GPU machine",
+        reason=(
+            "the GPU tier needs a CUDA device (torch.cuda.is_available() is False): `make test-gpu` on a GPU machine"
+        ),
     ),
 ]
 PLANS = Path(__file__).resolve().parents[2] / "plans"

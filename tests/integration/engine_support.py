@@ -208,7 +208,7 @@ def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list
     return _FRESH[key]
 
 
-# ---- the trainer process ----------------------------------------------------------------------------------------------
+# ---- the trainer process ---------------------------------------------------------------------------------------------
 def _trainer_main(
     model_dir: str,
     plan_path: str,

@@ -1,5 +1,5 @@
-"""Configs read as vLLM reads them (shardplan.record.configs): aliases, nested text configs, defaults, overrides on any key,
-named errors for unknown keys / model types / architectures, max_model_len from the config, stable fingerprints."""
+"""Configs read as vLLM reads them (shardplan.record.configs): aliases, nested text configs, defaults, overrides on any
+key, named errors for unknown keys / model types / architectures, max_model_len from the config, stable fingerprints."""
 
 from __future__ import annotations
 

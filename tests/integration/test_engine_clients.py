@@ -4,8 +4,9 @@ once for the module. Per engine a trainer process (transformers, AdamW, no vLLM)
 engine's greedy tokens changed and equal a fresh TP=1 engine's from the saved checkpoint.
 
 Each engine has its own EngineSync: two independent TP=1 engines are both plan rank 0, which one EngineSync refuses
-(its consumers are the plan's ranks; engines that together form a DP layout share one). The trainer takes the same steps from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in
-one pytest session the fresh engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint bytes).
+(its consumers are the plan's ranks; engines that together form a DP layout share one). The trainer takes the same steps
+from the same checkpoint as test_engine.py's dense TP=1 trainer (same seeds), so in one pytest session the fresh
+engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint bytes).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ CASES = {
 
 
 def make_tied_model(root, arch: str):
-    """A tiny random model with tie_word_embeddings, as transformers saves it (lm_head stored once, as the embedding)."""
+    """A tiny random model with tie_word_embeddings, as transformers saves it (lm_head stored once, as the
+    embedding)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     common = dict(

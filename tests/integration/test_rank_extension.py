@@ -1,5 +1,5 @@
-"""Whole-layout recording with rank extension (record/ranks.py, plan/compile/extend.py) against recording every rank, with
-vLLM's real loaders on shrunk models: the plan files must be byte-identical, across TP / DP / PP / EP layouts."""
+"""Whole-layout recording with rank extension (record/ranks.py, plan/compile/extend.py) against recording every rank,
+with vLLM's real loaders on shrunk models: the plan files must be byte-identical, across TP / DP / PP / EP layouts."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ TIMEOUT_S = 2.0
 PART_BYTES = 2048  # PlanWorld moves each decoder layer in parts of at most this many bytes
 
 
-# ---- stand-in world: pack = copy byte ranges of source tensors; apply = keep the bytes --------------------------------------
+# ---- stand-in world: pack = copy byte ranges of source tensors; apply = keep the bytes -------------------------------
 @dataclass
 class StandInWorld:
     """3 decoder-layer groups + head; each consumer gets a 1/num_consumers byte slice of every tensor plus one
@@ -384,7 +384,7 @@ class ShardedWorld(PlanWorld):
         return _Received(ShardedUnpacker(self.sharded, rank, params), params)
 
 
-# ---- rank construction and remote helpers (module level: picklable for spawn and Ray) ------------------------------------------
+# ---- rank construction and remote helpers (module level: picklable for spawn and Ray) --------------------------------
 def build_rank(world_factory, name: str, transport, control: Control, config: SyncConfig | None = None):
     world = world_factory()
     config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
@@ -630,7 +630,7 @@ def run_sync(world_factory, transport: str, version: int = 1) -> dict:
         cluster.close()
 
 
-# ---- checks -------------------------------------------------------------------------------------------------------------
+# ---- checks ----------------------------------------------------------------------------------------------------------
 def assert_bitwise(cluster, consumers) -> None:
     for c in consumers:
         got = cluster.call(consumer_name(c), received)
@@ -717,7 +717,7 @@ def scenario(cluster, *, stall: bool) -> None:
     assert all(cluster.call(consumer_name(c), state) == (5, True) for c in everyone)
 
 
-# ---- unit tests ---------------------------------------------------------------------------------------------------------------
+# ---- unit tests ------------------------------------------------------------------------------------------------------
 def _held(world, trainers):
     return {t: frozenset(n for n in world.tensors if world.holds_whole(t, n)) for t in trainers}
 
@@ -841,7 +841,7 @@ def test_coordinator_membership_excludes_silent_and_readmits_rejoined():
     assert "consumer1" in ann3.members and ann3.schedule_id == ann.schedule_id  # same membership, same schedule
 
 
-# ---- whole syncs over each transport -------------------------------------------------------------------------------------------
+# ---- whole syncs over each transport ---------------------------------------------------------------------------------
 def test_sync_nccl_adapter_over_gloo_with_faults():
     cluster = LocalCluster("nccl", StandInWorld)
     try:
@@ -941,7 +941,7 @@ def test_rank_left_out_of_a_version_rejoins():
         cluster.close()
 
 
-# ---- recorded plans of a shrunk MoE model, checked against vLLM's real loader ---------------------------------------------------
+# ---- recorded plans of a shrunk MoE model, checked against vLLM's real loader ----------------------------------------
 QWEN3_MOE_SHRUNK = [
     "num_hidden_layers=2",
     "hidden_size=64",

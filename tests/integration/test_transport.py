@@ -83,7 +83,7 @@ def test_peer_errors_pickle_with_the_peer_and_control_timeout_names_it():
     assert pickle.loads(pickle.dumps(control)).get("k", 1, "x") == "v"
 
 
-# ---- a trainer/consumer pair per adapter, in forked processes ----------------------------------------------------------
+# ---- a trainer/consumer pair per adapter, in forked processes --------------------------------------------------------
 def pattern(n: int, seed: int) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64) * 7 + seed) % 251).to(torch.uint8)
 

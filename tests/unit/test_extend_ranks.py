@@ -1,5 +1,6 @@
-"""Rank extension (plan/compile/extend.py, record/ranks.py) on synthetic plans shaped like vLLM loaders' (no vLLM): whatever
-the layout and the rank dependence, the extended body encodes to the same bytes as compiling every rank's plan."""
+"""Rank extension (plan/compile/extend.py, record/ranks.py) on synthetic plans shaped like vLLM loaders' (no vLLM):
+whatever the layout and the rank dependence, the extended body encodes to the same bytes as compiling every rank's
+plan."""
 
 from __future__ import annotations
 

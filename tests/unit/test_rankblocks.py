@@ -1,5 +1,5 @@
-"""plan/compile/rankblocks.py templates rank classes as blocks (rows = base + offsets @ slopes) without materialising every
-rank's rows; the groups must be exactly those `compile._make_groups` makes of the materialised rows. Random blocks
+"""plan/compile/rankblocks.py templates rank classes as blocks (rows = base + offsets @ slopes) without materialising
+every rank's rows; the groups must be exactly those `compile._make_groups` makes of the materialised rows. Random blocks
 reach every path: exact fits, splits by a hole that does or does not move with the rank, variables shared within a
 rank (one source written twice, or two predicted rows that meet), no holes, variables that move alike or not."""
 

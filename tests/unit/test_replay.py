@@ -149,7 +149,6 @@ def test_layout_invariants(world, alignment):
 
 
 def test_replicated_writes_share_one_segment():
-    src = {"model.norm.weight": ir.TensorMeta("model.norm.weight", (8,), "bfloat16")}
     params = (ir.TensorMeta("model.norm.weight", (8,), "bfloat16"),)
     write = ir.Write(
         "model.norm.weight", ir.full_region((8,)), ir.View(ir.Source("model.norm.weight"), ir.full_region((8,)))

@@ -1,5 +1,5 @@
-"""plan/compile/simplify.py: `repeat_interleave` chains over a checkpoint view become pure-view writes (stride 0 where an
-element repeats) that write exactly what the chain writes, bitwise (reference interpreter, NaN-poisoned params), on
+"""plan/compile/simplify.py: `repeat_interleave` chains over a checkpoint view become pure-view writes (stride 0 where
+an element repeats) that write exactly what the chain writes, bitwise (reference interpreter, NaN-poisoned params), on
 random boxes: aligned and unaligned, several repeats, dims and nestings; compiled plans template them as pure views."""
 
 from __future__ import annotations

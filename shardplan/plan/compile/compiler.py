@@ -9,10 +9,11 @@ vLLM refines) become the pure-view writes they equal (plan/compile/simplify.py),
 Templating. A Kimi-K2 rank has ~70k writes, but they are a few dozen *shapes* repeated over layers, experts and ranks.
 Every write is flattened into a skeleton (its structure, with each integer replaced by a hole, and each digit group of
 a dotted name replaced by `{}`) plus the vector of those integers. Writes with the same skeleton form a group; the
-group's variables are (consumer rank, layer of the destination param or -1, the integers of its checkpoint names). Each hole is
-fitted as an exact integer affine function of the variables. A hole that does not fit splits the group by that hole's
-value (or by rank, when the rank takes fewer values), so templating is always exact: worst case, a group holds a single write. The variable tuples of a group are
-stored as a compressed trie of ranges (`IndexSet`), rank first, so one rank instantiates without touching the others.
+group's variables are (consumer rank, layer of the destination param or -1, the integers of its checkpoint names). Each
+hole is fitted as an exact integer affine function of the variables. A hole that does not fit splits the group by that
+hole's value (or by rank, when the rank takes fewer values), so templating is always exact: worst case, a group holds a
+single write. The variable tuples of a group are stored as a compressed trie of ranges (`IndexSet`), rank first, so one
+rank instantiates without touching the others.
 
 Instantiating a rank of the body (plan/file/rank.py; tests/reference.py's `instantiate`, write by write) rebuilds
 the rank's `ir.RankPlan`, equal to the direct recording (tests/integration/test_compile.py).

@@ -14,8 +14,8 @@ the same ordered-write skeletons, parameters and fallbacks; otherwise there is n
 record/ranks.py accepts a line only after a third recorded rank equals its prediction exactly, and records more ranks
 otherwise. A predicted rank is kept as `Predicted` (its line and coordinate, its rows not made): `body_from_flat` builds
 the plan body of every rank from recorded FlatRanks and predictions, templating the ranks of one line as one block per
-template (plan/compile/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a correct
-prediction gives the same bytes as recording every rank, at a cost that does not grow with the number of ranks.
+template (plan/compile/rankblocks.py: the groups `compile_plans` makes of all rows, without N copies of them), so a
+correct prediction gives the same bytes as recording every rank, at a cost that does not grow with the number of ranks.
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def body_from_flat(
     flats: Mapping[int, FlatRank | Predicted], sources: Sequence[ir.TensorMeta] | SourceTable
 ) -> PlanBody:
     """The plan body of every rank in `flats` (recorded or predicted), templated exactly as compile_plans does.
-    The rows of the ranks predicted on one line are one block per template (plan/compile/rankblocks.py), not N copies."""
+    The rows of the ranks predicted on one line are one block per template (plan/compile/rankblocks.py), not N
+    copies."""
     blocks: dict[tuple, list[Block]] = {}
     on_line: dict[int, tuple[Line, list[int], list[list[int]]]] = {}  # id(line) -> (line, ranks, offsets)
     ordered: dict[int, list[ir.Write]] = {}

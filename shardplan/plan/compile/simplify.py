@@ -12,8 +12,8 @@ dim as mixed-radix digits, each digit (n, stride) addresses the source affinely,
 partial tail, recursively), each one `as_strided` view (stride 0 where an element repeats). The pieces partition the
 original destination, so they write exactly the original elements, with the original values, and never each other's.
 
-`compile_writes` is the one entry both compile paths use (compile_plans and plan/compile/extend.py's flat_rank): overlap is
-decided on the writes as recorded (the pieces of one write interleave in memory, so their extents may intersect,
+`compile_writes` is the one entry both compile paths use (compile_plans and plan/compile/extend.py's flat_rank): overlap
+is decided on the writes as recorded (the pieces of one write interleave in memory, so their extents may intersect,
 although their elements never do), and only writes of non-overlapping params are rewritten. A write the pass cannot
 prove equal (other ops, non-box regions, a broadcasting copy, too many pieces) is kept as recorded.
 """
@@ -222,7 +222,7 @@ def _split(digits: Digits, lo: int, hi: int) -> list[tuple[int, int, Digits]]:
     """[lo, hi) of a dim with these digits as (local start, source offset, digits) pieces: at most 2k - 1."""
     if not digits:
         return [(0, 0, ())]
-    (n, stride), rest = digits[0], digits[1:]
+    (_, stride), rest = digits[0], digits[1:]
     inner = math.prod(m for m, _ in rest)
     q_lo, r_lo = divmod(lo, inner)
     q_hi, r_hi = divmod(hi, inner)

@@ -2,13 +2,14 @@
 
 Every sub-directory holds a hand-written, tiny `config.json` (hidden 128, 2 layers, few heads/experts, vocab ~300-400)
 for an architecture that vLLM 0.32 serves and transformers 5 can build on the meta device (the checkpoint's tensor
-names come from that build, see `shardplan.record.checkpoint.checkpoint_tensors`). `ARCHS` says which loader behaviour each one
-is here for; docs/recording.md has the same table with results.
+names come from that build, see `shardplan.record.checkpoint.checkpoint_tensors`). `ARCHS` says which loader behaviour
+each one is here for; docs/recording.md has the same table with results.
 
 Two architectures (GPT-OSS, Llama 4) store their experts fused on disk (`mlp.experts.gate_up_proj` [E, H, 2I]), which
-`checkpoint_tensors` used to refuse to list from a config alone (it lists them now, as save_pretrained writes them). For those, `model_dir` writes a checkpoint directory
-with the config and a *header-only* `model.safetensors` (names, shapes, dtypes; no data), whose names are exactly
-transformers' parameter names: for these two models they are the hub's on-disk names.
+`checkpoint_tensors` used to refuse to list from a config alone (it lists them now, as save_pretrained writes them). For
+those, `model_dir` writes a checkpoint directory with the config and a *header-only* `model.safetensors` (names, shapes,
+dtypes; no data), whose names are exactly transformers' parameter names: for these two models they are the hub's on-disk
+names.
 """
 
 from __future__ import annotations
