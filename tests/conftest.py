@@ -43,6 +43,17 @@ os.environ.setdefault("SHARDPLAN_NAMES_CACHE", "0")
 
 # tests/sglang needs SGLang, which lives in its own venv (.venv-sglang: its torch pin cannot share vLLM's); `make test`
 # runs that folder there (`make test-sglang`). Anywhere SGLang is not installed the folder is not collected.
-import importlib.util  # noqa: E402
+# (asked of the installed distributions: a module spec would find tests/sglang itself, which pytest's rootdir
+# insertion puts on sys.path as a namespace package "sglang")
+import importlib.metadata  # noqa: E402
 
-collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang"]
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore = [] if _installed("sglang") else ["sglang"]
