@@ -36,6 +36,9 @@ BUILTINS = {
     "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
     "glm-4.5": "zai-org/GLM-4.5",
     "glm-4.6": "zai-org/GLM-4.6",
+    # frontier MoEs (docs/configs.md cites the public config files)
+    "minimax-m2": "MiniMaxAI/MiniMax-M2",
+    "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
     "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
