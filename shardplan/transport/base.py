@@ -185,6 +185,9 @@ class Control:
         server = torch.distributed.TCPStore(
             host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True
         )
+        with Control._pool_lock:
+            # clients pooled for an earlier server that had this port talk to a closed socket ("got 0 bytes")
+            Control._pools.pop((host, server.port), None)
         control = cls(host, server.port, _server=server)
         control.prewarm(2)
         return control
