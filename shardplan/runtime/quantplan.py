@@ -219,6 +219,17 @@ def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
     d = np.minimum(cols[1][pair_i], scale_cols[1][pair_j])
     keep = (a < b) & (c < d)
     pair_i, a, b, c, d = pair_i[keep], a[keep], b[keep], c[keep], d[keep]
+    # cut along the read's shorter side (a down_proj shard is 16 block rows by 2 block cols): swap where cols are
+    flip = (rows[1] - rows[0]) > (cols[1] - cols[0])
+    rows, cols = (
+        (np.where(flip, cols[0], rows[0]), np.where(flip, cols[1], rows[1])),
+        (
+            np.where(flip, rows[0], cols[0]),
+            np.where(flip, rows[1], cols[1]),
+        ),
+    )
+    f = flip[pair_i]
+    a, b, c, d = np.where(f, c, a), np.where(f, d, b), np.where(f, a, c), np.where(f, b, d)
     n = b - a
     e_i, e_c, e_d = np.repeat(pair_i, n), np.repeat(c, n), np.repeat(d, n)
     e_row = np.repeat(a, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
