@@ -195,7 +195,7 @@ class QuantizingReplayer:
             np.concatenate([weights, scales]),
             np.concatenate([b_rows, -(-b_rows // bn)]),
             np.concatenate([b_cols, -(-b_cols // bk)]),
-            np.asarray(["float8_e4m3fn"] * len(weights) + ["float32"] * len(scales), dtype=object),
+            np.repeat(np.asarray([0, 1], dtype=np.int64), [len(weights), len(scales)]),  # quantplan.STAGED_DTYPES
         ]
         order = np.argsort(override[0], kind="stable")
         staged = quantplan.StagedIds(ids, sources, [x[order] for x in override])

@@ -18,6 +18,7 @@ from shardplan.plan.columns import LazyWrites, NameSourceIds, SourceIds, TableSo
 from shardplan.plan.names import SCALE_SUFFIX
 
 FP8 = "float8_e4m3fn"
+STAGED_DTYPES = (FP8, "float32")  # (StagedIds.ov_dtype codes: a weight's fp8 box, its scales)
 
 
 def row_col(region: ir.Region, cols: int) -> tuple[int, int, list[tuple[int, int]]] | None:
@@ -316,7 +317,9 @@ class StagedIds(SourceIds):
         name = self.base.name(i)
         if hit[0]:
             a = int(at[0])
-            return ir.TensorMeta(name, (int(self.ov_rows[a]), int(self.ov_cols[a])), str(self.ov_dtype[a]))
+            return ir.TensorMeta(
+                name, (int(self.ov_rows[a]), int(self.ov_cols[a])), STAGED_DTYPES[int(self.ov_dtype[a])]
+            )
         return self.base_table.get(name)
 
     def numels(self, ids, table=None):
@@ -336,10 +339,9 @@ class StagedIds(SourceIds):
             index = {d: k for k, d in enumerate(names)}
             codes = np.asarray([index[self.base_table[self.base.name(i)].dtype] for i in ids.tolist()], dtype=np.int64)
         at, hit = self._override(ids)
-        extra = sorted(set(self.ov_dtype[at[hit]].tolist()) - set(names))
-        names = list(names) + extra
-        index = {d: k for k, d in enumerate(names)}
-        ov_codes = np.asarray([index[d] for d in self.ov_dtype[at[hit]].tolist()], dtype=np.int64)
+        names = list(names) + sorted(set(STAGED_DTYPES) - set(names))
+        lut = np.asarray([names.index(d) for d in STAGED_DTYPES], dtype=np.int64)
+        ov_codes = lut[self.ov_dtype[at[hit]]]
         codes = codes.copy()
         codes[hit] = ov_codes
         return codes, names
