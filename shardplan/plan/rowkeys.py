@@ -1,5 +1,5 @@
 """Integer rows as keys, with numpy: index tries expanded to rows, one mixed-radix int64 key per row, distinct rows
-numbered (plan/columns.py, plan/file/rank.py and runtime/packcols.py build on these).
+numbered (plan/columns.py, plan/file/rank.py and runtime/segments.py build on these).
 
 Column by column where it matters: numpy's integer matmul and its reductions along a short last axis cost ~10-15x the
 equivalent 1-D passes over columns (`Columns` holds a matrix as its columns).
