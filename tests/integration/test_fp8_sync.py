@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
+from sync_worlds import FullSource, LocalCluster, PlanWorld, RayCluster, Received
 
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.runtime.quantize import BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError, quantize_blocks
@@ -102,10 +102,10 @@ class Fp8World(PlanWorld):
         from shardplan.sync import ApplyUnpacker
 
         params = params_from_plan(self.plans[rank], fill=float("nan"))
-        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
+        return Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
 
     def source(self, rank):
-        return _FullSource(self.tensors)
+        return FullSource(self.tensors)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
