@@ -30,6 +30,7 @@ from sync_worlds import (
     scenario,
     state,
 )
+from tiny_models import tiny
 
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.names import group_of
@@ -257,18 +258,7 @@ def test_rank_left_out_of_a_version_rejoins():
 
 
 # ---- recorded plans of a shrunk MoE model, checked against vLLM's real loader ----------------------------------------
-QWEN3_MOE_SHRUNK = [
-    "num_hidden_layers=2",
-    "hidden_size=64",
-    "intermediate_size=128",
-    "moe_intermediate_size=32",
-    "num_attention_heads=4",
-    "num_key_value_heads=2",
-    "head_dim=16",
-    "num_experts=4",
-    "num_experts_per_tok=2",
-    "vocab_size=256",
-]
+QWEN3_MOE_SHRUNK = tiny("qwen3-30b-a3b", vocab_size=256)
 
 
 @dataclass
