@@ -395,7 +395,7 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     plan_param = {name: i for i, name in enumerate(cols.param_names)}
     layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
     ok &= layout_to_plan[refs_param] == cols.param[safe]
-    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis costs ~10x
+    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis is slower (plan/rowkeys.py)
     dst_class, reps = cols.region_classes("dst")
     c_ndim, c_sizes, _ = cols.geometry_rows("dst", reps)
     klass = dst_class[safe]

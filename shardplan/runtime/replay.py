@@ -552,7 +552,7 @@ def plan_batches(
     keys = [dtype_ord[key_parts[live, 0]], segments.dtype[live], geo_ord[key_parts[live, 1]], segments.nbytes[live]]
     change = np.zeros(len(live), dtype=bool)
     change[0] = True
-    for k in keys:  # 1-D compares: `.any(axis=1)` over a short axis costs ~10x
+    for k in keys:  # 1-D compares: `.any(axis=1)` over a short axis is slower (plan/rowkeys.py)
         change[1:] |= k[1:] != k[:-1]
     starts = np.flatnonzero(change)
     heads = list(zip(*(k[starts].tolist() for k in keys)))

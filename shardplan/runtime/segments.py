@@ -445,7 +445,7 @@ def _group_spans(seg_group: np.ndarray, offset: np.ndarray, total: int) -> list[
 
 def extents(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[lo, hi) element extent per row (padded dims have size 1: no reach); (offset, offset) when empty. Column by
-    column: numpy's reductions along a short last axis cost ~10x these 1-D passes."""
+    column (plan/rowkeys.py says why)."""
     lo, hi = offset.copy(), offset + 1
     empty = np.zeros(len(offset), dtype=bool)
     for j in range(sizes.shape[1]):

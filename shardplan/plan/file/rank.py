@@ -136,7 +136,7 @@ def _pure_block(
     scratch = np.empty(n, dtype=np.int64)
 
     def holes(lo: int, hi: int) -> Columns:
-        """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (integer matmul is ~15x slower)."""
+        """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (plan/rowkeys.py: why not a matmul)."""
         out = []
         for h in range(lo, hi):
             terms = np.flatnonzero(var[h]).tolist()
