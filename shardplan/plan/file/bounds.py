@@ -1,6 +1,16 @@
-"""Checks made when a rank of a plan is instantiated: every destination box non-empty, never touching an element
-twice and inside a param of that rank; every region non-negative; every checkpoint view inside its declared tensor
-(docs/plan-format.md, "Box rules"). Pure-view templates are checked vectorised, over all their writes at once."""
+"""The box rules of a plan (docs/plan-format.md, "Box rules"), checked when a rank is instantiated and at replay.
+
+    destination box := non-empty, not self-overlapping, non-negative sizes and strides, inside a param of the rank
+    source view     := non-negative offset, sizes and strides, inside its declared checkpoint tensor
+    constant fill   := non-negative sizes, no larger than the param it fills
+    inside          := a non-empty box reaches only elements [0, numel) of its tensor    (check_extents: the one check)
+
+`check_extents` and `bad_geometry` work on geometry classes (a template's writes share a handful of (sizes, strides)):
+plan/file/rank.py calls them on the columns of pure-view templates, runtime/segments.py at replay and apply.
+`check_bounds` walks object writes (computed and ordered ones, rare) and ends in the same two functions.
+
+Every violation is one error, `PlanBoundsError`, naming the plan file, the rank and the box.
+"""
 
 from __future__ import annotations
 
