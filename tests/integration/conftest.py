@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # LOOPBACK ONLY: every byte of the tests stays on 127.0.0.1,
+# spawned ranks and Ray workers included (they inherit this environment)
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 @pytest.fixture(scope="module")
 def ray_session():

@@ -17,10 +17,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # LOOPBACK ONLY: every byte of the tests stays on 127.0.0.1
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import torch
 
 from shardplan.plan.ir import TensorMeta

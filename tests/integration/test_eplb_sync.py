@@ -9,12 +9,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-
-from shardplan.plan.placement import make_placement
-from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
-from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
-from shardplan.transport import consumer_name
-from tests.integration.sync_worlds import (
+from sync_worlds import (
     TIMEOUT_S,
     FullSource,
     LocalCluster,
@@ -23,6 +18,11 @@ from tests.integration.sync_worlds import (
     received,
     spawn_context,
 )
+
+from shardplan.plan.placement import make_placement
+from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
+from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
+from shardplan.transport import consumer_name
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots
 
 MOE = (1, 2)
