@@ -321,12 +321,12 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     pack_bytes, apply_bytes = traffic(replayer)
     params = params_from_plan(plan, device, fill=float("nan"))
     applier = Applier(plan, replayer.layout, params, cuda_graph=False)
-    # "+graph": the torch copies captured (box_copy=False); "box+graph": what bind() and Applier do by default on CUDA,
-    # the copies as one Triton box-copy launch in the graph (runtime/copykernel.py)
+    # "+graph": the torch copies captured (bind()'s and Applier's default on CUDA); "box+graph": box_copy=True, the
+    # copies as one Triton box-copy launch in the graph (runtime/copykernel.py)
     graph_applier = (
         Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=False) if device == "cuda" else None
     )
-    box_applier = Applier(plan, replayer.layout, params, cuda_graph=True) if device == "cuda" else None
+    box_applier = Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=True) if device == "cuda" else None
     bound = replayer.bind(tensors, cuda_graph=False)
     applier.apply(bound.pack())
     if not args.no_check:

@@ -34,7 +34,6 @@ from shardplan.plan import ir
 from shardplan.plan.columns import columns_of
 from shardplan.plan.names import SCALE_SUFFIX
 from shardplan.runtime import fp8kernel, quantplan
-from shardplan.runtime.copykernel import fuse
 from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
 from shardplan.runtime.tensors import (
@@ -515,7 +514,7 @@ class QuantizingBoundReplay:
         self._graph = None
         if cuda_graph or (cuda_graph is None and device.type == "cuda"):
             try:
-                self._graph = capture_graph([self.kernel.launch] + fuse(self.inner._ops, device), device)
+                self._graph = capture_graph([self.kernel.launch] + self.inner._ops, device)
             except Exception as exc:  # auto mode: eager launches are correct, only slower
                 if cuda_graph:
                     raise

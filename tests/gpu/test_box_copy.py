@@ -93,7 +93,7 @@ def test_layer_through_box_copy_bitwise(name, rank):
     want = reference(layer.plan, layer.sources, tensors, None)
     replayer = Replayer(layer.plan, layer.sources, device=DEVICE)
     if ON_GPU:
-        bound = replayer.bind(tensors, cuda_graph=True)
+        bound = replayer.bind(tensors, cuda_graph=True, box_copy=True)
         assert bound.box_copy is not None, bound.box_copy_error
         bound.out.fill_(0xFF)
         buffer = bound.pack()
@@ -104,7 +104,7 @@ def test_layer_through_box_copy_bitwise(name, rank):
         for op in bound._eager_ops:
             op()
     params = params_from_plan(layer.plan, DEVICE, fill=NAN)
-    applier = Applier(layer.plan, replayer.layout, params, cuda_graph=ON_GPU)
+    applier = Applier(layer.plan, replayer.layout, params, cuda_graph=ON_GPU, box_copy=True)
     applier.apply(buffer)
     assert applier.box_copy_error is None, applier.box_copy_error
     assert_bits_equal(params, want, f"{name} rank {rank} layer {LAYER} through the box copy")
