@@ -40,13 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from shardplan.engine.cpu_llm import greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm  # noqa: E402
+
+set_cpu_env()
 
 TINY = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -196,9 +196,6 @@ ENGINE_STEPS = (
 
 
 def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip_prepack: bool = False) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
     from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.sync import SyncConfig
 
@@ -224,28 +221,10 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     per_peer = [lay.nbytes for lay in layouts]
     layer_bytes = [max(g.nbytes for g in lay.groups) for lay in layouts]  # one decoder layer of each rank
     ceiling = GlooCeiling(per_peer, iters)
-    if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    llm = LLM(
-        model=str(a),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        seed=0,
-        tensor_parallel_size=tp,
-        weight_transfer_config=WeightTransferConfig(backend="shardplan"),
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = start_cpu_llm(a, tp)
 
-    # F821 silenced below: tokens() is last called before `del llm` (which frees the engine before gc.collect())
     def tokens():
-        return [
-            list(o.outputs[0].token_ids)
-            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)  # noqa: F821
-        ]
+        return greedy_tokens(llm, PROMPTS, 12)  # noqa: F821 (last called before `del llm`)
 
     sync = EngineSync([llm], plan, config=SyncConfig(timeout_s=120))
     trainer = sync.trainer_rank(ModuleSource(tensors_b, sync.plan_file))
@@ -287,10 +266,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         tokens_vllm = tokens()
     trainer.close()
     ceiling.close()
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
+    stop_cpu_llm(llm)
     del llm
     gc.collect()
     med = statistics.median

@@ -223,7 +223,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            module.quant_method.process_weights_after_loading(module)
+            _process_dropping_old_gemm(module, module.quant_method)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -348,7 +348,7 @@ class ReloadUnpacker:
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            quant_method.process_weights_after_loading(module)
+            _process_dropping_old_gemm(module, quant_method)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -370,6 +370,25 @@ class ReloadUnpacker:
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
+
+
+def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:
+    """quant_method.process_weights_after_loading, with an embedding's or lm_head's old CPU GEMM handle dropped first.
+    On CPU, UnquantizedEmbeddingMethod's processing builds a oneDNN handle or sgl packed copy of the weight (as big as
+    the vocab shard) into `cpu_linear` and keeps `weight`; holding the old handle while the new one is built would
+    double that module's memory during the update (the engine is paused: nothing calls it meanwhile). If processing
+    fails, the module gets vLLM's own fallback, F.linear over the weight it keeps (finalize restores that weight)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if not isinstance(quant_method, UnquantizedEmbeddingMethod) or "cpu_linear" not in module.__dict__:
+        quant_method.process_weights_after_loading(module)
+        return
+    del module.__dict__["cpu_linear"]
+    try:
+        quant_method.process_weights_after_loading(module)
+    finally:
+        if "cpu_linear" not in module.__dict__:
+            module.cpu_linear = torch.nn.functional.linear
 
 
 def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:
