@@ -286,6 +286,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
                 process_by_class=by_class,
                 rss_before=med(s[r]["rss_before"] or 0 for s in splits),
                 rss_peak=med(s[r]["rss_peak"] or 0 for s in splits),
+                pools=[s[r].get("pools_allocated") for s in splits],
                 layer_bytes=layer_bytes[r],
             )
         )
@@ -403,6 +404,7 @@ def main() -> None:
             console.print(
                 f"rank {k['rank']} process by module class (median s): "
                 + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
+                + f"; materialize pools allocated per update: {k['pools']}"
             )
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:
