@@ -12,7 +12,8 @@ layerwise reload + `load_weights` of every full checkpoint tensor, read by every
 safetensors file. That is what its nccl/ipc backends do after the transfer, without the transfer.
 Ceiling of the transport, same run: the same per-worker byte counts sent from this process to one process per worker
 over gloo TCP on 127.0.0.1, all at once, one message each (its receivers start before the engine; one round is timed
-before each shardplan update).
+before each shardplan update). Neither's first round is timed: the gloo ceiling's opens its connections, the engine's
+first update opens its pairs and sizes the workers' materialize pool.
 
 Both update the same engine from checkpoint A to checkpoint B (random bf16 weights); the greedy tokens after each
 way are printed side by side (equal for the dense model; for the MoE model vLLM 0.32's own reload skips the CPU
@@ -238,6 +239,8 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
 
     trainer.packer.pack = timed_pack
     sync.init()  # once per engine: not part of an update
+    # untimed, as the gloo ceiling's first round: opens the gloo pairs and sizes the engine's materialize pool
+    sync.sync(trainer=trainer)
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
