@@ -213,4 +213,18 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "unpadded_vocab_size": 200058,
         },
     },
+    "Qwen4ExpForCausalLM": {
+        "source": "Qwen4-Exp text_config (the QSA indexer keys, which the config class leaves None and its indexed "
+        "attention layers divide by; values as in a public copy: a Swift qwen4ExpFixtureConfig test fixture, "
+        "text_config of a Qwen4ExpForConditionalGeneration config; output_gate_type, which vLLM requires and the class "
+        "leaves None, as in two public qwen4_exp test configs: an mlx TEXT dict, a ModelConfig.from_dir test)",
+        "fields": {
+            "indexer_budget": 2048,
+            "indexer_compress_ratio": 4,
+            "indexer_head_dim": 128,
+            "indexer_kv_heads": 1,
+            "indexer_n_heads": 4,
+            "output_gate_type": "sigmoid",
+        },
+    },
 }

@@ -82,6 +82,7 @@ _SIZES: dict[str, int] = {
     "v_head_dim": 16,
     "index_head_dim": 32,
     "index_n_heads": 4,
+    "indexer_head_dim": 32,
     "vocab_size": 300,
     "vocab_size_per_layer_input": 300,
     "hidden_size_per_layer_input": 16,
@@ -140,6 +141,7 @@ _FIXES: dict[str, dict[str, Any]] = {
     "Zamba2ForCausalLM": {
         "attention_hidden_size": 256,
         "attention_head_dim": 64,  # the class rule: 2 * hidden
+        "num_key_value_heads": 4,  # multi-head: the class sets it to num_attention_heads, as the public configs have
         "hybrid_layer_ids": [2],
     },  # the shrunk layers_block_type's hybrid layer
     # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
