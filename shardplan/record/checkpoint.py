@@ -190,7 +190,43 @@ def _longcat_flash_disk_name(name: str, config) -> str | None:
     return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
 
 
-_DISK_NAME_FIXUPS = {"kimi_linear": _kimi_linear_disk_name, "longcat_flash": _longcat_flash_disk_name}
+_INKLING_TEXT_PREFIXES = (
+    ("model.embed_tokens.embed_norm.", "model.llm.embed_norm."),
+    ("model.embed_tokens.", "model.llm.embed."),
+    ("model.layers.", "model.llm.layers."),
+    ("model.norm.", "model.llm.norm."),
+    ("lm_head.", "model.llm.unembed."),
+)
+
+
+def _inkling_disk_name(name: str, config) -> str | None:
+    # the released Inkling checkpoints keep the text backbone under model.llm.* (transformers' inkling_mm_model
+    # conversion renames model.llm.{layers,embed,embed_norm,norm,unembed}; vLLM's InklingForCausalLM maps the same
+    # names back); the inside of each layer comes back through that conversion's own reverse (_CONVERSION_OF)
+    for prefix, disk in _INKLING_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return disk + name[len(prefix) :]
+    return name
+
+
+_DISK_NAME_FIXUPS = {
+    "kimi_linear": _kimi_linear_disk_name,
+    "longcat_flash": _longcat_flash_disk_name,
+    "inkling_text": _inkling_disk_name,
+}
+# model_types whose text-only transformers class has no load-time conversion of its own while the released
+# checkpoints are stored as those of the multimodal sibling: that sibling's conversion is reverted instead
+_CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
+
+
+def use_sibling_conversion(model) -> None:
+    """Give `model` its multimodal sibling's load-time conversion where `_CONVERSION_OF` names one (transformers'
+    revert, and save_pretrained, then give back the released checkpoints' names)."""
+    sibling = _CONVERSION_OF.get(getattr(model.config, "model_type", ""))
+    if sibling is not None and getattr(model, "_weight_conversions", None) is None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        model._weight_conversions = get_checkpoint_conversion_mapping(sibling)
 
 
 def _revert(model, state: dict) -> dict:
@@ -198,6 +234,7 @@ def _revert(model, state: dict) -> dict:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
+    use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)
     fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))
     if fixup is None:

@@ -130,6 +130,9 @@ _FIXES: dict[str, dict[str, Any]] = {
         "unpadded_vocab_size": 300,
         "local_layer_ids": [0],
         "dense_mlp_idx": 1,
+        "num_experts": 8,  # the class derives it from n_routed_experts; its defaults' to_dict carries the derived 0
+        "num_key_value_heads": 4,  # vLLM's sconv SWA cache needs tp <= kv heads (the public config has 8 of 32)
+        "swa_num_key_value_heads": 4,
     },  # layer 0 local and dense, layer 1 global and MoE
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},

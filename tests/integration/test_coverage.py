@@ -13,7 +13,13 @@ import pytest
 
 from shardplan.record import coverage, tiny
 
-MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"}
+MOE = {
+    "InklingForCausalLM",
+    "Qwen3NextForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "KimiLinearForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+}
 
 
 # MiniMax-M2 and Kimi-Linear need their public config fields (publicfields.py), Kimi-Linear also vLLM's CPU-worker
@@ -28,6 +34,7 @@ MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", 
         "MiniMaxM2ForCausalLM",
         "KimiLinearForCausalLM",
         "Qwen3_5MoeForCausalLM",
+        "InklingForCausalLM",  # released under model.llm.* (its multimodal sibling's conversion, reverted)
         "Zamba2ForCausalLM",  # multi-head shared attention: kv heads = heads, as its class and public configs
     ],
 )
