@@ -42,6 +42,15 @@ __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", 
 # transformers itself keeps in float32). DeepSeek-V3 and Kimi-K2 keep the router's score-correction bias in float32.
 FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
     "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
+    # DeepSeek-V4's released headers (public inventories of deepseek-ai/DeepSeek-V4-Flash: attn_sink, the
+    # hyper-connection mixers and the router bias are F32)
+    "DeepseekV4ForCausalLM": (
+        ".attn_sink",
+        "_fn",
+        "_base",
+        "_scale",
+        ".ffn.gate.bias",
+    ),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
@@ -190,6 +199,23 @@ def _longcat_flash_disk_name(name: str, config) -> str | None:
     return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
 
 
+_DEEPSEEK_V4_NAMES = (
+    (re.compile(r"^model\.embed_tokens\."), "embed."),
+    (re.compile(r"^model\.hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^model\.(layers\.\d+\.attn)\.norm\."), r"\1.kv_norm."),
+    (re.compile(r"^model\."), ""),
+)
+
+
+def _deepseek_v4_disk_name(name: str, config) -> str | None:
+    # DeepSeek-V4 ships its reference implementation's names with no model. prefix (embed.weight, hc_head_fn,
+    # layers.N.attn.kv_norm.weight, as in public inventories of the released headers and vLLM's deepseek_v4 weight
+    # mapper); transformers' revert keeps its module prefix and turns attn.kv_norm into attn.norm
+    for pattern, disk in _DEEPSEEK_V4_NAMES:
+        name = pattern.sub(disk, name, count=1)
+    return name
+
+
 _INKLING_TEXT_PREFIXES = (
     ("model.embed_tokens.embed_norm.", "model.llm.embed_norm."),
     ("model.embed_tokens.", "model.llm.embed."),
@@ -213,6 +239,7 @@ _DISK_NAME_FIXUPS = {
     "kimi_linear": _kimi_linear_disk_name,
     "longcat_flash": _longcat_flash_disk_name,
     "inkling_text": _inkling_disk_name,
+    "deepseek_v4": _deepseek_v4_disk_name,
 }
 # model_types whose text-only transformers class has no load-time conversion of its own while the released
 # checkpoints are stored as those of the multimodal sibling: that sibling's conversion is reverted instead

@@ -134,6 +134,18 @@ _FIXES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,  # vLLM's sconv SWA cache needs tp <= kv heads (the public config has 8 of 32)
         "swa_num_key_value_heads": 4,
     },  # layer 0 local and dense, layer 1 global and MoE
+    # one layer of each kind: hash-routed sliding window (ratio 0), compressed with indexer (4), compressed (128)
+    "DeepseekV4ForCausalLM": {
+        "num_hidden_layers": 3,
+        "num_hash_layers": 1,
+        "compress_ratios": [0, 4, 128, 0],  # the published list is one longer than the layers (the MTP layer)
+        "o_groups": 4,  # vLLM splits the output groups over TP ranks (published 8 for TP <= 8)
+        "o_lora_rank": 32,
+        # vLLM's fused quant+cache kernels take only the published head sizes
+        "head_dim": 512,
+        "index_head_dim": 128,
+        "qk_rope_head_dim": 64,
+    },
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},

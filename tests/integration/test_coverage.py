@@ -14,6 +14,7 @@ import pytest
 from shardplan.record import coverage, tiny
 
 MOE = {
+    "DeepseekV4ForCausalLM",
     "InklingForCausalLM",
     "Qwen3NextForCausalLM",
     "MiniMaxM2ForCausalLM",
@@ -34,6 +35,7 @@ MOE = {
         "MiniMaxM2ForCausalLM",
         "KimiLinearForCausalLM",
         "Qwen3_5MoeForCausalLM",
+        "DeepseekV4ForCausalLM",  # its reference names (no model. prefix, attn.kv_norm, F32 mixers), kernel head sizes
         "InklingForCausalLM",  # released under model.llm.* (its multimodal sibling's conversion, reverted)
         "Zamba2ForCausalLM",  # multi-head shared attention: kv heads = heads, as its class and public configs
     ],
