@@ -315,8 +315,10 @@ def render(rows: list[dict], versions: str) -> str:
         "(expert parallelism on at TP > 1 for models with experts) is recorded and replayed, and compared bitwise with "
         "vLLM's real `load_weights` (destination parameters poisoned with NaN). FAIL is anything that is shardplan's "
         "(its tiny config, its checkpoint listing, vLLM's loader refusing the listed checkpoint, a replay differing); "
-        "cannot run here is only vLLM's own build failing or vLLM refusing the layout, or a config class that exists "
-        "only as the model's own code (`--trust-remote-code` records those from a local directory). "
+        "cannot run here is only vLLM's own build failing or vLLM refusing the layout, vLLM's own loader failing on "
+        "the real checkpoint names with a cited bug (`coverage.VLLM_LOADER_BUGS`, only while it raises that error), "
+        "or a config class that exists only as the model's own code (`--trust-remote-code` records those from a "
+        "local directory). "
         "The proof is on this machine's CPU: where a plan computes values "
         "(the Mamba family's `A = -exp(A_log)`), a GPU consumer's replay and vLLM's own loader on that GPU both run "
         "`exp` there, and can differ from this CPU verdict only by that platform's `exp`.",
