@@ -155,7 +155,12 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
 
     try:
         cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
-        if cls is None:
+        inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
+        if cls is None and inside is not None:
+            hf_config = transformers_config(hf_config, architecture)
+            hf_config = getattr(transformers, inside[0])(text_config=hf_config.to_dict())
+            cls = getattr(transformers, inside[1])
+        elif cls is None:
             hf_config = transformers_config(hf_config, architecture)
             cls = model_class(architecture, hf_config)
         with torch.device("meta"):
@@ -173,6 +178,9 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
     reverted = _revert(model, state)
+    if inside is not None:  # the multimodal class's other towers, which a text-only checkpoint does not have
+        state = {n: t for n, t in state.items() if not n.startswith(inside[2])}
+        reverted = {n: t for n, t in reverted.items() if not n.startswith(inside[3])}
     before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
     if before != after and getattr(hf_config, "model_type", "") not in _DISK_NAME_FIXUPS:
         raise NamesError(
@@ -240,6 +248,17 @@ _DISK_NAME_FIXUPS = {
     "longcat_flash": _longcat_flash_disk_name,
     "inkling_text": _inkling_disk_name,
     "deepseek_v4": _deepseek_v4_disk_name,
+}
+# model_types whose transformers text model exists only inside a multimodal class (Step3.5: Step3p7's language model,
+# whose conversion gives back the released text names model.{embed_tokens,layers,norm}.*): its config class, its model
+# class, and the other towers' names before and after the revert, dropped
+_TEXT_INSIDE = {
+    "step3p5": (
+        "Step3p7Config",
+        "Step3p7ForConditionalGeneration",
+        ("model.vision_model.", "model.multi_modal_projector."),
+        ("vision_model.", "vit_large_projector."),
+    )
 }
 # model_types whose text-only transformers class has no load-time conversion of its own while the released
 # checkpoints are stored as those of the multimodal sibling: that sibling's conversion is reverted instead

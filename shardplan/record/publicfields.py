@@ -278,4 +278,29 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
         },
     },
+    "Step3p5ForCausalLM": {
+        "source": "stepfun-ai/Step-3.5-Flash config.json text_config (values as in public copies: an mlx Swift test's "
+        "stepWrapperConfigJSON quoting the text_config, a Python Step3p5FlashLikeConfig test dataclass, a config "
+        "class default quoting attention_other_setting in full)",
+        "fields": {
+            "hidden_size": 4096,
+            "num_attention_heads": 64,
+            "num_attention_groups": 8,
+            "head_dim": 128,
+            "intermediate_size": 12288,
+            "vocab_size": 128896,
+            "moe_num_experts": 288,
+            "moe_top_k": 8,
+            "moe_intermediate_size": 1280,
+            "share_expert_dim": 1280,
+            "use_head_wise_attn_gate": True,
+            "sliding_window": 512,
+            "attention_other_setting": {
+                "attention_type": "sliding_attention",
+                "num_attention_heads": 96,
+                "num_attention_groups": 8,
+                "head_dim": 128,
+            },
+        },
+    },
 }

@@ -134,6 +134,24 @@ _FIXES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,  # vLLM's sconv SWA cache needs tp <= kv heads (the public config has 8 of 32)
         "swa_num_key_value_heads": 4,
     },  # layer 0 local and dense, layer 1 global and MoE
+    # layer 0 full attention and dense, layer 1 sliding window and MoE (moe_layers_enum: the MoE layers' indices)
+    "Step3p5ForCausalLM": {
+        "num_hidden_layers": 2,
+        "num_attention_groups": 2,
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 4,
+            "num_attention_groups": 2,
+            "head_dim": 32,
+        },
+        "layer_types": ["full_attention", "sliding_attention"],
+        "partial_rotary_factors": [0.5, 1.0],
+        "moe_layers_enum": "1",
+        "use_moe": True,
+        "moe_num_experts": 8,
+        "moe_top_k": 2,
+        "share_expert_dim": 64,
+    },
     # one layer of each kind: hash-routed sliding window (ratio 0), compressed with indexer (4), compressed (128)
     "DeepseekV4ForCausalLM": {
         "num_hidden_layers": 3,

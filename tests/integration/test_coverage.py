@@ -15,6 +15,7 @@ from shardplan.record import coverage, tiny
 
 MOE = {
     "DeepseekV4ForCausalLM",
+    "Step3p5ForCausalLM",
     "InklingForCausalLM",
     "Qwen3NextForCausalLM",
     "MiniMaxM2ForCausalLM",
@@ -36,6 +37,7 @@ MOE = {
         "KimiLinearForCausalLM",
         "Qwen3_5MoeForCausalLM",
         "DeepseekV4ForCausalLM",  # its reference names (no model. prefix, attn.kv_norm, F32 mixers), kernel head sizes
+        "Step3p5ForCausalLM",  # its text model only inside transformers' multimodal Step3p7 class
         "InklingForCausalLM",  # released under model.llm.* (its multimodal sibling's conversion, reverted)
         "Zamba2ForCausalLM",  # multi-head shared attention: kv heads = heads, as its class and public configs
     ],

@@ -20,6 +20,7 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _TEXT_INSIDE,
     FLOAT32_ON_DISK,
     NamesError,
     checkpoint_tensors,
@@ -45,9 +46,15 @@ def test_the_sweep_has_configs_for_most_architectures():
 
 def saved_headers(hf_config, arch: str, out: Path) -> dict:
     import torch
+    import transformers
 
+    inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
     hf_config = transformers_config(hf_config, arch)  # vLLM's own class (kimi_linear) -> transformers'
-    cls = model_class(arch, hf_config)
+    if inside is not None:  # Step3.5's text model exists only inside transformers' multimodal Step3p7 class
+        hf_config = getattr(transformers, inside[0])(text_config=hf_config.to_dict())
+        cls = getattr(transformers, inside[1])
+    else:
+        cls = model_class(arch, hf_config)
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
     use_sibling_conversion(model)  # Inkling's text model saves under its multimodal sibling's released names
@@ -57,6 +64,8 @@ def saved_headers(hf_config, arch: str, out: Path) -> dict:
     headers = {}
     for f in files:
         headers.update(read_safetensors_header(f))
+    if inside is not None:  # the other towers, which a text-only checkpoint does not have
+        headers = {n: v for n, v in headers.items() if not n.startswith(inside[3])}
     return headers
 
 
