@@ -154,84 +154,90 @@ def main():
     else:
         live = engine(work / "v0", tp)
         handle, generate = live, lambda: greedy(live)
-    results["v0"] = generate()
-
-    if not http:  # refusals (in-process only: the same checks run for both handles)
-        gpu_plan = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
-        wrong = SglangRecordSession.__new__(SglangRecordSession)
-        wrong.__dict__.update(s.__dict__, options=SglangOptions())
-        write_plan(gpu_plan, wrong.encode(body))
-        other = SglangRecordSession(
-            str(HERE / "qwen3-tiny"),
-            Layout(tp=tp),
-            options=SglangOptions(cpu_engine=True),
-            overrides=["rms_norm_eps=1e-5"],
-        )
-        other_plan = work / "other.plan"
-        write_plan(other_plan, other.encode(other.record_plans(list(range(tp))).body))
-        refusals = {}
-        for key, path in (("cpu_engine", gpu_plan), ("model config", other_plan)):
-            sync = EngineSync([handle], str(path), config=config)
-            trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
-            try:
-                sync.sync(1, trainer=trainer)
-                refusals[key] = "not refused"
-            except EnginePlanMismatch as e:
-                refusals[key] = str(e)
-            trainer.close()
-            sync.close()
-        results["refusals"] = refusals
-        results["after_refusals"] = generate()
-
-    sync = EngineSync([handle], str(plan_path), config=config)
-    client = sync.engines[0]
-    trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
-    report = sync.sync(1, trainer=trainer)
-    trainer.close()
-    results["v1"] = {"tokens": generate(), "complete": report.complete, "weight_version": client.get_weight_version()}
-
-    class Failing(ModuleSource):
-        calls = 0
-
-        def group(self, group):
-            Failing.calls += 1
-            if Failing.calls == 3:
-                raise RuntimeError("trainer failed mid-sync (test)")
-            return super().group(group)
-
-    failing = sync.trainer_rank(Failing(versions[2], sync.plan_file))
     try:
-        sync.sync(2, trainer=failing)
-        results["v2"] = {"raised": False}
-    except SyncIncomplete as e:
-        results["v2"] = {
-            "raised": True,
-            "message": str(e)[:2000],
+        results["v0"] = generate()
+
+        if not http:  # refusals (in-process only: the same checks run for both handles)
+            gpu_plan = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
+            wrong = SglangRecordSession.__new__(SglangRecordSession)
+            wrong.__dict__.update(s.__dict__, options=SglangOptions())
+            write_plan(gpu_plan, wrong.encode(body))
+            other = SglangRecordSession(
+                str(HERE / "qwen3-tiny"),
+                Layout(tp=tp),
+                options=SglangOptions(cpu_engine=True),
+                overrides=["rms_norm_eps=1e-5"],
+            )
+            other_plan = work / "other.plan"
+            write_plan(other_plan, other.encode(other.record_plans(list(range(tp))).body))
+            refusals = {}
+            for key, path in (("cpu_engine", gpu_plan), ("model config", other_plan)):
+                sync = EngineSync([handle], str(path), config=config)
+                trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+                try:
+                    sync.sync(1, trainer=trainer)
+                    refusals[key] = "not refused"
+                except EnginePlanMismatch as e:
+                    refusals[key] = str(e)
+                trainer.close()
+                sync.close()
+            results["refusals"] = refusals
+            results["after_refusals"] = generate()
+
+        sync = EngineSync([handle], str(plan_path), config=config)
+        client = sync.engines[0]
+        trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+        report = sync.sync(1, trainer=trainer)
+        trainer.close()
+        results["v1"] = {
+            "tokens": generate(),
+            "complete": report.complete,
+            "weight_version": client.get_weight_version(),
+        }
+
+        class Failing(ModuleSource):
+            calls = 0
+
+            def group(self, group):
+                Failing.calls += 1
+                if Failing.calls == 3:
+                    raise RuntimeError("trainer failed mid-sync (test)")
+                return super().group(group)
+
+        failing = sync.trainer_rank(Failing(versions[2], sync.plan_file))
+        try:
+            sync.sync(2, trainer=failing)
+            results["v2"] = {"raised": False}
+        except SyncIncomplete as e:
+            results["v2"] = {
+                "raised": True,
+                "message": str(e)[:2000],
+                "paused": client.is_paused(),
+                "weight_version": client.get_weight_version(),
+                "workers": client.worker_states(),
+            }
+        failing.close()
+        try:
+            sync.resume()
+            results["v2"]["resume_refused"] = False
+        except SyncIncomplete:
+            results["v2"]["resume_refused"] = True
+        trainer = sync.trainer_rank(ModuleSource(versions[2], sync.plan_file))  # a restarted trainer, say
+        report = sync.sync(3, trainer=trainer)
+        trainer.close()
+        results["v3"] = {
+            "tokens": generate(),
+            "complete": report.complete,
             "paused": client.is_paused(),
             "weight_version": client.get_weight_version(),
             "workers": client.worker_states(),
         }
-    failing.close()
-    try:
-        sync.resume()
-        results["v2"]["resume_refused"] = False
-    except SyncIncomplete:
-        results["v2"]["resume_refused"] = True
-    trainer = sync.trainer_rank(ModuleSource(versions[2], sync.plan_file))  # a restarted trainer, say
-    report = sync.sync(3, trainer=trainer)
-    trainer.close()
-    results["v3"] = {
-        "tokens": generate(),
-        "complete": report.complete,
-        "paused": client.is_paused(),
-        "weight_version": client.get_weight_version(),
-        "workers": client.worker_states(),
-    }
-    sync.close()
-    if http:
-        server.shutdown()
-    else:
-        live.shutdown()
+        sync.close()
+    finally:  # never leave an engine behind
+        if http:
+            server.shutdown()
+        else:
+            live.shutdown()
     print("RESULT " + json.dumps(results), flush=True)
 
 

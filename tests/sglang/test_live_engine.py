@@ -61,7 +61,8 @@ def check(result: dict) -> None:
     v2 = result["v2"]
     assert v2["raised"] and "trainer failed mid-sync" in v2["message"], v2
     assert v2["paused"] and v2["weight_version"] == "2:incomplete" and v2["resume_refused"], v2
-    assert all((w["version"], w["complete"]) == (2, False) for w in v2["workers"]), v2["workers"]
+    # every worker took part in version 2; the one(s) whose bytes stopped say incomplete
+    assert all(w["version"] == 2 for w in v2["workers"]) and not all(w["complete"] for w in v2["workers"]), v2
     v3 = result["v3"]
     assert v3["complete"] and not v3["paused"] and v3["weight_version"] == "3", v3
     assert all((w["version"], w["complete"]) == (3, True) for w in v3["workers"]), v3["workers"]

@@ -14,7 +14,7 @@ shardplan loader (registered by the `sglang.srt.plugins` entry point): every cal
     update    every worker runs ConsumerSync.sync(v) while the trainer ranks send
     finish    end_weight_update (process_weights_after_loading), flush the cache, set the weight version
     pause     pause_generation(mode="abort") / continue_generation; paused: the tokenizer manager's is_pause (HTTP:
-              /ready answers 503 on a healthy paused server)
+              /ready answers 503, as it does for a server not up or shutting down)
 
 `push` is the colocated shortcut without the sync engine: every rank's bytes packed here and handed over through
 `update_weights_from_tensor` (CPU shared memory / CUDA IPC).
@@ -125,7 +125,10 @@ class _Http:
             code, text = e.code, e.read().decode(errors="replace")
         if code not in ok_codes:
             raise RuntimeError(f"HTTP {code} from {route}: {text[:2000]}")
-        return code, (json.loads(text) if text.strip() else {})
+        try:
+            return code, (json.loads(text) if text.strip() else {})
+        except json.JSONDecodeError:  # some routes answer plain text (/flush_cache)
+            return code, {"text": text}
 
     def _result(self, route: str, body: dict):
         _, out = self._request("POST", route, body, ok_codes=(200, 400))
@@ -154,8 +157,8 @@ class _Http:
         self._request("POST", "/continue_generation", {})
 
     def is_paused(self) -> bool:
-        code, _ = self._request("GET", "/ready", ok_codes=(200, 503))
-        return code == 503 and self._request("GET", "/health", ok_codes=(200, 503))[0] == 200
+        # /ready: 503 when paused (or shutting down / not up; /health would run a generation, which waits)
+        return self._request("GET", "/ready", ok_codes=(200, 503))[0] == 503
 
     def set_weight_version(self, version: str):
         self._request("POST", "/update_weight_version", {"new_version": version})
