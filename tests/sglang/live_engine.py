@@ -147,7 +147,7 @@ def main():
             fresh_engine.shutdown()
     cached.write_text(json.dumps(fresh))
     results["fresh"] = fresh
-    config = SyncConfig(timeout_s=10)  # a failed trainer is noticed after it (gloo)
+    config = SyncConfig(timeout_s=20)  # the consumer notices a failed trainer after it (gloo)
     if http:
         server = Server(work / "v0", tp)
         handle, generate = SglangClient(server.url), server.generate

@@ -66,13 +66,15 @@ def test_as_client_takes_an_in_process_engine():
 
 
 def test_server_args_that_differ_from_the_plan_are_refused_by_name():
-    s = SglangRecordSession(QWEN3_TINY, Layout(tp=2), options=SglangOptions(cpu_engine=True))
+    s = SglangRecordSession(QWEN3_TINY, Layout(tp=2), options=SglangOptions())  # SGLang's GPU loaders
     plan_file = PlanFile(*decode(s.encode(s.record_plans([0, 1]).body)), "tiny.plan")
-    info = dict(tp_size=2, pp_size=1, ep_size=1, dp_size=1, device="cpu", moe_runner_backend="auto")
+    info = dict(tp_size=2, pp_size=1, ep_size=1, dp_size=1, device="cuda", moe_runner_backend="auto")
     info.update(enable_dp_attention=False, enable_dp_lm_head=False, moe_dense_tp_size=None)
     info.update(moe_a2a_backend="none", ep_num_redundant_experts=0)
     check_server_info(info, plan_file)
     with pytest.raises(EnginePlanMismatch, match=r"layout: plan tp2, engine tp4 pp1.*nothing was sent"):
         check_server_info({**info, "tp_size": 4}, plan_file)
-    with pytest.raises(EnginePlanMismatch, match="cpu_engine: plan True, engine False"):
-        check_server_info({**info, "device": "cuda"}, plan_file)
+    with pytest.raises(EnginePlanMismatch, match="cpu_engine: plan False, engine True"):
+        check_server_info({**info, "device": "cpu"}, plan_file)
+    with pytest.raises(EnginePlanMismatch, match="ep_size: plan 1, engine 2"):
+        check_server_info({**info, "ep_size": 2}, plan_file)

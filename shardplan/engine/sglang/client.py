@@ -266,7 +266,7 @@ class SglangClient:
                 continue
             reply = json.loads(text)
             if not reply["ok"]:
-                errors.append(f"consumer{r}: {reply['error']}")
+                errors.append(f"{reply['error']} [consumer{r}]")  # the error's class first: raise_named finds it
         if errors:
             raise_named(RuntimeError("; ".join(errors)), f"{self.name}: {what}")
         if silent:
