@@ -124,12 +124,15 @@ def _decode(data: bytes, path: str):
 
 
 def _clear_module_caches() -> None:
-    try:
-        from shardplan.runtime import packcols
-    except ImportError:
-        return
-    for name in ("_GROUPS", "_GROUP_ORDERS"):
-        getattr(packcols, name, {}).clear()
+    import importlib
+
+    for module in ("shardplan.runtime.segments", "shardplan.runtime.packcols"):  # packcols: a --baseline-src tree's
+        try:
+            caches = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in ("_GROUPS", "_GROUP_ORDERS"):
+            getattr(caches, name, {}).clear()
 
 
 def _baseline(path: str, num_ranks: int, repeat: int, src: str | None) -> dict:

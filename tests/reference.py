@@ -5,7 +5,7 @@ oracle is `shardplan.plan.interp.apply_reference`, what a write means).
   (`write_sort_key`); `rank_objects(plan_file, rank)` is that, bounds-checked (`check_group_bounds` per template),
   what `PlanFile.rank` (plan/file/rank.py, as columns) must equal write for write.
 - `canonical(plan)`: what instantiating a directly recorded plan gives (the compiler's equality reference).
-- `reference_layout(plans)`: the pack layout object by object, what `PackLayout.from_plans` (runtime/packcols.py)
+- `reference_layout(plans)`: the pack layout object by object, what `PackLayout.from_plans` (runtime/segments.py)
   must equal segment for segment.
 """
 

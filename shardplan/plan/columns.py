@@ -1,6 +1,7 @@
 """Columnar rank plans: a rank's writes as numpy columns (one row per write) instead of one `ir.Write` per write.
 
-A non-EP Kimi-K2 TP32 rank has ~70k writes; as Python objects they cost ~1 s to build and as much again to walk.
+A large rank has tens of thousands of writes (a non-EP Kimi-K2 TP32 rank: ~70k): as Python objects they cost more to
+build and walk than the rest of loading a rank (docs/benchmarks.md, "Instantiating a plan").
 `WriteColumns` holds, per write i: the param it writes (`param[i]`, an index into `param_names`), its destination
 region (`dst_offset`, `dst_ndim`, `dst_sizes`, `dst_strides`), and for a pure view `param[box] <- source[box]` the
 checkpoint tensor (`src[i]`, an id in `sources`, a `SourceIds`) and the source region (`src_*`). Region rows are

@@ -95,7 +95,7 @@ def eval_leaf(
         kwargs = {k: _literal(v, inputs, device) for k, v in leaf.kwargs}
         fn = resolve_op(leaf.op)
         if limit is not None and leaf.op in ir.UNARY_OPS:  # elementwise: its shape rule, without torch's Python
-            x = inputs[0]  # meta kernel for exp (a ~6 s import on first use)
+            x = inputs[0]  # meta kernel for exp (a slow import on first use)
             result = torch.empty_like(x, dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype())
         else:
             result = fn(*args, **kwargs)

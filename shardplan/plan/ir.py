@@ -28,6 +28,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Union
 
+# Out-of-place arithmetic a loader may apply to what it read (a scale, a sign): allowed, and always new storage.
+ARITHMETIC_OPS: frozenset[str] = frozenset(
+    {
+        "Tensor.mul",
+        "Tensor.add",
+        "Tensor.sub",
+        "Tensor.div",
+        "Tensor.neg",
+        "Tensor.__mul__",
+        "Tensor.__add__",
+        "Tensor.__sub__",
+        "Tensor.__truediv__",
+        "Tensor.__neg__",
+    }
+)
 # Python-level ops a Call may name. Replay resolves them through this table only (see replay.resolve_op).
 ALLOWED_OPS: frozenset[str] = frozenset(
     {
@@ -57,16 +72,6 @@ ALLOWED_OPS: frozenset[str] = frozenset(
         "Tensor.unbind",
         "Tensor.view_as",
         "Tensor.reshape_as",
-        "Tensor.mul",
-        "Tensor.add",
-        "Tensor.sub",
-        "Tensor.div",
-        "Tensor.neg",
-        "Tensor.__mul__",
-        "Tensor.__add__",
-        "Tensor.__sub__",
-        "Tensor.__truediv__",
-        "Tensor.__neg__",
         "Tensor.zero_",
         "Tensor.fill_",
         "Tensor.mul_",
@@ -89,6 +94,7 @@ ALLOWED_OPS: frozenset[str] = frozenset(
         "torch.exp",
         "Tensor.exp",
     }
+    | ARITHMETIC_OPS
 )
 # Elementwise ops that take exactly one tensor (`["a", 0]`) and nothing else: the plan-file check refuses any other
 # argument (an `out=` would write into a trainer tensor). `exp` is here for the Mamba family's A_log loaders, which
@@ -117,17 +123,8 @@ FRESH_OPS: frozenset[str] = frozenset(
         "torch.empty_like",
         "torch.exp",
         "Tensor.exp",
-        "Tensor.mul",
-        "Tensor.add",
-        "Tensor.sub",
-        "Tensor.div",
-        "Tensor.neg",
-        "Tensor.__mul__",
-        "Tensor.__add__",
-        "Tensor.__sub__",
-        "Tensor.__truediv__",
-        "Tensor.__neg__",
     }
+    | ARITHMETIC_OPS
 )
 
 

@@ -1,8 +1,8 @@
 """Integer rows as keys, with numpy: index tries expanded to rows, one mixed-radix int64 key per row, distinct rows
-numbered (plan/columns.py, plan/file/rank.py and runtime/packcols.py build on these).
+numbered (plan/columns.py, plan/file/rank.py and runtime/segments.py build on these).
 
-Column by column where it matters: numpy's integer matmul and its reductions along a short last axis cost ~10-15x the
-equivalent 1-D passes over columns (`Columns` holds a matrix as its columns).
+Column by column where it matters: numpy's integer matmul and its reductions along a short last axis cost an order of
+magnitude more than the equivalent 1-D passes over columns (`Columns` holds a matrix as its columns).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def expand_trie(node, width: int) -> np.ndarray:
 def row_keys(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """One int64 key per row (mixed radix over each column's [min, max]); equal rows <-> equal keys. Returns
     (keys, lows, multipliers) or None when the radix product would not fit in 63 bits. `rows`: a [n, k] matrix or
-    `Columns` (k arrays of n). Column by column: numpy's integer matmul is ~15x slower than these 1-D passes."""
+    `Columns` (k arrays of n). Column by column, as the module says."""
     rows = rows if isinstance(rows, Columns) else Columns.of(rows)
     n, k = rows.n, len(rows.arrays)
     if k == 0:
@@ -130,8 +130,8 @@ def distinct_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:
     """np.argsort(keys, kind="stable"), faster: when (key range x n) fits in int64, the row index is packed under
-    the key and the packed values are sorted (unique, so any sort is stable; numpy's int64 sort is ~20x its stable
-    argsort here)."""
+    the key and the packed values are sorted (unique, so any sort is stable; numpy's int64 sort is much faster than its
+    stable argsort)."""
     n = len(keys)
     if n < 2:
         return np.arange(n, dtype=np.int64)

@@ -1,6 +1,6 @@
 """Build a vLLM model for one rank of a layout, in this process, without an engine or GPUs.
 
-Meta-device builds cost no memory (Kimi-K2 at TP=32: ~0.5 s, ~600 MiB RSS); models whose construction reads values
+Meta-device builds allocate no weights (docs/benchmarks.md, "Recording"); models whose construction reads values
 fail there and are rebuilt on the CPU (the caller learns which device was used).
 """
 

@@ -421,8 +421,8 @@ def _build_meta_tensors(
 
 
 # ------------------------------------------------------------------------------------------ on-disk names cache
-# Building the list is the part of a recording's fixed cost that is shardplan's own (Kimi-K2: ~0.9 s of a meta build,
-# transformers' weight-conversion revert and a natural sort, paid by every `shardplan record`), so the result is kept
+# Building the list is the part of a recording's fixed cost that is shardplan's own (a meta build, transformers'
+# weight-conversion revert and a natural sort, paid by every `shardplan record`), so the result is kept
 # in $XDG_CACHE_HOME/shardplan/names/ as JSON (never pickle: a cache file is data). The key is everything the list
 # depends on: the config (after overrides), include_mtp, the transformers and torch versions, and the source of this
 # module and record/configs.py (a change to how names are derived invalidates every entry). Each entry is sealed: it

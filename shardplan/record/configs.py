@@ -305,7 +305,7 @@ class ModelTooLarge(ConfigError):
 
 
 # Up-front bound on what a config may ask to build (a meta build costs host memory per module, not per byte:
-# `num_hidden_layers=1000000` took a process to 4.6 GB before failing). Estimated checkpoint tensors: ~16 per decoder
+# a huge `num_hidden_layers` exhausts host memory before vLLM fails). Estimated checkpoint tensors: ~16 per decoder
 # layer (attention, norms, dense MLP) plus 3 per routed expert; Kimi-K2, the largest built-in, estimates 71,256 (it
 # has 69,975). The bound is the plan format's own limit on one rank's writes, and no tensor may hold more elements
 # than a plan can address.

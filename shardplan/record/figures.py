@@ -90,7 +90,7 @@ def _count(body: PlanBody, lo: int, hi: int, mult: dict, nbytes: dict, num_read:
         return np.where(keys[at] == layers, values[at], 1)
 
     # the checkpoint tensors each rank reads, as rows (rank, the name's integers) per name template: one distinct-row
-    # pass per template over the chunk's ranks (Python sets of per-rank tuples cost ~10 s for a 32-rank non-EP Kimi-K2)
+    # pass per template over the chunk's ranks (Python sets of per-rank tuples are far slower on a large layout)
     read: dict[str, list[np.ndarray]] = defaultdict(list)
     for g in body.groups:
         index = _ranks_within(g.index, lo, hi)

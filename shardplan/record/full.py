@@ -9,7 +9,7 @@ Design of the full tier. The recording tensor `RecTensor` is a meta tensor subcl
 data. The recorder (`Recorder`) sees every torch call that has a RecTensor among its arguments (through
 `RecTensor.__torch_function__`) and the few calls on plain tensors that matter (writes into parameters, scratch-tensor
 factories, `.to`, in-place ops: hooked only while a recording runs). A global TorchFunctionMode would be simpler but
-costs ~1.5x on vLLM's loaders even when it does nothing; it is pushed only once a loader creates a scratch tensor.
+slows vLLM's loaders even when it does nothing; it is pushed only once a loader creates a scratch tensor.
 
 * Views (narrow, view, transpose, unbind, chunk, expand, `[a:b]`, ...) are run on the meta tensor itself. A meta view
   shares its base's storage and carries the exact storage offset and strides, so a whole chain of views folds into one
@@ -120,8 +120,8 @@ class Recorder:
     """Sees (1) every torch call with a RecTensor among its arguments, through RecTensor.__torch_function__, and
     (2) the few calls on plain tensors that matter (writes into params, scratch factories, `.to`, in-place ops),
     through wrappers `_hooks()` installs on those functions for the duration of a recording. A TorchFunctionMode would
-    see everything, but costs ~1.5x on vLLM's loaders even when it does nothing (~21 torch calls per tensor, mostly
-    on params): it is pushed only once the loader makes a scratch tensor, whose later ops must all be seen."""
+    see everything, but slows vLLM's loaders even when it does nothing (they make tens of torch calls per tensor,
+    mostly on params): it is pushed only once the loader makes a scratch tensor, whose later ops must all be seen."""
 
     def __init__(self, param_of_storage: dict[int, tuple[str, torch.Tensor]], recording: RankRecording):
         self.busy = False

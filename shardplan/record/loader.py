@@ -81,7 +81,7 @@ def record_loader(
     t0 = time.perf_counter()
     # The recording allocates a few small objects per tensor (RecTensor, IR records) on top of the loader's own, and
     # every ~700 allocations CPython's cycle collector runs, its older generations walking the whole heap (the model
-    # with its thousands of modules and params): ~25% of a Kimi-K2 rank's recording time. Nothing recorded is cyclic
+    # with its thousands of modules and params): a large share of a rank's recording time. Nothing recorded is cyclic
     # garbage worth collecting mid-load, so the collector is paused for the recording and resumed (not forced) after.
     gc_was_enabled = gc.isenabled()
     gc.disable()

@@ -1,6 +1,6 @@
 """The byte contract and replay: the same plan gives both sides of a sync the same packed-buffer layout.
 
-    PackLayout.from_plans(plans)        where each write's bytes sit in a buffer, grouped by layer (pack, packcols)
+    PackLayout.from_plans(plans)        where each write's bytes sit in a buffer, grouped by layer (pack, segments)
     Replayer(plan, sources).bind(t).pack() -> buffer      the trainer cuts the bytes out of its tensors (replay)
     QuantizingReplayer                  the same from BF16 into a block-FP8 consumer's layout (quantize)
     Applier(plan, layout, params).apply(buffer)           the consumer scatters them into its params (apply)

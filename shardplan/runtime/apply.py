@@ -20,12 +20,11 @@ import torch
 from shardplan.errors import MissingTensorError, ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
-from shardplan.plan.file.bounds import check_extents
 from shardplan.plan.interp import region_view, to_dtype
 from shardplan.plan.names import base_group
 from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
 from shardplan.runtime.pack import PackLayout
-from shardplan.runtime.packcols import class_extents, group_cached, region_tuples
+from shardplan.runtime.segments import check_class_extents, class_extents, group_cached, region_tuples
 from shardplan.runtime.tensors import (
     WIDE_DTYPES,
     PackBufferError,
@@ -396,7 +395,7 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
     plan_param = {name: i for i, name in enumerate(cols.param_names)}
     layout_to_plan = np.asarray([plan_param.get(name, -1) for name in table.param_names] + [-1], dtype=np.int64)
     ok &= layout_to_plan[refs_param] == cols.param[safe]
-    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis costs ~10x
+    # per class (a handful) and gathered column by column: `.all(axis=1)` over a short axis is slower (plan/rowkeys.py)
     dst_class, reps = cols.region_classes("dst")
     c_ndim, c_sizes, _ = cols.geometry_rows("dst", reps)
     klass = dst_class[safe]
@@ -416,16 +415,16 @@ def place(plan: ir.RankPlan, cols: WriteColumns, layout, mismatch) -> Placement:
             f"plans"
         )
     numels = np.asarray([p.numel for p in plan.params] + [0], dtype=np.int64)
-    lo, hi, empty = class_extents(cols, "dst", index)
 
     def outside(j: int) -> str:
         i = int(index[j])
+        lo, hi, _ = class_extents(cols, "dst", index[j : j + 1])
         return (
-            f"rank {rank}: write {i} writes elements [{int(lo[j])}, {int(hi[j])}) of "
+            f"rank {rank}: write {i} writes elements [{int(lo[0])}, {int(hi[0])}) of "
             f"{cols.param_names[cols.param[i]]!r}, which has {int(numels[cols.param[i]])}"
         )
 
-    check_extents(lo, hi, empty, numels[cols.param[index]], outside)
+    check_class_extents(cols, "dst", index, numels[cols.param[index]], outside)
     seen = np.zeros(n, dtype=bool)
     seen[index] = True
     names = layout.group_names

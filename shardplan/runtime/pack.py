@@ -20,7 +20,7 @@ from shardplan.errors import PlanError
 from shardplan.plan import ir
 from shardplan.plan.columns import columns_of
 from shardplan.plan.names import base_group, group_of
-from shardplan.runtime.packcols import layout_arrays
+from shardplan.runtime.segments import layout_arrays
 from shardplan.runtime.tensors import align_up
 
 
@@ -64,7 +64,7 @@ class GroupSpan:
 
 
 class SegmentTable(Sequence):
-    """A layout's segments as columns (runtime/packcols.py builds them): `Segment` objects are built only when
+    """A layout's segments as columns (runtime/segments.py builds them): `Segment` objects are built only when
     indexed. Per segment: offset, nbytes, dtype (id in `dtypes`), shape (`shape_ndim` dims of `shape`), group (id in
     `group_names`), its refs at [ref_start[i], ref_start[i + 1]) of the ref columns (rank, write index, param id in
     `param_names`, destination region)."""

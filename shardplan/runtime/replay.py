@@ -19,10 +19,9 @@ import torch
 from shardplan.errors import ForeignWriteError, PlanError
 from shardplan.plan import ir
 from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
-from shardplan.plan.file.bounds import check_extents
 from shardplan.plan.interp import check_write_sizes, resolve_op, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
-from shardplan.runtime.packcols import class_extents, geometry_keys, ordinals
+from shardplan.runtime.segments import check_class_extents, class_extents, geometry_keys, ordinals
 from shardplan.runtime.tensors import (
     WIDE_DTYPES,
     PackBufferError,
@@ -489,18 +488,18 @@ def check_plans(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMet
                 f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads "
                 f"{cols.source_name(index)!r}, which the sources table does not describe"
             )
-        lo, hi, empty = class_extents(cols, "src", rows)
 
         def outside(j: int) -> str:
             index = int(rows[j])
             meta = sources[cols.source_name(index)]
+            lo, hi, _ = class_extents(cols, "src", rows[j : j + 1])
             return (
                 f"rank {plan.rank}: write {index} ({cols.param_names[cols.param[index]]}) reads elements "
-                f"[{int(lo[j])}, {int(hi[j])}) of {meta.name!r}, which has {meta.numel} "
+                f"[{int(lo[0])}, {int(hi[0])}) of {meta.name!r}, which has {meta.numel} "
                 f"({meta.dtype}{list(meta.shape)})"
             )
 
-        check_extents(lo, hi, empty, numel, outside)
+        check_class_extents(cols, "src", rows, numel, outside)
         geo_id, geo_table = geometry_keys(cols)
         unbroadcastable = np.asarray([src is None for src, _ in geo_table], dtype=bool)[geo_id[rows]]
         if unbroadcastable.any():
@@ -553,7 +552,7 @@ def plan_batches(
     keys = [dtype_ord[key_parts[live, 0]], segments.dtype[live], geo_ord[key_parts[live, 1]], segments.nbytes[live]]
     change = np.zeros(len(live), dtype=bool)
     change[0] = True
-    for k in keys:  # 1-D compares: `.any(axis=1)` over a short axis costs ~10x
+    for k in keys:  # 1-D compares: `.any(axis=1)` over a short axis is slower (plan/rowkeys.py)
         change[1:] |= k[1:] != k[:-1]
     starts = np.flatnonzero(change)
     heads = list(zip(*(k[starts].tolist() for k in keys)))

@@ -135,7 +135,7 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 # CUDA builds of torch compare many tensors' data pointers in one C++ loop (made for CUDA-graph trees' static inputs);
-# a Python data_ptr() call per tensor cost up to 70% of a pack of a thousand small sources (docs/benchmarks.md)
+# a Python data_ptr() call per tensor dominated a pack of a thousand small sources (docs/benchmarks.md)
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 

@@ -6,8 +6,8 @@ what was measured in the same run and nothing fitted to the sync times it is com
   * pack and apply rates: the replay bench's CUDA-graph figures for the same recorded plan
     (bench/results/replay_h200.json; GB/s there count bytes read + written, so packed bytes move at half);
   * the slowdown of a transfer while a pack or apply runs on its GPUs: from the engine's trace of the same design
-    (bench/results/sync_h200_trace.log): a part's receive interval is 1.03-1.05x longer end to end than with pack and
-    apply switched off, while the kernels cover ~35% of each part's transfer, i.e. a ~11% slower link while they run;
+    (bench/results/sync_h200_trace.log): how much longer a part's receive interval is with pack and apply running,
+    over the share of the transfer the kernels cover (the figures: docs/benchmarks.md);
   * fixed costs (posting, polling, start and finish) from `Links`' defaults, read off the same trace.
 The plans are the shipped plan files, restricted to the bench's layers; their bytes equal the bench's (checked).
 """
@@ -61,7 +61,7 @@ class Calibration:
     simulated_ms: dict[str, float]  # "sharded" (pack and apply off), "e2e"
 
     def error(self, what: str) -> float:
-        """Simulated over measured, minus one (+0.03: the simulator is 3% slower than the machine)."""
+        """Simulated over measured, minus one (positive: the simulator is slower than the machine)."""
         return self.simulated_ms[what] / self.measured_ms[what] - 1
 
 

@@ -41,38 +41,39 @@ class UnreachableConsumerError(SimulationError):
 
 @dataclass(kw_only=True, frozen=True)
 class Links:
-    """Link and rate parameters. Defaults: the 2 x H200 machine's measured ceilings (shared/notes/limits.md,
-    docs/benchmarks.md) for NVLink, pack and apply, and a 400 Gb/s NIC per GPU (ConnectX-7 class) for the network."""
+    """Link and rate parameters. Defaults: the 2 x H200 machine's measured ceilings for NVLink, PCIe, pack and apply,
+    fixed costs read off the sync bench's trace, and a 400 Gb/s NIC per GPU (ConnectX-7 class) for the network;
+    where each figure comes from: docs/benchmarks.md, "The simulator's calibrated defaults"."""
 
     nvlink_GBps: float = 370.0
-    """NVLink bandwidth per GPU, each direction (NCCL send/recv of 2 GiB between two H200s: 370 GB/s)."""
+    """NVLink bandwidth per GPU, each direction (an NCCL send/recv between two H200s)."""
     nvlink_latency_us: float = 5.0
     """Fixed cost of one transfer between GPUs of one node before its bytes flow."""
     nic_GBps: float | None = 50.0
-    """Network bandwidth of each GPU's own NIC, each direction (400 Gb/s = 50 GB/s line rate). None: no network
+    """Network bandwidth of each GPU's own NIC, each direction (line rate). None: no network
     (only GPUs of one node can reach each other)."""
     nic_latency_us: float = 5.0
     """Fixed cost of one transfer between nodes (RDMA round trip, NCCL proxy) before its bytes flow."""
     pcie_GBps: float = 55.0
-    """GPU <-> NIC path (PCIe Gen5 x16: pinned host <-> device measured 55 GB/s); caps the NIC's useful rate."""
+    """GPU <-> NIC path (PCIe Gen5 x16, pinned host <-> device); caps the NIC's useful rate."""
     pack_GBps: float = 1650.0
-    """Packed bytes per second of the trainer's pack (replay) kernels (H200, recorded plans: 3270-3950 GB/s read +
-    written, i.e. 1640-1980 packed)."""
+    """Packed bytes per second of the trainer's pack (replay) kernels (H200, recorded plans; the replay bench counts
+    bytes read + written, twice the packed bytes)."""
     apply_GBps: float = 1760.0
-    """Packed bytes per second of the consumer's apply kernels (H200: 3530-4070 GB/s read + written)."""
+    """Packed bytes per second of the consumer's apply kernels (H200, recorded plans)."""
     post_us: float = 50.0
-    """CPU time to post one NCCL send or receive (docs/benchmarks.md: 50-80 us)."""
+    """CPU time to post one NCCL send or receive."""
     launch_us: float = 20.0
     """CPU time to enqueue one pack or apply (a bound CUDA graph launch)."""
     poll_us: float = 25.0
-    """Delay between a transfer finishing and its waiter noticing (the engine polls every 20-50 us)."""
+    """Delay between a transfer finishing and its waiter noticing (the engine polls)."""
     start_us: float = 100.0
-    """From the driver's "go" until a rank's sync() starts (the bench's trace: 0.09-0.15 ms)."""
+    """From the driver's "go" until a rank's sync() starts."""
     finish_us: float = 60.0
     """After a consumer's last apply: commit the version and write its result on the control channel."""
     overlap_slowdown: float = 0.0
     """Fraction of a GPU's link rate lost while a pack or apply kernel runs on that GPU (SM and memory contention);
-    0 models none. The H200 pair's trace shows ~0.6 ms per part alone and 0.65-0.75 ms while packing and applying."""
+    0 models none (the calibration sets it from the sync bench's trace: simulate/calibration.py)."""
 
     def __post_init__(self):
         for f in fields(self):

@@ -24,7 +24,7 @@ def simulate(
 
     `bytes_scale` multiplies every byte (0.5: FP8 estimated from a BF16 plan). `rate_quantum_s`: shared link rates
     are recomputed at most this often in simulated time (0: at every transfer start and end, exact; the default
-    changes a 2-layer Kimi-K2 fleet's time by 0.4% and runs 3x faster). `group_order="rotated"`: a what-if, not what
+    trades a small error for speed: docs/benchmarks.md). `group_order="rotated"`: a what-if, not what
     the engine does: consumer i of n takes the groups starting at i * G // n (spreads them over PP trainer stages)."""
     links = links or Links()
     if bytes_scale <= 0:

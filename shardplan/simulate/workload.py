@@ -10,8 +10,8 @@ Two kinds of trainer, as in the engine:
     eligible trainers into ceil(#trainers / #consumers) chunks but never more chunks than eligible trainers, so a
     pinned run is one piece either way (tests/unit/test_simulate.py checks the pieces are the same).
 
-Building a fleet's workload costs what the coordinator would pay at start-up, in Python: `plan_shards` ~0.15 s per
-consumer rank of Kimi-K2 TP32+EP on the 2-core CI box, so `layers=` restricts the plans to some decoder layers (the
+Building a fleet's workload costs what the coordinator would pay at start-up, in Python (`plan_shards` per consumer
+rank), so `layers=` restricts the plans to some decoder layers (the
 simulator then reports the layers it ran; extrapolate.py turns two such runs into a full-model estimate).
 """
 

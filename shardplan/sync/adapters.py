@@ -22,8 +22,9 @@ from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Span
 
 # Pipeline unit of ReplayPacker / ApplyUnpacker: a decoder layer's group larger than this is moved in parts (see
-# PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each: on an
-# H200 pair a 256 MiB part is ~0.7 ms on the wire and ~0.1 ms to pack or apply. Trainer and consumer must agree.
+# PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each, so a
+# part is sized to take far longer on the wire than to pack or apply (docs/benchmarks.md, "Sync over NCCL"). Trainer
+# and consumer must agree.
 PART_BYTES = 256 << 20
 
 
@@ -89,7 +90,7 @@ class _Packs:
 
 
 def _same_tensors(bound, names: Sequence[str], given: Mapping[str, torch.Tensor]) -> bool:
-    """The source handed the bound tensors again: the same objects (one C-level identity pass over `names`, ~10x
+    """The source handed the bound tensors again: the same objects (one C-level identity pass over `names`, much
     cheaper than reading each tensor's address), else per tensor the same storage address, shape and dtype. Whether
     a bound object's storage was swapped in place (`t.data = x`, `set_`) is pack(check=True)'s data-pointer check."""
     if all(map(operator.is_, map(given.get, names), bound.given)):

@@ -153,7 +153,7 @@ class Control:
 
     Clients come from a per-process pool and are used by one thread at a time: a TCPStore client serialises its
     operations (a blocking wait would stall every other thread), and opening one occasionally takes seconds on some
-    machines (seen: 5 s in ~3% of connects in a gVisor sandbox), so they are opened ahead (`prewarm`) and reused.
+    machines (seen in a gVisor sandbox), so they are opened ahead (`prewarm`) and reused.
     """
 
     _pools: dict[tuple[str, int], list] = {}

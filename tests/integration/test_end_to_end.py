@@ -9,6 +9,7 @@ import os
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tiny_models import TINY
 
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.file.format import PlanFile, decode, encode
@@ -20,44 +21,7 @@ from shardplan.runtime.apply import Applier
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.shards import compose, ep_shards, layer_stage, local_tensors, plan_shards, pp_shards, tp_shards
 
-MODELS = {
-    "qwen3-30b-a3b": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "moe_intermediate_size=32",
-        "num_attention_heads=4",
-        "num_key_value_heads=2",
-        "head_dim=16",
-        "num_experts=4",
-        "num_experts_per_tok=2",
-        "vocab_size=300",
-    ],
-    "kimi-k2": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "moe_intermediate_size=32",
-        "n_routed_experts=4",
-        "num_attention_heads=4",
-        "num_key_value_heads=4",
-        "q_lora_rank=32",
-        "kv_lora_rank=16",
-        "qk_rope_head_dim=8",
-        "qk_nope_head_dim=16",
-        "v_head_dim=16",
-        "vocab_size=300",
-        "num_experts_per_tok=2",
-    ],
-    "llama-3.1-8b": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "num_attention_heads=4",
-        "num_key_value_heads=2",
-        "vocab_size=300",
-    ],
-}
+MODELS = TINY
 
 
 @functools.cache

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from test_sync import full_tensors, tiny_llama_plans
+from sync_worlds import full_tensors, tiny_llama_plans
 
 from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.sharding import placement_shards, sharded_plan, shards_from_json

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from tiny_models import TINY, tiny
 
 from shardplan.engine.errors import EnginePlanMismatch
 from shardplan.engine.reload import ReloadUnpacker
@@ -15,29 +16,7 @@ from shardplan.plan.layout import Layout
 from shardplan.record.build import build_model
 from shardplan.record.session import RecordSession
 
-SHRUNK = {
-    "llama-3.1-8b": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "num_attention_heads=4",
-        "num_key_value_heads=2",
-        "vocab_size=300",
-        "tie_word_embeddings=true",
-    ],
-    "qwen3-30b-a3b": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "moe_intermediate_size=32",
-        "num_attention_heads=4",
-        "num_key_value_heads=2",
-        "head_dim=16",
-        "num_experts=4",
-        "num_experts_per_tok=2",
-        "vocab_size=300",
-    ],
-}
+SHRUNK = {"llama-3.1-8b": tiny("llama-3.1-8b", tie_word_embeddings="true"), "qwen3-30b-a3b": TINY["qwen3-30b-a3b"]}
 
 
 @functools.cache

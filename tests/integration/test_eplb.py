@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import TINY, tiny
 
 from shardplan.plan.file.format import PlanFile, decode
 from shardplan.plan.layout import Layout
@@ -27,36 +28,7 @@ from shardplan.record.verify import RankVerdict, bits, compare_models, poison, r
 from shardplan.runtime.apply import Applier
 from shardplan.runtime.replay import Replayer
 
-MODELS = {
-    "qwen3-30b-a3b": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "moe_intermediate_size=32",
-        "num_attention_heads=4",
-        "num_key_value_heads=2",
-        "head_dim=16",
-        "num_experts=4",
-        "num_experts_per_tok=2",
-        "vocab_size=300",
-    ],
-    "kimi-k2": [
-        "num_hidden_layers=2",
-        "hidden_size=64",
-        "intermediate_size=128",
-        "moe_intermediate_size=32",
-        "n_routed_experts=4",
-        "num_attention_heads=4",
-        "num_key_value_heads=4",
-        "q_lora_rank=32",
-        "kv_lora_rank=16",
-        "qk_rope_head_dim=8",
-        "qk_nope_head_dim=16",
-        "v_head_dim=16",
-        "vocab_size=300",
-        "num_experts_per_tok=2",
-    ],
-}
+MODELS = {model: TINY[model] for model in ("qwen3-30b-a3b", "kimi-k2")}
 # (model, tp = EP size, redundant): 4 logical experts; R > E gives an expert three replicas
 CASES = [
     ("qwen3-30b-a3b", 2, 2),
@@ -424,7 +396,7 @@ def test_sampled_recording_equals_every_layer_with_slots():
     the extended plan is byte-identical to recording every layer."""
     from shardplan.record.session import RecordSession
 
-    overrides = [o for o in MODELS["kimi-k2"] if not o.startswith("num_hidden_layers")] + ["num_hidden_layers=5"]
+    overrides = tiny("kimi-k2", num_hidden_layers=5)
     session = RecordSession("kimi-k2", Layout(tp=2, ep=True), overrides=overrides, eplb_redundant=2)
     sampled = session.record_plans([0, 1])
     assert sampled.how.startswith("sampled"), sampled.how

@@ -9,20 +9,20 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from sync_worlds import (
+    TIMEOUT_S,
+    FullSource,
+    LocalCluster,
+    Received,
+    cluster_setup,
+    received,
+    spawn_context,
+)
 
 from shardplan.plan.placement import make_placement
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
 from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
 from shardplan.transport import consumer_name
-from tests.integration.test_sync import (
-    TIMEOUT_S,
-    LocalCluster,
-    _cluster_setup,
-    _context,
-    _FullSource,
-    _Received,
-    received,
-)
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots
 
 MOE = (1, 2)
@@ -46,13 +46,13 @@ class EplbWorld:
         return EplbPacker(self.plans, self.plan_file.sources, self.slots, control, timeout_s=timeout_s)
 
     def source(self, rank):
-        return _FullSource(self.tensors)
+        return FullSource(self.tensors)
 
     def unpacker(self, rank):
         from shardplan.runtime.apply import params_from_plan
 
         params = params_from_plan(self.plans[rank], fill=float("nan"))
-        return _Received(ApplyUnpacker(self.plans[rank], params), params)
+        return Received(ApplyUnpacker(self.plans[rank], params), params)
 
 
 def build_eplb_rank(world_factory, name, transport, control, config=None):
@@ -68,9 +68,9 @@ def build_eplb_rank(world_factory, name, transport, control, config=None):
 
 class EplbCluster(LocalCluster):
     def __init__(self, transport: str, world_factory):
-        _cluster_setup(self, transport, world_factory, None)
+        cluster_setup(self, transport, world_factory, None)
         self.build = functools.partial(build_eplb_rank, world_factory, config=self.config)
-        self.ctx = _context()
+        self.ctx = spawn_context()
         self.procs = {}
         for name in self.names:
             self._spawn(name)

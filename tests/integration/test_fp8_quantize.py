@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from arch_sessions import fp8_overrides
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,48 +35,6 @@ from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
 
 BLOCK = (128, 128)
 MODELS = ("deepseek-v3-fp8", "kimi-k2-fp8", "qwen3-30b-a3b-fp8")
-
-
-def fp8_overrides(model: str, tp_max: int = 4) -> list[str]:
-    """The FP8 built-ins shrunk (their quantization_config kept). DeepSeek-V3 / Kimi-K2: 2 layers (one dense, one
-    MoE), sized so that every TP partition up to `tp_max` is whole 128-blocks: 8 heads with 128-wide q/k heads and v
-    heads, dense and expert MLPs of 128 * tp_max, 4 routed + 1 shared expert; the replicated fused q_a/kv_a projection
-    (128 + 64 + 128 rows) keeps a partial block, as the real models do. Qwen3-30B-A3B-FP8: 2 MoE layers, 4 experts of
-    384 rows, so that TP2 and TP4 give 192- and 96-row expert partitions: not whole 128-blocks, the refined scale grid
-    (vLLM: blocks of gcd(128, rows per rank, hidden) = 64 and 32) that the real model has at TP4 (768 / 4 = 192)."""
-    if model.startswith("qwen3"):
-        return [
-            "num_hidden_layers=2",
-            "hidden_size=256",
-            "num_attention_heads=8",
-            "num_key_value_heads=4",
-            "head_dim=128",
-            "moe_intermediate_size=384",
-            "num_experts=4",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-        ]
-    inter = 128 * tp_max
-    return [
-        "num_hidden_layers=2",
-        "first_k_dense_replace=1",
-        "hidden_size=256",
-        "num_attention_heads=8",
-        "num_key_value_heads=8",
-        f"intermediate_size={inter}",
-        f"moe_intermediate_size={inter}",
-        "n_routed_experts=4",
-        "num_experts_per_tok=2",
-        "n_group=1",
-        "topk_group=1",
-        "n_shared_experts=1",
-        "q_lora_rank=128",
-        "kv_lora_rank=128",
-        "qk_nope_head_dim=64",
-        "qk_rope_head_dim=64",
-        "v_head_dim=128",
-        "vocab_size=300",
-    ]
 
 
 _SESSIONS: dict = {}

@@ -17,24 +17,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_sync import LocalCluster, PlanWorld, RayCluster, _FullSource, _Received, ray_session  # noqa: F401
+from arch_sessions import fp8_overrides
+from sync_worlds import FullSource, LocalCluster, PlanWorld, RayCluster, Received
 
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.runtime.quantize import BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError, quantize_blocks
 from shardplan.sync import SyncConfig
 from shardplan.transport import consumer_name
 
-QWEN3_FP8_SHRUNK = [
-    "num_hidden_layers=2",
-    "hidden_size=256",
-    "num_attention_heads=8",
-    "num_key_value_heads=4",
-    "head_dim=128",
-    "moe_intermediate_size=384",
-    "num_experts=4",
-    "num_experts_per_tok=2",
-    "vocab_size=300",
-]
+QWEN3_FP8_SHRUNK = fp8_overrides("qwen3-30b-a3b")
 # each decoder layer moves in 2-3 parts (the parts path); every part re-quantizes the weights it reads
 FP8_PART_BYTES = 256 << 10
 
@@ -102,10 +93,10 @@ class Fp8World(PlanWorld):
         from shardplan.sync import ApplyUnpacker
 
         params = params_from_plan(self.plans[rank], fill=float("nan"))
-        return _Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
+        return Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=FP8_PART_BYTES), params)
 
     def source(self, rank):
-        return _FullSource(self.tensors)
+        return FullSource(self.tensors)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ NEW_BUILTINS = ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-4.5"]
 
 @pytest.mark.parametrize("short", NEW_BUILTINS)
 def test_shrunk_builtins_names_equal_save_pretrained(short, tmp_path):
-    from test_record_archs import shrink_overrides
+    from arch_sessions import shrink_overrides
 
     from shardplan.record.configs import hf_view
 

@@ -19,8 +19,8 @@ checkpoint tensor is read by exactly one rank (the one vLLM's linear placement a
 here for (a cat of one source, a copying reshape, an in-place zero_, a constant index, ...); and two tests pin bugs of
 recording many models in one process (vLLM's id-keyed pipeline cache, the Transformers backend's class decoration).
 
-RecordSessions (VllmConfig creation costs seconds) and recorded plans are cached per (model, overrides, layout,
-dtype) for the whole module. HYPOTHESIS_PROFILE=thorough draws many more cases per architecture.
+RecordSessions and recorded plans are cached per (model, overrides, layout, dtype) for the process
+(tests/integration/arch_sessions.py). HYPOTHESIS_PROFILE=thorough draws many more cases per architecture.
 """
 
 from __future__ import annotations
@@ -30,203 +30,24 @@ from dataclasses import replace
 
 import archs
 import pytest
+from arch_sessions import ALL_ARCHS, BUILTINS, EXTRAS, arch_experts, arch_spec, get_plan, get_session, shrink_overrides
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.control import note as _note
 
-from shardplan import models
 from shardplan.plan import ir
 from shardplan.plan.layout import Layout
 from shardplan.record import verify
-from shardplan.record.build import LayoutRejected
 from shardplan.record.session import RecordSession
 
+
 # the block-FP8 built-ins need 128-aligned shrinks and their own checkpoint: tests/integration/test_fp8_quantize.py
-BUILTINS = [short for short, _, _ in models.list_models() if not short.endswith("-fp8")]
-EXTRAS = archs.extra_names()
-ALL_ARCHS = BUILTINS + EXTRAS
-
-_GQA = ["hidden_size=128", "num_attention_heads=4", "num_key_value_heads=2"]
-
-
-def shrink_overrides(name: str) -> list[str]:
-    """Overrides that make a built-in tiny but keep its structure: 2 layers (DeepSeek/Kimi: one dense, one MoE;
-    Qwen3-235B: one MoE, one dense via mlp_only_layers), 4 heads over 2 kv heads (so TP 4 replicates kv heads), 4-8
-    experts, small MLA ranks, and a vocabulary that is not a multiple of 64 (so vLLM pads it and the last TP rank
-    gets zero-filled padding rows)."""
-    if name in ("llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b"):
-        return ["num_hidden_layers=2", *_GQA, "intermediate_size=256", "vocab_size=300"]
-    if name == "mixtral-8x7b":
-        return [
-            "num_hidden_layers=2",
-            *_GQA,
-            "intermediate_size=96",
-            "num_local_experts=4",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-        ]
-    if name in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
-        mixed = ["mlp_only_layers=[1]"] if name == "qwen3-235b-a22b" else []
-        return [
-            "num_hidden_layers=2",
-            *_GQA,
-            "head_dim=32",
-            "intermediate_size=256",
-            "moe_intermediate_size=64",
-            "num_experts=4",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-            *mixed,
-        ]
-    if name in ("deepseek-v3", "kimi-k2"):
-        return [
-            "num_hidden_layers=2",
-            "first_k_dense_replace=1",
-            "hidden_size=128",
-            "num_attention_heads=4",
-            "num_key_value_heads=4",
-            "intermediate_size=256",
-            "moe_intermediate_size=64",
-            "n_routed_experts=8",
-            "num_experts_per_tok=2",
-            "n_group=1",
-            "topk_group=1",
-            "n_shared_experts=1",
-            "q_lora_rank=64",
-            "kv_lora_rank=32",
-            "qk_nope_head_dim=16",
-            "qk_rope_head_dim=16",
-            "v_head_dim=16",
-            "vocab_size=300",
-        ]
-    if name == "gpt-oss-120b":
-        return [
-            "num_hidden_layers=2",
-            *_GQA,
-            "head_dim=32",
-            "intermediate_size=128",
-            "num_local_experts=4",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-            "pad_token_id=0",
-            'layer_types=["sliding_attention", "full_attention"]',
-        ]
-    if name == "qwen3-next-80b-a3b":  # one linear-attention (Gated DeltaNet) layer, one full-attention layer
-        return [
-            "num_hidden_layers=2",
-            "full_attention_interval=2",
-            *_GQA,
-            "head_dim=32",
-            "intermediate_size=256",
-            "moe_intermediate_size=64",
-            "shared_expert_intermediate_size=64",
-            "num_experts=4",
-            "num_experts_per_tok=2",
-            "linear_num_key_heads=4",
-            "linear_num_value_heads=8",
-            "linear_key_head_dim=32",
-            "linear_value_head_dim=32",
-            "vocab_size=300",
-        ]
-    if name in ("glm-4.5", "glm-4.6"):
-        return [
-            "num_hidden_layers=2",
-            "first_k_dense_replace=1",
-            *_GQA,
-            "head_dim=32",
-            "intermediate_size=256",
-            "moe_intermediate_size=64",
-            "n_routed_experts=8",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-            "pad_token_id=0",
-        ]
-    if name == "kimi-linear-48b-a3b":  # three KDA (linear attention) layers, then one MLA layer
-        return [
-            "num_hidden_layers=4",
-            "linear_attn_config.kda_layers=[1,2,3]",
-            "linear_attn_config.full_attn_layers=[4]",
-            "hidden_size=128",
-            "num_attention_heads=4",
-            "num_key_value_heads=4",
-            "intermediate_size=256",
-            "moe_intermediate_size=64",
-            "num_experts=8",
-            "num_experts_per_token=2",
-            "kv_lora_rank=32",
-            "qk_nope_head_dim=16",
-            "qk_rope_head_dim=16",
-            "v_head_dim=16",
-            "linear_attn_config.head_dim=32",
-            "linear_attn_config.num_heads=4",
-            "vocab_size=300",
-        ]
-    if name == "minimax-m2":
-        return [
-            "num_hidden_layers=2",
-            "attn_type_list=[1,1]",
-            *_GQA,
-            "head_dim=32",
-            "rotary_dim=16",
-            "intermediate_size=64",
-            "num_local_experts=8",
-            "num_experts_per_tok=2",
-            "vocab_size=300",
-        ]
-    raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
-
-
 def test_every_builtin_and_extra_is_covered():
     for name in BUILTINS:
         shrink_overrides(name)  # raises for a built-in added without shrink overrides
     assert set(EXTRAS) == set(archs.ARCHS), "every tests/archs/<name>/config.json needs an entry in archs.ARCHS"
     assert len(EXTRAS) >= 10
-
-
-# ---- cached sessions and plans ------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def arch_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("arch-checkpoints")
-
-
-def _spec(arch: str, dtype: str, root) -> tuple[str, tuple[str, ...]]:
-    if arch in BUILTINS:
-        return arch, tuple(shrink_overrides(arch))
-    return archs.model_dir(arch, dtype, root), ()
-
-
-def _num_experts(arch: str) -> int:
-    if arch in BUILTINS:
-        return archs.num_experts(models.resolve_model(arch, shrink_overrides(arch)).config)
-    return archs.num_experts(archs.config(arch))
-
-
-_SESSIONS: dict[tuple, RecordSession | LayoutRejected] = {}
-_PLANS: dict[tuple, tuple[ir.RankPlan, object]] = {}
-
-
-def get_session(model: str, overrides: tuple[str, ...], layout: Layout, dtype: str) -> RecordSession | None:
-    """The cached session, or None when vLLM rejects the layout for this model (cached too)."""
-    key = (model, overrides, layout, dtype)
-    if key not in _SESSIONS:
-        try:
-            _SESSIONS[key] = RecordSession(model, layout, dtype=dtype, overrides=list(overrides))
-        except LayoutRejected as e:
-            _SESSIONS[key] = e
-    got = _SESSIONS[key]
-    return None if isinstance(got, LayoutRejected) else got
-
-
-def get_plan(session: RecordSession, key: tuple, rank: int):
-    """(plan, stats) of one rank, or None when vLLM refuses to build the model for that layout (some checks, e.g.
-    Mamba's TP vs. groups, run only when the model is built)."""
-    if (key, rank) not in _PLANS:
-        try:
-            _PLANS[(key, rank)] = session.record_rank(rank)
-        except LayoutRejected:
-            _PLANS[(key, rank)] = None
-    return _PLANS[(key, rank)]
 
 
 # ---- the property -------------------------------------------------------------------------------------------------
@@ -275,7 +96,7 @@ def check_rank(arch: str, session: RecordSession, layout: Layout, rank: int, pla
 )
 @given(data=st.data())
 def test_replay_equals_real_loader(arch, data, arch_root):
-    experts = _num_experts(arch)
+    experts = arch_experts(arch)
     moe = experts > 0
     # first elements are what hypothesis tries first: TP 2 (sharding), EP on
     tp = data.draw(st.sampled_from([2, 4, 1]), label="tp")
@@ -287,7 +108,7 @@ def test_replay_equals_real_loader(arch, data, arch_root):
     # more EP ranks than experts leaves a rank without experts, which vLLM's loaders do not handle (Llama 4 indexes
     # its first local expert) although vLLM accepts the layout
     assume(not ep or dp * tp <= experts)
-    model, overrides = _spec(arch, dtype, arch_root)
+    model, overrides = arch_spec(arch, dtype, arch_root)
     session = get_session(model, overrides, layout, dtype)
     assume(session is not None)  # vLLM rejects the layout for this model (e.g. TP does not divide the heads)
     rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
@@ -311,11 +132,11 @@ def test_fast_tier_equals_full_tier(arch, data, arch_root):
     """record_loader tries the fast tier (plain meta tensors, sinks only) and hands over to the full tier (RecTensor)
     when it meets anything it cannot vouch for. Where the fast tier completes, its plan must be the full tier's, write
     for write; the built-ins (the models whose recording time matters) must all take the fast tier."""
-    experts = _num_experts(arch)
+    experts = arch_experts(arch)
     tp = data.draw(st.sampled_from([2, 4, 1]), label="tp")
     ep = data.draw(st.sampled_from([True, False]), label="ep") if experts else False
     layout = Layout(tp=tp, ep=ep)
-    model, overrides = _spec(arch, "bfloat16", arch_root)
+    model, overrides = arch_spec(arch, "bfloat16", arch_root)
     session = get_session(model, overrides, layout, "bfloat16")
     assume(session is not None)
     rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
@@ -556,7 +377,7 @@ def _exp_writes(plan: ir.RankPlan) -> int:
 @pytest.mark.parametrize("arch", sorted(WITNESSES))
 def test_architecture_exercises_its_behaviour(arch, arch_root):
     layout, rank, witness = WITNESSES[arch]
-    model, overrides = _spec(arch, "bfloat16", arch_root)
+    model, overrides = arch_spec(arch, "bfloat16", arch_root)
     session = get_session(model, overrides, layout, "bfloat16")
     plan, stats = get_plan(session, (model, overrides, layout, "bfloat16"), rank)
     assert witness(plan, stats.device), plan.format({s.name: s for s in session.sources})

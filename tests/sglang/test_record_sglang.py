@@ -17,10 +17,9 @@ import pathlib
 import re
 
 import pytest
+from arch_sessions import fp8_overrides, shrink_overrides
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_fp8_quantize import fp8_overrides
-from test_record_archs import shrink_overrides
 
 from shardplan.plan import ir
 from shardplan.plan.layout import Layout

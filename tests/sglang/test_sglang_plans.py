@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from test_record_archs import shrink_overrides
+from arch_sessions import shrink_overrides
 
 from shardplan.cli import main
 from shardplan.plan.file import store

@@ -91,16 +91,23 @@ def rich_plans():
 
 
 def rich_bytes() -> bytes:
+    plans, sources = rich_plans()
+    return encode_plans(plans, sources)
+
+
+def encode_plans(
+    plans, sources, *, tp: int = 2, model: str = "test/model", architecture: str = "TestForCausalLM"
+) -> bytes:
+    """A plan file of these rank plans (compiled), under a test header: TP `tp`, bfloat16, vLLM 0.32.0."""
     from shardplan.plan.compile.compiler import compile_plans
     from shardplan.plan.layout import Layout
 
-    plans, sources = rich_plans()
     return planfile.encode(
         compile_plans(plans, sources),
-        model="test/model",
-        architecture="TestForCausalLM",
+        model=model,
+        architecture=architecture,
         config_sha256="0" * 64,
-        layout=Layout(tp=2),
+        layout=Layout(tp=tp),
         dtype="bfloat16",
         vllm_version="0.32.0",
     )

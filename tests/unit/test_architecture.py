@@ -147,3 +147,22 @@ def test_packages_within_their_line_budgets():
     assert not unbudgeted, f"packages without a line budget in BUDGETS: {unbudgeted}"
     over = [f"{p}: {n} lines, budget {BUDGETS[p]}" for p, n in sorted(lines.items()) if n > BUDGETS[p]]
     assert not over, "packages over their line budget (split into rooms or cut):\n" + "\n".join(over)
+
+
+def test_no_test_module_imports_another():
+    # shared fixtures live in a conftest.py, shared helpers in a module not named test_*: importing a test module
+    # collects its tests twice and ties one file's tests to another's internals
+    tests = PACKAGE.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if any(part.startswith("test_") for part in name.split(".")):
+                    found.append(f"{path.relative_to(tests.parent)}:{node.lineno}: imports {name}")
+    assert not found, "test modules importing test modules (move what they share out):\n" + "\n".join(found)

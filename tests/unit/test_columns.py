@@ -1,4 +1,4 @@
-"""The columnar form (plan/columns.py, plan/file/rank.py, runtime/packcols.py) equals the object form: instantiated
+"""The columnar form (plan/columns.py, plan/file/rank.py, runtime/segments.py) equals the object form: instantiated
 writes, pack layouts (segments, refs, groups, split parts) and their digests, for every shipped plan and for random
 plans; and its checks refuse what the object path refused."""
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from blocked_imports import run_without_vllm
-from planfile_helpers import raw_parts, reseal, seal
+from planfile_helpers import encode_plans, raw_parts, reseal, seal
 
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
@@ -51,15 +51,7 @@ def _plan(rank: int, writes=None) -> ir.RankPlan:
 
 
 def _encode(plans, sources=SOURCES) -> bytes:
-    return encode(
-        compile_plans(plans, sources),
-        model="test/model",
-        architecture="TestForCausalLM",
-        config_sha256="0" * 64,
-        layout=Layout(tp=2),
-        dtype="bfloat16",
-        vllm_version="0.32.0",
-    )
+    return encode_plans(plans, sources)
 
 
 def _good() -> bytes:

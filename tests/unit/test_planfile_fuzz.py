@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from planfile_helpers import raw_parts, reseal, rich_bytes, seal
+from planfile_helpers import encode_plans, raw_parts, reseal, rich_bytes, seal
 
 from shardplan.plan import inspect as plan_inspect
 from shardplan.plan.file import format as planfile
@@ -375,15 +375,7 @@ def test_inplace_ops_on_sources():
         saved = skeletons.SkeletonRules.foreign_write
         skeletons.SkeletonRules.foreign_write = lambda *a: None  # a writer without the check
         try:
-            data = planfile.encode(
-                compile_plans([plan], [meta]),
-                model="t/m",
-                architecture="TForCausalLM",
-                config_sha256="0" * 64,
-                layout=Layout(tp=1),
-                dtype="bfloat16",
-                vllm_version="0.32.0",
-            )
+            data = encode_plans([plan], [meta], tp=1, model="t/m", architecture="TForCausalLM")
         finally:
             skeletons.SkeletonRules.foreign_write = saved
         try:

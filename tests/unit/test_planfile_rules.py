@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from planfile_helpers import raw_parts, reseal, rich_bytes, seal
+from planfile_helpers import encode_plans, raw_parts, reseal, rich_bytes, seal
 
 from shardplan.plan.file import checks as plancheck
 from shardplan.plan.file import format as planfile
@@ -429,8 +429,6 @@ def _uneven_bytes() -> bytes:
     from planfile_helpers import rich_plans
 
     from shardplan.plan import ir
-    from shardplan.plan.compile.compiler import compile_plans
-    from shardplan.plan.layout import Layout
 
     plans, sources = rich_plans()
     small = ir.TensorMeta("model.layers.0.w.weight", (2, 4), "bfloat16")
@@ -444,15 +442,7 @@ def _uneven_bytes() -> bytes:
         for w in p1.writes
     )
     plans[1] = ir.RankPlan(1, tuple(small if m.name == small.name else m for m in p1.params), writes, p1.fallbacks)
-    return planfile.encode(
-        compile_plans(plans, sources),
-        model="test/model",
-        architecture="TestForCausalLM",
-        config_sha256="0" * 64,
-        layout=Layout(tp=2),
-        dtype="bfloat16",
-        vllm_version="0.32.0",
-    )
+    return encode_plans(plans, sources)
 
 
 def test_a_param_declared_differently_by_two_ranks_keeps_both_shapes():

@@ -13,13 +13,12 @@ import resource
 
 import pytest
 import torch
+from planfile_helpers import encode_plans
 
 from shardplan.errors import ForeignWriteError, PlanTooLarge
 from shardplan.plan import interp, ir
-from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.file import format as planfile
 from shardplan.plan.file import skeletons as planskeleton
-from shardplan.plan.layout import Layout
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.replay import Replayer
 from shardplan.runtime.tensors import PackBufferError
@@ -42,15 +41,7 @@ def _plan(src: ir.View, dst_shape=(4, 4), param=PARAM) -> ir.RankPlan:
 
 
 def _file_bytes(plan: ir.RankPlan, sources=SOURCES) -> bytes:
-    return planfile.encode(
-        compile_plans([plan], list(sources.values())),
-        model="t/m",
-        architecture="TForCausalLM",
-        config_sha256="0" * 64,
-        layout=Layout(tp=1),
-        dtype="bfloat16",
-        vllm_version="0.32.0",
-    )
+    return encode_plans([plan], list(sources.values()), tp=1, model="t/m", architecture="TForCausalLM")
 
 
 def _trainer():

@@ -1,6 +1,16 @@
-"""Checks made when a rank of a plan is instantiated: every destination box non-empty, never touching an element
-twice and inside a param of that rank; every region non-negative; every checkpoint view inside its declared tensor
-(docs/plan-format.md, "Box rules"). Pure-view templates are checked vectorised, over all their writes at once."""
+"""The box rules of a plan (docs/plan-format.md, "Box rules"), checked when a rank is instantiated and at replay.
+
+    destination box := non-empty, not self-overlapping, non-negative sizes and strides, inside a param of the rank
+    source view     := non-negative offset, sizes and strides, inside its declared checkpoint tensor
+    constant fill   := non-negative sizes, no larger than the param it fills
+    inside          := a non-empty box reaches only elements [0, numel) of its tensor    (check_extents: the one check)
+
+`check_extents` and `bad_geometry` work on geometry classes (a template's writes share a handful of (sizes, strides)):
+plan/file/rank.py calls them on the columns of pure-view templates, runtime/segments.py at replay and apply.
+`check_bounds` walks object writes (computed and ordered ones, rare) and ends in the same two functions.
+
+Every violation is one error, `PlanBoundsError`, naming the plan file, the rank and the box.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +22,54 @@ from shardplan.plan import ir
 from shardplan.plan.file.errors import PlanBoundsError, advice
 
 
-def check_extents(lo, hi, empty, numel, message: Callable[[int], str]) -> None:
-    """The box rule every bounds check ends in: a non-empty box's element extent [lo, hi) lies inside [0, numel) of
-    its tensor (arrays, one entry per box). Raises PlanBoundsError with `message(i)` for the first box i that does
-    not: at load (`_inside` here) and at replay (runtime/replay.py's sources, runtime/apply.py's params) alike."""
-    lo, hi, numel = np.asarray(lo), np.asarray(hi), np.asarray(numel)
-    bad = ~np.asarray(empty, dtype=bool) & ((lo < 0) | (hi > numel))
+def check_extents(offset, klass, sizes, strides, numel, message: Callable[[int], str]) -> None:
+    """The box rule, checked here only: every non-empty box i (element `offset[i]`, then the sizes and strides of
+    its geometry class `klass[i]`, rows of `sizes` / `strides`) reaches only elements [0, numel[i]) of its tensor.
+    Raises PlanBoundsError with `message(i)` for the first box i that does not. At load (plan/file/rank.py's
+    columns, `_inside` here for object writes) and at replay (runtime/replay.py's sources, runtime/apply.py's
+    params) alike.
+
+    A class's reach (a template's writes share a handful) is found once: in float64 first, so that a hostile one past
+    any tensor (2^62 elements) neither wraps nor passes, then exactly in int64; per box it is two integer compares
+    that cannot wrap."""
+    offset, klass, numel = np.asarray(offset), np.asarray(klass), np.asarray(numel)
+    if not offset.size:
+        return
+    sizes, strides = np.asarray(sizes, dtype=np.int64), np.asarray(strides, dtype=np.int64)  # [classes, dims]
+    rough = (sizes.astype(np.float64) - 1) * strides
+    far = (np.minimum(rough, 0).sum(axis=1) <= -_FAR) | (np.maximum(rough, 0).sum(axis=1) >= _FAR)
+    reach = np.where(far[:, None], 0, sizes - 1) * np.where(far[:, None], 0, strides)  # exact: no term wraps
+    before = np.where(far, np.iinfo(np.int64).max, -np.minimum(reach, 0).sum(axis=1))  # elements below the offset
+    after = np.where(far, _FAR, np.maximum(reach, 0).sum(axis=1) + 1)  # from the offset on; far: always refused
+    if len(before) == 1:  # one geometry (the usual template): no gather
+        bad = (offset < int(before[0])) | (offset > numel - int(after[0]))
+    else:
+        bad = (offset < before[klass]) | (offset > numel - after[klass])
+    empty = (sizes == 0).any(axis=1)
+    if empty.any():  # an empty box reaches nothing
+        bad &= ~empty[klass]
     if bad.any():
         raise PlanBoundsError(message(int(np.nonzero(bad)[0][0])))
+
+
+def bad_geometry(sizes, strides, destination: bool) -> np.ndarray:
+    """Per box geometry (rows of `sizes` / `strides`), whether it breaks a rule of its own: a negative size or
+    stride; for a destination also empty, or self-overlapping (one param element written twice)."""
+    sizes, strides = np.asarray(sizes), np.asarray(strides)
+    bad = (sizes < 0).any(axis=1) | (strides < 0).any(axis=1)
+    if destination:
+        bad |= (sizes == 0).any(axis=1) | _overlapping(sizes, strides)
+    return bad
+
+
+_FAR = 1 << 62  # a box reaching this many elements lies outside every tensor (a plan's are < 2^48)
 
 
 def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
     """Each write (default: all of the plan's): destination box non-empty, not self-overlapping and inside its
     parameter; every region non-negative; every source view inside its checkpoint tensor."""
     params = {p.name: p for p in plan.params}
-    overlapping: dict[tuple, bool] = {}  # per geometry: computed writes of one template share a few
+    bad_geometries: dict[tuple, bool] = {}  # computed writes of one template share a few
     for w in plan.writes if writes is None else writes:
         param = params.get(w.param)
         if param is None:
@@ -35,10 +78,9 @@ def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
             )
         d = w.dst
         geometry = (d.sizes, d.strides)
-        if geometry not in overlapping:
-            overlapping[geometry] = bool(_overlapping([d.sizes], [d.strides])[0])
-        bad = d.offset < 0 or min(d.sizes, default=1) < 1 or min(d.strides, default=0) < 0 or overlapping[geometry]
-        if bad:
+        if geometry not in bad_geometries:
+            bad_geometries[geometry] = bool(bad_geometry([d.sizes], [d.strides], destination=True)[0])
+        if d.offset < 0 or bad_geometries[geometry]:
             raise PlanBoundsError(
                 f"{path}: rank {plan.rank}: destination box {d} of {w.param} is empty, negative or "
                 f"self-overlapping (a stride 0 over more than one element). " + advice(path)
@@ -91,14 +133,13 @@ def _non_negative(region: ir.Region, rank, path) -> None:
 
 
 def _inside(region: ir.Region, meta: ir.TensorMeta, what: str, rank: int, path: str) -> None:
-    lo, hi = region.extent()
     message = (
         f"{path}: rank {rank}: box {region} lies outside {what} of shape {list(meta.shape)} "
         f"({meta.numel} elements). " + advice(path)
     )
     if len(region.sizes) != len(region.strides):
         raise PlanBoundsError(message)
-    check_extents([lo], [hi], [False], [meta.numel], lambda _: message)
+    check_extents([region.offset], [0], [region.sizes], [region.strides], [meta.numel], lambda _: message)
 
 
 def _overlapping(sizes, strides) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from shardplan.plan import ir
 from shardplan.plan.body import PlanBody
 from shardplan.plan.columns import WriteColumns, table_ids
-from shardplan.plan.file.bounds import _overlapping, check_bounds
+from shardplan.plan.file.bounds import bad_geometry, check_bounds, check_extents
 from shardplan.plan.file.errors import PlanBoundsError, advice
 from shardplan.plan.rowkeys import Columns, distinct_rows, expand_trie, stable_argsort
 from shardplan.plan.template import pure_view_form, trie_child, unflatten_write
@@ -136,7 +136,7 @@ def _pure_block(
     scratch = np.empty(n, dtype=np.int64)
 
     def holes(lo: int, hi: int) -> Columns:
-        """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (integer matmul is ~15x slower)."""
+        """Holes lo..hi-1 over the writes, one 1-D pass per nonzero coefficient (plan/rowkeys.py: why not a matmul)."""
         out = []
         for h in range(lo, hi):
             terms = np.flatnonzero(var[h]).tolist()
@@ -342,55 +342,29 @@ def canonical_order(rows: dict, dst_table, names, num_free: int, positions: np.n
 
 
 def _check_boxes(block: dict, side: str, names, param_numels, ids, rank: int, path: str) -> None:
-    """The box rules on one pure-view template's writes (as tests/reference.py's check_group_bounds): the geometry
-    (sizes, strides) is checked once per class (distinct geometry), offsets and extents per write."""
+    """The box rules of file/bounds.py on one pure-view template's writes: the geometry once per class (distinct
+    sizes, strides), offsets and extents per write (`check_extents`)."""
     _, t_sizes, t_strides = block[f"{side}_table"]
     klass = block[f"{side}_class"]
     numel = param_numels[block["param"]] if side == "dst" else block["src_numel"]
     offset = block[f"{side}_offset"]
-    if len(t_sizes) == 1:  # one geometry (the usual template): its facts in Python ints, exact; integer compares
-        negative, empty, reach, overlapping = _box_facts(t_sizes[0].tolist(), t_strides[0].tolist())
-        if negative or (side == "dst" and (empty or overlapping)):
-            bad = np.ones(len(offset), dtype=bool)
-        elif empty:
-            bad = offset < 0
-        elif reach >= 1 << 62:  # past any tensor
-            bad = np.ones(len(offset), dtype=bool)
-        else:  # numel >= 0 and 1 <= reach < 2^62: the difference does not wrap
-            bad = (offset < 0) | (offset > numel - reach)
-    else:
-        # float64: exact for every in-bounds box (< 2^53), and overflow-free for hostile ones
-        u_sizes, u_strides = t_sizes.astype(np.float64), t_strides.astype(np.float64)
-        u_negative = (u_sizes < 0).any(axis=1) | (u_strides < 0).any(axis=1)
-        u_empty = (u_sizes == 0).any(axis=1)
-        u_reach = ((u_sizes - 1) * u_strides).sum(axis=1) + 1
-        u_bad = u_empty | _overlapping(u_sizes, u_strides) if side == "dst" else np.zeros(len(t_sizes), dtype=bool)
-        bad = (
-            (u_negative | u_bad)[klass]
-            | (offset < 0)
-            | (~u_empty[klass] & (offset.astype(np.float64) + u_reach[klass] > numel.astype(np.float64)))
-        )
-    if bad.any():
-        j = int(np.nonzero(bad)[0][0])
+
+    def refuse(j: int) -> str:
         what = "destination" if side == "dst" else "source"
         name = names[block["param"][j]] if side == "dst" else ids.name(int(block["src"][j]))
         sizes, strides = t_sizes[klass[j]], t_strides[klass[j]]
-        raise PlanBoundsError(
+        return (
             f"{path}: rank {rank}: box (offset {int(offset[j])}, sizes {sizes.tolist()}, strides "
             f"{strides.tolist()}) is negative, {'empty, self-overlapping, ' if side == 'dst' else ''}"
             f"or lies outside {what} {name} ({int(numel[j])} elements). " + advice(path)
         )
 
-
-def _box_facts(sizes: list, strides: list) -> tuple[bool, bool, int, bool]:
-    """(negative, empty, reach, self-overlapping) of one box: bounds.py's rules (`_overlapping`: dims of size > 1,
-    sorted by stride, must each step past what the smaller dims reach) in Python ints."""
-    negative = any(v < 0 for v in sizes) or any(v < 0 for v in strides)
-    empty = any(v == 0 for v in sizes)
-    reach = sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1
-    before, overlapping = 0, False
-    for _, k in sorted((strides[k] if sizes[k] > 1 else float("inf"), k) for k in range(len(sizes))):
-        if sizes[k] > 1:
-            overlapping |= strides[k] <= before
-            before += (sizes[k] - 1) * strides[k]
-    return negative, empty, reach, overlapping
+    bad = bad_geometry(t_sizes, t_strides, destination=side == "dst")
+    if bad.any():
+        raise PlanBoundsError(refuse(int(np.nonzero(bad[klass])[0][0])))
+    empty = (t_sizes == 0).any(axis=1)
+    if empty.any():  # an empty source box reaches nothing, but its offset is a region's: non-negative
+        negative = empty[klass] & (offset < 0)
+        if negative.any():
+            raise PlanBoundsError(refuse(int(np.nonzero(negative)[0][0])))
+    check_extents(offset, klass, t_sizes, t_strides, numel, refuse)

@@ -1,8 +1,16 @@
-"""The pack layout computed on columns: `PackLayout.from_plans`' sort, dedup, offsets and group split, with numpy.
+"""The segments of a pack layout: where each write's bytes sit in a buffer, computed for `PackLayout.from_plans`.
 
-Same result as the per-write definition in runtime/pack.py's docstring (tests/unit/test_columns.py compares it with
-the object path, `layout_from_objects`), without one Python object per write: per-write keys are small integers
-(ordinals of names, dtypes, groups, geometries computed once per distinct value), sorted by one `np.lexsort`.
+    layout_arrays(plans, alignment, max_group_bytes) -> what PackLayout holds, as arrays (pack.SegmentTable)
+    segment := one packed blob: dtype, shape, byte offset, group, the writes (rank, index) it serves
+    shared  := same group, same source view, same destination dtype and shape   # such writes share one segment
+
+The definition is runtime/pack.py's, per write; here it runs without one Python object per write: per-write keys
+are small integers (ordinals of names, dtypes, groups, geometries, each computed once per distinct value), sorted by
+one `np.lexsort`, deduplicated, given aligned offsets and split into parts where a group is too large.
+tests/unit/test_columns.py compares the result with the object path (tests/reference.py: `reference_layout`).
+
+Replay and apply share the geometry helpers on columns (`geometry_keys`, `class_extents`, `check_class_extents`,
+`region_tuples`); the box bounds rule itself lives in plan/file/bounds.py.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import numpy as np
 from shardplan.errors import PlanError
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
+from shardplan.plan.file.bounds import check_extents
 from shardplan.plan.names import group_of, group_order
 from shardplan.plan.overlap import overlapping_writes, param_shapes
 from shardplan.plan.rowkeys import Columns, distinct_rows, row_keys, stable_argsort
@@ -436,7 +445,7 @@ def _group_spans(seg_group: np.ndarray, offset: np.ndarray, total: int) -> list[
 
 def extents(offset: np.ndarray, sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[lo, hi) element extent per row (padded dims have size 1: no reach); (offset, offset) when empty. Column by
-    column: numpy's reductions along a short last axis cost ~10x these 1-D passes."""
+    column (plan/rowkeys.py says why)."""
     lo, hi = offset.copy(), offset + 1
     empty = np.zeros(len(offset), dtype=bool)
     for j in range(sizes.shape[1]):
@@ -458,6 +467,13 @@ def class_extents(cols: WriteColumns, side: str, rows: np.ndarray) -> tuple[np.n
     offset = getattr(cols, f"{side}_offset")[rows]
     empty = c_empty[klass]
     return np.where(empty, offset, offset + c_lo[klass]), np.where(empty, offset, offset + c_hi[klass]), empty
+
+
+def check_class_extents(cols: WriteColumns, side: str, rows: np.ndarray, numel: np.ndarray, message) -> None:
+    """file/bounds.py's `check_extents` on the `side` regions of the given writes, by their geometry classes."""
+    classes, first = cols.region_classes(side)
+    _, sizes, strides = cols.geometry_rows(side, first)
+    check_extents(getattr(cols, f"{side}_offset")[rows], classes[rows], sizes, strides, numel, message)
 
 
 def _overlapping_groups(gp, cols_dst, shapes, group_ord, group_names) -> set[str]:
