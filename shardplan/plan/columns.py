@@ -49,6 +49,20 @@ class SourceIds:
             out.append(int(self.ids(text, np.asarray([ints], dtype=np.int64).reshape(1, len(ints)))[0]))
         return np.asarray(out, dtype=np.int64)
 
+    def renamed(self, ids: np.ndarray, rename) -> np.ndarray:
+        """The id of `rename(name)` for each id's name (-1 where it returns None or names no tensor of this table):
+        a weight's scale tensor by its suffix, without spelling out names where the table is templated."""
+        out = []
+        for i in ids.tolist():
+            other = rename(self.name(i))
+            out.append(-1 if other is None else int(self.ids_of_names([other])[0]))
+        return np.asarray(out, dtype=np.int64)
+
+    def dtype_codes(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta]) -> tuple[np.ndarray, list[str]] | None:
+        """(code per id, the dtype names the codes index) as `table` describes the tensors, where this id table can
+        say so without names; else None."""
+        return None
+
     def numels(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta] | None = None) -> np.ndarray:
         """Elements of each id's tensor as `table` (default: this id table's own) describes it; -1 where `table`
         does not hold the name."""
@@ -194,6 +208,26 @@ class TableSourceIds(SourceIds):
             return super().numels(ids, table)
         rows = np.searchsorted(self.bases, ids, side="right") - 1
         return self.row_numels[rows]
+
+    def renamed(self, ids: np.ndarray, rename) -> np.ndarray:
+        # per template row: `rename` applied to the row's text, the names' integers kept
+        out = np.full(len(ids), -1, dtype=np.int64)
+        rows = np.searchsorted(self.bases, ids, side="right") - 1
+        for r in np.unique(rows).tolist():
+            other = rename(self.texts[r])
+            if other is None:
+                continue
+            at = np.flatnonzero(rows == r)
+            out[at] = self.ids(other, self._rows[r][ids[at] - self.bases[r]])
+        return out
+
+    def dtype_codes(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta]) -> tuple[np.ndarray, list[str]] | None:
+        if table is not self.table:
+            return None
+        names = sorted({d for _, d in self.metas_by_row})
+        code = {d: i for i, d in enumerate(names)}
+        row_codes = np.asarray([code[d] for _, d in self.metas_by_row], dtype=np.int64)
+        return row_codes[np.searchsorted(self.bases, ids, side="right") - 1], names
 
     def dtypes(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta] | None = None) -> list[str]:
         """dtype name per id (`table`: as the trainer's sources describe them; default: this table's)."""

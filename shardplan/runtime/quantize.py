@@ -26,12 +26,14 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shardplan.errors import MissingTensorError, ReplayError
 from shardplan.plan import ir
+from shardplan.plan.columns import columns_of
 from shardplan.plan.names import SCALE_SUFFIX
-from shardplan.runtime import fp8kernel
+from shardplan.runtime import fp8kernel, quantplan
 from shardplan.runtime.pack import PackLayout, as_plans
 from shardplan.runtime.replay import BoundReplay, Replayer
 from shardplan.runtime.tensors import (
@@ -145,89 +147,6 @@ def trainer_meta(meta: ir.TensorMeta, sources: Mapping[str, ir.TensorMeta], dtyp
     return meta
 
 
-# ---- plan geometry -----------------------------------------------------------------------------------------------
-def _row_col(region: ir.Region, cols: int) -> tuple[int, int, list[tuple[int, int]]] | None:
-    """A region of a contiguous [rows, cols] tensor as a start (row, col) plus one (row step, col step) per dim,
-    when no dim carries from columns into rows; else None."""
-    row0, col0 = divmod(region.offset, cols)
-    steps, col_hi = [], col0
-    for size, stride in zip(region.sizes, region.strides):
-        if size == 1 or stride == 0:
-            steps.append((0, 0))
-        elif stride % cols == 0:
-            steps.append((stride // cols, 0))
-        elif 0 < stride < cols:
-            steps.append((0, stride))
-            col_hi += (size - 1) * stride
-        else:
-            return None
-    return (row0, col0, steps) if col_hi < cols else None
-
-
-def _region_box(region: ir.Region, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    rc = _row_col(region, shape[1])
-    if rc is None or region.numel == 0:
-        return None
-    row0, col0, steps = rc
-    row_hi = row0 + sum((n - 1) * r for n, (r, _) in zip(region.sizes, steps))
-    col_hi = col0 + sum((n - 1) * c for n, (_, c) in zip(region.sizes, steps))
-    return (row0, row_hi + 1), (col0, col_hi + 1)
-
-
-def _blocks_covered(box, scale_boxes, block: tuple[int, int]) -> bool:
-    """Every block that element `box` touches lies in one of `scale_boxes` (in blocks): one scale read may cover
-    them, or several (the compiler splits an upsampled scale into pure views: plan/compile/simplify.py). Checked on the
-    grid the boxes' edges cut the touched blocks into (a few cells), not block by block."""
-    (r0, r1), (c0, c1) = box
-    rows = (r0 // block[0], math.ceil(r1 / block[0]))
-    cols = (c0 // block[1], math.ceil(c1 / block[1]))
-    if any(
-        s_r0 <= rows[0] and rows[1] <= s_r1 and s_c0 <= cols[0] and cols[1] <= s_c1
-        for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes
-    ):
-        return True
-
-    def cuts(lo: int, hi: int, dim: int) -> list[int]:
-        return sorted({lo, hi} | {e for sbox in scale_boxes for e in sbox[dim] if lo < e < hi})
-
-    row_cuts, col_cuts = cuts(*rows, 0), cuts(*cols, 1)
-    return all(
-        any(s_r0 <= i < s_r1 and s_c0 <= j < s_c1 for (s_r0, s_r1), (s_c0, s_c1) in scale_boxes)
-        for i in row_cuts[:-1]
-        for j in col_cuts[:-1]
-    )  # each cell by its first block
-
-
-def _source_views(view: ir.View, name: str) -> list[ir.View] | None:
-    """Every View of source `name` in a write's source tree (through the inputs of computed writes), or None when
-    the tree reads it some other way (an Update's base): such a read needs the whole tensor."""
-    leaf = view.leaf
-    if isinstance(leaf, ir.Source):
-        return [view] if leaf.name == name else []
-    if isinstance(leaf, ir.Call):
-        out: list[ir.View] = []
-        for v in leaf.inputs:
-            got = _source_views(v, name)
-            if got is None:
-                return None
-            out += got
-        return out
-    if isinstance(leaf, ir.Update):
-        if name in ir.sources(leaf.base):
-            return None
-        return _source_views(leaf.value, name)
-    return []
-
-
-def _rebase(region: ir.Region, shape, box) -> ir.Region:
-    """`region` of the full [rows, cols] tensor, re-expressed in a contiguous tensor holding only `box`."""
-    row0, col0, steps = _row_col(region, shape[1])
-    box_cols = box[1][1] - box[1][0]
-    return ir.Region(
-        (row0 - box[0][0]) * box_cols + (col0 - box[1][0]), region.sizes, tuple(r * box_cols + c for r, c in steps)
-    )
-
-
 class QuantizingReplayer:
     """Packs block-FP8 consumer ranks' bytes from the trainer's high-precision tensors.
 
@@ -248,121 +167,146 @@ class QuantizingReplayer:
         _, self.block = parse_quantizer(quantizer)
         self.quantizer = quantizer
         self.plans = as_plans(plans)
-        # only the tensors the plans read (and their weights or scales): a plan file's table names every tensor of
-        # the model (~70k for Kimi-K2), and spelling it out cost most of a rank's build
-        self._reads("")
-        read = set(self._readers)
-        self.sources = {n: sources[n] for n in sorted(read)}
-        for name, meta in list(self.sources.items()):  # a weight read without its scale, or a scale without it
-            other = (
-                name.removesuffix(SCALE_SUFFIX)
-                if name.endswith(SCALE_SUFFIX)
-                else name + SCALE_SUFFIX
-                if meta.dtype == "float8_e4m3fn"
-                else None
-            )
-            if other is not None and other not in self.sources and other in sources:
-                self.sources[other] = sources[other]
-        self.weights = sorted(
-            n for n, m in self.sources.items() if m.dtype == "float8_e4m3fn" and n + SCALE_SUFFIX in self.sources
-        )
-        self.boxes = {name: self._box(name) for name in self.weights}
-        self.boxes = {name: box for name, box in self.boxes.items() if box is not None}
-        rebased, staged = self._rebased()
+        self.sources = sources
+        # columnar (runtime/quantplan.py): tensors by id, names only where a caller asks
+        ids, cols = quantplan.common_ids(self.plans, sources)
+        reads = quantplan.plan_reads(ids, cols)
+        read = np.unique(np.concatenate([reads.src, np.asarray(sorted(reads.whole), dtype=np.int64)]))
+        weight_of = ids.renamed(read, quantplan.drop_scale)
+        # the quantized weights: fp8 [rows, cols] tensors with a scale table, read themselves or through their scales
+        cand = np.unique(np.concatenate([read, weight_of[weight_of >= 0]]))
+        cand_scale = ids.renamed(cand, quantplan.add_scale)
+        rows, cols_, two, dtype = quantplan.metas(ids, sources, cand)
+        s_rows, s_cols, s_two, _ = quantplan.metas(ids, sources, np.maximum(cand_scale, 0))
+        ok = (dtype == "float8_e4m3fn") & two & (cand_scale >= 0) & s_two
+        weights, scales = cand[ok], cand_scale[ok]
+        rows, cols_, s_rows, s_cols = rows[ok], cols_[ok], s_rows[ok], s_cols[ok]
+        box = self._boxes(ids, reads, weights, scales, (rows, cols_, s_rows, s_cols), cols)
+        self.boxes = quantplan.Boxes(ids, weights, box)
+        self._scale_ids = scales
         # the bytes sit where the consumer's own layout (of the plans as recorded) puts them: rebased sources can
         # order a group's segments differently (the layout breaks ties by source geometry)
         layout = PackLayout.from_plans(
             self.plans, replayer_options.get("alignment", 256), replayer_options.get("max_group_bytes")
         )
-        self.inner = Replayer(rebased, staged, layout=layout, **replayer_options)
+        bn, bk = self.block
+        b_rows, b_cols = box[:, 1] - box[:, 0], box[:, 3] - box[:, 2]
+        override = [
+            np.concatenate([weights, scales]),
+            np.concatenate([b_rows, -(-b_rows // bn)]),
+            np.concatenate([b_cols, -(-b_cols // bk)]),
+            np.repeat(np.asarray([0, 1], dtype=np.int64), [len(weights), len(scales)]),  # quantplan.STAGED_DTYPES
+        ]
+        order = np.argsort(override[0], kind="stable")
+        staged = quantplan.StagedIds(ids, sources, [x[order] for x in override])
+        rebased = quantplan.rebased_plans(self.plans, cols, staged, *self._moved, self._rebase_view)
+        self.inner = Replayer(rebased, staged.table, layout=layout, **replayer_options)
         self.plans = self.inner.plans  # the rebased plans (same params, writes and source names)
         self._groups: dict[str, QuantizingReplayer] = {}
         self._finish()
 
-    def _reads(self, name: str):
-        if not hasattr(self, "_readers"):  # name -> (rank, write) for every write reading it: one pass over the plans
-            self._readers: dict[str, list] = {}
-            for plan in self.plans:
-                for w in plan.writes:
-                    for source in ir.sources(w.src.leaf):
-                        self._readers.setdefault(source, []).append((plan.rank, w))
-        return self._readers.get(name, ())
-
-    def _box(self, weight: str):
-        """The element box of `weight` one pack quantizes: the union of what the plans read of it and of its scale
-        (in elements, through the inputs of computed writes too: a refined scale grid reads checkpoint scales and
-        upsamples them), widened to whole blocks; the whole tensor when a read is not a plain box."""
-        shape, (bn, bk) = self.sources[weight].shape, self.block
-        full = ((0, shape[0]), (0, shape[1]))
-        lo, hi, used = [shape[0], shape[1]], [0, 0], False
-        weight_boxes: dict[int, list] = {}
-        scale_boxes: dict[int, list] = {}
-        for name, scale in ((weight, (1, 1)), (weight + SCALE_SUFFIX, (bn, bk))):
-            for rank, w in self._reads(name):
-                views = _source_views(w.src, name)
-                if views is None:
-                    return full
-                for view in views:
-                    used = True
-                    box = _region_box(view.region, self.sources[name].shape)
-                    if box is None:
-                        return full
-                    (weight_boxes if name == weight else scale_boxes).setdefault(rank, []).append(box)
-                    for d in (0, 1):
-                        lo[d] = min(lo[d], box[d][0] * scale[d])
-                        hi[d] = max(hi[d], min(box[d][1] * scale[d], shape[d]))
-        for rank, boxes in weight_boxes.items():
-            for box in boxes:
-                self._check_covered(weight, rank, box, scale_boxes.get(rank, ()))
-        if not used:
-            return None
-        return tuple(
-            (start // b * b, min(math.ceil(stop / b) * b, dim))
-            for start, stop, b, dim in zip(lo, hi, self.block, shape)
+    def _boxes(self, ids, reads, weights, scales, shapes, cols) -> np.ndarray:
+        """[n, 4] (r0, r1, c0, c1) of each weight: the union of what the plans read of it and of its scale, widened to
+        whole blocks; the whole tensor where a read is not a plain box (or goes through an Update's base). Checks
+        the fp8 reads' blocks (_uncovered) and keeps the reads to rebase (`self._moved`)."""
+        rows, cols_, s_rows, s_cols = shapes
+        bn, bk = self.block
+        n = len(weights)
+        k_w = np.minimum(np.searchsorted(weights, reads.src), max(n - 1, 0))
+        is_w = (weights[k_w] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
+        s_order = np.argsort(scales, kind="stable")
+        k_s = np.minimum(np.searchsorted(scales[s_order], reads.src), max(n - 1, 0))
+        is_s = (scales[s_order][k_s] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
+        k = np.where(is_w, k_w, np.where(is_s, s_order[k_s] if n else 0, -1))
+        mine = k >= 0
+        k, is_w, is_s = k[mine], is_w[mine], is_s[mine]
+        off, sizes, strides = reads.offset[mine], reads.sizes[mine], reads.strides[mine]
+        r0, r1, c0, c1, valid, row_step, col_step = quantplan.boxes_of(
+            off, sizes, strides, np.where(is_w, cols_[k], s_cols[k])
         )
-
-    def _check_covered(self, weight: str, rank: int, box, scale_boxes) -> None:
-        """The fp8 elements a rank reads are whole blocks, or lie in scale blocks the same rank reads (a refined
-        scale grid: vLLM's loader upsamples those scales); otherwise the plan is not one for this block size."""
-        shape = self.sources[weight].shape
-        aligned = all(
-            start % size == 0 and (stop % size == 0 or stop == dim)
-            for (start, stop), size, dim in zip(box, self.block, shape)
+        full = np.zeros(n, dtype=bool)
+        full[k[~valid]] = True
+        whole = np.asarray(sorted(reads.whole), dtype=np.int64)
+        full |= np.isin(weights, whole) | np.isin(scales, whole)
+        fr, fc = np.where(is_s, bn, 1), np.where(is_s, bk, 1)
+        lo_r, hi_r, lo_c, hi_c = rows.copy(), np.zeros(n, np.int64), cols_.copy(), np.zeros(n, np.int64)
+        np.minimum.at(lo_r, k, r0 * fr)
+        np.maximum.at(hi_r, k, np.minimum(r1 * fr, rows[k]))
+        np.minimum.at(lo_c, k, c0 * fc)
+        np.maximum.at(hi_c, k, np.minimum(c1 * fc, cols_[k]))
+        box = np.stack(
+            [
+                lo_r // bn * bn,
+                np.minimum(-(-hi_r // bn) * bn, rows),
+                lo_c // bk * bk,
+                np.minimum(-(-hi_c // bk) * bk, cols_),
+            ],
+            axis=1,
         )
-        if not (aligned or _blocks_covered(box, scale_boxes, self.block)):
-            raise BlockAlignmentError(
-                f"rank {rank} reads rows/cols {[list(b) for b in box]} of {weight!r} ({list(shape)}), which are not "
-                f"whole {list(self.block)}-blocks and not within the scale blocks it reads, so its fp8 bytes would "
-                f"depend on scales it never receives. The plan's layout is not block-aligned for block "
-                f"{list(self.block)} (record it from a config with this weight_block_size)."
-            )
+        box[full] = np.stack([np.zeros(n, np.int64), rows, np.zeros(n, np.int64), cols_], axis=1)[full]
+        plan = reads.plan[mine]
+        self._uncovered(ids, weights, rows, cols_, k, plan, is_w, is_s, valid & ~full[k], (r0, r1, c0, c1))
+        # reads to rebase: into the box (a scale's, in blocks), unless the box is the whole tensor
+        b_r0 = np.where(is_w, box[k, 0], box[k, 0] // bn)
+        b_c0 = np.where(is_w, box[k, 2], box[k, 2] // bk)
+        b_cols = np.where(is_w, box[k, 3] - box[k, 2], -(-box[k, 3] // bk) - box[k, 2] // bk)
+        b_rows = np.where(is_w, box[k, 1] - box[k, 0], -(-box[k, 1] // bn) - box[k, 0] // bn)
+        whole_box = (b_r0 == 0) & (b_c0 == 0) & (b_cols == np.where(is_w, cols_[k], s_cols[k]))
+        whole_box &= b_rows == np.where(is_w, rows[k], s_rows[k])
+        move = valid & ~full[k] & ~whole_box & (reads.write[mine] >= 0)
+        new_off = (r0 - b_r0) * b_cols + (c0 - b_c0)
+        new_strides = row_step * b_cols[:, None] + col_step
+        self._moved = (
+            quantplan.Reads(plan[move], reads.write[mine][move], None, None, None, None, set()),
+            new_off[move],
+            new_strides[move],
+        )
+        return box
 
-    def _rebased(self):
-        staged = dict(self.sources)
-        for weight, box in self.boxes.items():
-            (r0, r1), (c0, c1) = box
-            staged[weight] = ir.TensorMeta(weight, (r1 - r0, c1 - c0), "float8_e4m3fn")
-            scale = weight + SCALE_SUFFIX
-            staged[scale] = ir.TensorMeta(
-                scale, (math.ceil((r1 - r0) / self.block[0]), math.ceil((c1 - c0) / self.block[1])), "float32"
-            )
-        plans = []
-        for plan in self.plans:
-            writes = [ir.Write(w.param, w.dst, self._rebase_view(w.src)) for w in plan.writes]
-            plans.append(dataclasses.replace(plan, writes=tuple(writes)))
-        return plans, staged
+    def _uncovered(self, ids, weights, rows, cols_, k, plan, is_w, is_s, checked, box) -> None:
+        """BlockAlignmentError unless every fp8 read is whole blocks (or stops at the tensor's edge) or lies in scale
+        blocks the same rank reads (a refined scale grid: vLLM's loader upsamples those scales)."""
+        bn, bk = self.block
+        r0, r1, c0, c1 = box
+        aligned = (r0 % bn == 0) & ((r1 % bn == 0) | (r1 == rows[k])) & (c0 % bk == 0)
+        aligned &= (c1 % bk == 0) | (c1 == cols_[k])
+        check = np.flatnonzero(checked & is_w & ~aligned)
+        if not len(check):
+            return
+        scale = np.flatnonzero(checked & is_s)
+        key = k * len(self.plans) + plan
+        bad = quantplan.uncovered(
+            key[check],
+            (r0[check] // bn, -(-r1[check] // bn)),
+            (c0[check] // bk, -(-c1[check] // bk)),
+            key[scale],
+            (r0[scale], r1[scale]),
+            (c0[scale], c1[scale]),
+        )
+        if bad < 0:
+            return
+        i = check[bad]
+        weight = ids.name(int(weights[k[i]]))
+        rank = self.plans[int(plan[i])].rank
+        raise BlockAlignmentError(
+            f"rank {rank} reads rows/cols {[[int(r0[i]), int(r1[i])], [int(c0[i]), int(c1[i])]]} of {weight!r} "
+            f"({[int(rows[k[i]]), int(cols_[k[i]])]}), which are not whole {list(self.block)}-blocks and not within "
+            f"the scale blocks it reads, so its fp8 bytes would depend on scales it never receives. The plan's "
+            f"layout is not block-aligned for block {list(self.block)} (record it from a config with this "
+            f"weight_block_size)."
+        )
 
     def _rebase_leaf(self, leaf):
         if isinstance(leaf, ir.Call):
             inputs = tuple(self._rebase_view(v) for v in leaf.inputs)
             return leaf if inputs == leaf.inputs else dataclasses.replace(leaf, inputs=inputs)
-        if isinstance(leaf, ir.Update):  # a Source base is read whole (_box gave it the whole tensor)
+        if isinstance(leaf, ir.Update):  # a Source base is read whole (_boxes gave it the whole tensor)
             base, value = self._rebase_leaf(leaf.base), self._rebase_view(leaf.value)
             return leaf if (base, value) == (leaf.base, leaf.value) else ir.Update(base, leaf.region, value)
         return leaf
 
     def _rebase_view(self, view: ir.View) -> ir.View:
-        """`view` with every read of a quantized weight or scale re-expressed in its staged box."""
+        """`view` (of a computed write) with every read of a quantized weight or scale re-expressed in its box."""
         leaf = view.leaf
         if not isinstance(leaf, ir.Source):
             new = self._rebase_leaf(leaf)
@@ -377,26 +321,53 @@ class QuantizingReplayer:
             box = tuple((lo // b, math.ceil(hi / b)) for (lo, hi), b in zip(box, self.block))
         if box == ((0, shape[0]), (0, shape[1])):
             return view
-        return ir.View(leaf, _rebase(view.region, shape, box))
+        return ir.View(leaf, quantplan.rebase(view.region, shape, box))
 
     # -- the Replayer surface the sync's packers use (sync/adapters.py ReplayPacker) --
     def _finish(self) -> None:
         self.layout = self.inner.layout
-        read = self.inner.sources_read()
-        self.quantized = tuple(w for w in self.boxes if w in read or w + SCALE_SUFFIX in read)
+
+    @property
+    def weights(self) -> list[str]:
+        return list(self.boxes)
+
+    @property
+    def quantized(self) -> tuple[str, ...]:
+        """The weights a pack of this layout reads (their fp8 bytes or scales), sorted (names built at first use)."""
+        got = self.__dict__.get("_quantized")
+        if got is None:
+            segments = self.layout.segments
+            first_ref = segments.ref_start[:-1]
+            found, names = [], set()
+            weights, scales = self.boxes.weight_ids, self._scale_ids
+            for plan in self.plans:
+                mine = first_ref[segments.ref_rank[first_ref] == plan.rank]
+                cols = columns_of(plan)
+                index = segments.ref_index[mine]
+                src = cols.src[index]
+                found.append(np.flatnonzero(np.isin(weights, src) | np.isin(scales, src)))
+                for i in index[src < 0].tolist():
+                    ir.sources(cols.computed[i].src.leaf, names)
+            got = set(self.boxes.names_of(np.unique(np.concatenate(found + [np.zeros(0, np.int64)])).tolist()))
+            got |= {n for n in map(self.trainer_name, names) if n in self.boxes}
+            got = self._quantized = tuple(sorted(got))
+        return got
 
     def fused_plan(self) -> fp8kernel.FusedQuantPlan:
         """Which segments the fused CUDA kernel packs, and its programs (plan-only: built once, at the first CUDA
         bind)."""
         if self.__dict__.get("_fused_plan") is None:
+            boxes = {w: self.boxes[w] for w in self.quantized}
             self._fused_plan = fp8kernel.FusedQuantPlan.build(
-                self.inner, self.boxes, self.block, self.quantized, {w: w + SCALE_SUFFIX for w in self.boxes}
+                self.inner, boxes, self.block, self.quantized, {w: w + SCALE_SUFFIX for w in boxes}
             )
         return self._fused_plan
 
     def _derived(self, inner: Replayer) -> "QuantizingReplayer":
         sub = object.__new__(QuantizingReplayer)
-        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_groups", "_readers", "_fused_plan")})
+        sub.__dict__.update(
+            {k: v for k, v in self.__dict__.items() if k not in ("_groups", "_quantized", "_fused_plan")}
+        )
         sub.inner, sub._groups = inner, {}
         sub._finish()
         return sub

@@ -18,7 +18,7 @@ import torch
 
 from shardplan.errors import ForeignWriteError, PlanError
 from shardplan.plan import ir
-from shardplan.plan.columns import TableSourceIds, WriteColumns, columns_of
+from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.interp import check_write_sizes, resolve_op, to_dtype, write_source
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
 from shardplan.runtime.segments import check_class_extents, class_extents, geometry_keys, ordinals
@@ -430,11 +430,9 @@ def source_dtypes(
     """(code per id, dtype names the codes index) as `sources` describes the tensors; vectorised when `sources` is
     the plan file's own table."""
     table = cols.sources
-    if isinstance(table, TableSourceIds) and sources is table.table:
-        names = sorted({d for _, d in table.metas_by_row})
-        code = {d: i for i, d in enumerate(names)}
-        row_codes = np.asarray([code[d] for _, d in table.metas_by_row], dtype=np.int64)
-        return row_codes[np.searchsorted(table.bases, ids, side="right") - 1], names
+    got = table.dtype_codes(ids, sources)
+    if got is not None:
+        return got
     dtypes = [sources[table.name(int(i))].dtype for i in ids.tolist()]
     names = sorted(set(dtypes))
     code = {d: i for i, d in enumerate(names)}

@@ -259,3 +259,70 @@ def test_eager_path_names_a_tensor_whose_storage_was_swapped(swap):
         tensors[W].set_(new)
     with pytest.raises(StaleBindingError, match="layer.proj.weight"):
         bound.pack()
+
+
+# ---- the columnar build (runtime/quantplan.py) -----------------------------------------------------------------------
+def _covered_block_by_block(read, scale_boxes) -> bool:
+    (r0, r1), (c0, c1) = read
+    have = {(i, j) for (a, b), (c, d) in scale_boxes for i in range(a, b) for j in range(c, d)}
+    return all((i, j) in have for i in range(r0, r1) for j in range(c0, c1))
+
+
+_span = st.tuples(st.integers(0, 6), st.integers(1, 4)).map(lambda t: (t[0], t[0] + t[1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reads=st.lists(st.tuples(st.integers(0, 2), _span, _span), min_size=1, max_size=5),
+    scales=st.lists(st.tuples(st.integers(0, 2), _span, _span), max_size=8),
+)
+def test_coverage_check_equals_block_by_block(reads, scales):
+    """quantplan.uncovered (one segmented numpy pass) names the first read whose blocks some scale read of the same
+    key misses, exactly as a block-by-block check does (overlapping boxes, holes, either orientation)."""
+    import numpy as np
+
+    from shardplan.runtime import quantplan
+
+    def arrays(items):
+        keys = np.asarray([k for k, _, _ in items], dtype=np.int64).reshape(-1)
+        rows = tuple(np.asarray([r[i] for _, r, _ in items], dtype=np.int64).reshape(-1) for i in (0, 1))
+        cols = tuple(np.asarray([c[i] for _, _, c in items], dtype=np.int64).reshape(-1) for i in (0, 1))
+        return keys, rows, cols
+
+    got = quantplan.uncovered(*arrays(reads), *arrays(scales))
+    expect = next(
+        (
+            i
+            for i, (k, r, c) in enumerate(reads)
+            if not _covered_block_by_block((r, c), [(sr, sc) for sk, sr, sc in scales if sk == k])
+        ),
+        -1,
+    )
+    assert got == expect
+
+
+def test_build_from_a_plan_file_makes_no_write_objects_or_names(monkeypatch):
+    """A plan file's rank builds its QuantizingReplayer on columns: no `ir.Write` per write and no tensor name spelled
+    out (a Qwen3-30B-A3B FP8 rank has ~56k writes and ~18k quantized weights; per-object work cost seconds), and
+    the boxes are the rank's own TP rows, widened to whole blocks."""
+    from pathlib import Path
+
+    from shardplan.plan.columns import TableSourceIds, WriteColumns
+    from shardplan.plan.file.format import PlanFile
+
+    plan_file = PlanFile.read(str(Path(__file__).resolve().parents[2] / "plans/qwen3-30b-a3b-fp8--tp4--bfloat16.plan"))
+    plan = plan_file.rank(1)
+    calls = []
+    monkeypatch.setattr(WriteColumns, "write", lambda self, i: calls.append(("write", i)))
+    real_name = TableSourceIds.name
+    monkeypatch.setattr(TableSourceIds, "name", lambda self, i: calls.append(("name", i)) or real_name(self, i))
+    replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
+    assert calls == []
+    monkeypatch.undo()
+    down = "model.layers.5.mlp.experts.7.down_proj.weight"  # [2048, 768]: rank 1 reads cols [192, 384)
+    assert replayer.boxes[down] == ((0, 2048), (128, 384))
+    assert replayer.boxes["model.layers.5.mlp.experts.7.gate_proj.weight"] == ((128, 384), (0, 2048))
+    assert "model.layers.5.mlp.experts.7.down_proj.weight_scale_inv" not in replayer.boxes
+    group = replayer.for_group(replayer.layout.groups[4].name)  # (embeddings, then layer 0, ...)
+    assert down.replace("5", "3", 1) in group.quantized and down not in group.quantized
+    assert len(group.quantized) == 128 * 3 + 4  # experts' gate/up/down, attention's q/k/v/o
