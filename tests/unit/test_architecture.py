@@ -46,7 +46,7 @@ BUDGETS = {
     "shardplan.runtime": 4050,  # (runtime/quantplan.py: the quantizing replay's build on columns, issue 25)
     "shardplan.transport": 1000,
     "shardplan.sync": 1750,
-    "shardplan.record": 4900,
+    "shardplan.record": 5000,  # (record/publicfields.py: public config field sets with sources, issue 27)
     "shardplan.simulate": 1550,
     "shardplan.engine": 2400,
     "shardplan.record.sglang": 800,
