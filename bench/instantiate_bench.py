@@ -126,13 +126,18 @@ def _decode(data: bytes, path: str):
 def _clear_module_caches() -> None:
     import importlib
 
-    for module in ("shardplan.runtime.segments", "shardplan.runtime.packcols"):  # packcols: a --baseline-src tree's
+    caches = {  # module -> its caches (packcols: runtime/segments.py's name in a --baseline-src tree)
+        "shardplan.runtime.segments": ("_GROUPS", "_GROUP_ORDERS"),
+        "shardplan.runtime.packcols": ("_GROUPS", "_GROUP_ORDERS"),
+        "shardplan.plan.file.bounds": ("_MEMO",),
+    }
+    for module, names in caches.items():
         try:
-            caches = importlib.import_module(module)
+            held = importlib.import_module(module)
         except ImportError:
             continue
-        for name in ("_GROUPS", "_GROUP_ORDERS"):
-            getattr(caches, name, {}).clear()
+        for name in names:
+            getattr(held, name, {}).clear()
 
 
 def _baseline(path: str, num_ranks: int, repeat: int, src: str | None) -> dict:

@@ -23,6 +23,8 @@ LAYOUTS = [
     ("minimax-m2", ["--tp", "4"]),
     ("minimax-m2", ["--tp", "1", "--dp", "8", "--ep"]),
     ("kimi-linear-48b-a3b", ["--tp", "4"]),
+    ("deepseek-v4-flash", ["--tp", "4", "--ep"]),
+    ("deepseek-v4-flash", ["--tp", "1", "--dp", "4", "--ep"]),
     # block-FP8 checkpoints (quantization_config kept; the trainer quantizes on replay, docs/fp8.md)
     ("kimi-k2-fp8", ["--tp", "16", "--ep"]),
     ("kimi-k2-fp8", ["--tp", "8", "--ep"]),

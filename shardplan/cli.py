@@ -265,7 +265,18 @@ def cmd_verify(args) -> int:
         )
         for name in verdict.mismatched:
             print(f"      mismatch: {name}")
+        constructed = set(verdict.constructed)
+        if constructed:
+            shown = ", ".join(sorted(constructed)[:3]) + (
+                f" and {len(constructed) - 3} more" if len(constructed) > 3 else ""
+            )
+            print(
+                f"      initialised at construction, not by the loader (poisoned here, so left NaN by both): "
+                f"{len(constructed)} buffers ({shown}); vLLM sets them when it builds the model and a plan leaves them"
+            )
         for name in verdict.unwritten:
+            if name in constructed:
+                continue
             nan, numel = verdict.undefined.get(name, (0, 0))
             part = f"{nan} of {numel} elements" if nan < numel else "every element"
             print(

@@ -42,6 +42,15 @@ __all__ = ["NamesError", "TensorInfo", "checkpoint_tensors", "on_disk_tensors", 
 # transformers itself keeps in float32). DeepSeek-V3 and Kimi-K2 keep the router's score-correction bias in float32.
 FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
     "DeepseekV3ForCausalLM": ("e_score_correction_bias",),
+    # DeepSeek-V4's released headers (public inventories of deepseek-ai/DeepSeek-V4-Flash: attn_sink, the
+    # hyper-connection mixers and the router bias are F32)
+    "DeepseekV4ForCausalLM": (
+        ".attn_sink",
+        "_fn",
+        "_base",
+        "_scale",
+        ".ffn.gate.bias",
+    ),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
@@ -146,7 +155,12 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
 
     try:
         cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
-        if cls is None:
+        inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
+        if cls is None and inside is not None:
+            hf_config = transformers_config(hf_config, architecture)
+            hf_config = getattr(transformers, inside[0])(text_config=hf_config.to_dict())
+            cls = getattr(transformers, inside[1])
+        elif cls is None:
             hf_config = transformers_config(hf_config, architecture)
             cls = model_class(architecture, hf_config)
         with torch.device("meta"):
@@ -164,6 +178,9 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
     reverted = _revert(model, state)
+    if inside is not None:  # the multimodal class's other towers, which a text-only checkpoint does not have
+        state = {n: t for n, t in state.items() if not n.startswith(inside[2])}
+        reverted = {n: t for n, t in reverted.items() if not n.startswith(inside[3])}
     before, after = sum(t.numel() for t in state.values()), sum(t.numel() for t in reverted.values())
     if before != after and getattr(hf_config, "model_type", "") not in _DISK_NAME_FIXUPS:
         raise NamesError(
@@ -190,7 +207,72 @@ def _longcat_flash_disk_name(name: str, config) -> str | None:
     return None if match and int(match.group(1)) >= int(config.n_routed_experts) else name
 
 
-_DISK_NAME_FIXUPS = {"kimi_linear": _kimi_linear_disk_name, "longcat_flash": _longcat_flash_disk_name}
+_DEEPSEEK_V4_NAMES = (
+    (re.compile(r"^model\.embed_tokens\."), "embed."),
+    (re.compile(r"^model\.hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^model\.(layers\.\d+\.attn)\.norm\."), r"\1.kv_norm."),
+    (re.compile(r"^model\."), ""),
+)
+
+
+def _deepseek_v4_disk_name(name: str, config) -> str | None:
+    # DeepSeek-V4 ships its reference implementation's names with no model. prefix (embed.weight, hc_head_fn,
+    # layers.N.attn.kv_norm.weight, as in public inventories of the released headers and vLLM's deepseek_v4 weight
+    # mapper); transformers' revert keeps its module prefix and turns attn.kv_norm into attn.norm
+    for pattern, disk in _DEEPSEEK_V4_NAMES:
+        name = pattern.sub(disk, name, count=1)
+    return name
+
+
+_INKLING_TEXT_PREFIXES = (
+    ("model.embed_tokens.embed_norm.", "model.llm.embed_norm."),
+    ("model.embed_tokens.", "model.llm.embed."),
+    ("model.layers.", "model.llm.layers."),
+    ("model.norm.", "model.llm.norm."),
+    ("lm_head.", "model.llm.unembed."),
+)
+
+
+def _inkling_disk_name(name: str, config) -> str | None:
+    # the released Inkling checkpoints keep the text backbone under model.llm.* (transformers' inkling_mm_model
+    # conversion renames model.llm.{layers,embed,embed_norm,norm,unembed}; vLLM's InklingForCausalLM maps the same
+    # names back); the inside of each layer comes back through that conversion's own reverse (_CONVERSION_OF)
+    for prefix, disk in _INKLING_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return disk + name[len(prefix) :]
+    return name
+
+
+_DISK_NAME_FIXUPS = {
+    "kimi_linear": _kimi_linear_disk_name,
+    "longcat_flash": _longcat_flash_disk_name,
+    "inkling_text": _inkling_disk_name,
+    "deepseek_v4": _deepseek_v4_disk_name,
+}
+# model_types whose transformers text model exists only inside a multimodal class (Step3.5: Step3p7's language model,
+# whose conversion gives back the released text names model.{embed_tokens,layers,norm}.*): its config class, its model
+# class, and the other towers' names before and after the revert, dropped
+_TEXT_INSIDE = {
+    "step3p5": (
+        "Step3p7Config",
+        "Step3p7ForConditionalGeneration",
+        ("model.vision_model.", "model.multi_modal_projector."),
+        ("vision_model.", "vit_large_projector."),
+    )
+}
+# model_types whose text-only transformers class has no load-time conversion of its own while the released
+# checkpoints are stored as those of the multimodal sibling: that sibling's conversion is reverted instead
+_CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
+
+
+def use_sibling_conversion(model) -> None:
+    """Give `model` its multimodal sibling's load-time conversion where `_CONVERSION_OF` names one (transformers'
+    revert, and save_pretrained, then give back the released checkpoints' names)."""
+    sibling = _CONVERSION_OF.get(getattr(model.config, "model_type", ""))
+    if sibling is not None and getattr(model, "_weight_conversions", None) is None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        model._weight_conversions = get_checkpoint_conversion_mapping(sibling)
 
 
 def _revert(model, state: dict) -> dict:
@@ -198,6 +280,7 @@ def _revert(model, state: dict) -> dict:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
         return state
+    use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)
     fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))
     if fixup is None:

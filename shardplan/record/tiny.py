@@ -82,6 +82,7 @@ _SIZES: dict[str, int] = {
     "v_head_dim": 16,
     "index_head_dim": 32,
     "index_n_heads": 4,
+    "indexer_head_dim": 32,
     "vocab_size": 300,
     "vocab_size_per_layer_input": 300,
     "hidden_size_per_layer_input": 16,
@@ -129,7 +130,40 @@ _FIXES: dict[str, dict[str, Any]] = {
         "unpadded_vocab_size": 300,
         "local_layer_ids": [0],
         "dense_mlp_idx": 1,
+        "num_experts": 8,  # the class derives it from n_routed_experts; its defaults' to_dict carries the derived 0
+        "num_key_value_heads": 4,  # vLLM's sconv SWA cache needs tp <= kv heads (the public config has 8 of 32)
+        "swa_num_key_value_heads": 4,
     },  # layer 0 local and dense, layer 1 global and MoE
+    # layer 0 full attention and dense, layer 1 sliding window and MoE (moe_layers_enum: the MoE layers' indices)
+    "Step3p5ForCausalLM": {
+        "num_hidden_layers": 2,
+        "num_attention_groups": 2,
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 4,
+            "num_attention_groups": 2,
+            "head_dim": 32,
+        },
+        "layer_types": ["full_attention", "sliding_attention"],
+        "partial_rotary_factors": [0.5, 1.0],
+        "moe_layers_enum": "1",
+        "use_moe": True,
+        "moe_num_experts": 8,
+        "moe_top_k": 2,
+        "share_expert_dim": 64,
+    },
+    # one layer of each kind: hash-routed sliding window (ratio 0), compressed with indexer (4), compressed (128)
+    "DeepseekV4ForCausalLM": {
+        "num_hidden_layers": 3,
+        "num_hash_layers": 1,
+        "compress_ratios": [0, 4, 128, 0],  # the published list is one longer than the layers (the MTP layer)
+        "o_groups": 4,  # vLLM splits the output groups over TP ranks (published 8 for TP <= 8)
+        "o_lora_rank": 32,
+        # vLLM's fused quant+cache kernels take only the published head sizes
+        "head_dim": 512,
+        "index_head_dim": 128,
+        "qk_rope_head_dim": 64,
+    },
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
@@ -140,6 +174,7 @@ _FIXES: dict[str, dict[str, Any]] = {
     "Zamba2ForCausalLM": {
         "attention_hidden_size": 256,
         "attention_head_dim": 64,  # the class rule: 2 * hidden
+        "num_key_value_heads": 4,  # multi-head: the class sets it to num_attention_heads, as the public configs have
         "hybrid_layer_ids": [2],
     },  # the shrunk layers_block_type's hybrid layer
     # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE

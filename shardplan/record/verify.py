@@ -27,6 +27,9 @@ class RankVerdict:
     # name -> (elements, of numel) no checkpoint tensor defines: vLLM's loader leaves them as allocated (padding such
     # as Kimi-Linear's expert intermediate at TP > 1 without EP), and the plan does not write them either
     undefined: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the unwritten ones that are buffers vLLM computes when it builds the model (attention _k_scale/_v_scale, rotary
+    # tables): initialised at construction, which neither the loader nor a plan repeats
+    constructed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -59,6 +62,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: RankVerdict) -> None:
     replayed_tensors = dict(replayed.named_parameters())
     replayed_tensors.update(dict(replayed.named_buffers()))
+    buffers = {name for name, _ in real.named_buffers()}
     for name, t in list(real.named_parameters()) + list(real.named_buffers()):
         if not t.is_floating_point() or t.device.type == "meta":
             continue  # meta: vLLM's cached rotary tables, shared with an earlier meta build; never loaded
@@ -68,7 +72,10 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             verdict.mismatched.append(name)
         elif torch.isnan(t).any():
             verdict.unwritten.append(name)
-            verdict.undefined[name] = (int(torch.isnan(t).sum()), t.numel())
+            if name in buffers:
+                verdict.constructed.append(name)
+            else:
+                verdict.undefined[name] = (int(torch.isnan(t).sum()), t.numel())
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:

@@ -151,6 +151,22 @@ def shrink_overrides(name: str) -> list[str]:
             "num_experts_per_tok=2",
             "vocab_size=300",
         ]
+    if name == "deepseek-v4-flash":  # one layer of each attention kind: hash-routed window, ratio 4 (indexer), 128
+        return [
+            "num_hidden_layers=3",
+            "num_hash_layers=1",
+            "compress_ratios=[0,4,128,0]",
+            "hidden_size=128",
+            "num_attention_heads=4",
+            "o_groups=4",  # split over TP ranks: TP 4 needs at least 4
+            "o_lora_rank=32",
+            "q_lora_rank=64",
+            "index_n_heads=4",  # head_dim 512, index_head_dim 128, qk_rope_head_dim 64 kept: vLLM kernels need them
+            "moe_intermediate_size=64",
+            "n_routed_experts=8",
+            "num_experts_per_tok=2",
+            "vocab_size=300",
+        ]
     raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
 
 

@@ -13,7 +13,15 @@ import pytest
 
 from shardplan.record import coverage, tiny
 
-MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", "Qwen3_5MoeForCausalLM"}
+MOE = {
+    "DeepseekV4ForCausalLM",
+    "Step3p5ForCausalLM",
+    "InklingForCausalLM",
+    "Qwen3NextForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "KimiLinearForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+}
 
 
 # MiniMax-M2 and Kimi-Linear need their public config fields (publicfields.py), Kimi-Linear also vLLM's CPU-worker
@@ -28,6 +36,10 @@ MOE = {"Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "KimiLinearForCausalLM", 
         "MiniMaxM2ForCausalLM",
         "KimiLinearForCausalLM",
         "Qwen3_5MoeForCausalLM",
+        "DeepseekV4ForCausalLM",  # its reference names (no model. prefix, attn.kv_norm, F32 mixers), kernel head sizes
+        "Step3p5ForCausalLM",  # its text model only inside transformers' multimodal Step3p7 class
+        "InklingForCausalLM",  # released under model.llm.* (its multimodal sibling's conversion, reverted)
+        "Zamba2ForCausalLM",  # multi-head shared attention: kv heads = heads, as its class and public configs
     ],
 )
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
@@ -96,3 +108,21 @@ def test_a_hanging_architecture_costs_one_row(tmp_path, monkeypatch):
     assert rows[0]["status"] == "cannot" and "timed out after 8 s" in rows[0]["reason"]
     assert rows[1]["status"] == "cannot" and "remote code" in rows[1]["reason"]  # the sweep went on
     assert len([json.loads(line) for line in results.read_text().splitlines()]) == 2
+
+
+def test_a_known_vllm_loader_bug_is_cannot_only_with_its_own_error(tmp_path, monkeypatch):
+    # DBRX's hub names are refused by vLLM's own load_weights (vllm-project/vllm issue 49004): "cannot", quoting it
+    row = coverage.run_architecture("DbrxForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "cannot" and "KeyError: 'blocks.0.ffn.experts.w13_weight'" in row["reason"], row
+    assert "49004" in row["reason"]
+    # any other refusal of the same architecture is still the sweep's failure
+    monkeypatch.setitem(coverage.VLLM_LOADER_BUGS, "DbrxForCausalLM", ("KeyError: 'another'", "not this"))
+    row = coverage.run_architecture("DbrxForCausalLM", tmp_path / "again", tps=(1,))
+    assert row["status"] == "FAIL" and "refuses the derived checkpoint" in row["reason"], row
+
+
+def test_a_config_with_the_public_fields_reaches_vllms_own_verdict(tmp_path):
+    # Qwen4-Exp's class leaves the QSA indexer sizes None (transformers then cannot build it: our FAIL); with the
+    # public fields, what is left is vLLM's own refusal on this machine
+    row = coverage.run_architecture("Qwen4ExpForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "cannot" and "requires FlashAttention" in row["reason"], row

@@ -1,6 +1,7 @@
-"""The frontier built-ins (docs/configs.md): Kimi-Linear's interleaved layer classes (KDA, KDA, KDA, MLA) sample
-to the same plan as recording every layer, byte for byte (members of a class between the sampled layers used to be
-written twice), and its shrunk built-in verifies bitwise against vLLM's loader at its published TP 4."""
+"""The frontier built-ins (docs/configs.md): DeepSeek-V4-Flash lists its reference tensor names (no model. prefix,
+F32 mixers); Kimi-Linear's interleaved layer classes (KDA, KDA, KDA, MLA) sample to the same plan as recording every
+layer, byte for byte (members of a class between the sampled layers used to be written twice); the shrunk built-ins
+verify bitwise against vLLM's loader at their published layouts."""
 
 from __future__ import annotations
 
@@ -35,10 +36,20 @@ SHRUNK = {
         "num_experts=8",
     ],
     "minimax-m2": ["num_hidden_layers=2", "attn_type_list=[1,1]", "num_local_experts=8"],
+    # one layer of each kind: hash-routed sliding window, compressed with indexer (ratio 4), compressed (128)
+    "deepseek-v4-flash": [
+        "num_hidden_layers=3",
+        "num_hash_layers=1",
+        "compress_ratios=[0,4,128,0]",
+        "n_routed_experts=8",
+        "vocab_size=1000",
+    ],
 }
 
 
-@pytest.mark.parametrize("model, tp, ep", [("kimi-linear-48b-a3b", 4, False), ("minimax-m2", 2, True)])
+@pytest.mark.parametrize(
+    "model, tp, ep", [("kimi-linear-48b-a3b", 4, False), ("minimax-m2", 2, True), ("deepseek-v4-flash", 4, True)]
+)
 def test_shrunk_frontier_builtins_verify_bitwise(model, tp, ep):
     layout = Layout(tp=tp, ep=ep)
     session = RecordSession(model, layout, overrides=SHRUNK[model])
@@ -46,3 +57,32 @@ def test_shrunk_frontier_builtins_verify_bitwise(model, tp, ep):
     for rank in range(tp):
         plan, _ = session.record_rank(rank)
         assert verify_rank(session.vllm_config, layout, rank, plan, checkpoint).ok
+
+
+def test_deepseek_v4_lists_its_reference_names():
+    # the released headers keep DeepSeek's own names and F32 mixers (public inventories of DeepSeek-V4-Flash); vLLM's
+    # deepseek_v4 weight mapper reads exactly these
+    from shardplan.models import resolve_model
+    from shardplan.record.checkpoint import checkpoint_tensors
+
+    tensors = {name: (shape, dtype) for name, shape, dtype in checkpoint_tensors(resolve_model("deepseek-v4-flash"))}
+    assert tensors["embed.weight"] == ((129280, 4096), "bfloat16") and "head.weight" in tensors
+    assert tensors["hc_head_fn"][1] == tensors["layers.0.hc_attn_fn"][1] == "float32"
+    assert tensors["layers.0.attn.attn_sink"] == ((64,), "float32")
+    assert tensors["layers.3.ffn.gate.bias"] == ((256,), "float32")
+    assert "layers.2.attn.kv_norm.weight" in tensors and "layers.2.attn.indexer.wq_b.weight" in tensors
+    assert tensors["layers.0.ffn.gate.tid2eid"][0] == (129280, 6)
+    assert not any(name.startswith("model.") for name in tensors)
+
+
+def test_verify_words_construction_buffers_apart_from_undefined_bytes(capsys):
+    # attention scale buffers (_k_scale, ...) are set when vLLM builds the model, not left uninitialised: verify says
+    # so, and keeps "no checkpoint tensor defines them" for parameter bytes only (Kimi-Linear's padding)
+    from shardplan import cli
+
+    overrides = [arg for o in SHRUNK["minimax-m2"] for arg in ("--override", o)]
+    assert cli.main(["verify", "--model", "minimax-m2", "--tp", "1", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "initialised at construction, not by the loader" in out and "_k_scale" in out
+    undefined = [line for line in out.splitlines() if "not written by the real loader either" in line]
+    assert not any("_scale" in line or "cos_sin_cache" in line for line in undefined), undefined

@@ -39,6 +39,7 @@ BUILTINS = {
     # frontier MoEs (docs/configs.md cites the public config files)
     "minimax-m2": "MiniMaxAI/MiniMax-M2",
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
+    "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
     "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
@@ -48,6 +49,22 @@ VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}  # their
 
 # Public facts about each model (from the hub config.json files and model cards).
 KNOWN_FACTS = {
+    # deepseek-ai/DeepSeek-V4-Flash config.json (docs/configs.md); its reference tensor names: test_frontier.py
+    "deepseek-v4-flash": dict(
+        architectures=["DeepseekV4ForCausalLM"],
+        hidden_size=4096,
+        num_hidden_layers=43,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+        moe_intermediate_size=2048,
+        num_attention_heads=64,
+        head_dim=512,
+        o_groups=8,
+        num_hash_layers=3,
+        hc_mult=4,
+        vocab_size=129280,
+        compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+    ),
     "kimi-k2": dict(
         architectures=["DeepseekV3ForCausalLM"],
         hidden_size=7168,

@@ -3,8 +3,9 @@
 For every architecture of the coverage sweep that has a config class, a tiny random model of its tiny config is saved
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
 the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
-revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts), which
-are then applied to the saved names. Architectures transformers cannot build must raise the named NamesError instead.
+revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts,
+Inkling's model.llm.* prefix), which are then applied to the saved names. Architectures transformers cannot build
+must raise the named NamesError instead.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _TEXT_INSIDE,
     FLOAT32_ON_DISK,
     NamesError,
     checkpoint_tensors,
     model_class,
     read_safetensors_header,
     transformers_config,
+    use_sibling_conversion,
 )
 
 ARCHS = tiny.text_decoder_architectures()
@@ -43,17 +46,26 @@ def test_the_sweep_has_configs_for_most_architectures():
 
 def saved_headers(hf_config, arch: str, out: Path) -> dict:
     import torch
+    import transformers
 
+    inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
     hf_config = transformers_config(hf_config, arch)  # vLLM's own class (kimi_linear) -> transformers'
-    cls = model_class(arch, hf_config)
+    if inside is not None:  # Step3.5's text model exists only inside transformers' multimodal Step3p7 class
+        hf_config = getattr(transformers, inside[0])(text_config=hf_config.to_dict())
+        cls = getattr(transformers, inside[1])
+    else:
+        cls = model_class(arch, hf_config)
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
+    use_sibling_conversion(model)  # Inkling's text model saves under its multimodal sibling's released names
     model.save_pretrained(out)
     files = sorted(out.glob("*.safetensors"))
     assert files
     headers = {}
     for f in files:
         headers.update(read_safetensors_header(f))
+    if inside is not None:  # the other towers, which a text-only checkpoint does not have
+        headers = {n: v for n, v in headers.items() if not n.startswith(inside[3])}
     return headers
 
 
@@ -99,7 +111,7 @@ def test_names_equal_save_pretrained(arch, tmp_path):
     # The released DeepSeek-V3-style checkpoints keep these in float32 although transformers builds them in bf16.
     fp32 = FLOAT32_ON_DISK.get(arch, ())
     expected = {n: (s, "float32" if n.endswith(fp32) else d) for n, (s, d) in expected.items()}
-    fixup = _DISK_NAME_FIXUPS.get(config["model_type"])
+    fixup = _DISK_NAME_FIXUPS.get(transformers_config(view.hf_config, arch).model_type)
     if fixup is not None:
         renamed = ((fixup(n, view.text_config), v) for n, v in expected.items())
         expected = {n: v for n, v in renamed if n is not None}

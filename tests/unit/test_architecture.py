@@ -46,11 +46,11 @@ BUDGETS = {
     "shardplan.runtime": 4400,  # (quantplan.py: the quantizing build on columns; copykernel.py: the box copy, issue 25)
     "shardplan.transport": 1000,
     "shardplan.sync": 1750,
-    "shardplan.record": 4900,
+    "shardplan.record": 5000,  # (record/publicfields.py: public config field sets with sources, issue 27)
     "shardplan.simulate": 1550,
     "shardplan.engine": 2400,
     "shardplan.record.sglang": 800,
-    "shardplan.engine.sglang": 200,
+    "shardplan.engine.sglang": 750,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP)
     # import-only stand-ins for a CPU recording machine (README set-up details)
     "shardplan.record.cpushim": 60,
     "shardplan.record.cpushim.torchvision": 100,

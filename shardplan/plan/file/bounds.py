@@ -29,25 +29,21 @@ def check_extents(offset, klass, sizes, strides, numel, message: Callable[[int],
     columns, `_inside` here for object writes) and at replay (runtime/replay.py's sources, runtime/apply.py's
     params) alike.
 
-    A class's reach (a template's writes share a handful) is found once: in float64 first, so that a hostile one past
-    any tensor (2^62 elements) neither wraps nor passes, then exactly in int64; per box it is two integer compares
-    that cannot wrap."""
-    offset, klass, numel = np.asarray(offset), np.asarray(klass), np.asarray(numel)
+    A class's reach is found once per distinct geometry table (`_reach`); per box it is two integer compares that
+    cannot wrap."""
+    offset, numel = np.asarray(offset), np.asarray(numel)
     if not offset.size:
         return
-    sizes, strides = np.asarray(sizes, dtype=np.int64), np.asarray(strides, dtype=np.int64)  # [classes, dims]
-    rough = (sizes.astype(np.float64) - 1) * strides
-    far = (np.minimum(rough, 0).sum(axis=1) <= -_FAR) | (np.maximum(rough, 0).sum(axis=1) >= _FAR)
-    reach = np.where(far[:, None], 0, sizes - 1) * np.where(far[:, None], 0, strides)  # exact: no term wraps
-    before = np.where(far, np.iinfo(np.int64).max, -np.minimum(reach, 0).sum(axis=1))  # elements below the offset
-    after = np.where(far, _FAR, np.maximum(reach, 0).sum(axis=1) + 1)  # from the offset on; far: always refused
+    before, after, empty = _reach(sizes, strides)
     if len(before) == 1:  # one geometry (the usual template): no gather
+        if empty[0]:
+            return
         bad = (offset < int(before[0])) | (offset > numel - int(after[0]))
     else:
+        klass = np.asarray(klass)
         bad = (offset < before[klass]) | (offset > numel - after[klass])
-    empty = (sizes == 0).any(axis=1)
-    if empty.any():  # an empty box reaches nothing
-        bad &= ~empty[klass]
+        if empty.any():  # an empty box reaches nothing
+            bad &= ~empty[klass]
     if bad.any():
         raise PlanBoundsError(message(int(np.nonzero(bad)[0][0])))
 
@@ -55,14 +51,52 @@ def check_extents(offset, klass, sizes, strides, numel, message: Callable[[int],
 def bad_geometry(sizes, strides, destination: bool) -> np.ndarray:
     """Per box geometry (rows of `sizes` / `strides`), whether it breaks a rule of its own: a negative size or
     stride; for a destination also empty, or self-overlapping (one param element written twice)."""
-    sizes, strides = np.asarray(sizes), np.asarray(strides)
+    return _memo(("geometry", destination), sizes, strides, _bad_geometry)
+
+
+def _bad_geometry(sizes: np.ndarray, strides: np.ndarray, destination: bool) -> np.ndarray:
     bad = (sizes < 0).any(axis=1) | (strides < 0).any(axis=1)
     if destination:
         bad |= (sizes == 0).any(axis=1) | _overlapping(sizes, strides)
     return bad
 
 
+def _reach(sizes, strides) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(elements below the offset, elements from the offset on, empty) per class. Found in float64 first, so that a
+    hostile class past any tensor (2^62 elements) neither wraps nor passes (it gets a reach no offset satisfies),
+    then exactly in int64."""
+    return _memo(("reach",), sizes, strides, _class_reach)
+
+
+def _class_reach(sizes: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rough = (sizes.astype(np.float64) - 1) * strides
+    far = (np.minimum(rough, 0).sum(axis=1) <= -_FAR) | (np.maximum(rough, 0).sum(axis=1) >= _FAR)
+    reach = np.where(far[:, None], 0, sizes - 1) * np.where(far[:, None], 0, strides)  # exact: no term wraps
+    before = np.where(far, np.iinfo(np.int64).max, -np.minimum(reach, 0).sum(axis=1))
+    after = np.where(far, _FAR, np.maximum(reach, 0).sum(axis=1) + 1)
+    return before, after, (sizes == 0).any(axis=1)
+
+
 _FAR = 1 << 62  # a box reaching this many elements lies outside every tensor (a plan's are < 2^48)
+_MEMO: dict[tuple, object] = {}
+_MEMO_CLASSES = 64  # tables of at most this many classes are remembered (a template's: a handful)
+
+
+def _memo(kind: tuple, sizes, strides, compute):
+    """compute(sizes, strides, *kind[1:]) per distinct geometry table, remembered: the same templates' tables come
+    back for every rank and every side, and numpy's fixed cost per call would otherwise dominate a small one."""
+    sizes, strides = np.asarray(sizes, dtype=np.int64), np.asarray(strides, dtype=np.int64)  # [classes, dims]
+    if len(sizes) > _MEMO_CLASSES:
+        return compute(sizes, strides, *kind[1:])
+    key = (kind, sizes.shape, sizes.tobytes(), strides.tobytes())
+    got = _MEMO.get(key)
+    if got is None:
+        if len(_MEMO) > 1 << 12:
+            _MEMO.clear()
+        got = _MEMO[key] = compute(sizes, strides, *kind[1:])
+        for array in got if isinstance(got, tuple) else (got,):
+            array.setflags(write=False)  # shared by every caller
+    return got
 
 
 def check_bounds(plan: ir.RankPlan, sources, path: str, writes=None) -> None:
