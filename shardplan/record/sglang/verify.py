@@ -59,8 +59,10 @@ def loaded_by_sglang(builder: SglangBuilder, rank: int, checkpoint: Mapping[str,
     """The rank's model built by SGLang on the CPU, poisoned, loaded by SGLang's own `load_weights`."""
     real = builder.build(rank, "cpu")
     _poison_all(real)
+    # copies: some SGLang loaders change the given tensor in place (Gemma's `loaded_weight += 1.0` for its norms),
+    # which a checkpoint read from disk tolerates and the shared random checkpoint here would not
     with torch.no_grad(), builder.as_rank(rank):
-        real.load_weights(iter(list(checkpoint.items())))
+        real.load_weights((n, t.clone()) for n, t in checkpoint.items())
     return real
 
 
@@ -78,7 +80,7 @@ def replayed_by_plan(
     with torch.no_grad(), builder.as_rank(rank):
         if plan.fallbacks:
             with post_load_deferred(replayed):
-                replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
+                replayed.load_weights([(f.source, checkpoint[f.source].clone()) for f in plan.fallbacks])
         if hasattr(replayed, "post_load_weights"):
             replayed.post_load_weights()
     return replayed
