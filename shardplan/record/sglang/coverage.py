@@ -13,6 +13,7 @@ error quoted); SGLang's loader refusing the checkpoint we listed, a recording er
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 from pathlib import Path
 
@@ -66,8 +67,6 @@ def text_decoder_architectures() -> list[str]:
 
 
 def versions() -> str:
-    import importlib.metadata as md
-
     return f"SGLang {sglang_version()}, transformers {md.version('transformers')}, torch {md.version('torch')}"
 
 
