@@ -385,7 +385,8 @@ def _sglang_section(rows: list[dict], sglang_rows: list[dict], sglang_versions: 
         '(`shardplan/record/sglang/coverage.py`; "cannot" only where SGLang itself refuses the config or layout '
         "or fails to build the model; a build failing for lack of a config field is FAIL). Re-run (`--resume` "
         "finishes an interrupted sweep) in .venv-sglang: `python -m shardplan.record.coverage --engine sglang --resume "
-        "--results docs/coverage-results-sglang.jsonl` (about 2 minutes here).",
+        "--results docs/coverage-results-sglang.jsonl --out ''` (about 2 minutes here), then render in .venv: "
+        "`python -m shardplan.record.coverage --render-only docs/coverage-results.jsonl`.",
         "",
         "| architecture | model_type | vLLM | vLLM layouts (ranks bitwise equal) | SGLang | SGLang layouts | detail |",
         "|---|---|---|---|---|---|---|",
