@@ -303,4 +303,70 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             },
         },
     },
+    # Fields of the published configs that SGLang's models read and transformers' config classes lack (SGLang's own
+    # config classes, which its server uses for some of these model types, declare them; the sweep builds
+    # transformers' classes in both venvs).
+    "DeepseekV2ForCausalLM": {
+        "source": "deepseek-ai/DeepSeek-V2-Lite config.json (moe_layer_freq as in a public copy quoting the hub file "
+        "with model_type deepseek_v2, 27 layers, 64 routed experts; its routing keys)",
+        "fields": {
+            "moe_layer_freq": 1,
+            "ep_size": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "greedy",
+            "num_experts_per_tok": 6,
+            "scoring_func": "softmax",
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+        },
+    },
+    "DeepseekV3ForCausalLM": {
+        "source": "deepseek-ai/DeepSeek-V3 config.json (moe_layer_freq as in a public copy quoting the hub file with "
+        "model_type deepseek_v3, 256 routed experts; its routing keys)",
+        "fields": {
+            "moe_layer_freq": 1,
+            "ep_size": 1,
+            "n_group": 8,
+            "topk_group": 4,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+    },
+    "GlmMoeDsaForCausalLM": {
+        "source": "zai-org GLM-5 series config.json (moe_layer_freq as in a public C++ test fixture quoting the hub "
+        "file: glm_moe_dsa, 78 layers, 256 routed experts; its routing keys)",
+        "fields": {
+            "moe_layer_freq": 1,
+            "ep_size": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+    },
+    "Gemma2ForCausalLM": {
+        "source": "google/gemma-2-2b config.json (both activation keys, as in a public copy quoting the hub file: "
+        "hidden_size 2304, 26 layers)",
+        "fields": {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+    },
+    "Qwen3NextForCausalLM": {
+        "source": "Qwen/Qwen3-Next-80B-A3B-Instruct config.json (full_attention_interval as in public copies quoting "
+        "the hub file)",
+        "fields": {"full_attention_interval": 4},
+    },
+    "Qwen3_5ForCausalLM": {
+        "source": "Qwen/Qwen3.5 dense config.json text_config (full_attention_interval as in public copies quoting "
+        "the hub file: 64 layers, hidden_size 5120)",
+        "fields": {"full_attention_interval": 4},
+    },
+    "Qwen3_5MoeForCausalLM": {
+        "source": "Qwen/Qwen3.5 MoE config.json text_config (full_attention_interval as in public copies quoting "
+        "the hub file: 256 experts, 8 per token)",
+        "fields": {"full_attention_interval": 4},
+    },
 }

@@ -165,6 +165,11 @@ _FIXES: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 64,
     },
     "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
+    # transformers reads the shrunk mlp_layer_types (dense, dense, sparse), SGLang first_k_dense_replace: agree
+    "GlmMoeDsaForCausalLM": {"first_k_dense_replace": 2},
+    # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
+    # (linear, linear, full): the interval that gives the same
+    "Qwen3NextForCausalLM": {"full_attention_interval": 3},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
