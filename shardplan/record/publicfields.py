@@ -369,4 +369,16 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
         "the hub file: 256 experts, 8 per token)",
         "fields": {"full_attention_interval": 4},
     },
+    "HunYuanMoEV1ForCausalLM": {
+        "source": "tencent/Hunyuan-A13B-Instruct config.json (the per-layer MoE lists, as in a public test's "
+        "HUNYUAN_MOE_LIST_CONFIG, and the use_* switches, as in a public copy of the hub file: 32 layers, 64 experts)",
+        "fields": {
+            "moe_intermediate_size": [3072] * 32,
+            "moe_topk": [8] * 32,
+            "num_shared_expert": [1] * 32,
+            "use_mixed_mlp_moe": True,
+            "use_qk_norm": True,
+            "use_cla": False,
+        },
+    },
 }
