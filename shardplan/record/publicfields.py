@@ -381,4 +381,9 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "use_cla": False,
         },
     },
+    "HunYuanDenseV1ForCausalLM": {
+        "source": "tencent/Hunyuan-7B-Instruct config.json (the use_* switches, as in a public test's raw_config "
+        "quoting it: 32 layers, hidden 4096; Hunyuan-MT-7B's public copy has use_qk_norm true too)",
+        "fields": {"use_qk_norm": True, "use_cla": False},
+    },
 }
