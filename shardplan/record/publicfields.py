@@ -26,6 +26,13 @@ _KIMI_LINEAR_LAYERS = {
     "short_conv_kernel_size": 4,
 }
 
+# SGLang reads the per-layer MoE flags; transformers' class has mlp_layer_types instead (tiny.py shrinks them alike)
+_K_EXAONE = {
+    "source": "LGAI-EXAONE/K-EXAONE-236B-A23B config.json (is_moe_layer as in a public test's EXAONE_MOE_CONFIG "
+    "quoting the hub file: the first layer dense, the other 47 MoE)",
+    "fields": {"is_moe_layer": [False] + [True] * 47},
+}
+
 PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
     "MiniMaxM2ForCausalLM": {
         "source": "MiniMaxAI/MiniMax-M2 config.json (values as in public copies: an msmodelslim quantization guide "
@@ -386,4 +393,6 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
         "quoting it: 32 layers, hidden 4096; Hunyuan-MT-7B's public copy has use_qk_norm true too)",
         "fields": {"use_qk_norm": True, "use_cla": False},
     },
+    "ExaoneMoEForCausalLM": _K_EXAONE,
+    "ExaoneMoeForCausalLM": _K_EXAONE,
 }

@@ -170,6 +170,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
     # (linear, linear, full): the interval that gives the same
     "Qwen3NextForCausalLM": {"full_attention_interval": 3},
+    # the published is_moe_layer (48 layers) as the shrunk mlp_layer_types (dense, sparse, sparse)
+    "ExaoneMoEForCausalLM": {"is_moe_layer": [False, True, True]},
+    "ExaoneMoeForCausalLM": {"is_moe_layer": [False, True, True]},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
