@@ -173,6 +173,11 @@ _FIXES: dict[str, dict[str, Any]] = {
     # the published is_moe_layer (48 layers) as the shrunk mlp_layer_types (dense, sparse, sparse)
     "ExaoneMoEForCausalLM": {"is_moe_layer": [False, True, True]},
     "ExaoneMoeForCausalLM": {"is_moe_layer": [False, True, True]},
+    # multi-head attention, as the public configs have (OLMo-1B-hf 16/16, OLMoE-1B-7B 16/16, phi-2 32/null):
+    # SGLang builds their k/v (and OLMoE its k_norm) from num_attention_heads
+    "OlmoForCausalLM": {"num_key_value_heads": 4},
+    "OlmoeForCausalLM": {"num_key_value_heads": 4},
+    "PhiForCausalLM": {"num_key_value_heads": 4, "intermediate_size": 512},  # SGLang's Phi MLP: 4 * hidden, as phi-2
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says
