@@ -44,11 +44,25 @@ SHRUNK = {
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
+    # three Gated DeltaNet layers, then one full-attention layer; every layer MoE with a gated shared expert
+    "qwen3.5-397b-a17b": [
+        "num_hidden_layers=4",
+        'layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
+        "num_experts=8",
+        "vocab_size=1000",
+    ],
 }
 
 
 @pytest.mark.parametrize(
-    "model, tp, ep", [("kimi-linear-48b-a3b", 4, False), ("minimax-m2", 2, True), ("deepseek-v4-flash", 4, True)]
+    "model, tp, ep",
+    [
+        ("kimi-linear-48b-a3b", 4, False),
+        ("minimax-m2", 2, True),
+        ("deepseek-v4-flash", 4, True),
+        ("qwen3.5-397b-a17b", 8, False),
+        ("qwen3.5-397b-a17b", 8, True),
+    ],
 )
 def test_shrunk_frontier_builtins_verify_bitwise(model, tp, ep):
     layout = Layout(tp=tp, ep=ep)
