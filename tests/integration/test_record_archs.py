@@ -165,6 +165,7 @@ UNDEFINED_PADDING = {"kimi-linear-48b-a3b": "vLLM pads each rank's expert interm
 FULL_TIER_BUILTINS = {
     "gpt-oss-120b": "its expert loader makes a scratch tensor (torch.empty)",
     "qwen3-next-80b-a3b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight",
+    "qwen3.5-397b-a17b": "Tensor.__setitem__ on the parameter linear_attn.conv1d.weight (Qwen3-Next's Gated DeltaNet)",
     "minimax-m2": "Tensor.to on its routing bias (e_score_correction_bias)",
 }
 
