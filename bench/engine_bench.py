@@ -12,7 +12,8 @@ layerwise reload + `load_weights` of every full checkpoint tensor, read by every
 safetensors file. That is what its nccl/ipc backends do after the transfer, without the transfer.
 Ceiling of the transport, same run: the same per-worker byte counts sent from this process to one process per worker
 over gloo TCP on 127.0.0.1, all at once, one message each (its receivers start before the engine; one round is timed
-before each shardplan update).
+before each shardplan update). Neither's first round is timed: the gloo ceiling's opens its connections, the engine's
+first update opens its pairs and sizes the workers' materialize pool.
 
 Both update the same engine from checkpoint A to checkpoint B (random bf16 weights); the greedy tokens after each
 way are printed side by side (equal for the dense model; for the MoE model vLLM 0.32's own reload skips the CPU
@@ -40,13 +41,13 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from shardplan.engine.cpu_llm import greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm  # noqa: E402
+
+set_cpu_env()
 
 TINY = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -196,9 +197,6 @@ ENGINE_STEPS = (
 
 
 def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip_prepack: bool = False) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
-
     from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.sync import SyncConfig
 
@@ -224,28 +222,10 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     per_peer = [lay.nbytes for lay in layouts]
     layer_bytes = [max(g.nbytes for g in lay.groups) for lay in layouts]  # one decoder layer of each rank
     ceiling = GlooCeiling(per_peer, iters)
-    if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    llm = LLM(
-        model=str(a),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        seed=0,
-        tensor_parallel_size=tp,
-        weight_transfer_config=WeightTransferConfig(backend="shardplan"),
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = start_cpu_llm(a, tp)
 
-    # F821 silenced below: tokens() is last called before `del llm` (which frees the engine before gc.collect())
     def tokens():
-        return [
-            list(o.outputs[0].token_ids)
-            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)  # noqa: F821
-        ]
+        return greedy_tokens(llm, PROMPTS, 12)  # noqa: F821 (last called before `del llm`)
 
     sync = EngineSync([llm], plan, config=SyncConfig(timeout_s=120))
     trainer = sync.trainer_rank(ModuleSource(tensors_b, sync.plan_file))
@@ -259,6 +239,8 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
 
     trainer.packer.pack = timed_pack
     sync.init()  # once per engine: not part of an update
+    # untimed, as the gloo ceiling's first round: opens the gloo pairs and sizes the engine's materialize pool
+    sync.sync(trainer=trainer)
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
@@ -287,10 +269,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         tokens_vllm = tokens()
     trainer.close()
     ceiling.close()
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
+    stop_cpu_llm(llm)
     del llm
     gc.collect()
     med = statistics.median
@@ -310,6 +289,7 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
                 process_by_class=by_class,
                 rss_before=med(s[r]["rss_before"] or 0 for s in splits),
                 rss_peak=med(s[r]["rss_peak"] or 0 for s in splits),
+                pools=[s[r].get("pools_allocated") for s in splits],
                 layer_bytes=layer_bytes[r],
             )
         )
@@ -427,6 +407,7 @@ def main() -> None:
             console.print(
                 f"rank {k['rank']} process by module class (median s): "
                 + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
+                + f"; materialize pools allocated per update: {k['pools']}"
             )
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:

@@ -24,7 +24,7 @@ $PIP install -q --no-deps sglang==0.5.23 2>&1 | quiet
 # has them); no sglang-kernel / flashinfer / triton kernels are built or loaded on CPU.
 $PIP install -q -c "$constraints" -e '.[sglang-cpu,test]' 2>&1 | quiet
 # PyPI's torchvision is a CUDA build that cannot import beside torch's CPU build: SGLang gets a stub instead
-# (shardplan/record/sglang/cpu_stubs.py)
+# (shardplan/record/cpushim, the vLLM recorder's stand-in)
 $PIP uninstall -q -y torchvision >/dev/null 2>&1 || true
 "$VENV/bin/python" - <<'PY'
 import torch, sglang, msgpack, hypothesis

@@ -302,6 +302,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             self.last_update = {
                 "seconds": seconds,
                 "process_by_class": dict(self.unpacker.process_by_class),
+                "pools_allocated": self.unpacker.pools_allocated,
                 "rss_before": getattr(self, "_rss_before", None),
                 "rss_peak": _peak_rss(),
             }

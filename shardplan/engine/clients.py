@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from shardplan.engine.errors import EngineCallFailed, raise_named
 from shardplan.engine.protocol import STATE_RPC
+from shardplan.engine.sglang.client import SglangClient
 
 
 class EngineClient(Protocol):
@@ -281,6 +282,8 @@ def as_client(engine, name: str | None = None) -> EngineClient:
         return HttpClient(engine)
     if all(hasattr(engine, m) for m in ("pause", "resume", "update_weights", "get_weight_version")):
         return engine
+    if type(engine).__module__.startswith("sglang."):  # an in-process sgl.Engine (docs/sglang.md)
+        return SglangClient(engine, name)
     if type(engine).__name__ == "ActorHandle":
         return RayClient(engine, name or "ray-engine")
     if hasattr(engine, "pause_generation") and asyncio.iscoroutinefunction(getattr(engine, "update_weights", None)):
@@ -289,5 +292,6 @@ def as_client(engine, name: str | None = None) -> EngineClient:
         return LLMClient(engine, name or "llm")
     raise TypeError(
         f"cannot drive {type(engine).__name__}: pass a vllm.LLM or AsyncLLM, a Ray actor handle, the base URL of a "
-        f"`vllm serve` (VLLM_SERVER_DEV_MODE=1), or an object with the EngineClient methods"
+        f"`vllm serve` (VLLM_SERVER_DEV_MODE=1), an sgl.Engine or SglangClient(url), or an object with the "
+        f"EngineClient methods"
     )

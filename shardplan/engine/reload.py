@@ -7,10 +7,11 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
 
     begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
                    (pre-processing) layout, on the meta device
-    apply(group)   materialize the layers the group writes (fresh, uninitialised tensors), scatter the group's bytes
-                   into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has now landed run
-                   what vLLM's `_layerwise_process` runs after its loaders: quant_method.process_weights_after_loading,
-                   update_param_tp_status, copy into the saved kernel tensors (addresses kept), info.reset()
+    apply(group)   materialize the layers the group writes (uninitialised tensors in the sync's pool), scatter the
+                   group's bytes into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has
+                   now landed run what vLLM's `_layerwise_process` runs after its loaders:
+                   quant_method.process_weights_after_loading, update_param_tp_status, copy into the saved kernel
+                   tensors (addresses kept), info.reset()
     end()          finalize_layerwise_reload: layers nothing wrote get their kernel tensors back, attention layers are
                    processed last; then every module the plan does not write but whose tensors share storage with a
                    written param (a tied lm_head) is processed again, so its derived GEMM state holds the new weights
@@ -41,12 +42,10 @@ from shardplan.plan.interp import to_dtype
 from shardplan.plan.unwritten import unwritten_ranges
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.pack import PackLayout, fallback_slots, reads_digest, sharded_bases
+from shardplan.runtime.tensors import align_up
 from shardplan.sync.adapters import ShardedUnpacker, layout_stamp
 
 logger = logging.getLogger("shardplan.engine")
-
-# what torch._C._storage_Use_Count says of the storage of a tensor nothing else shares
-_SOLE_STORAGE_USES = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
 
 
 def _skips_moe_prepack_on_update() -> bool:
@@ -143,7 +142,13 @@ class ReloadUnpacker:
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
         self._processed: set[int] = set()  # ids of the modules processed in this sync
-        self._scratch: dict[int, list] = {}  # byte size -> storages of processed modules, for the next (one sync)
+        self._open: set[int] = set()  # ids of the modules materialized and not processed yet
+        self._pool: torch.Tensor | None = None  # CPU storage the open modules are materialized into (one sync)
+        self._pool_uses = 0  # the pool storage's use count with nothing placed in it
+        self._pool_used = 0  # bytes of the pool the open modules take
+        self._pool_bytes = 0  # the most the open modules took at once in this sync: the next sync's pool size
+        self._pool_size = 0  # this sync's pool size (the last sync's _pool_bytes)
+        self.pools_allocated = 0  # this sync's pools (1 when every module found the pool free; bench/engine_bench.py)
         self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
         self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
         self.active = False
@@ -257,7 +262,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            module.quant_method.process_weights_after_loading(module)
+            _process_dropping_old_gemm(module, module.quant_method)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -295,6 +300,7 @@ class ReloadUnpacker:
             pending.discard(group)
             if not pending:
                 self._process(module)
+                self._close(module)  # here: no frame of _process holds its materialized tensors any more
 
     # -- one sync --
     def begin(self) -> None:
@@ -304,7 +310,8 @@ class ReloadUnpacker:
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
         self._processed = set()
-        self._scratch = {}
+        self._open, self._pool, self._pool_used = set(), None, 0
+        self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
         self.seconds = defaultdict(float)
         self.process_by_class = defaultdict(float)
         self.active = True
@@ -317,7 +324,7 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
-        self._scratch = {}
+        self._pool = None
         for (t, group), names in self.group_params.items():  # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
         t0 = time.perf_counter()
@@ -337,35 +344,53 @@ class ReloadUnpacker:
                 if not info.can_load():
                     raise EngineUnsupported(f"{type(module).__name__} is not set up for reloading (vLLM skips it)")
                 materialize_layer(module, info)
-                self._reuse_scratch(module)
-                with torch.no_grad():
+                self._place_in_pool(module)
+                with torch.no_grad():  # the pool holds the bytes of the modules before this one
                     for attr, spans in self.undefined.get(module, ()):
                         flat = getattr(module, attr).view(-1)  # pre-processing params are contiguous
                         for lo, hi in spans:
                             flat[lo:hi].zero_()
                 self._materialized.add(id(module))
+                self._open.add(id(module))
 
-    def _reuse_scratch(self, module: torch.nn.Module) -> None:
-        """Point the module's freshly materialized tensors at storage an earlier module of this sync was processed
-        from (same byte size), then free the rest. Fresh storage is untouched memory: writing it page-faults every
-        4 KiB, which cost more than the write itself; reused storage is already mapped. Keeps the extra memory of an
-        update at one module's pre-processing tensors."""
+    def _place_in_pool(self, module: torch.nn.Module) -> None:
+        """Point the module's freshly materialized CPU tensors into the sync's pool, after the other open modules'.
+        Fresh storage is untouched memory: writing it page-faults every 4 KiB, which costs more than the write itself;
+        the pool is one storage, faulted in by the first modules of a sync and rewritten by every later one (embedding,
+        decoder layers, lm_head: one size fits all, so each module's bytes land in mapped memory). Its size is the
+        most the open modules took at once in the last sync (one decoder layer, or the vocab shard): the update's
+        extra memory. What does not fit (the first modules of the first sync, modules outgrowing it) stays fresh."""
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         with torch.no_grad():
             for tensor in get_layer_tensors(module).values():
-                stack = self._scratch.get(tensor.untyped_storage().nbytes())
-                if stack and not tensor.is_meta:
-                    tensor.set_(stack.pop(), 0, tensor.size(), tensor.stride())
-        self._scratch.clear()
+                if tensor.is_meta or tensor.device.type != "cpu" or not tensor.is_contiguous():
+                    continue
+                start = align_up(self._pool_used, 4096)
+                self._pool_used = start + tensor.numel() * tensor.element_size()
+                self._pool_bytes = max(self._pool_bytes, self._pool_used)
+                if self._pool is None and self._pool_size:
+                    self._pool = torch.empty(self._pool_size, dtype=torch.uint8)
+                    self._pool_uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
+                    self.pools_allocated += 1
+                if self._pool is not None and self._pool_used <= self._pool.numel():
+                    size, stride = tensor.size(), tensor.stride()
+                    tensor.set_(self._pool.untyped_storage(), start // tensor.element_size(), size, stride)
 
-    def _keep_scratch(self, tensors) -> None:
-        """Keep the storage of a processed module's pre-processing tensors for the next module, unless anything
-        else still holds it (a closure or attribute that processing left pointing at it)."""
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and torch._C._storage_Use_Count(storage._cdata) <= _SOLE_STORAGE_USES:
-                self._scratch.setdefault(storage.nbytes(), []).append(storage)
+    def _close(self, module: torch.nn.Module) -> None:
+        """The module is processed: once no module is open, the pool is free for the next ones, unless something
+        processing left behind still points into it (a closure or attribute holding a view): then that keeps it and
+        the next modules get a new one."""
+        self._open.discard(id(module))
+        if self._open:
+            return
+        self._pool_used = 0
+        if not self._pool_size:  # the first sync: size the pool by the modules so far, for the rest of it
+            self._pool_size = self._pool_bytes
+        if self._pool is not None:
+            uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
+            if uses > self._pool_uses:
+                self._pool = None
 
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
@@ -381,13 +406,12 @@ class ReloadUnpacker:
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
-        materialized = list(get_layer_tensors(module).values())
-        for tensor in materialized:
+        for tensor in get_layer_tensors(module).values():
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            quant_method.process_weights_after_loading(module)
+            _process_dropping_old_gemm(module, quant_method)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -399,8 +423,6 @@ class ReloadUnpacker:
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
-        self._keep_scratch(materialized)
-        del materialized
         t2 = time.perf_counter()
         clock["copy into kernel tensors"] += t2 - t1
         clock["process"] += t1 - t0 - prepack
@@ -409,6 +431,25 @@ class ReloadUnpacker:
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
+
+
+def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:
+    """quant_method.process_weights_after_loading, with an embedding's or lm_head's old CPU GEMM handle dropped first.
+    On CPU, UnquantizedEmbeddingMethod's processing builds a oneDNN handle or sgl packed copy of the weight (as big as
+    the vocab shard) into `cpu_linear` and keeps `weight`; holding the old handle while the new one is built would
+    double that module's memory during the update (the engine is paused: nothing calls it meanwhile). If processing
+    fails, the module gets vLLM's own fallback, F.linear over the weight it keeps (finalize restores that weight)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if not isinstance(quant_method, UnquantizedEmbeddingMethod) or "cpu_linear" not in module.__dict__:
+        quant_method.process_weights_after_loading(module)
+        return
+    del module.__dict__["cpu_linear"]
+    try:
+        quant_method.process_weights_after_loading(module)
+    finally:
+        if "cpu_linear" not in module.__dict__:
+            module.cpu_linear = torch.nn.functional.linear
 
 
 def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:

@@ -91,12 +91,13 @@ class RecordSession:
 
     def with_overrides(self, overrides: Sequence[str]) -> "RecordSession":
         """The same recording on the config with `overrides` (the cut model of a sampled recording)."""
-        return RecordSession(
-            self._model,
-            self.layout,
+        return type(self)(self._model, self.layout, overrides=overrides, **self._session_options())
+
+    def _session_options(self) -> dict:
+        """What with_overrides carries over (an engine's session adds its own recording options)."""
+        return dict(
             dtype=self.dtype,
             strict=self.strict,
-            overrides=overrides,
             eplb_redundant=self.eplb_redundant,
             trust_remote_code=self.trust_remote_code,
         )
@@ -107,17 +108,20 @@ class RecordSession:
 
         return vllm.__version__
 
-    def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
-        t0 = time.perf_counter()
+    def _record_loader(self, rank: int):
+        """Build the rank's model and record its loader: (the recording, the build device). The engine's part."""
         model, device = build_for_recording(self.vllm_config, self.layout, rank)
         with (
             loading_context(self.vllm_config, self.layout, rank),
             eplb.identity_slots() if self.eplb else contextlib.nullcontext(),
         ):
             # loaders ask for the TP/EP rank while loading
-            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
+            return record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier), device
+
+    def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
+        t0 = time.perf_counter()
+        recording, device = self._record_loader(rank)
         plan = recording.to_plan() if self.eplb is None else eplb.slot_plan(recording.to_plan(), self.eplb)
-        del model
         stats = RankStats(
             rank,
             len(plan.sources_read()),
@@ -266,7 +270,13 @@ class RecordSession:
             quantizer=self.quantizer,
             eplb=self.eplb,
             trust_remote_code=self.trust_remote_code,
+            engine=self.engine_info,
         )
+
+    @property
+    def engine_info(self):
+        """The plan header's `engine` (None: vLLM, the default engine)."""
+        return None
 
     @property
     def quantizer(self) -> str:

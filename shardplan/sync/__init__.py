@@ -37,7 +37,7 @@ back any rank that re-joined (a restart writes `join/<rank>` with a fresh epoch)
 (version, complete): complete only when every byte of that version arrived, matched its checksum and was applied;
 (new version, False) as soon as the first group of a version was applied.
 
-Checksum: sum of the buffer as int32 words (plus tail bytes) into int64; cheap on CPU and GPU; catches missing,
+Checksum: sum of the buffer as int64 words, wrapping (plus tail bytes); cheap on CPU and GPU; catches missing,
 zeroed, truncated or stale pieces, not swapped words.
 
 Modules, in import order: stages (Protocols, config, errors, results) -> schedule (pure) -> control (keys, marks)

@@ -1,14 +1,12 @@
 """Helpers for the live-engine tests: tiny random checkpoints (no hub), their plans, vLLM CPU engines, and a trainer
 process holding a transformers model that takes real AdamW steps.
 
-Engine recipe on a CPU box (docs/engine.md): VLLM_CPU_KVCACHE_SPACE=1, enforce_eager, skip_tokenizer_init with
-prompt token ids, TP=2 with VLLM_CPU_OMP_THREADS_BIND="0|1"; vLLM spawns its workers, so test modules guard nothing
-at import time that a spawned process would re-run.
+The engines are shardplan.engine.cpu_llm's (the CPU recipe, shared with bench/engine_bench.py); vLLM spawns its
+workers, so test modules guard nothing at import time that a spawned process would re-run.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -18,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from shardplan.engine.cpu_llm import cpu_engine_kwargs, greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm
+
+set_cpu_env()
 
 PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44], [901, 3, 3, 512, 64, 8]]
 MAX_TOKENS = 16
@@ -131,25 +127,12 @@ def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
     return path
 
 
-def engine_kwargs(tp: int) -> dict:
-    return dict(
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        seed=0,
-        tensor_parallel_size=tp,
-        gpu_memory_utilization=0.5,
-    )
+engine_kwargs = cpu_engine_kwargs
 
 
 def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None):
-    """`gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES; None: what the CPU picks)."""
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
+    """shardplan.engine.cpu_llm's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES; None:
+    what the CPU picks)."""
     extra = {}
     if gemm is not None:
         import engine_gemm
@@ -161,30 +144,14 @@ def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm:
         extra.update(engine_gemm.ENGINE_KWARGS)
     else:
         os.environ.pop("SHARDPLAN_TEST_CPU_GEMM", None)
-    if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-    else:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    if shardplan_backend:
-        extra["weight_transfer_config"] = WeightTransferConfig(backend="shardplan")
-    return LLM(model=str(model_dir), **engine_kwargs(tp), **extra)
+    return start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, **extra)
 
 
-def stop_llm(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    del llm
-    gc.collect()
+stop_llm = stop_cpu_llm
 
 
 def greedy(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy_tokens(llm, PROMPTS, MAX_TOKENS)
 
 
 _FRESH: dict[tuple[str, int], list[list[int]]] = {}

@@ -69,12 +69,11 @@ def test_elements_no_checkpoint_defines_are_zeroed_in_every_update():
     group = next(g for g, modules in unpacker.group_modules.items() if any(m is module for m in modules))
     unpacker.begin()
     try:
-        # storage handed over from an earlier module of the sync (here: NaN) must not show through the padding
-        for other in unpacker.group_modules[group]:
-            for meta in [p for p in plan.params if unpacker.targets[p.name][0] is other]:
-                unpacker._scratch.setdefault(meta.nbytes, []).append(
-                    torch.full((meta.nbytes // 2,), float("nan"), dtype=torch.bfloat16).untyped_storage()
-                )
+        # the sync's pool holds the bytes of earlier modules (here: all-ones bytes, NaN as bfloat16); they must not
+        # show through the padding
+        unpacker._pool_size = sum(p.nbytes + 4096 for p in plan.params)
+        unpacker._pool = torch.full((unpacker._pool_size,), 255, dtype=torch.uint8)
+        unpacker._pool_uses = torch._C._storage_Use_Count(unpacker._pool.untyped_storage()._cdata)
         unpacker._materialize(group)
         flat = getattr(module, attr).detach().view(-1)
         assert all(bool((flat[lo:hi] == 0).all()) for lo, hi in spans)

@@ -98,6 +98,24 @@ def test_checksum_sees_a_changed_byte_and_works_unaligned():
     assert checksum(buf[:0]) == 0
 
 
+def test_checksum_is_the_wrapping_sum_of_int64_words_plus_tail_bytes():
+    """The aligned path (every pipeline piece): int64 words summed mod 2**64, the tail bytes singly; a changed byte
+    anywhere, a zeroed word or a cut tail changes it."""
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (8 * 1000 + 5,), dtype=torch.uint8, generator=g)
+    words = [int.from_bytes(buf[i : i + 8].numpy().tobytes(), "little", signed=True) for i in range(0, 8000, 8)]
+    wrapped = (sum(words) + 2**63) % 2**64 - 2**63
+    assert checksum(buf) == wrapped + int(buf[8000:].sum())
+    for at in (0, 7, 4003, 8004):
+        other = buf.clone()
+        other[at] ^= 1
+        assert checksum(other) != checksum(buf), at
+    zeroed = buf.clone()
+    zeroed[800:808] = 0
+    assert checksum(zeroed) != checksum(buf) or not buf[800:808].any()
+    assert checksum(buf[:8000]) != checksum(buf)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

@@ -1,26 +1,52 @@
-"""A live SGLang CPU engine updated by shardplan (run by test_live_engine.py in its own process: SGLang's CPU engine
-is chosen at import by SGLANG_USE_CPU_ENGINE=1, and sgl-kernel's CPU ops come from the test shim in cpu_ops/).
+"""Live SGLang CPU engines updated by shardplan's sync engine (run by test_live_engine.py in its own process: SGLang's
+CPU engine is chosen at import by SGLANG_USE_CPU_ENGINE=1, and sgl-kernel's CPU ops come from the test shim in
+cpu_ops/).
 
-    python tests/sglang/live_engine.py WORKDIR TP
+    python tests/sglang/live_engine.py WORKDIR TP [http]
 
-Writes a tiny Qwen3 checkpoint (version 0), records its plan with SGLang's CPU-engine loaders, starts an engine on
-version 0, then for two trainer versions packs each rank's bytes from HF-named tensors (`Replayer.pack`, no SGLang)
-and pushes them through the shardplan loader between begin/end_weight_update; after each, greedy tokens must equal a
-fresh engine started on that version's checkpoint. Also: a plan recorded without the CPU engine is refused by name,
-and nothing is applied. Prints one JSON line of results."""
+Writes tiny Qwen3 checkpoints (versions 0, 1, 2), records their plan with SGLang's CPU-engine loaders, notes the greedy
+tokens of a fresh engine on versions 1 and 2, then starts one engine on version 0 (no --custom-weight-loader: the
+`sglang.srt.plugins` entry point registers the shardplan loader) and drives it with `EngineSync` as vLLM engines are
+driven: its TP workers join the sync as consumers over the `nccl` transport (gloo on CPU) and the trainer sends from
+HF-named tensors. In order:
+  * a plan whose header says "not the CPU engine" is refused by name before anything is sent; one recorded for
+    another model config (rms_norm_eps) is refused by every worker, by name; the engine's tokens are unchanged;
+  * version 1 synced: tokens == the fresh engine's on checkpoint 1;
+  * version 2 with a trainer that fails after its first groups: SyncIncomplete, the engine paused with weight version
+    "2:incomplete", its workers (2, complete=False);
+  * version 3 (checkpoint 2) repairs it: resumed, "3", tokens == the fresh engine's on checkpoint 2.
+`http`: the same engine as `python -m sglang.launch_server`, driven through its HTTP routes (SglangClient(url)).
+Prints one JSON line of results."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 
 import torch
 from safetensors.torch import save_file
 
 HERE = pathlib.Path(__file__).resolve().parent
-PROMPT = [[1, 5, 7, 9, 11, 13]]
+PROMPT = [1, 5, 7, 9, 11, 13]
+ENGINE_ARGS = dict(
+    device="cpu",
+    skip_tokenizer_init=True,
+    attention_backend="torch_native",
+    sampling_backend="pytorch",
+    disable_cuda_graph=True,
+    max_total_tokens=2048,
+    max_running_requests=2,
+    mem_fraction_static=0.4,
+    grammar_backend="none",
+    random_seed=0,
+)
 
 
 def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
@@ -40,75 +66,178 @@ def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
 def engine(path, tp):
     import sglang as sgl
 
-    from shardplan.engine.sglang.loader import LOAD_FORMAT
-
-    return sgl.Engine(
-        model_path=str(path),
-        device="cpu",
-        skip_tokenizer_init=True,
-        attention_backend="torch_native",
-        sampling_backend="pytorch",
-        disable_cuda_graph=True,
-        max_total_tokens=2048,
-        max_running_requests=2,
-        tp_size=tp,
-        log_level="error",
-        mem_fraction_static=0.4,
-        grammar_backend="none",
-        custom_weight_loader=[LOAD_FORMAT],
-        random_seed=0,
-    )
+    return sgl.Engine(model_path=str(path), tp_size=tp, log_level="error", **ENGINE_ARGS)
 
 
 def greedy(llm):
-    out = llm.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    out = llm.generate(input_ids=[PROMPT], sampling_params={"max_new_tokens": 12, "temperature": 0})
     return out[0]["output_ids"]
+
+
+class Server:
+    """`python -m sglang.launch_server` on a free port; greedy tokens through /generate."""
+
+    def __init__(self, path, tp):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(path), "--tp-size", str(tp)]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error"]
+        for k, v in ENGINE_ARGS.items():
+            flag = "--" + k.replace("_", "-")
+            args += [flag] if v is True else [flag, str(v)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(args, env=os.environ.copy())
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang.launch_server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise RuntimeError("sglang.launch_server did not come up")
+
+    def generate(self):
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())["output_ids"]
+
+    def shutdown(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def main():
     work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-    from shardplan.engine.errors import EnginePlanMismatch
-    from shardplan.engine.sglang import client
+    http = len(sys.argv) > 3 and sys.argv[3] == "http"
+    from shardplan.engine.errors import EnginePlanMismatch, SyncIncomplete
+    from shardplan.engine.sglang.client import SglangClient
+    from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.plan.file.format import write_plan
     from shardplan.plan.layout import Layout
     from shardplan.record.sglang.options import SglangOptions
     from shardplan.record.sglang.session import SglangRecordSession
+    from shardplan.sync import SyncConfig
 
     s = SglangRecordSession(str(HERE / "qwen3-tiny"), Layout(tp=tp), options=SglangOptions(cpu_engine=True))
+    body = s.record_plans(list(range(tp))).body
     plan_path = work / "plan.plan"
-    write_plan(plan_path, s.encode(s.record_plans(list(range(tp))).body))
-    foreign = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
-    wrong = SglangRecordSession.__new__(SglangRecordSession)
-    wrong.__dict__.update(s.__dict__, options=SglangOptions())
-    write_plan(foreign, wrong.encode(s.record_plans(list(range(tp))).body))
-
-    def push(llm, path, tensors):
-        return client.push(llm, str(path), tensors)
-
+    write_plan(plan_path, s.encode(body))
     names = [(m.name, m.shape, m.dtype) for m in s.sources]
-    results = {"tp": tp, "versions": []}
-    # one engine at a time (memory): the fresh engines of each version first, then the live one that is updated
     versions = {v: checkpoint(work / f"v{v}", v, names) for v in (0, 1, 2)}
-    fresh = {}
+    results = {"tp": tp, "http": http}
+    # one engine at a time (memory): the fresh engines of versions 1 and 2 first, then the live one that is updated
+    # (a second run in the same WORKDIR, e.g. the HTTP one, reuses them: the checkpoints are the same)
+    cached = work / f"fresh-tp{tp}.json"
+    fresh = {int(k): v for k, v in json.loads(cached.read_text()).items()} if cached.exists() else {}
     for version in (1, 2):
-        fresh_engine = engine(work / f"v{version}", tp)
-        fresh[version] = greedy(fresh_engine)
-        fresh_engine.shutdown()
-    v0 = versions[0]
-    live = engine(work / "v0", tp)
-    results["v0"] = greedy(live)
-    for version in (1, 2):
-        ok, message = push(live, plan_path, versions[version])[:2]
-        results["versions"].append(
-            {"version": version, "ok": ok, "message": message, "updated": greedy(live), "fresh": fresh[version]}
-        )
-    before = greedy(live)
+        if version not in fresh:
+            fresh_engine = engine(work / f"v{version}", tp)
+            fresh[version] = greedy(fresh_engine)
+            fresh_engine.shutdown()
+    cached.write_text(json.dumps(fresh))
+    results["fresh"] = fresh
+    config = SyncConfig(timeout_s=20)  # the consumer notices a failed trainer after it (gloo)
+    if http:
+        server = Server(work / "v0", tp)
+        handle, generate = SglangClient(server.url), server.generate
+    else:
+        live = engine(work / "v0", tp)
+        handle, generate = live, lambda: greedy(live)
     try:
-        push(live, foreign, v0)
-        results["refused"] = {"ok": True, "message": "", "unchanged": greedy(live) == before}
-    except EnginePlanMismatch as e:
-        results["refused"] = {"ok": False, "message": str(e), "unchanged": greedy(live) == before}
-    live.shutdown()
+        results["v0"] = generate()
+
+        if not http:  # refusals (in-process only: the same checks run for both handles)
+            gpu_plan = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
+            wrong = SglangRecordSession.__new__(SglangRecordSession)
+            wrong.__dict__.update(s.__dict__, options=SglangOptions())
+            write_plan(gpu_plan, wrong.encode(body))
+            other = SglangRecordSession(
+                str(HERE / "qwen3-tiny"),
+                Layout(tp=tp),
+                options=SglangOptions(cpu_engine=True),
+                overrides=["rms_norm_eps=1e-5"],
+            )
+            other_plan = work / "other.plan"
+            write_plan(other_plan, other.encode(other.record_plans(list(range(tp))).body))
+            refusals = {}
+            for key, path in (("cpu_engine", gpu_plan), ("model config", other_plan)):
+                sync = EngineSync([handle], str(path), config=config)
+                trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+                try:
+                    sync.sync(1, trainer=trainer)
+                    refusals[key] = "not refused"
+                except EnginePlanMismatch as e:
+                    refusals[key] = str(e)
+                trainer.close()
+                sync.close()
+            results["refusals"] = refusals
+            results["after_refusals"] = generate()
+
+        sync = EngineSync([handle], str(plan_path), config=config)
+        client = sync.engines[0]
+        trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+        report = sync.sync(1, trainer=trainer)
+        trainer.close()
+        results["v1"] = {
+            "tokens": generate(),
+            "complete": report.complete,
+            "weight_version": client.get_weight_version(),
+        }
+
+        class Failing(ModuleSource):
+            calls = 0
+
+            def group(self, group):
+                Failing.calls += 1
+                if Failing.calls == 3:
+                    raise RuntimeError("trainer failed mid-sync (test)")
+                return super().group(group)
+
+        failing = sync.trainer_rank(Failing(versions[2], sync.plan_file))
+        try:
+            sync.sync(2, trainer=failing)
+            results["v2"] = {"raised": False}
+        except SyncIncomplete as e:
+            results["v2"] = {
+                "raised": True,
+                "message": str(e)[:2000],
+                "paused": client.is_paused(),
+                "weight_version": client.get_weight_version(),
+                "workers": client.worker_states(),
+            }
+        failing.close()
+        try:
+            sync.resume()
+            results["v2"]["resume_refused"] = False
+        except SyncIncomplete:
+            results["v2"]["resume_refused"] = True
+        trainer = sync.trainer_rank(ModuleSource(versions[2], sync.plan_file))  # a restarted trainer, say
+        report = sync.sync(3, trainer=trainer)
+        trainer.close()
+        results["v3"] = {
+            "tokens": generate(),
+            "complete": report.complete,
+            "paused": client.is_paused(),
+            "weight_version": client.get_weight_version(),
+            "workers": client.worker_states(),
+        }
+        sync.close()
+    finally:  # never leave an engine behind
+        if http:
+            server.shutdown()
+        else:
+            live.shutdown()
     print("RESULT " + json.dumps(results), flush=True)
 
 

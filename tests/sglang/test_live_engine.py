@@ -1,8 +1,11 @@
-"""A live SGLang CPU engine (tiny Qwen3 dense, TP1) updated by shardplan: after each of two trainer versions, pushed
-as plan-packed bytes through `shardplan.engine.sglang.loader` between begin/end_weight_update, its greedy tokens equal
-a fresh engine started on that version's checkpoint; a plan recorded under other server args (not the CPU engine) is
-refused naming the option, and the engine's output is unchanged. Runs tests/sglang/live_engine.py in its own process
-(SGLANG_USE_CPU_ENGINE=1 at import; sgl-kernel's one CPU op from the test shim in cpu_ops/)."""
+"""Live SGLang CPU engines (tiny Qwen3 dense) driven by `EngineSync` as vLLM engines are: the TP workers join the sync
+as consumers (the shardplan loader registered by the `sglang.srt.plugins` entry point, no --custom-weight-loader),
+the trainer sends from HF-named tensors; after each complete version the greedy tokens equal a fresh engine's on that
+checkpoint; a trainer failing mid-sync leaves the engine paused with weight version "<v>:incomplete" and its workers
+incomplete until the next sync repairs it; plans for other server args or another model config are refused by name
+(the second by the workers themselves, through the control channel) with the engine unchanged. In-process
+`sgl.Engine` at TP1 and TP2 (gloo), and the HTTP server at TP1. Each case runs tests/sglang/live_engine.py in its own
+process (SGLANG_USE_CPU_ENGINE=1 at import; sgl-kernel's one CPU op from the test shim in cpu_ops/)."""
 
 from __future__ import annotations
 
@@ -12,31 +15,69 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def test_live_engine_follows_two_trainer_versions(tmp_path):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("live")  # shared: the HTTP case reuses the TP1 case's fresh-engine tokens
+
+
+def run(work, tp: int, *extra: str) -> dict:
     env = dict(
         os.environ,
         SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_CPU_OMP_THREADS_BIND="|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
         PYTHONPATH=os.pathsep.join([str(HERE / "cpu_ops"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
+    out = work / f"tp{tp}{'-'.join(('', *extra))}"
+    out.mkdir(exist_ok=True)
+    for f in work.glob("fresh-*.json"):
+        (out / f.name).write_bytes(f.read_bytes())
     proc = subprocess.run(
-        [sys.executable, str(HERE / "live_engine.py"), str(tmp_path), "1"],
+        [sys.executable, str(HERE / "live_engine.py"), str(out), str(tp), *extra],
         env=env,
         capture_output=True,
         text=True,
         timeout=1500,
     )
+    for f in out.glob("fresh-*.json"):
+        (work / f.name).write_bytes(f.read_bytes())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    tokens = [result["v0"]]
-    for v in result["versions"]:
-        assert v["ok"], v["message"]
-        assert v["updated"] == v["fresh"], v
-        tokens.append(v["updated"])
-    assert len({tuple(t) for t in tokens}) == 3, f"the versions must generate differently to prove anything: {tokens}"
-    refused = result["refused"]
-    assert not refused["ok"] and "cpu_engine" in refused["message"] and refused["unchanged"], refused
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def check(result: dict) -> None:
+    fresh = result["fresh"]
+    assert len({tuple(t) for t in (result["v0"], fresh["1"], fresh["2"])}) == 3, (
+        f"the versions must generate differently to prove anything: {result}"
+    )
+    v1 = result["v1"]
+    assert v1["complete"] and v1["weight_version"] == "1" and v1["tokens"] == fresh["1"], v1
+    v2 = result["v2"]
+    assert v2["raised"] and "trainer failed mid-sync" in v2["message"], v2
+    assert v2["paused"] and v2["weight_version"] == "2:incomplete" and v2["resume_refused"], v2
+    # every worker took part in version 2; the one(s) whose bytes stopped say incomplete
+    assert all(w["version"] == 2 for w in v2["workers"]) and not all(w["complete"] for w in v2["workers"]), v2
+    v3 = result["v3"]
+    assert v3["complete"] and not v3["paused"] and v3["weight_version"] == "3", v3
+    assert all((w["version"], w["complete"]) == (3, True) for w in v3["workers"]), v3["workers"]
+    assert v3["tokens"] == fresh["2"], v3
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_sync_drives_an_in_process_engine(work, tp):
+    result = run(work, tp)
+    check(result)
+    refusals = result["refusals"]
+    assert "cpu_engine" in refusals["cpu_engine"] and "nothing was sent" in refusals["cpu_engine"], refusals
+    assert "model config" in refusals["model config"] and "consumer0" in refusals["model config"], refusals
+    assert result["after_refusals"] == result["v0"]
+
+
+def test_engine_sync_drives_the_http_server(work):
+    check(run(work, 1, "http"))

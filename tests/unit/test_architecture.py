@@ -50,7 +50,7 @@ BUDGETS = {
     "shardplan.simulate": 1550,
     "shardplan.engine": 2400,
     "shardplan.record.sglang": 800,
-    "shardplan.engine.sglang": 200,
+    "shardplan.engine.sglang": 750,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP)
     # import-only stand-ins for a CPU recording machine (README set-up details)
     "shardplan.record.cpushim": 60,
     "shardplan.record.cpushim.torchvision": 100,

@@ -1,11 +1,14 @@
-"""Inside a live SGLang engine: a weight loader that writes a shardplan buffer into this worker's params.
+"""Inside a live SGLang engine: the shardplan weight loader, run in every TP worker.
 
-SGLang runs `--custom-weight-loader` functions in every TP worker as `update_weights_from_tensor(named_tensors,
-load_format="shardplan.engine.sglang.loader.load")`, between `begin_weight_update()` (restores packed layouts) and
-`end_weight_update()` (re-runs `process_weights_after_loading`, and `post_load_weights` since the loader was
-bypassed). Each worker gets one tensor: the packed bytes of its own rank (`Replayer.pack` on the trainer), named
-`shardplan:<plan file path>`. The plan is checked against the engine before a byte is written (engine, version,
-layout, recording options): a mismatch raises, naming each difference, and nothing is applied.
+SGLang runs custom weight loaders (registered by the `sglang.srt.plugins` entry point, shardplan.engine.sglang.plugin,
+or by hand with `--custom-weight-loader shardplan.engine.sglang.loader.load`) as `update_weights_from_tensor(
+named_tensors, load_format="shardplan.engine.sglang.loader.load")`, between `begin_weight_update()` (restores packed
+layouts) and `end_weight_update()` (re-runs `process_weights_after_loading`). It skips `post_load_weights` after a
+tensor update, so the loader runs it itself after writing. Two kinds of entries (commands.py):
+
+* `shardplan-sync:<command>`: the sync engine (shardplan.engine.sglang.worker: init / update as consumer<rank>);
+* `shardplan:<plan file path>` with this rank's packed bytes (`Replayer.pack` on a colocated trainer, client.push):
+  the plan is checked against the engine before a byte is written (engine, version, layout, recording options).
 """
 
 from __future__ import annotations
@@ -16,15 +19,12 @@ import os
 import torch
 
 from shardplan.engine.errors import EnginePlanMismatch
-from shardplan.plan.file.engines import engine_name
+from shardplan.engine.sglang import worker
+from shardplan.engine.sglang.checks import plan_problems
+from shardplan.engine.sglang.commands import LOAD_FORMAT, PREFIX, parse  # noqa: F401 - LOAD_FORMAT: importers
 from shardplan.plan.file.format import PlanFile
-from shardplan.plan.file.store import installed_engine_version
-from shardplan.record.sglang.options import SglangOptions
 from shardplan.runtime.apply import Applier
 from shardplan.runtime.pack import PackLayout
-
-PREFIX = "shardplan:"
-LOAD_FORMAT = "shardplan.engine.sglang.loader.load"
 
 
 @functools.cache
@@ -32,28 +32,16 @@ def _plan(path: str) -> PlanFile:
     return PlanFile.read(path)
 
 
-def plan_problems(plan_file: PlanFile, server_args, world_ranks, cpu_engine: bool) -> list[str]:
-    """Every difference between the plan and an engine with these server args (empty: it matches)."""
-    h = plan_file.header
-    if engine_name(h) != "sglang":
-        return [f"it records {engine_name(h)}'s loaders, not SGLang's (record it with `--engine sglang`)"]
-    problems = []
-    here = installed_engine_version("sglang")
-    if here and h.engine.version.split("+")[0] != here:
-        problems.append(f"SGLang version: plan {h.engine.version}, engine {here}")
-    if (h.layout.tp, h.layout.pp) != (int(server_args.tp_size), int(server_args.pp_size)):
-        problems.append(f"layout: plan {h.layout.tag()}, engine tp{server_args.tp_size} pp{server_args.pp_size}")
-    problems += SglangOptions.from_engine_info(h.engine).differences(
-        SglangOptions.from_server_args(server_args, cpu_engine)
-    )
-    missing = sorted(set(world_ranks) - set(h.ranks))
-    if missing:
-        problems.append(f"ranks {missing} are not covered (plan ranks {list(h.ranks)})")
-    return problems
-
-
 def load(model: torch.nn.Module, named_tensors) -> None:
+    from sglang.srt.model_loader.loader import post_load_weights
     from sglang.srt.runtime_context import get_context, get_parallel
+
+    named_tensors = list(named_tensors)
+    commands = [c for c in (parse(name) for name, _ in named_tensors) if c is not None]
+    if commands:
+        for command in commands:
+            worker.run(model, command)
+        return
 
     parallel = get_parallel()
     world_rank = parallel.pp_rank * parallel.tp_size + parallel.tp_rank
@@ -70,3 +58,5 @@ def load(model: torch.nn.Module, named_tensors) -> None:
         params = dict(model.named_parameters())
         with torch.no_grad():
             Applier(plan, PackLayout.from_plans(plan), params).apply(buffer.to(params[plan.params[0].name].device))
+    with torch.no_grad():
+        post_load_weights(model)  # SGLang skips it after update_weights_from_tensor; derived tensors follow params

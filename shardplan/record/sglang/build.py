@@ -23,8 +23,8 @@ import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.plan.layout import Layout
+from shardplan.record import cpushim
 from shardplan.record.recording import RecordError
-from shardplan.record.sglang import cpu_stubs
 from shardplan.record.sglang.options import SglangOptions
 
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
@@ -60,7 +60,7 @@ def import_sglang(cpu_engine: bool = False):
             f" and SGLang reads it only at import: record {'with' if cpu_engine else 'without'} "
             f"--sglang-cpu-engine in another process"
         )
-    cpu_stubs.install()
+    cpushim.activate()  # SGLang's config package imports torchvision.transforms; text models never call it
     for name in ("sglang", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

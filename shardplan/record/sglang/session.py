@@ -10,19 +10,17 @@ the engine, its version and the recording options (options.SglangOptions).
 from __future__ import annotations
 
 import importlib.metadata
-import time
 from typing import Sequence
 
 from shardplan import models
 from shardplan.plan import ir
 from shardplan.plan.file.engines import NO_VLLM
-from shardplan.plan.file.format import encode
 from shardplan.plan.layout import Layout
 from shardplan.record import fp8
 from shardplan.record.checkpoint import checkpoint_tensors
 from shardplan.record.configs import hf_view
 from shardplan.record.loader import record_loader
-from shardplan.record.session import RankStats, RecordSession, plan_nbytes
+from shardplan.record.session import RecordSession
 from shardplan.record.sglang.build import SglangBuilder, post_load_deferred
 from shardplan.record.sglang.options import SglangOptionError, SglangOptions
 
@@ -63,16 +61,8 @@ class SglangRecordSession(RecordSession):
         self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
         self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
 
-    def with_overrides(self, overrides: Sequence[str]) -> "SglangRecordSession":
-        return SglangRecordSession(
-            self._model,
-            self.layout,
-            dtype=self.dtype,
-            strict=self.strict,
-            tier=self.tier,
-            overrides=overrides,
-            options=self.options,
-        )
+    def _session_options(self) -> dict:
+        return dict(dtype=self.dtype, strict=self.strict, tier=self.tier, options=self.options)
 
     @property
     def vllm_version(self) -> str:
@@ -82,35 +72,11 @@ class SglangRecordSession(RecordSession):
     def num_experts(self) -> int:
         return self.builder.num_experts
 
-    def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
-        t0 = time.perf_counter()
+    def _record_loader(self, rank: int):
         model = self.builder.build(rank, "meta")
         with self.builder.as_rank(rank), post_load_deferred(model):
-            recording = record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier)
-        plan = recording.to_plan()
-        del model
-        stats = RankStats(
-            rank,
-            len(plan.sources_read()),
-            len(plan.fallbacks),
-            len(plan.not_needed),
-            plan_nbytes(plan, {s.name: s for s in self.sources}),
-            time.perf_counter() - t0,
-            "meta",
-            recording.tier,
-            recording.tier_note,
-        )
-        return plan, stats
+            return record_loader(model, self.tensors, rank=rank, strict=self.strict, tier=self.tier), "meta"
 
-    def encode(self, body) -> bytes:
-        return encode(
-            body,
-            model=self.spec.hf_id or self.spec.name,
-            architecture=self.spec.architecture,
-            config_sha256=self.spec.config_sha256,
-            layout=self.layout,
-            dtype=self.dtype,
-            vllm_version=NO_VLLM,
-            quantizer=self.quantizer,
-            engine=self.options.engine_info(sglang_version()),
-        )
+    @property
+    def engine_info(self):
+        return self.options.engine_info(sglang_version())

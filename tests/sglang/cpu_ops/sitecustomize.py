@@ -1,5 +1,6 @@
 """Test-only start-up hook for the processes of a live SGLang CPU engine (PYTHONPATH=tests/sglang/cpu_ops):
-* torchvision: the stub of shardplan/record/sglang/cpu_stubs.py (PyPI's CUDA build cannot import beside CPU torch);
+* torchvision: shardplan's import-only stand-in (shardplan/record/cpushim: PyPI's CUDA build cannot import beside
+  CPU torch, and SGLang's config package imports torchvision.transforms);
 * SGLang 0.5.23's CPU engine at tp_size > 1 builds a PyNccl communicator for every group (use_pynccl defaults on),
   which raises on a CPU: groups are made with use_pynccl=False (gloo does the collectives)."""
 
@@ -9,9 +10,9 @@ import os
 import sys
 
 try:
-    from shardplan.record.sglang import cpu_stubs
+    from shardplan.record import cpushim
 
-    cpu_stubs.install()
+    cpushim.activate()
 except ImportError:
     pass
 

@@ -1,0 +1,77 @@
+"""A vLLM CPU engine in this process, as the live-engine tests and bench/engine_bench.py start it (docs/engine.md).
+
+The recipe for a CPU box: a small KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB), eager mode, no tokenizer (prompts as token
+ids), and at TP > 1 one OpenMP core per worker (VLLM_CPU_OMP_THREADS_BIND="0|1|..."). vLLM spawns its workers, so
+the environment is set before the engine starts and every worker inherits it; a caller's module must not start
+anything at import time that a spawned worker would re-run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+ENV_DEFAULTS = {
+    "GLOO_SOCKET_IFNAME": "lo",  # shardplan's `nccl` transport runs over gloo on CPU: keep it on loopback
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def set_cpu_env() -> None:
+    """The environment variables of the recipe, where the caller has not set them."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def cpu_engine_kwargs(tp: int) -> dict:
+    """`vllm.LLM` keyword arguments of a small eager CPU engine at tensor-parallel size `tp`."""
+    return dict(
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        seed=0,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=0.5,
+    )
+
+
+def start_cpu_llm(model_dir: str | Path, tp: int, *, shardplan_backend: bool = True, **extra):
+    """A `vllm.LLM` of `model_dir` at TP `tp` on this CPU, with the shardplan weight-transfer backend unless
+    `shardplan_backend=False` (a fresh engine to compare with); `extra` goes to `LLM` as is."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    set_cpu_env()
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    else:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    if shardplan_backend:
+        extra.setdefault("weight_transfer_config", WeightTransferConfig(backend="shardplan"))
+    return LLM(model=str(model_dir), **cpu_engine_kwargs(tp), **extra)
+
+
+def stop_cpu_llm(llm) -> None:
+    """Shut the engine's core and workers down now (rather than when the caller's last reference goes, which a
+    reference cycle may delay indefinitely)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the engine may be half started or already gone
+        pass
+    gc.collect()
+
+
+def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The engine's greedy continuation of each prompt (token ids), `max_tokens` each, EOS ignored."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
