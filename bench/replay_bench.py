@@ -321,23 +321,30 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     pack_bytes, apply_bytes = traffic(replayer)
     params = params_from_plan(plan, device, fill=float("nan"))
     applier = Applier(plan, replayer.layout, params, cuda_graph=False)
-    graph_applier = Applier(plan, replayer.layout, params, cuda_graph=True) if device == "cuda" else None
+    # "+graph": the torch copies captured (bind()'s and Applier's default on CUDA); "box+graph": box_copy=True, the
+    # copies as one Triton box-copy launch in the graph (runtime/copykernel.py)
+    graph_applier = (
+        Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=False) if device == "cuda" else None
+    )
+    box_applier = Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=True) if device == "cuda" else None
     bound = replayer.bind(tensors, cuda_graph=False)
     applier.apply(bound.pack())
     if not args.no_check:
         check_bitwise(plan, tensors, params, device)
     reference_buffer = bound.out.clone()
-    # "batched" = eager launches (cuda_graph=False); "batched+graph" = what bind() does by default on CUDA
-    strategies = ["batched"] + (["batched+graph"] if device == "cuda" else []) + ["foreach", "loop"]
+    # "batched" = eager launches (cuda_graph=False)
+    strategies = ["batched"] + (["batched+graph", "box+graph"] if device == "cuda" else []) + ["foreach", "loop"]
     bounds = {}
     for strategy in strategies:
         try:
             if strategy in ("foreach", "loop"):
                 b = NaivePack(replayer, tensors, torch.zeros_like(reference_buffer), strategy)
             else:
-                b = replayer.bind(tensors, cuda_graph=strategy.endswith("+graph"))
+                b = replayer.bind(tensors, cuda_graph=strategy.endswith("+graph"), box_copy=strategy.startswith("box"))
             if strategy.endswith("+graph") and b.graph_error:
                 raise RuntimeError(b.graph_error)
+            if strategy.startswith("box") and b.box_copy is None:
+                raise RuntimeError(f"no box copy: {b.box_copy_error}")
             b.pack()
         except Exception as exc:  # keep the other strategies' numbers if one path fails on this device
             print(f"# {label}: strategy {strategy} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -366,6 +373,18 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     if graph_applier is not None:
         graph_applier.apply(bound.out)
         fns["apply+graph"] = lambda: graph_applier.apply(bound.out)  # noqa: F821
+        want = {n: t.clone() for n, t in params.items()}  # what the checked eager apply wrote
+        for t in params.values():
+            t.view(-1).view(torch.uint8).fill_(0xFF)
+        box_applier.apply(bound.out)
+        if box_applier.box_copy_error:
+            print(f"# {label}: apply through the box copy failed: {box_applier.box_copy_error}", flush=True)
+        elif any(
+            not torch.equal(t.view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8)) for n, t in params.items()
+        ):
+            raise SystemExit(f"MISMATCH: {label} apply through the box copy differs from the eager apply")
+        del want
+        fns["apply+box"] = lambda: box_applier.apply(bound.out)  # noqa: F821
     fns["apply-naive"] = naive_apply(plan, replayer.layout, params, bound.out)
     seconds = interleaved_medians(fns, device, args.iters)
     ceiling = 2 * src.numel() / seconds["ceiling"]
@@ -393,9 +412,16 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
             pack_ms=seconds[strategy] * 1e3,
             pack_gbps=pack_bytes / seconds[strategy] / 1e9,
         )
-        apply_key = {"batched": "apply", "batched+graph": "apply+graph", "loop": "apply-naive"}.get(strategy)
+        apply_key = {
+            "batched": "apply",
+            "batched+graph": "apply+graph",
+            "box+graph": "apply+box",
+            "loop": "apply-naive",
+        }.get(strategy)
         if apply_key in seconds:
-            launches = {"apply": applier.num_launches, "apply+graph": 1}.get(apply_key, len(plan.writes))
+            launches = {"apply": applier.num_launches, "apply+graph": 1, "apply+box": 1}.get(
+                apply_key, len(plan.writes)
+            )
             row.update(
                 apply_ms=seconds[apply_key] * 1e3,
                 apply_gbps=apply_bytes / seconds[apply_key] / 1e9,
@@ -496,7 +522,7 @@ def main() -> None:
         rows += bench_case(label, build(), args, stacked)
     for r in rows:
         if "check_us" in r:
-            graph = next((g for g in rows if g["case"] == r["case"] and g["strategy"] == "batched+graph"), r)
+            graph = next((g for g in rows if g["case"] == r["case"] and g["strategy"] == "box+graph"), r)
             print(
                 f"# {r['case'].strip()}: bind-staleness check {r['check_us']:.1f} us per pack = "
                 f"{100 * r['check_us'] / (graph['pack_ms'] * 1e3):.1f}% of the {graph['strategy']} pack "

@@ -23,6 +23,7 @@ from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.interp import region_view, to_dtype
 from shardplan.plan.names import base_group
 from shardplan.plan.overlap import overlap_levels, overlapping_writes, param_shapes
+from shardplan.runtime.copykernel import fuse, pair_op
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.segments import check_class_extents, class_extents, group_cached, region_tuples
 from shardplan.runtime.tensors import (
@@ -88,6 +89,8 @@ class Applier:
     `lambda n, t: model.load_weights([(n, t)])`; without one, a plan with fallbacks is refused here.
     `cuda_graph`: None (default) captures the scatter of each CUDA buffer into a CUDA graph on its first apply
     (falling back to eager launches if capture fails, reason in `graph_error`); True requires it; False never.
+    `box_copy` True: the graph replays each overlap step's copies as one Triton launch where it can
+    (runtime/copykernel.py; a failure there keeps the torch copies, reason in `box_copy_error`).
     """
 
     def __init__(
@@ -98,10 +101,12 @@ class Applier:
         *,
         fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
         cuda_graph: bool | None = None,
+        box_copy: bool = False,
     ):
         self.plan, self.layout = plan, layout
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.box_copy = cuda_graph, box_copy
         self.graph_error: str | None = None
+        self.box_copy_error: str | None = None
         if plan.fallbacks and fallback_loader is None:
             names = ", ".join(sorted(f.source for f in plan.fallbacks))
             raise FallbackRequiredError(
@@ -225,14 +230,21 @@ class Applier:
                 t = self.params[name]
                 if t.device != buffer.device:
                     raise PackBufferError(f"param {name!r} is on {t.device}, the buffer on {buffer.device}")
-            ops = [op for runs in self._steps for op in self._step_ops(runs, buffer)]
-            self._bound[key] = self._maybe_graph(ops, buffer.device)
+            steps = [self._step_ops(runs, buffer) for runs in self._steps]
+            self._bound[key] = self._maybe_graph(steps, buffer.device)
         return self._bound[key]
 
-    def _maybe_graph(self, ops: list[Callable], device: torch.device) -> list[Callable]:
-        """On CUDA (cuda_graph None or True), replace the ops by one captured graph per buffer."""
+    def _maybe_graph(self, steps: list[list[Callable]], device: torch.device) -> list[Callable]:
+        """On CUDA (cuda_graph None or True), replace the ops by one captured graph per buffer: each step's copies
+        one box-copy kernel where Triton runs (steps stay apart: a later step overwrites what an earlier one wrote)."""
+        ops = [op for step in steps for op in step]
         if not ops or self.cuda_graph is False or (self.cuda_graph is None and device.type != "cuda"):
             return ops
+        if self.box_copy:
+            try:
+                return [capture_graph([op for step in steps for op in fuse(step, device)], device).replay]
+            except Exception as exc:
+                self.box_copy_error = f"{type(exc).__name__}: {exc}"
         try:
             graph = capture_graph(ops, device)
         except Exception as exc:  # auto mode: eager launches are correct, only slower
@@ -247,14 +259,14 @@ class Applier:
         for run in runs:
             dst, src = self._run_views(run, buffer)
             if len(run) > 1:
-                ops.append(lambda d=dst, s=src: d.copy_(s))
+                ops.append(pair_op(lambda d=dst, s=src: d.copy_(s), [(dst, src)], "strided copy"))
             else:
                 dsts.append(dst)
                 srcs.append(src)
         if len(dsts) == 1:
-            ops.append(lambda d=dsts[0], s=srcs[0]: d.copy_(s))
+            ops.append(pair_op(lambda d=dsts[0], s=srcs[0]: d.copy_(s), list(zip(dsts, srcs)), "copy"))
         elif dsts:
-            ops.append(lambda d=dsts, s=srcs: torch._foreach_copy_(d, s))
+            ops.append(pair_op(lambda d=dsts, s=srcs: torch._foreach_copy_(d, s), list(zip(dsts, srcs)), "foreach"))
         return ops
 
     def _run_views(self, run: list[_Item], buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +310,7 @@ class Applier:
                 self.params,
                 fallback_loader=self.fallback_loader or _refuse,
                 cuda_graph=self.cuda_graph,
+                box_copy=self.box_copy,
             )
         return self._groups[group]
 

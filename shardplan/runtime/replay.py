@@ -20,6 +20,7 @@ from shardplan.errors import ForeignWriteError, PlanError
 from shardplan.plan import ir
 from shardplan.plan.columns import WriteColumns, columns_of
 from shardplan.plan.interp import check_write_sizes, resolve_op, to_dtype, write_source
+from shardplan.runtime.copykernel import fuse, pair_op
 from shardplan.runtime.pack import GroupSpan, PackLayout, WriteRef, as_plans
 from shardplan.runtime.segments import check_class_extents, class_extents, geometry_keys, ordinals
 from shardplan.runtime.tensors import (
@@ -171,16 +172,22 @@ class Replayer:
         return sub
 
     def bind(
-        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, *, cuda_graph: bool | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
+        *,
+        cuda_graph: bool | None = None,
+        box_copy: bool = False,
     ) -> "BoundReplay":
         """Validate the trainer's tensors, build every view and batch, and on CUDA capture them in a CUDA graph.
 
         Contract: until re-bound, the bound tensors and `out` keep their storage (in-place updates such as optimizer
         steps are fine; `p.data = new_tensor` or reallocation is not: `pack()` then raises StaleBindingError).
         cuda_graph: None (default) captures on CUDA and falls back to eager launches if capture fails (the reason is
-        kept in `BoundReplay.graph_error`); True requires the capture; False never captures. (The naive baselines a
-        benchmark compares with, one copy_ per segment and one foreach copy, live in bench/replay_bench.py.)"""
-        return BoundReplay(self, tensors, out, cuda_graph=cuda_graph)
+        kept in `BoundReplay.graph_error`); True requires the capture; False never captures. box_copy: True has
+        the graph replay the copies as one Triton box-copy launch where it can (opt-in until the GPU tier passes it).
+        (The naive baselines, one copy_ per segment and one foreach copy, live in bench/replay_bench.py.)"""
+        return BoundReplay(self, tensors, out, cuda_graph=cuda_graph, box_copy=box_copy)
 
     def pack(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """One-shot bind + pack (no caching): the uint8 buffer of `self.layout`."""
@@ -214,17 +221,17 @@ def _continues(run: list, item, key) -> bool:
     return all(step > 0 and (want is None or step == want) for step, want in steps)
 
 
-def _labelled(fn: Callable, label: str) -> Callable:
-    """Attach a description to an op (benchmarks print per-op timings with it)."""
-    fn.label = label
-    return fn
-
-
 class BoundReplay:
     """A Replayer bound to one set of trainer tensors and one output buffer: `pack()` replays the prepared ops."""
 
     def __init__(
-        self, replayer: Replayer, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None, *, cuda_graph: bool
+        self,
+        replayer: Replayer,
+        tensors: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None,
+        *,
+        cuda_graph: bool,
+        box_copy: bool = False,
     ):
         self.replayer = replayer
         self.layout = replayer.layout
@@ -245,13 +252,28 @@ class BoundReplay:
         self._ops = self._batched_ops()
         self._eager_ops = self._computed_ops()
         self.graph_error: str | None = None
+        self.box_copy_error: str | None = None
+        self.box_copy = None  # the copykernel.BoxCopy the graph replays, if any
         if cuda_graph or (cuda_graph is None and self.device.type == "cuda" and self._ops):
             try:
-                self._graph = capture_graph(self._ops, self.device)
+                self._graph = self._capture(box_copy)
             except Exception as exc:  # auto mode: eager launches are correct, only slower
                 if cuda_graph:
                     raise
                 self.graph_error = f"{type(exc).__name__}: {exc}"
+
+    def _capture(self, box_copy: bool):
+        """The graph of the ops, its copies as one box-copy kernel where Triton runs (runtime/copykernel.py); the
+        plain ops' graph if that kernel fails (the reason in `box_copy_error`)."""
+        if box_copy:
+            try:
+                ops = fuse(self._ops, self.device)
+                graph = capture_graph(ops, self.device)
+                self.box_copy = next((op.box_copy for op in ops if hasattr(op, "box_copy")), None)
+                return graph
+            except Exception as exc:
+                self.box_copy_error = f"{type(exc).__name__}: {exc}"
+        return capture_graph(self._ops, self.device)
 
     def _check_out(self, out: torch.Tensor | None) -> torch.Tensor:
         nbytes = self.layout.nbytes
@@ -294,8 +316,10 @@ class BoundReplay:
             ops.extend(self._batch_ops(batch, list(batch.items), foreach_dst, foreach_src))
         if foreach_dst:
             ops.append(
-                _labelled(
-                    lambda d=foreach_dst, s=foreach_src: torch._foreach_copy_(d, s), f"foreach_copy x{len(foreach_dst)}"
+                pair_op(
+                    lambda d=foreach_dst, s=foreach_src: torch._foreach_copy_(d, s),
+                    list(zip(foreach_dst, foreach_src)),
+                    f"foreach_copy x{len(foreach_dst)}",
                 )
             )
         return ops
@@ -364,12 +388,14 @@ class BoundReplay:
         if strided_source:
             step = (self._src_byte(run[1]) - self._src_byte(run[0])) // width
             src = self._src_view(run[0], None, width, (len(run),) + sizes, (step,) + strides)
-            return _labelled(
+            return pair_op(
                 lambda d=dst, s=src: d.copy_(s),
+                [(dst, src)],
                 f"strided copy x{len(run)} {list(sizes)}x{width}B strides {list(strides)}",
             )
-        return _labelled(
+        return pair_op(
             lambda d=dst, s=srcs: torch.stack(s, out=d),
+            [(dst[k], s) for k, s in enumerate(srcs)],
             f"stack x{len(run)} {list(sizes)}x{width}B strides {list(strides)}",
         )
 

@@ -397,6 +397,30 @@ def arm_death(engine, group: str) -> None:
     engine.unpacker.die_at = group
 
 
+def arm_corruption(engine, group_index: int) -> None:
+    """Flip one byte of the first piece this consumer receives for group `group_index` (version after arming), after
+    the transport delivered it and before the consumer checksums it: what a bad link or a stray write would do."""
+    recv, armed = engine.transport.recv, [True]
+
+    class Flipping:
+        def __init__(self, pending, buf):
+            self.pending, self.buf = pending, buf
+
+        def wait(self, *args, **kwargs):
+            out = self.pending.wait(*args, **kwargs)
+            self.buf.view(torch.uint8)[0] ^= 1
+            return out
+
+    def corrupting_recv(peer, buf, tag):
+        pending = recv(peer, buf, tag)
+        if armed[0] and tag.group == group_index and tag.nbytes > 0:
+            armed[0] = False
+            return Flipping(pending, buf)
+        return pending
+
+    engine.transport.recv = corrupting_recv
+
+
 def _rank_main(name, transport_name, control, build, conn):
     try:
         transport = create(transport_name, me=name, control=control, device="cpu", timeout_s=TIMEOUT_S)

@@ -18,6 +18,7 @@ from sync_worlds import (
     RayCluster,
     ShardedWorld,
     StandInWorld,
+    arm_corruption,
     assert_bitwise,
     full_tensors,
     received,
@@ -31,6 +32,7 @@ from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.names import group_of
 from shardplan.runtime.apply import FallbackRequiredError
 from shardplan.sync import (
+    ChecksumMismatch,
     ConsumerSync,
     Coordinator,
     LayoutMismatch,
@@ -193,6 +195,31 @@ def test_sync_nccl_adapter_over_gloo_with_faults():
     cluster = LocalCluster("nccl", StandInWorld)
     try:
         scenario(cluster, stall=True)
+    finally:
+        cluster.close()
+
+
+def test_corrupted_bytes_fail_the_version_by_name_and_the_next_sync_repairs():
+    """A byte flipped after the transport delivered it: that consumer's sync fails with ChecksumMismatch naming the
+    trainer and the byte range, its version is left incomplete (the bytes were applied before the deferred check), the
+    others complete; the next version is whole and bitwise right everywhere."""
+    cluster = LocalCluster("nccl", StandInWorld)
+    try:
+        cluster.call("consumer1", arm_corruption, 1)
+        results = cluster.sync(1)
+        err = results["consumer1"][1]
+        assert results["consumer1"][0] == "error" and isinstance(err, SyncFailed), results
+        (peer, cause), *_ = err.failures.items()
+        assert isinstance(cause, ChecksumMismatch) and peer.startswith("trainer"), err
+        assert "layers.1" in str(cause) and "checksum" in str(cause), cause
+        assert cluster.call("consumer1", state) == (1, False)
+        others = [0, 2, 3]
+        assert all(results[consumer_name(c)][0] == "ok" for c in others), results
+        assert_bitwise(cluster, others)
+        results = cluster.sync(2)
+        assert all(r[0] == "ok" for r in results.values()), results
+        assert_bitwise(cluster, range(cluster.world.num_consumers))
+        assert cluster.call("consumer1", state) == (2, True)
     finally:
         cluster.close()
 

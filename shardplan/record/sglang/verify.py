@@ -51,11 +51,26 @@ def _poison_all(model: torch.nn.Module) -> None:
 def verify_rank(
     builder: SglangBuilder, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
 ) -> RankVerdict:
-    verdict = RankVerdict(rank)
+    real = loaded_by_sglang(builder, rank, checkpoint)
+    return verify_models(real, replayed_by_plan(builder, rank, plan, checkpoint), rank)
+
+
+def loaded_by_sglang(builder: SglangBuilder, rank: int, checkpoint: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """The rank's model built by SGLang on the CPU, poisoned, loaded by SGLang's own `load_weights`."""
     real = builder.build(rank, "cpu")
     _poison_all(real)
+    # copies: some SGLang loaders change the given tensor in place (Gemma's `loaded_weight += 1.0` for its norms),
+    # which a checkpoint read from disk tolerates and the shared random checkpoint here would not
     with torch.no_grad(), builder.as_rank(rank):
-        real.load_weights(iter(list(checkpoint.items())))
+        real.load_weights((n, t.clone()) for n, t in checkpoint.items())
+    return real
+
+
+def replayed_by_plan(
+    builder: SglangBuilder, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
+) -> torch.nn.Module:
+    """The rank's model built by SGLang, poisoned, filled by the plan (reference interpreter), fallbacks through the
+    real loader, then SGLang's `post_load_weights` as `end_weight_update` runs it."""
     replayed = builder.build(rank, "cpu")
     _poison_all(replayed)
     add_created_params(replayed, plan)
@@ -65,9 +80,14 @@ def verify_rank(
     with torch.no_grad(), builder.as_rank(rank):
         if plan.fallbacks:
             with post_load_deferred(replayed):
-                replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
+                replayed.load_weights([(f.source, checkpoint[f.source].clone()) for f in plan.fallbacks])
         if hasattr(replayed, "post_load_weights"):
             replayed.post_load_weights()
+    return replayed
+
+
+def verify_models(real: torch.nn.Module, replayed: torch.nn.Module, rank: int) -> RankVerdict:
+    verdict = RankVerdict(rank)
     compare(module_tensors(real), module_tensors(replayed), verdict)
     return verdict
 

@@ -1,0 +1,153 @@
+"""Coverage sweep, SGLang side: every text-decoder architecture SGLang implements, recorded and verified bitwise.
+
+    python -m shardplan.record.coverage --engine sglang [--arch NAME ...] [--resume] --results FILE
+
+The sweep machinery (worker process, timeout, resume, rendering) is record/coverage.py's; the tiny configs are the vLLM
+sweep's (`tiny.tiny_config`, one home). Per architecture and TP 1, 2, 4 (SGLang's --ep-size = TP at TP > 1 for models
+with experts), every rank is recorded with SGLang's own loader (SglangRecordSession) and checked as
+`shardplan verify --engine sglang` does: two CPU builds by SGLang, NaN-poisoned; SGLang's `load_weights` on one, the
+plan (then SGLang's `post_load_weights`) on the other; every parameter, buffer and tensor attribute compared bitwise.
+Verdicts as vLLM's: "cannot" only where SGLang itself refuses the config or layout or fails to build the model (its
+error quoted); SGLang's loader refusing the checkpoint we listed, a recording error or a differing replay is FAIL.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+from pathlib import Path
+
+from shardplan.models import resolve_model
+from shardplan.plan.layout import Layout
+from shardplan.record.configs import hf_view
+from shardplan.record.sglang.build import SglangLayoutRejected, import_sglang
+from shardplan.record.sglang.options import SglangOptions
+from shardplan.record.sglang.session import SglangRecordSession, sglang_version
+from shardplan.record.sglang.verify import loaded_by_sglang, replayed_by_plan, verify_models
+from shardplan.record.tiny import NoConfigClass, tiny_config
+from shardplan.record.verify import random_checkpoint
+
+__all__ = ["text_decoder_architectures", "run_architecture", "versions"]
+
+TPS = (1, 2, 4)
+
+# Registry entries that are no standalone text decoder: draft / MTP / NextN heads of another model, multimodal
+# wrappers, SGLang's torch-native demos and out-of-tree stand-ins.
+_NOT_TEXT_DECODERS = (
+    "NextN",
+    "MTP",
+    "Eagle",
+    "DFlash",
+    "DSpark",
+    "Assistant",
+    "VL",
+    "OCR",
+    "Llava",
+    "ASR",
+    "MultiModal",
+    "MultiModality",
+    "Vision",
+    "Phi4MM",
+    "TorchNative",
+    "MindSpore",
+)
+
+
+def text_decoder_architectures() -> list[str]:
+    """SGLang's registered causal-LM architectures, less drafts, MTP heads and multimodal wrappers; sorted."""
+    import_sglang()
+    from sglang.srt.models.registry import ModelRegistry
+
+    return sorted(
+        a
+        for a in ModelRegistry.models
+        if (a.endswith("ForCausalLM") or a.endswith("LMHeadModel") or a.startswith("ChatGLM"))
+        and not any(m in a for m in _NOT_TEXT_DECODERS)
+    )
+
+
+def versions() -> str:
+    return f"SGLang {sglang_version()}, transformers {md.version('transformers')}, torch {md.version('torch')}"
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _ours(exc: BaseException) -> bool:
+    """SGLang reading a field the tiny config lacks: the sweep's config, not SGLang, is at fault (as vLLM's)."""
+    return "Config' object has no attribute" in str(exc)
+
+
+def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
+    """Record and verify every rank of `arch`'s tiny config at each TP against SGLang's loader; a result row."""
+    row: dict = {"arch": arch, "status": "", "reason": "", "layouts": {}, "fallbacks": [], "model_type": ""}
+    try:
+        config = tiny_config(arch)
+    except NoConfigClass as exc:
+        return dict(row, status="cannot", reason=str(exc))
+    row["model_type"] = config["model_type"]
+    model_dir = workdir / arch
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    try:
+        has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
+    except Exception as exc:
+        return dict(row, status="FAIL", reason=f"its config class rejects the tiny config: {_short(exc)}")
+    for tp in tps:
+        ep = has_experts and tp > 1
+        layout = Layout(tp=tp, ep=ep)
+        try:
+            session = SglangRecordSession(str(model_dir), layout, options=SglangOptions(ep_size=tp if ep else 1))
+        except SglangLayoutRejected as exc:
+            if _ours(exc):
+                return dict(row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {_short(exc)}")
+            row["layouts"][layout.tag()] = {"error": "SGLang rejects the config or layout", "detail": _short(exc, 300)}
+            continue
+        except Exception as exc:
+            return dict(row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
+        checkpoint = random_checkpoint(session.tensors, seed + tp)
+        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
+        for rank in range(layout.world_size):
+            try:  # SGLang's own build first: where it fails, this layout cannot run here at all
+                session.builder.build(rank, "meta")
+            except Exception as exc:
+                if _ours(exc):
+                    return dict(row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {_short(exc)}")
+                result = {"error": f"SGLang's own build fails on rank {rank}", "detail": _short(exc)}
+                break
+            try:  # SGLang's loader refusing the checkpoint we derived is our listing's failure
+                real = loaded_by_sglang(session.builder, rank, checkpoint)
+            except Exception as exc:
+                return dict(
+                    row,
+                    status="FAIL",
+                    reason=f"SGLang's loader refuses the derived checkpoint at {layout.tag()} rank {rank}: "
+                    f"{_short(exc)}",
+                )
+            try:
+                plan, _ = session.record_rank(rank)
+                replayed = replayed_by_plan(session.builder, rank, plan, checkpoint)
+            except Exception as exc:
+                return dict(
+                    row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: {_short(exc)}"
+                )
+            verdict = verify_models(real, replayed, rank)
+            result["equal"] += verdict.ok
+            result["mismatched"] += verdict.mismatched
+            for f in plan.fallbacks:
+                entry = f"{f.source} ({f.op})"
+                if entry not in result["fallbacks"]:
+                    result["fallbacks"].append(entry)
+            del real, replayed
+        row["layouts"][layout.tag()] = result
+    done = [r for r in row["layouts"].values() if "ranks" in r]
+    refused = "; ".join(f"{t}: {r['error']}: {r['detail']}" for t, r in row["layouts"].items() if "error" in r)
+    if not done:
+        return dict(row, status="cannot", reason=refused[:500])
+    mismatched = sorted({m for r in done for m in r["mismatched"]})
+    row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
+    if mismatched:
+        return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
+    return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])

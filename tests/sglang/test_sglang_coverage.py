@@ -1,0 +1,58 @@
+"""The SGLang side of the coverage sweep (`python -m shardplan.record.coverage --engine sglang`): a small architecture's
+verdict is pass against SGLang's own loader, a replay that differs is FAIL naming the tensor, an architecture without
+a config class is "cannot" with the reason, and the report puts SGLang's column beside vLLM's ("-" where an engine
+lacks the architecture).
+
+Gemma is the small case on purpose: SGLang's Gemma loader adds 1 to the norm weights in place on the tensor it is
+given, so a harness that hands the real loader the shared checkpoint tensors sees the plan's replay differ."""
+
+from __future__ import annotations
+
+import torch
+
+from shardplan.record import coverage
+from shardplan.record.sglang import coverage as sglang_coverage
+
+
+def test_a_small_architecture_passes_at_every_layout(tmp_path):
+    row = sglang_coverage.run_architecture("GemmaForCausalLM", tmp_path, tps=(1, 2))
+    assert row["status"] == "pass", row
+    assert row["layouts"] == {
+        "tp1": {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": []},
+        "tp2": {"ranks": 2, "equal": 2, "fallbacks": [], "mismatched": []},
+    }
+
+
+def test_a_replay_that_differs_is_FAIL(tmp_path, monkeypatch):
+    replayed_by_plan = sglang_coverage.replayed_by_plan
+
+    def broken(builder, rank, plan, checkpoint):  # one element of the final norm off: the plan's fault
+        model = replayed_by_plan(builder, rank, plan, checkpoint)
+        with torch.no_grad():
+            model.model.norm.weight.view(-1)[0] += 1
+        return model
+
+    monkeypatch.setattr(sglang_coverage, "replayed_by_plan", broken)
+    row = sglang_coverage.run_architecture("GemmaForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "FAIL" and "model.norm.weight" in row["reason"], row
+
+
+def test_no_config_class_is_cannot_with_the_reason(tmp_path):
+    row = sglang_coverage.run_architecture("BailingMoeForCausalLM", tmp_path)
+    assert row["status"] == "cannot" and "remote code" in row["reason"], row
+
+
+def test_the_report_has_sglang_beside_vllm():
+    vllm = [
+        {"arch": "A", "status": "pass", "reason": "", "layouts": {"tp1": {"ranks": 1, "equal": 1}}, "fallbacks": []},
+        {"arch": "OnlyVllm", "status": "cannot", "reason": "x", "layouts": {}, "fallbacks": []},
+    ]
+    sglang = [
+        {"arch": "A", "status": "FAIL", "reason": "differs", "layouts": {"tp1": {"ranks": 1, "equal": 0}}},
+        {"arch": "OnlySglang", "status": "not run", "reason": "later", "layouts": {}, "fallbacks": []},
+    ]
+    text = coverage.render(vllm, "vLLM x", sglang, "SGLang y")
+    assert "**SGLang (SGLang y): 0 pass, 0 pass with fallbacks, 1 fail, 0 cannot run here**, 1 of the 2" in text
+    assert "| A |  | pass | tp1 1/1 | FAIL | tp1 0/1 | SGLang: differs |" in text
+    assert "| OnlyVllm |  | cannot |  | - |  | vLLM: x |" in text
+    assert "| OnlySglang |  | - |  | not run |  | SGLang: later |" in text
