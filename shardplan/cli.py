@@ -281,7 +281,8 @@ def cmd_verify(args) -> int:
             part = f"{nan} of {numel} elements" if nan < numel else "every element"
             print(
                 f"      not written by the real loader either (left NaN): {name}: {part}; no checkpoint tensor "
-                f"defines them, so vLLM leaves them uninitialised and the plan does not write them"
+                f"defines them, so vLLM leaves them uninitialised and the plan does not write them (the shardplan "
+                f"engine backend zeroes them at every update)"
             )
     engine = "SGLang" if args.engine == "sglang" else "vLLM"
     print(f"{len(ranks) - failures}/{len(ranks)} ranks bitwise equal to {engine}'s load_weights")

@@ -320,6 +320,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             "complete": st.complete and not self.placement_stale,
             "error": self.last_error,
             "last_update": self.last_update,
+            # elements no checkpoint tensor defines, zeroed at every update (docs/configs.md)
+            "zero_filled": self.unpacker.zero_filled if self.unpacker is not None else 0,
         }
 
     def shutdown(self) -> None:

@@ -39,6 +39,7 @@ import torch
 from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
+from shardplan.plan.unwritten import unwritten_ranges
 from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.pack import PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.runtime.tensors import align_up
@@ -135,6 +136,8 @@ class ReloadUnpacker:
                         modules.append(module)
                     self.module_groups.setdefault(module, set()).add(g.name)
         self._refuse_unwritten_params()
+        self.zero_filled = 0  # elements zeroed per update (_undefined_bytes)
+        self.undefined = self._undefined_bytes()
         self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
         self._materialized: set[int] = set()
@@ -181,6 +184,37 @@ class ReloadUnpacker:
             logger.warning("shardplan: %s (unless the plan's fallback tensors load them)", text)
             return
         raise EnginePlanMismatch(text + "; the plan was recorded for another model or is incomplete: re-record it")
+
+    def _undefined_bytes(self) -> dict[torch.nn.Module, list[tuple[str, list[tuple[int, int]]]]]:
+        """Elements of written params that no checkpoint tensor defines (padding vLLM allocates per rank, which its
+        own loader leaves as allocated): zeroed in every sync once their module is materialized, since materialized
+        storage is uninitialised or another module's (docs/configs.md). Derived from the plan's writes and shapes;
+        with fallback tensors (which may write any of them) nothing is zeroed, and the log says so."""
+        ranges = unwritten_ranges(self.plan)
+        if ranges and self.plan.fallbacks:
+            logger.warning(
+                "shardplan: rank %d: %d param(s) hold elements the plan does not write (e.g. %s), which its fallback "
+                "tensors may write: left as vLLM's reload materializes them, not zeroed",
+                self.plan.rank,
+                len(ranges),
+                next(iter(ranges)),
+            )
+            return {}
+        out: dict[torch.nn.Module, list[tuple[str, list[tuple[int, int]]]]] = {}
+        for name, spans in ranges.items():
+            module, attr = self.targets[name]
+            out.setdefault(module, []).append((attr, spans))
+        self.zero_filled = sum(hi - lo for spans in ranges.values() for lo, hi in spans)
+        if ranges:
+            logger.info(
+                "shardplan: rank %d: %d element(s) of %d param(s) that no checkpoint tensor defines (e.g. %s) are "
+                "zero-filled at every update (vLLM's own load leaves them uninitialised)",
+                self.plan.rank,
+                self.zero_filled,
+                len(ranges),
+                next(iter(ranges)),
+            )
+        return out
 
     def _modules_reading_written_storage(self) -> dict[torch.nn.Module, tuple[str, list[str], list[int]]]:
         """Modules the plan does not write whose processing reads a param it does write, through a tie or any shared
@@ -311,6 +345,11 @@ class ReloadUnpacker:
                     raise EngineUnsupported(f"{type(module).__name__} is not set up for reloading (vLLM skips it)")
                 materialize_layer(module, info)
                 self._place_in_pool(module)
+                with torch.no_grad():  # the pool holds the bytes of the modules before this one
+                    for attr, spans in self.undefined.get(module, ()):
+                        flat = getattr(module, attr).view(-1)  # pre-processing params are contiguous
+                        for lo, hi in spans:
+                            flat[lo:hi].zero_()
                 self._materialized.add(id(module))
                 self._open.add(id(module))
 

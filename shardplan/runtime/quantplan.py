@@ -327,6 +327,8 @@ class StagedIds(SourceIds):
             return super().numels(ids, table)
         out = self.base.numels(ids, self.base_table)
         at, hit = self._override(ids)
+        if not hit.any():  # also: no staged weights at all (ov_* empty, `at` would index nothing)
+            return out
         return np.where(hit, self.ov_rows[at] * self.ov_cols[at], out)
 
     def dtype_codes(self, ids, table):

@@ -1,12 +1,16 @@
 """The engine backend's unpacker (engine/reload.py) on models vLLM builds on CPU, without an engine process: a plan
 that leaves a module of the live model unwritten is refused at init, by name, instead of the update reporting a
-complete version while that module keeps its old weights (finalize_layerwise_reload restores unwritten layers)."""
+complete version while that module keeps its old weights (finalize_layerwise_reload restores unwritten layers); the
+elements no checkpoint tensor defines (Kimi-Linear's expert padding at TP 2) are zeroed once their module is
+materialized, whatever storage it got."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch
+from arch_sessions import shrink_overrides
 from tiny_models import TINY, tiny
 
 from shardplan.engine.errors import EnginePlanMismatch
@@ -16,7 +20,11 @@ from shardplan.plan.layout import Layout
 from shardplan.record.build import build_model
 from shardplan.record.session import RecordSession
 
-SHRUNK = {"llama-3.1-8b": tiny("llama-3.1-8b", tie_word_embeddings="true"), "qwen3-30b-a3b": TINY["qwen3-30b-a3b"]}
+SHRUNK = {
+    "llama-3.1-8b": tiny("llama-3.1-8b", tie_word_embeddings="true"),
+    "qwen3-30b-a3b": TINY["qwen3-30b-a3b"],
+    "kimi-linear-48b-a3b": shrink_overrides("kimi-linear-48b-a3b"),
+}
 
 
 @functools.cache
@@ -27,12 +35,12 @@ def _live(model: str, ep: bool, rank: int):
     plan, _ = session.record_rank(rank)
     live = build_model(session.vllm_config, session.layout, rank, "cpu")
     record_metadata_for_reloading(live)  # what vLLM does once a model is loaded
-    return live, plan, {m.name: m for m in session.sources}
+    return live, plan, {m.name: m for m in session.sources}, session
 
 
 @pytest.mark.parametrize("model, ep, rank", [("llama-3.1-8b", False, 1), ("qwen3-30b-a3b", True, 0)])
 def test_a_whole_plan_is_taken(model, ep, rank):
-    live, plan, sources = _live(model, ep, rank)
+    live, plan, sources, _ = _live(model, ep, rank)
     ReloadUnpacker(live, plan, sources)  # tied lm_head (llama) is written through embed_tokens
 
 
@@ -44,10 +52,30 @@ def test_a_whole_plan_is_taken(model, ep, rank):
     ],
 )
 def test_a_plan_missing_a_module_is_refused(model, ep, rank, dropped):
-    live, plan, sources = _live(model, ep, rank)
+    live, plan, sources, _ = _live(model, ep, rank)
     assert dropped in {p.name for p in plan.params}
     cut = ir.RankPlan(
         rank, tuple(p for p in plan.params if p.name != dropped), tuple(w for w in plan.writes if w.param != dropped)
     )
     with pytest.raises(EnginePlanMismatch, match="never writes 1 param.*" + dropped.replace(".", r"\.")):
         ReloadUnpacker(live, cut, sources)
+
+
+def test_elements_no_checkpoint_defines_are_zeroed_in_every_update():
+    live, plan, sources, session = _live("kimi-linear-48b-a3b", False, 1)
+    unpacker = ReloadUnpacker(live, plan, sources)
+    assert unpacker.zero_filled > 0 and unpacker.undefined
+    module, [(attr, spans), *_] = next(iter(unpacker.undefined.items()))
+    group = next(g for g, modules in unpacker.group_modules.items() if any(m is module for m in modules))
+    unpacker.begin()
+    try:
+        # the sync's pool holds the bytes of earlier modules (here: all-ones bytes, NaN as bfloat16); they must not
+        # show through the padding
+        unpacker._pool_size = sum(p.nbytes + 4096 for p in plan.params)
+        unpacker._pool = torch.full((unpacker._pool_size,), 255, dtype=torch.uint8)
+        unpacker._pool_uses = torch._C._storage_Use_Count(unpacker._pool.untyped_storage()._cdata)
+        unpacker._materialize(group)
+        flat = getattr(module, attr).detach().view(-1)
+        assert all(bool((flat[lo:hi] == 0).all()) for lo, hi in spans)
+    finally:
+        unpacker.end(session.vllm_config.model_config)

@@ -44,11 +44,25 @@ SHRUNK = {
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
+    # three Gated DeltaNet layers, then one full-attention layer; every layer MoE with a gated shared expert
+    "qwen3.5-397b-a17b": [
+        "num_hidden_layers=4",
+        'layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
+        "num_experts=8",
+        "vocab_size=1000",
+    ],
 }
 
 
 @pytest.mark.parametrize(
-    "model, tp, ep", [("kimi-linear-48b-a3b", 4, False), ("minimax-m2", 2, True), ("deepseek-v4-flash", 4, True)]
+    "model, tp, ep",
+    [
+        ("kimi-linear-48b-a3b", 4, False),
+        ("minimax-m2", 2, True),
+        ("deepseek-v4-flash", 4, True),
+        ("qwen3.5-397b-a17b", 8, False),
+        ("qwen3.5-397b-a17b", 8, True),
+    ],
 )
 def test_shrunk_frontier_builtins_verify_bitwise(model, tp, ep):
     layout = Layout(tp=tp, ep=ep)
@@ -86,3 +100,33 @@ def test_verify_words_construction_buffers_apart_from_undefined_bytes(capsys):
     assert "initialised at construction, not by the loader" in out and "_k_scale" in out
     undefined = [line for line in out.splitlines() if "not written by the real loader either" in line]
     assert not any("_scale" in line or "cos_sin_cache" in line for line in undefined), undefined
+
+
+def test_unwritten_ranges_are_exactly_the_bytes_vllms_loader_leaves_undefined():
+    # Kimi-Linear shrunk at TP 2 without EP: vLLM pads each rank's expert intermediate (32 -> its kernel width) and its
+    # own load_weights never writes the padding; the plan's unwritten ranges (derived from writes and shapes alone,
+    # what the engine zero-fills) must be those elements, no more and no fewer
+    import torch
+    from arch_sessions import shrink_overrides
+
+    from shardplan.plan.unwritten import unwritten_ranges
+    from shardplan.record.build import build_model, loading_context
+    from shardplan.record.verify import poison
+
+    layout = Layout(tp=2)
+    session = RecordSession("kimi-linear-48b-a3b", layout, overrides=shrink_overrides("kimi-linear-48b-a3b"))
+    checkpoint = random_checkpoint(session.tensors, 0)
+    plan, _ = session.record_rank(1)
+    ranges = unwritten_ranges(plan)
+    assert ranges and all(".experts." in name for name in ranges), sorted(ranges)
+    real = build_model(session.vllm_config, layout, 1, "cpu")
+    poison(real)
+    with torch.no_grad(), loading_context(session.vllm_config, layout, 1):
+        real.load_weights(iter(list(checkpoint.items())))
+    params = dict(real.named_parameters())
+    for meta in plan.params:
+        nan = torch.isnan(params[meta.name].detach().reshape(-1)).numpy()
+        expected = torch.zeros(nan.size, dtype=torch.bool).numpy()
+        for lo, hi in ranges.get(meta.name, []):
+            expected[lo:hi] = True
+        assert (nan == expected).all(), meta.name

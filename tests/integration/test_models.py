@@ -40,6 +40,7 @@ BUILTINS = {
     "minimax-m2": "MiniMaxAI/MiniMax-M2",
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",  # text-only: the hub text_config under the text class
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
     "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
@@ -49,6 +50,24 @@ VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}  # their
 
 # Public facts about each model (from the hub config.json files and model cards).
 KNOWN_FACTS = {
+    # Qwen/Qwen3.5-397B-A17B text_config (docs/configs.md): 45 Gated DeltaNet + 15 full-attention layers, all MoE
+    "qwen3.5-397b-a17b": dict(
+        architectures=["Qwen3_5MoeForCausalLM"],
+        model_type="qwen3_5_moe_text",
+        hidden_size=4096,
+        num_hidden_layers=60,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=64,
+        vocab_size=248320,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 15,
+    ),
     # deepseek-ai/DeepSeek-V4-Flash config.json (docs/configs.md); its reference tensor names: test_frontier.py
     "deepseek-v4-flash": dict(
         architectures=["DeepseekV4ForCausalLM"],
@@ -759,7 +778,8 @@ def test_transformers_accepts_materialized_config(short):
 
     spec = resolve_model(short)
     hf_config = AutoConfig.from_pretrained(spec.materialize())
-    assert type(hf_config).__name__.lower().startswith(spec.config["model_type"].replace("_", ""))
+    # Qwen3_5MoeTextConfig for qwen3_5_moe_text: compared without underscores on both sides
+    assert type(hf_config).__name__.lower().replace("_", "").startswith(spec.config["model_type"].replace("_", ""))
     assert hf_config.hidden_size == spec.config["hidden_size"]
     assert hf_config.num_hidden_layers == spec.config["num_hidden_layers"]
 

@@ -326,3 +326,19 @@ def test_build_from_a_plan_file_makes_no_write_objects_or_names(monkeypatch):
     group = replayer.for_group(replayer.layout.groups[4].name)  # (embeddings, then layer 0, ...)
     assert down.replace("5", "3", 1) in group.quantized and down not in group.quantized
     assert len(group.quantized) == 128 * 3 + 4  # experts' gate/up/down, attention's q/k/v/o
+
+
+def test_a_plan_with_nothing_to_quantize_builds_as_a_plain_replay():
+    """A plan file with no FP8 weight (a BF16 engine's plan handed to the quantizing replay, as a trainer does before
+    the engine refuses the plan's quantization mode by name) builds, quantizes nothing and packs what Replayer packs
+    (the columnar build once indexed its empty table of staged weights)."""
+    from pathlib import Path
+
+    from shardplan.plan.file.format import PlanFile
+
+    plan_file = PlanFile.read(str(Path(__file__).resolve().parents[2] / "plans/llama-3.1-8b--tp2--bfloat16.plan"))
+    plan = plan_file.rank(1)
+    replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=QID)
+    plain = Replayer(plan, plan_file.sources)
+    assert replayer.boxes == {} and all(not replayer.for_group(g.name).quantized for g in replayer.layout.groups)
+    assert [(g.name, g.nbytes) for g in replayer.layout.groups] == [(g.name, g.nbytes) for g in plain.layout.groups]
