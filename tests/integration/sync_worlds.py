@@ -421,9 +421,9 @@ def arm_corruption(engine, group_index: int) -> None:
     engine.transport.recv = corrupting_recv
 
 
-def _rank_main(name, transport_name, control, build, conn):
+def _rank_main(name, transport_name, control, build, conn, timeout_s=TIMEOUT_S):
     try:
-        transport = create(transport_name, me=name, control=control, device="cpu", timeout_s=TIMEOUT_S)
+        transport = create(transport_name, me=name, control=control, device="cpu", timeout_s=timeout_s)
         engine = build(name, transport, control)
     except BaseException as e:  # noqa: BLE001 - reported to the driver
         conn.send(("error", e))
@@ -478,7 +478,9 @@ class LocalCluster:
     def _spawn(self, name):
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(
-            target=_rank_main, args=(name, self.transport, self.control, self.build, child), daemon=True
+            target=_rank_main,
+            args=(name, self.transport, self.control, self.build, child, self.config.timeout_s),
+            daemon=True,
         )
         proc.start()
         self.procs[name] = (proc, parent)
@@ -564,7 +566,7 @@ class RayCluster:
     def _new_actor(self, name):
         from shardplan.transport.rdt import sync_actor
 
-        return sync_actor().remote(name, self.transport, self.control, self.build, TIMEOUT_S)
+        return sync_actor().remote(name, self.transport, self.control, self.build, self.config.timeout_s)
 
     def restart(self, name):
         self.kill(name)
@@ -625,10 +627,14 @@ def _set_handle(engine, name, handle):
     engine.transport.handles[name] = handle
 
 
+EQUALITY_TIMEOUT_S = 20.0  # run_sync proves bytes, not fault timing: a loaded CI box must not fail it by a timeout
+
+
 def run_sync(world_factory, transport: str, version: int = 1) -> dict:
     """One whole sync of `world_factory()` over `transport`; {consumer rank: {group: {offset: bytes}}}.
-    rdt:* transports need ray.init() first."""
-    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory)
+    rdt:* transports need ray.init() first. Timeouts are EQUALITY_TIMEOUT_S (the fault scenarios keep TIMEOUT_S)."""
+    config = SyncConfig(timeout_s=EQUALITY_TIMEOUT_S, announce_timeout_s=60)
+    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory, config)
     try:
         results = cluster.sync(version)
         bad = {n: r for n, r in results.items() if r[0] != "ok"}
