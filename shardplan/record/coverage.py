@@ -37,19 +37,17 @@ from pathlib import Path
 
 import torch
 
-from shardplan.models import resolve_model
 from shardplan.plan import interp
 from shardplan.plan.layout import Layout
 from shardplan.record.build import LayoutRejected, build_model, loading_context
-from shardplan.record.configs import hf_view
 from shardplan.record.session import RecordSession
 from shardplan.record.sglang import coverage as sglang_coverage
-from shardplan.record.tiny import NoConfigClass, text_decoder_architectures, tiny_config
+from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start, text_decoder_architectures
 from shardplan.record.verify import RankVerdict, add_created_params, compare_models, poison, random_checkpoint
 
 __all__ = ["run_architecture", "render", "main"]
 
-TPS = (1, 2, 4)
+TPS = SWEEP_TPS
 
 # vLLM loaders that refuse the real checkpoint names (a bug in vLLM itself, cited): such a row is "cannot run here"
 # with vLLM's error only while the error is exactly this one; any other refusal is still the sweep's FAIL.
@@ -65,26 +63,11 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
 
 
-def _short(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
 def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     """Record and verify every rank of `arch`'s tiny config at each TP; a result row (a JSON-able dict)."""
-    row: dict = {"arch": arch, "status": "", "reason": "", "layouts": {}, "fallbacks": [], "model_type": ""}
-    try:
-        config = tiny_config(arch)
-    except NoConfigClass as exc:
-        return dict(row, status="cannot", reason=str(exc))
-    row["model_type"] = config["model_type"]
-    model_dir = workdir / arch
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    try:
-        has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
-    except Exception as exc:  # the tiny config is ours: a config class refusing it is the sweep's failure
-        return dict(row, status="FAIL", reason=f"its config class rejects the tiny config: {_short(exc)}")
+    row, model_dir, has_experts = sweep_start(arch, workdir)
+    if row["status"]:
+        return row
     for tp in tps:
         layout = Layout(tp=tp, ep=has_experts and tp > 1)
         try:
@@ -93,7 +76,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             row["layouts"][layout.tag()] = {"error": "vLLM rejects the layout", "detail": str(exc)[:300]}
             continue
         except Exception as exc:  # the tensor listing (ours) or vLLM's config parsing of our tiny config
-            return dict(row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
+            return dict(
+                row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
+            )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
         result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
         for rank in range(layout.world_size):
@@ -109,9 +94,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                         row,
                         status="FAIL",
                         reason=f"the tiny config lacks a field vLLM reads (add the public "
-                        f"config's field set to publicfields.py): {_short(exc)}",
+                        f"config's field set to publicfields.py): {short_error(exc)}",
                     )
-                result = {"error": f"vLLM's own build fails on rank {rank}", "detail": _short(exc)}
+                result = {"error": f"vLLM's own build fails on rank {rank}", "detail": short_error(exc)}
                 break
             # vLLM's loader refusing the checkpoint we derived (a name it does not know, a shape it does not
             # expect) is our listing's failure, not vLLM's
@@ -120,17 +105,18 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                     real.load_weights(iter(list(checkpoint.items())))
             except Exception as exc:
                 known = VLLM_LOADER_BUGS.get(arch)
-                if known and known[0] in _short(exc):
+                if known and known[0] in short_error(exc):
                     return dict(
                         row,
                         status="cannot",
                         reason=f"vLLM's own loader fails on the real checkpoint names at {layout.tag()} rank {rank}: "
-                        f"{_short(exc)}: {known[1]}",
+                        f"{short_error(exc)}: {known[1]}",
                     )
                 return dict(
                     row,
                     status="FAIL",
-                    reason=f"vLLM's loader refuses the derived checkpoint at {layout.tag()} rank {rank}: {_short(exc)}",
+                    reason=f"vLLM's loader refuses the derived checkpoint at {layout.tag()} rank {rank}: "
+                    f"{short_error(exc)}",
                 )
             try:
                 plan, _ = session.record_rank(rank)
@@ -148,7 +134,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                         replayed.load_weights([(f.source, checkpoint[f.source]) for f in plan.fallbacks])
             except Exception as exc:
                 return dict(
-                    row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: {_short(exc)}"
+                    row,
+                    status="FAIL",
+                    reason=f"recording/replay raised at {layout.tag()} rank {rank}: {short_error(exc)}",
                 )
             verdict = RankVerdict(rank)
             compare_models(real, replayed, verdict)
@@ -298,7 +286,7 @@ def _worker(archs: list[str], workdir: Path, marker: Path, results: Path, engine
             row = {
                 "arch": arch,
                 "status": "FAIL",
-                "reason": f"sweep raised {_short(exc)}",
+                "reason": f"sweep raised {short_error(exc)}",
                 "layouts": {},
                 "fallbacks": [],
             }

@@ -11,10 +11,13 @@ An architecture whose config exists only as hub remote code raises `NoConfigClas
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 from shardplan.errors import ShardplanError
-from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class
+from shardplan.models import resolve_model
+from shardplan.record.configs import TEXT_CONFIG_KEYS, config_class, hf_view
 from shardplan.record.publicfields import PUBLIC_FIELDS
 
 __all__ = ["NoConfigClass", "model_type_of", "text_decoder_architectures", "tiny_config"]
@@ -335,3 +338,33 @@ def _layer_picks(config: dict[str, Any], num_layers: int) -> list[int]:
                 seen.setdefault(repr(item), i)
             picks |= set(seen.values())
     return sorted(picks)[:8]
+
+
+SWEEP_TPS = (1, 2, 4)
+
+
+def short_error(exc: BaseException, limit: int = 600) -> str:
+    """An exception as one line of at most `limit` characters, for a coverage row."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def sweep_start(arch: str, workdir: Path) -> tuple[dict, Path, bool]:
+    """What both engines' coverage sweeps do first for `arch`: a result row, its tiny config written to
+    workdir/arch/config.json, and whether the model has experts. A row whose status is already set is the verdict
+    (no config class: cannot; its config class rejects the tiny config: FAIL -- the tiny config is ours)."""
+    row: dict = {"arch": arch, "status": "", "reason": "", "layouts": {}, "fallbacks": [], "model_type": ""}
+    model_dir = workdir / arch
+    try:
+        config = tiny_config(arch)
+    except NoConfigClass as exc:
+        return dict(row, status="cannot", reason=str(exc)), model_dir, False
+    row["model_type"] = config["model_type"]
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    try:
+        has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
+    except Exception as exc:  # noqa: BLE001 - any refusal of our tiny config is the sweep's failure
+        reason = f"its config class rejects the tiny config: {short_error(exc)}"
+        return dict(row, status="FAIL", reason=reason), model_dir, False
+    return row, model_dir, has_experts

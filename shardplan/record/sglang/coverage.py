@@ -14,22 +14,19 @@ error quoted); SGLang's loader refusing the checkpoint we listed, a recording er
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 from pathlib import Path
 
-from shardplan.models import resolve_model
 from shardplan.plan.layout import Layout
-from shardplan.record.configs import hf_view
 from shardplan.record.sglang.build import SglangLayoutRejected, import_sglang
 from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession, sglang_version
 from shardplan.record.sglang.verify import loaded_by_sglang, replayed_by_plan, verify_models
-from shardplan.record.tiny import NoConfigClass, tiny_config
+from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start
 from shardplan.record.verify import random_checkpoint
 
 __all__ = ["text_decoder_architectures", "run_architecture", "versions"]
 
-TPS = (1, 2, 4)
+TPS = SWEEP_TPS
 
 # Registry entries that are no standalone text decoder: draft / MTP / NextN heads of another model, multimodal
 # wrappers, SGLang's torch-native demos and out-of-tree stand-ins.
@@ -70,11 +67,6 @@ def versions() -> str:
     return f"SGLang {sglang_version()}, transformers {md.version('transformers')}, torch {md.version('torch')}"
 
 
-def _short(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
 def _ours(exc: BaseException) -> bool:
     """SGLang reading a field the tiny config lacks: the sweep's config, not SGLang, is at fault (as vLLM's)."""
     return "Config' object has no attribute" in str(exc)
@@ -82,19 +74,9 @@ def _ours(exc: BaseException) -> bool:
 
 def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     """Record and verify every rank of `arch`'s tiny config at each TP against SGLang's loader; a result row."""
-    row: dict = {"arch": arch, "status": "", "reason": "", "layouts": {}, "fallbacks": [], "model_type": ""}
-    try:
-        config = tiny_config(arch)
-    except NoConfigClass as exc:
-        return dict(row, status="cannot", reason=str(exc))
-    row["model_type"] = config["model_type"]
-    model_dir = workdir / arch
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    try:
-        has_experts = hf_view(resolve_model(str(model_dir))).num_experts > 0
-    except Exception as exc:
-        return dict(row, status="FAIL", reason=f"its config class rejects the tiny config: {_short(exc)}")
+    row, model_dir, has_experts = sweep_start(arch, workdir)
+    if row["status"]:
+        return row
     for tp in tps:
         ep = has_experts and tp > 1
         layout = Layout(tp=tp, ep=ep)
@@ -102,11 +84,18 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             session = SglangRecordSession(str(model_dir), layout, options=SglangOptions(ep_size=tp if ep else 1))
         except SglangLayoutRejected as exc:
             if _ours(exc):
-                return dict(row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {_short(exc)}")
-            row["layouts"][layout.tag()] = {"error": "SGLang rejects the config or layout", "detail": _short(exc, 300)}
+                return dict(
+                    row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {short_error(exc)}"
+                )
+            row["layouts"][layout.tag()] = {
+                "error": "SGLang rejects the config or layout",
+                "detail": short_error(exc, 300),
+            }
             continue
         except Exception as exc:
-            return dict(row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {_short(exc)}")
+            return dict(
+                row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
+            )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
         result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
         for rank in range(layout.world_size):
@@ -114,8 +103,10 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 session.builder.build(rank, "meta")
             except Exception as exc:
                 if _ours(exc):
-                    return dict(row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {_short(exc)}")
-                result = {"error": f"SGLang's own build fails on rank {rank}", "detail": _short(exc)}
+                    return dict(
+                        row, status="FAIL", reason=f"the tiny config lacks a field SGLang reads: {short_error(exc)}"
+                    )
+                result = {"error": f"SGLang's own build fails on rank {rank}", "detail": short_error(exc)}
                 break
             try:  # SGLang's loader refusing the checkpoint we derived is our listing's failure
                 real = loaded_by_sglang(session.builder, rank, checkpoint)
@@ -124,14 +115,16 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                     row,
                     status="FAIL",
                     reason=f"SGLang's loader refuses the derived checkpoint at {layout.tag()} rank {rank}: "
-                    f"{_short(exc)}",
+                    f"{short_error(exc)}",
                 )
             try:
                 plan, _ = session.record_rank(rank)
                 replayed = replayed_by_plan(session.builder, rank, plan, checkpoint)
             except Exception as exc:
                 return dict(
-                    row, status="FAIL", reason=f"recording/replay raised at {layout.tag()} rank {rank}: {_short(exc)}"
+                    row,
+                    status="FAIL",
+                    reason=f"recording/replay raised at {layout.tag()} rank {rank}: {short_error(exc)}",
                 )
             verdict = verify_models(real, replayed, rank)
             result["equal"] += verdict.ok
