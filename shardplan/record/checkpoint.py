@@ -128,15 +128,16 @@ def model_class(architecture: str, hf_config):
 def transformers_config(hf_config, architecture: str):
     """`hf_config` as transformers' own config class: that of the transformers class named `architecture`, else
     the one for its model_type. vLLM reads some models with its own classes (DeepseekV4Config, KimiLinearConfig,
-    InklingModelConfig), and transformers' model classes are built from transformers' classes only. Unchanged
-    where transformers has no class of its own."""
+    InklingModelConfig) or another model's (DeepSeek-V3.2 with DeepseekV3Config, whose model class has no DSA
+    indexer), and transformers' model classes are built from their own config classes only. Unchanged where
+    transformers has no class of its own."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if type(hf_config).__module__.startswith("transformers."):
-        return hf_config
     own = getattr(getattr(transformers, architecture, None), "config_class", None)
     if not isinstance(own, type):
+        if type(hf_config).__module__.startswith("transformers."):
+            return hf_config
         own = getattr(transformers, CONFIG_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""), None)
     if not isinstance(own, type) or isinstance(hf_config, own):
         return hf_config

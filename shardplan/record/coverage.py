@@ -80,7 +80,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
             )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
-        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
+        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": [], "undefined": []}
         for rank in range(layout.world_size):
             # vLLM's own build first: where it fails on a config with the public field set, this layout cannot
             # run on this machine at all
@@ -142,6 +142,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             compare_models(real, replayed, verdict)
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
+            # a parameter no listed tensor writes at all: the listing lacks tensors the checkpoint has (DeepSeek-V3.2's
+            # indexer under DeepseekV3Config); padding no checkpoint defines (Kimi-Linear) is only part of a param
+            result["undefined"] += [n for n, (nan, numel) in verdict.undefined.items() if nan == numel]
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -156,6 +159,14 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
+    undefined = sorted({n for r in done for n in r.get("undefined", ())})
+    if undefined:
+        return dict(
+            row,
+            status="FAIL",
+            reason=f"no listed checkpoint tensor writes any element of {undefined[:5]} (vLLM's loader leaves them "
+            f"as allocated too): the listing lacks tensors the model's checkpoint has",
+        )
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
 
 

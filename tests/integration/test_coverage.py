@@ -72,6 +72,29 @@ def test_kernel_refusals_are_answered_for_building_only():
     assert (type(current_platform).__dict__["get_attn_backend_cls"], FusedMoEConfig.__dict__["__post_init__"]) == before
 
 
+def test_a_param_no_listed_tensor_writes_is_a_fail(tmp_path, monkeypatch):
+    # both loaders leaving a whole param as allocated is bitwise "equal", but the listing missed a tensor
+    from shardplan.record import checkpoint
+
+    monkeypatch.setitem(
+        checkpoint._DISK_NAME_FIXUPS, "llama", lambda name, config: None if name == "model.norm.weight" else name
+    )
+    row = coverage.run_architecture("LlamaForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "FAIL" and "model.norm.weight" in row["reason"], row
+
+
+def test_deepseek_v32_lists_its_indexer():
+    # vLLM reads deepseek_v32 with DeepseekV3Config, whose transformers model class has no DSA indexer; the names
+    # come from transformers' DeepseekV32 class
+    from shardplan.models import resolve_model
+    from shardplan.record.checkpoint import checkpoint_tensors
+
+    spec = resolve_model("deepseek-v3.2", ["num_hidden_layers=4", "n_routed_experts=8", "vocab_size=1000"])
+    names = {name for name, _, _ in checkpoint_tensors(spec)}
+    for leaf in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+        assert f"model.layers.3.self_attn.indexer.{leaf}" in names
+
+
 def test_tiny_configs_carry_the_public_field_set():
     from shardplan.record.publicfields import PUBLIC_FIELDS
 
