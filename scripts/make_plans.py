@@ -26,6 +26,7 @@ LAYOUTS = [
     ("deepseek-v4-flash", ["--tp", "4", "--ep"]),
     ("deepseek-v4-flash", ["--tp", "1", "--dp", "4", "--ep"]),
     ("qwen3.5-397b-a17b", ["--tp", "8"]),
+    ("deepseek-v3.2", ["--tp", "16", "--ep"]),
     # block-FP8 checkpoints (quantization_config kept; the trainer quantizes on replay, docs/fp8.md)
     ("kimi-k2-fp8", ["--tp", "16", "--ep"]),
     ("kimi-k2-fp8", ["--tp", "8", "--ep"]),

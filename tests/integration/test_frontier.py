@@ -44,6 +44,8 @@ SHRUNK = {
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
+    # three dense layers, then one MoE layer; every layer MLA with the DSA indexer
+    "deepseek-v3.2": ["num_hidden_layers=4", "n_routed_experts=8", "vocab_size=1000"],
     # three Gated DeltaNet layers, then one full-attention layer; every layer MoE with a gated shared expert
     "qwen3.5-397b-a17b": [
         "num_hidden_layers=4",
@@ -60,6 +62,7 @@ SHRUNK = {
         ("kimi-linear-48b-a3b", 4, False),
         ("minimax-m2", 2, True),
         ("deepseek-v4-flash", 4, True),
+        ("deepseek-v3.2", 4, True),
         ("qwen3.5-397b-a17b", 8, False),
         ("qwen3.5-397b-a17b", 8, True),
     ],

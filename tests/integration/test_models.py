@@ -40,6 +40,7 @@ BUILTINS = {
     "minimax-m2": "MiniMaxAI/MiniMax-M2",
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
     "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",  # text-only: the hub text_config under the text class
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
@@ -83,6 +84,23 @@ KNOWN_FACTS = {
         hc_mult=4,
         vocab_size=129280,
         compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+    ),
+    # DeepSeek-V3.2 (docs/configs.md): V3's dims and routing plus the DSA lightning indexer
+    "deepseek-v3.2": dict(
+        architectures=["DeepseekV32ForCausalLM"],
+        model_type="deepseek_v32",
+        hidden_size=7168,
+        num_hidden_layers=61,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        index_topk=2048,
+        index_n_heads=64,
+        index_head_dim=128,
+        vocab_size=129280,
     ),
     "kimi-k2": dict(
         architectures=["DeepseekV3ForCausalLM"],
