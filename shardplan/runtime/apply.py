@@ -242,11 +242,11 @@ class Applier:
             return ops
         if self.box_copy:
             try:
-                return [capture_graph([op for step in steps for op in fuse(step, device)], device).replay]
+                return [capture_graph([fuse(step, device) for step in steps], device).replay]
             except Exception as exc:
                 self.box_copy_error = f"{type(exc).__name__}: {exc}"
         try:
-            graph = capture_graph(ops, device)
+            graph = capture_graph(steps, device)
         except Exception as exc:  # auto mode: eager launches are correct, only slower
             if self.cuda_graph:
                 raise

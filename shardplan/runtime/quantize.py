@@ -404,6 +404,14 @@ class QuantizingReplayer:
         return self.bind(tensors, out).pack()
 
 
+def _reads_storage(op, storage_ptr: int) -> bool:
+    """Whether a replay op may read the storage at `storage_ptr` (an op without its view pairs: assumed so)."""
+    pairs = getattr(op, "pairs", None)
+    if pairs is None:
+        return True
+    return any(src.untyped_storage().data_ptr() == storage_ptr for _, src in pairs)
+
+
 class QuantizingBoundReplay:
     """Bound quantizing replay. On CUDA (with Triton) the fused kernel (runtime/fp8kernel.py) quantizes the fp8
     segments' blocks straight into `out` in one launch per source dtype, and the ordinary replay packs the other
@@ -513,13 +521,27 @@ class QuantizingBoundReplay:
         self.out = self.inner.out
         self._graph = None
         if cuda_graph or (cuda_graph is None and device.type == "cuda"):
+            # the rest's copies run beside the kernel (graph branches), those reading its staged scales after it
+            scales_at = self.scales.untyped_storage().data_ptr()
+            after = [op for op in self.inner._ops if _reads_storage(op, scales_at)]
+            beside = [op for op in self.inner._ops if not _reads_storage(op, scales_at)]
+            # the inf/NaN flag travels to pinned host memory inside the graph, then is cleared for the next replay:
+            # pack() waits for the graph and reads it (no copy launched and no .item() after the replay)
+            self._host_flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+            self._host_flag_view = self._host_flag.numpy()
+            self._done = torch.cuda.Event()
+            flag, host = self.kernel.flag, self._host_flag
+            to_host = [lambda: host.copy_(flag, non_blocking=True)]
             try:
-                self._graph = capture_graph([self.kernel.launch] + self.inner._ops, device)
+                self._graph = capture_graph(
+                    [[self.kernel.launch] + beside, after, to_host, [lambda: flag.zero_()]], device
+                )
             except Exception as exc:  # auto mode: eager launches are correct, only slower
                 if cuda_graph:
                     raise
                 self.inner.graph_error = f"{type(exc).__name__}: {exc}"
             self.kernel.flag.zero_()  # (capture ran the kernel once on the bind-time values)
+            self._host_flag.zero_()
 
     def quantize(self) -> None:
         """The eager path's staging (the weights the fused kernel does not serve, on the fused path)."""
@@ -547,7 +569,10 @@ class QuantizingBoundReplay:
             )
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
-        if check:
+        """Fill `self.out`. With the CUDA graph the check runs on the host while the GPU replays it (the kernel's and
+        views' storages are held by the binding: a re-bound tensor's old bytes are read, never freed memory) and
+        raises before the buffer is returned; otherwise it runs first."""
+        if self._graph is None and check:
             self.check()
         if self.kernel is None:
             self.quantize()
@@ -556,13 +581,21 @@ class QuantizingBoundReplay:
         with torch.no_grad():
             if self._graph is not None:
                 self._graph.replay()
+                self._done.record()
+                if check:
+                    self.check()
             else:
                 self.kernel.launch()
                 for op in self.inner._ops:
                     op()
             for op in self.inner._eager_ops:
                 op()
-        if self.kernel.nonfinite():  # (a host read: waits for the launch) name the first culprit
+        if self._graph is not None:
+            self._done.synchronize()
+            bad = bool(self._host_flag_view[0])
+        else:
+            bad = self.kernel.nonfinite()  # (a host read: waits for the launch)
+        if bad:  # name the first culprit
             for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
                 box = self.replayer.boxes[weight]
                 check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
