@@ -14,7 +14,7 @@ from shardplan.runtime.apply import Applier, params_from_plan
 from shardplan.runtime.quantize import NonFiniteBlockError, QuantizingReplayer
 from shardplan.runtime.tensors import capture_graph
 
-pytestmark = [gpu_tier, pytest.mark.skipif(not ON_GPU, reason="the fused kernel and CUDA graphs need CUDA")]
+pytestmark = [*gpu_tier, pytest.mark.skipif(not ON_GPU, reason="the fused kernel and CUDA graphs need CUDA")]
 
 
 @pytest.fixture(scope="module")
