@@ -242,7 +242,8 @@ class Applier:
             return ops
         if self.box_copy:
             try:
-                return [capture_graph([fuse(step, device) for step in steps], device).replay]
+                fused = [fuse(step, device) for step in steps]
+                return [_replay(capture_graph(fused, device), fused)]
             except Exception as exc:
                 self.box_copy_error = f"{type(exc).__name__}: {exc}"
         try:
@@ -252,7 +253,7 @@ class Applier:
                 raise
             self.graph_error = f"{type(exc).__name__}: {exc}"
             return ops
-        return [graph.replay]
+        return [_replay(graph, steps)]
 
     def _step_ops(self, runs: list[list[_Item]], buffer: torch.Tensor) -> list[Callable]:
         ops, dsts, srcs = [], [], []
@@ -361,6 +362,16 @@ class Applier:
         for region in self.coverage().get(name, ()):
             region_view(mask, region).fill_(True)
         return mask
+
+
+def _replay(graph, ops) -> Callable[[], None]:
+    """The graph's replay, holding the captured ops: the graph addresses their views' storages and the box-copy
+    kernel's tables by raw pointer, which must outlive it (a freed table is soon another tensor's memory)."""
+
+    def replay(graph=graph, ops=ops) -> None:
+        graph.replay()
+
+    return replay
 
 
 def _refuse(name: str, tensor: torch.Tensor) -> None:

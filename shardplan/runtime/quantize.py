@@ -589,7 +589,17 @@ class QuantizingBoundReplay:
         """Fill `self.out`. With the CUDA graph the check runs on the host while the GPU replays it (the kernel's and
         views' storages are held by the binding: a re-bound tensor's old bytes are read, never freed memory) and
         raises before the buffer is returned; otherwise it runs first."""
-        if self._graph is None and check:
+        graph = self._graph
+        if graph is not None and not self.sources and not self.inner._eager_ops:  # the usual CUDA pack, lean
+            graph.replay()
+            self._done.record()
+            if check:
+                self.check()
+            wait_for(self._done)
+            if self._host_flag_view[0]:
+                self._name_nonfinite()
+            return self.out
+        if graph is None and check:
             self.check()
         if self.kernel is None:
             self.quantize()
@@ -612,12 +622,16 @@ class QuantizingBoundReplay:
             bad = bool(self._host_flag_view[0])
         else:
             bad = self.kernel.nonfinite()  # (a host read: waits for the launch)
-        if bad:  # name the first culprit
-            for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
-                box = self.replayer.boxes[weight]
-                check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
-            raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
+        if bad:
+            self._name_nonfinite()
         return self.out
+
+    def _name_nonfinite(self) -> None:
+        """NonFiniteBlockError naming the first inf/NaN the fused kernel met."""
+        for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
+            box = self.replayer.boxes[weight]
+            check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
+        raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
 
     @property
     def num_launches(self) -> int:

@@ -270,6 +270,7 @@ class BoundReplay:
                 ops = fuse(self._ops, self.device)
                 graph = capture_graph([ops], self.device)
                 self.box_copy = next((op.box_copy for op in ops if hasattr(op, "box_copy")), None)
+                self._graph_ops = ops  # (the graph reads their views and tables by raw pointer: kept alive)
                 return graph
             except Exception as exc:
                 self.box_copy_error = f"{type(exc).__name__}: {exc}"
