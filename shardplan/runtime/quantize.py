@@ -213,12 +213,15 @@ class QuantizingReplayer:
         rows, cols_, s_rows, s_cols = shapes
         bn, bk = self.block
         n = len(weights)
-        k_w = np.minimum(np.searchsorted(weights, reads.src), max(n - 1, 0))
-        is_w = (weights[k_w] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
-        s_order = np.argsort(scales, kind="stable")
-        k_s = np.minimum(np.searchsorted(scales[s_order], reads.src), max(n - 1, 0))
-        is_s = (scales[s_order][k_s] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
-        k = np.where(is_w, k_w, np.where(is_s, s_order[k_s] if n else 0, -1))
+        # which weight each read reads (itself or through its scale): one gather from a table by tensor id
+        at = np.full(int(max(reads.src.max(initial=-1), weights.max(initial=-1), scales.max(initial=-1))) + 2, -1)
+        at[weights] = np.arange(n)
+        k_w = at[reads.src]
+        at[weights] = -1
+        at[scales] = np.arange(n)
+        k_s = at[reads.src]
+        is_w, is_s = k_w >= 0, k_s >= 0
+        k = np.where(is_w, k_w, k_s)
         mine = k >= 0
         k, is_w, is_s = k[mine], is_w[mine], is_s[mine]
         off, sizes, strides = reads.offset[mine], reads.sizes[mine], reads.strides[mine]
