@@ -23,8 +23,6 @@ import torch
 
 BLOCK = 256  # units (4 KiB at 16-byte units) a program moves: 1024 and more were slower on the H200
 NUM_WARPS = 4
-PLAIN_MIN_BYTES = 1 << 62  # boxes at least this big, of rows at least PLAIN_ROW_BYTES long, keep torch's copy
-PLAIN_ROW_BYTES = 1 << 62
 COLUMNS = ("src", "src_stride", "dst", "dst_stride", "cols", "col0", "count")
 _ELEM = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -65,13 +63,6 @@ def split(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, lis
     for p in pairs:
         (mine if _box(*p) is not None else rest).append(p)
     return mine, rest
-
-
-def plain(pair: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """A big box of long rows: torch's own copy moves it at copy speed (it runs as a branch of the graph beside the
-    kernel); PLAIN_MIN_BYTES and PLAIN_ROW_BYTES say how big and how long."""
-    box = _box(*pair)
-    return box is not None and math.prod(box[0]) >= PLAIN_MIN_BYTES and box[0][-1] >= PLAIN_ROW_BYTES
 
 
 class BoxCopy:
@@ -228,14 +219,11 @@ def fuse(ops: Sequence[Callable], device: torch.device) -> list[Callable]:
         return list(ops)
     pairs = [p for op in ops for p in getattr(op, "pairs", ())]
     mine, rest = split(pairs)
-    big = [p for p in mine if plain(p)]
-    mine = [p for p in mine if not plain(p)]
     if not mine:
         return list(ops)
     copy = BoxCopy(mine)
     out = [pair_op(lambda: copy.launch(), mine, f"box copy x{len(mine)} ({copy.num_programs} programs)")]
     out[0].box_copy = copy
-    out += [pair_op(lambda d=d, s=s: d.copy_(s), [(d, s)], "copy") for d, s in big]
     if rest:
         dsts, srcs = [d for d, _ in rest], [s for _, s in rest]
         out.append(pair_op(lambda: torch._foreach_copy_(dsts, srcs), rest, f"foreach_copy x{len(rest)}"))

@@ -554,7 +554,7 @@ class QuantizingBoundReplay:
             to_host = [lambda: host.copy_(flag, non_blocking=True)]
             try:
                 self._graph = capture_graph(
-                    [[self.kernel.launch] + beside, after, to_host, [lambda: flag.zero_()]], device
+                    [[self.kernel.launch] + beside, after, to_host, [lambda: flag.zero_()]], device, branches=8
                 )
             except Exception as exc:  # auto mode: eager launches are correct, only slower
                 if cuda_graph:

@@ -194,7 +194,8 @@ def check_tensor(role: str, name: str, t, meta: ir.TensorMeta, device: torch.dev
         )
 
 
-GRAPH_BRANCHES = 8  # most streams one stage of a captured graph forks into (its ops then overlap in the graph)
+GRAPH_BRANCHES = 1  # streams a stage of a captured graph forks into by default (docs/benchmarks.md: overlapping
+# copies lost 10-22 points on apply, gained 0-2 on pack; the quantizing pack asks for its own)
 
 
 def capture_graph(

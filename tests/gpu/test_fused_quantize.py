@@ -70,7 +70,7 @@ def test_graph_stages_run_in_order_and_a_stage_overlaps():
     a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
     x, y, z = torch.empty_like(a), torch.empty_like(a), torch.empty_like(a)
     graph = capture_graph(
-        [[lambda: x.copy_(a), lambda: y.copy_(b)], [lambda: torch.add(x, y, out=z)]], torch.device(DEVICE)
+        [[lambda: x.copy_(a), lambda: y.copy_(b)], [lambda: torch.add(x, y, out=z)]], torch.device(DEVICE), branches=2
     )
     for _ in range(3):
         a.normal_()
