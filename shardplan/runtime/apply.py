@@ -242,17 +242,18 @@ class Applier:
             return ops
         if self.box_copy:
             try:
-                return [capture_graph([op for step in steps for op in fuse(step, device)], device).replay]
+                fused = [fuse(step, device) for step in steps]
+                return [_replay(capture_graph(fused, device), fused)]
             except Exception as exc:
                 self.box_copy_error = f"{type(exc).__name__}: {exc}"
         try:
-            graph = capture_graph(ops, device)
+            graph = capture_graph(steps, device)
         except Exception as exc:  # auto mode: eager launches are correct, only slower
             if self.cuda_graph:
                 raise
             self.graph_error = f"{type(exc).__name__}: {exc}"
             return ops
-        return [graph.replay]
+        return [_replay(graph, steps)]
 
     def _step_ops(self, runs: list[list[_Item]], buffer: torch.Tensor) -> list[Callable]:
         ops, dsts, srcs = [], [], []
@@ -361,6 +362,16 @@ class Applier:
         for region in self.coverage().get(name, ()):
             region_view(mask, region).fill_(True)
         return mask
+
+
+def _replay(graph, ops) -> Callable[[], None]:
+    """The graph's replay, holding the captured ops: the graph addresses their views' storages and the box-copy
+    kernel's tables by raw pointer, which must outlive it (a freed table is soon another tensor's memory)."""
+
+    def replay(graph=graph, ops=ops) -> None:
+        graph.replay()
+
+    return replay
 
 
 def _refuse(name: str, tensor: torch.Tensor) -> None:

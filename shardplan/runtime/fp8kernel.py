@@ -26,13 +26,15 @@ from shardplan.plan import ir
 from shardplan.runtime.tensors import broadcast_region, collapse
 
 FP8 = "float8_e4m3fn"
-NUM_WARPS = 8  # per 128 x 128 program: 64 elements a thread
+NUM_WARPS = 4  # per 128 x 128 program: 128 elements a thread (docs/benchmarks.md: 4, 8, 16 and cache hints)
+MAX_SCALE_OUTS = 8  # a block's scale goes to at most this many buffer places from the kernel itself, else a gather
 # programs: weight id, block row, block col (of the weight), out (byte offset in the buffer where the block's [0, 0]
 # element would sit), out_stride (bytes per row there), window [r0, r1) x [c0, c1) (block coordinates: the elements the
 # segment holds; empty for a scale-only program), scale (element offset in the staging vector)
 PROGRAM_COLUMNS = ("weight", "block_row", "block_col", "out", "out_stride", "r0", "r1", "c0", "c1", "scale")
 # a launch's table: the same with the weight and block turned into the source element offset (from the launch's
-# source base), its row stride and the block's rows and cols inside the tensor
+# source base), its row stride and the block's rows and cols inside the tensor; then SCALE_OUTS float32 offsets in the
+# buffer where the block's scale goes (-1: none)
 TABLE_COLUMNS = ("src", "src_stride", "rows", "cols", "out", "out_stride", "r0", "r1", "c0", "c1", "scale")
 
 
@@ -253,6 +255,24 @@ class FusedQuantBinding:
     ):
         self.plan, self.out, self.scales = plan, out, scales
         self.tensors = [tensors[name] for name in plan.weights]
+        # the launches address these storages (raw pointers, in a CUDA graph too): kept alive, so that a tensor
+        # re-bound by `t.data = x` is read from its old bytes, never from freed memory, until the check names it
+        self._storages = [t.untyped_storage() for t in self.tensors]
+        # each block's scale is stored by its program at the buffer places the scale segments read (the gather's
+        # pairs, by staging index); a fan-out above MAX_SCALE_OUTS keeps the gather kernels instead
+        g_src, g_dst = plan.gather
+        order = np.argsort(g_src, kind="stable")
+        g_src, g_dst = g_src[order], g_dst[order]
+        lo = np.searchsorted(g_src, plan.programs[:, 9], "left")
+        fan = np.searchsorted(g_src, plan.programs[:, 9], "right") - lo
+        self.scale_outs = int(fan.max(initial=0))
+        direct = self.scale_outs <= MAX_SCALE_OUTS
+        if not direct:
+            self.scale_outs = 0
+        dests = np.full((len(plan.programs), self.scale_outs), -1, dtype=np.int64)
+        for k in range(self.scale_outs):
+            has = fan > k
+            dests[has, k] = g_dst[lo[has] + k]
         self.flag = torch.zeros(1, dtype=torch.int32, device=out.device)
         bn, bk = plan.block
         progs = plan.programs
@@ -276,7 +296,10 @@ class FusedQuantBinding:
             cols = np.minimum(bk, shape[w, 1] - p[:, 2] * bk)
             if (row_stride[w] * bn >= 1 << 31).any() or (p[:, 4] * bn >= 1 << 31).any():
                 raise ValueError("a block's row offsets overflow 32 bits (the kernel's in-block offsets are int32)")
-            table = np.stack([src, row_stride[w], rows, cols] + [p[:, k] for k in range(3, 10)], axis=1)
+            table = np.concatenate(
+                [np.stack([src, row_stride[w], rows, cols] + [p[:, k] for k in range(3, 10)], axis=1), dests[mine]],
+                axis=1,
+            )
             vec = 16 // itemsize
             aligned = (
                 (src % vec == 0)
@@ -316,8 +339,9 @@ class FusedQuantBinding:
                     )
         self._out_fp8 = out_fp8
         self._out_f32 = out.view(torch.float32)
-        self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in plan.gather)
-        self._gathered = torch.empty(len(plan.gather[0]), dtype=torch.float32, device=out.device)
+        gather = plan.gather if not direct else (np.zeros(0, dtype=np.int64),) * 2
+        self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in gather)
+        self._gathered = torch.empty(len(gather[0]), dtype=torch.float32, device=out.device)
 
     @property
     def num_programs(self) -> int:
@@ -333,12 +357,14 @@ class FusedQuantBinding:
                 base,
                 self._out_fp8,
                 self.scales,
+                self._out_f32,
                 self.flag,
                 BLOCK_R=bn,
                 BLOCK_C=bk,
                 VEC_SRC=vec_src,
                 VEC_OUT=vec_out,
                 FULL=full,
+                SCALE_OUTS=self.scale_outs,
                 num_warps=NUM_WARPS,
             )
         if len(self._gathered):
@@ -377,14 +403,16 @@ def _kernel():
         src_base,
         out_base,
         scale_base,
+        out_f32,
         flag,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
         VEC_SRC: tl.constexpr,
         VEC_OUT: tl.constexpr,
         FULL: tl.constexpr,
+        SCALE_OUTS: tl.constexpr,
     ):
-        row = table + tl.program_id(0).to(tl.int64) * 11
+        row = table + tl.program_id(0).to(tl.int64) * (11 + SCALE_OUTS)
         src = tl.multiple_of(tl.load(row), VEC_SRC)
         src_stride = tl.multiple_of(tl.load(row + 1).to(tl.int32), VEC_SRC)
         out = tl.multiple_of(tl.load(row + 4), VEC_OUT)
@@ -414,6 +442,10 @@ def _kernel():
             c1 = tl.multiple_of(tl.load(row + 9).to(tl.int32), VEC_OUT)
             tl.store(out_ptrs, q, mask=(r >= r0) & (r < r1) & (c >= c0) & (c < c1))
         tl.store(scale_base + scale_at, scale)
+        for k in tl.static_range(SCALE_OUTS):  # the scale segments' places of this block's scale
+            at = tl.load(row + 11 + k)
+            if at >= 0:
+                tl.store(out_f32 + at, scale)
         if amax == float("inf"):
             tl.atomic_max(flag, 1)
 

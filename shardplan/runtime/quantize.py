@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -212,12 +213,15 @@ class QuantizingReplayer:
         rows, cols_, s_rows, s_cols = shapes
         bn, bk = self.block
         n = len(weights)
-        k_w = np.minimum(np.searchsorted(weights, reads.src), max(n - 1, 0))
-        is_w = (weights[k_w] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
-        s_order = np.argsort(scales, kind="stable")
-        k_s = np.minimum(np.searchsorted(scales[s_order], reads.src), max(n - 1, 0))
-        is_s = (scales[s_order][k_s] == reads.src) if n else np.zeros(len(reads.src), dtype=bool)
-        k = np.where(is_w, k_w, np.where(is_s, s_order[k_s] if n else 0, -1))
+        # which weight each read reads (itself or through its scale): one gather from a table by tensor id
+        at = np.full(int(max(reads.src.max(initial=-1), weights.max(initial=-1), scales.max(initial=-1))) + 2, -1)
+        at[weights] = np.arange(n)
+        k_w = at[reads.src]
+        at[weights] = -1
+        at[scales] = np.arange(n)
+        k_s = at[reads.src]
+        is_w, is_s = k_w >= 0, k_s >= 0
+        k = np.where(is_w, k_w, k_s)
         mine = k >= 0
         k, is_w, is_s = k[mine], is_w[mine], is_s[mine]
         off, sizes, strides = reads.offset[mine], reads.sizes[mine], reads.strides[mine]
@@ -404,6 +408,30 @@ class QuantizingReplayer:
         return self.bind(tensors, out).pack()
 
 
+SPIN_S = 0.05  # pack() polls its graph's end event this long before a blocking wait
+
+
+def wait_for(event: "torch.cuda.Event") -> None:
+    """Wait for `event` by polling it (returns within microseconds of the GPU reaching it; a blocking synchronize
+    woke tens of microseconds late on the H200 host, a fifth of a small layer's pack), blocking after SPIN_S."""
+    if SPIN_S > 0:
+        deadline = time.perf_counter() + SPIN_S
+        while not event.query():
+            if time.perf_counter() > deadline:
+                break
+        else:
+            return
+    event.synchronize()
+
+
+def _reads_storage(op, storage_ptr: int) -> bool:
+    """Whether a replay op may read the storage at `storage_ptr` (an op without its view pairs: assumed so)."""
+    pairs = getattr(op, "pairs", None)
+    if pairs is None:
+        return True
+    return any(src.untyped_storage().data_ptr() == storage_ptr for _, src in pairs)
+
+
 class QuantizingBoundReplay:
     """Bound quantizing replay. On CUDA (with Triton) the fused kernel (runtime/fp8kernel.py) quantizes the fp8
     segments' blocks straight into `out` in one launch per source dtype, and the ordinary replay packs the other
@@ -513,13 +541,27 @@ class QuantizingBoundReplay:
         self.out = self.inner.out
         self._graph = None
         if cuda_graph or (cuda_graph is None and device.type == "cuda"):
+            # the rest's copies run beside the kernel (graph branches), those reading its staged scales after it
+            scales_at = self.scales.untyped_storage().data_ptr()
+            after = [op for op in self.inner._ops if _reads_storage(op, scales_at)]
+            beside = [op for op in self.inner._ops if not _reads_storage(op, scales_at)]
+            # the inf/NaN flag travels to pinned host memory inside the graph, then is cleared for the next replay:
+            # pack() waits for the graph and reads it (no copy launched and no .item() after the replay)
+            self._host_flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+            self._host_flag_view = self._host_flag.numpy()
+            self._done = torch.cuda.Event()
+            flag, host = self.kernel.flag, self._host_flag
+            to_host = [lambda: host.copy_(flag, non_blocking=True)]
             try:
-                self._graph = capture_graph([self.kernel.launch] + self.inner._ops, device)
+                self._graph = capture_graph(
+                    [[self.kernel.launch] + beside, after, to_host, [lambda: flag.zero_()]], device, branches=8
+                )
             except Exception as exc:  # auto mode: eager launches are correct, only slower
                 if cuda_graph:
                     raise
                 self.inner.graph_error = f"{type(exc).__name__}: {exc}"
             self.kernel.flag.zero_()  # (capture ran the kernel once on the bind-time values)
+            self._host_flag.zero_()
 
     def quantize(self) -> None:
         """The eager path's staging (the weights the fused kernel does not serve, on the fused path)."""
@@ -547,7 +589,20 @@ class QuantizingBoundReplay:
             )
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
-        if check:
+        """Fill `self.out`. With the CUDA graph the check runs on the host while the GPU replays it (the kernel's and
+        views' storages are held by the binding: a re-bound tensor's old bytes are read, never freed memory) and
+        raises before the buffer is returned; otherwise it runs first."""
+        graph = self._graph
+        if graph is not None and not self.sources and not self.inner._eager_ops:  # the usual CUDA pack, lean
+            graph.replay()
+            self._done.record()
+            if check:
+                self.check()
+            wait_for(self._done)
+            if self._host_flag_view[0]:
+                self._name_nonfinite()
+            return self.out
+        if graph is None and check:
             self.check()
         if self.kernel is None:
             self.quantize()
@@ -556,18 +611,30 @@ class QuantizingBoundReplay:
         with torch.no_grad():
             if self._graph is not None:
                 self._graph.replay()
+                self._done.record()
+                if check:
+                    self.check()
             else:
                 self.kernel.launch()
                 for op in self.inner._ops:
                     op()
             for op in self.inner._eager_ops:
                 op()
-        if self.kernel.nonfinite():  # (a host read: waits for the launch) name the first culprit
-            for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
-                box = self.replayer.boxes[weight]
-                check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
-            raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
+        if self._graph is not None:
+            wait_for(self._done)
+            bad = bool(self._host_flag_view[0])
+        else:
+            bad = self.kernel.nonfinite()  # (a host read: waits for the launch)
+        if bad:
+            self._name_nonfinite()
         return self.out
+
+    def _name_nonfinite(self) -> None:
+        """NonFiniteBlockError naming the first inf/NaN the fused kernel met."""
+        for weight, t in zip(self.kernel.plan.weights, self.kernel.tensors):
+            box = self.replayer.boxes[weight]
+            check_finite(weight, t[box[0][0] : box[0][1], box[1][0] : box[1][1]], box, self.replayer.block)
+        raise NonFiniteBlockError("the fused FP8 kernel met inf or NaN in a block it quantized")
 
     @property
     def num_launches(self) -> int:

@@ -268,12 +268,13 @@ class BoundReplay:
         if box_copy:
             try:
                 ops = fuse(self._ops, self.device)
-                graph = capture_graph(ops, self.device)
+                graph = capture_graph([ops], self.device)
                 self.box_copy = next((op.box_copy for op in ops if hasattr(op, "box_copy")), None)
+                self._graph_ops = ops  # (the graph reads their views and tables by raw pointer: kept alive)
                 return graph
             except Exception as exc:
                 self.box_copy_error = f"{type(exc).__name__}: {exc}"
-        return capture_graph(self._ops, self.device)
+        return capture_graph([self._ops], self.device)
 
     def _check_out(self, out: torch.Tensor | None) -> torch.Tensor:
         nbytes = self.layout.nbytes
@@ -424,13 +425,18 @@ class BoundReplay:
                 )
 
     def pack(self, *, check: bool = True) -> torch.Tensor:
-        """Fill `self.out` (enqueued on the current stream; synchronize before reading on another stream)."""
-        if check:
-            self.check()
+        """Fill `self.out` (enqueued on the current stream; synchronize before reading on another stream). With a
+        CUDA graph the check runs on the host while the GPU replays it: the graph's views keep the bound storages
+        alive, so a re-bound tensor's old bytes are read (never freed memory), and the check raises before the
+        buffer is returned."""
         with torch.no_grad():
             if self._graph is not None:
                 self._graph.replay()
+                if check:
+                    self.check()
             else:
+                if check:
+                    self.check()
                 for op in self._ops:
                     op()
             for op in self._eager_ops:

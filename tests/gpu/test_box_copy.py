@@ -108,3 +108,27 @@ def test_layer_through_box_copy_bitwise(name, rank):
     applier.apply(buffer)
     assert applier.box_copy_error is None, applier.box_copy_error
     assert_bits_equal(params, want, f"{name} rank {rank} layer {LAYER} through the box copy")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("box_copy", [True, False], ids=["box", "torch-copies"])
+def test_graphs_outlive_the_memory_they_address(box_copy):
+    """The captured graphs address the box-copy tables and views by raw pointer: after bind and the first apply, the
+    freed memory of anything they did not keep would be handed to the next allocations (here zero-filled tensors of
+    every small size), and a replay would copy nothing (a zero table row) or from elsewhere."""
+    name, rank = "llama-3.1-8b--tp2--bfloat16.plan", 1
+    layer = Layer(PlanFile.read(PLANS / name), rank, LAYER)
+    tensors = trainer_tensors(layer.sources, None, DEVICE, seed=rank)
+    want = reference(layer.plan, layer.sources, tensors, None)
+    replayer = Replayer(layer.plan, layer.sources, device=DEVICE)
+    bound = replayer.bind(tensors, cuda_graph=True, box_copy=box_copy)
+    params = params_from_plan(layer.plan, DEVICE, fill=NAN)
+    applier = Applier(layer.plan, replayer.layout, params, cuda_graph=True, box_copy=box_copy)
+    applier.apply(bound.pack())
+    churn = [torch.zeros(512 * k, dtype=torch.uint8, device=DEVICE) for k in range(1, 4097)]
+    for t in params.values():
+        t.fill_(NAN)
+    bound.out.fill_(0)
+    applier.apply(bound.pack())
+    assert_bits_equal(params, want, f"{name} rank {rank} layer {LAYER}: graphs replayed after the memory churn")
+    del churn
