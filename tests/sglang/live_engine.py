@@ -5,11 +5,11 @@ cpu_ops/).
     python tests/sglang/live_engine.py WORKDIR TP [http|moe|mla]
 
 Writes tiny Qwen3 checkpoints (versions 0, 1, 2; `moe`: tiny Qwen3-MoE, 8 experts, top-2; `mla`: tiny Kimi-K2, i.e.
-DeepSeek-V3's MLA + MoE with a shared expert and sigmoid routing with a correction bias, one dense layer), records their plan with SGLang's CPU-engine loaders, notes the greedy
-tokens of a fresh engine on versions 1 and 2, then starts one engine on version 0 (no --custom-weight-loader: the
-`sglang.srt.plugins` entry point registers the shardplan loader) and drives it with `EngineSync` as vLLM engines are
-driven: its TP workers join the sync as consumers over the `nccl` transport (gloo on CPU) and the trainer sends from
-HF-named tensors. In order:
+DeepSeek-V3's MLA + MoE with a shared expert and sigmoid routing with a correction bias, one dense layer), records their
+plan with SGLang's CPU-engine loaders, notes the greedy tokens of a fresh engine on versions 1 and 2, then starts one
+engine on version 0 (no --custom-weight-loader: the `sglang.srt.plugins` entry point registers the shardplan loader) and
+drives it with `EngineSync` as vLLM engines are driven: its TP workers join the sync as consumers over the `nccl`
+transport (gloo on CPU) and the trainer sends from HF-named tensors. In order:
   * a plan whose header says "not the CPU engine" is refused by name before anything is sent; one recorded for
     another model config (rms_norm_eps) is refused by every worker, by name; the engine's tokens are unchanged;
   * version 1 synced: tokens == the fresh engine's on checkpoint 1;

@@ -21,7 +21,6 @@ except ImportError:
     pass
 
 
-
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs `then(module)` once, right after the module `target` is first executed."""
 
