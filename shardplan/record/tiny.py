@@ -127,6 +127,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
     "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    # SGLang takes v_head_dim as hidden_size // num_attention_heads (so does the published config: 2560 // 40 == 64)
+    "MiniCPM3ForCausalLM": {"v_head_dim": 32},
     "InklingForCausalLM": {
         "vocab_size": 320,
         "padded_vocab_size": 320,

@@ -26,8 +26,8 @@ def test_a_small_architecture_passes_at_every_layout(tmp_path):
 def test_a_replay_that_differs_is_FAIL(tmp_path, monkeypatch):
     replayed_by_plan = sglang_coverage.replayed_by_plan
 
-    def broken(builder, rank, plan, checkpoint):  # one element of the final norm off: the plan's fault
-        model = replayed_by_plan(builder, rank, plan, checkpoint)
+    def broken(builder, rank, plan, checkpoint, real=None):  # one element of the final norm off: the plan's fault
+        model = replayed_by_plan(builder, rank, plan, checkpoint, real)
         with torch.no_grad():
             model.model.norm.weight.view(-1)[0] += 1
         return model
@@ -35,6 +35,26 @@ def test_a_replay_that_differs_is_FAIL(tmp_path, monkeypatch):
     monkeypatch.setattr(sglang_coverage, "replayed_by_plan", broken)
     row = sglang_coverage.run_architecture("GemmaForCausalLM", tmp_path, tps=(1,))
     assert row["status"] == "FAIL" and "model.norm.weight" in row["reason"], row
+
+
+def test_a_loader_that_derives_inline_and_deletes_its_source_is_verified_through_the_derivation(tmp_path, monkeypatch):
+    """MiniCPM3's load_weights ends by deriving the MLA w_kc / w_vc from kv_b_proj and deleting kv_b_proj (no
+    post_load_weights to re-run): the replay's kv_b_proj goes through SGLang's own derivation (its load_weights on no
+    tensors), so the plan's bytes are judged by the w_kc / w_vc they give, and one byte off there is FAIL."""
+    row = sglang_coverage.run_architecture("MiniCPM3ForCausalLM", tmp_path, tps=(1, 2))
+    assert row["status"] == "pass", row
+    from shardplan.plan import interp
+
+    apply_reference = interp.apply_reference
+
+    def off_by_one(plan, checkpoint, params):
+        apply_reference(plan, checkpoint, params)
+        with torch.no_grad():
+            params["model.layers.1.self_attn.kv_b_proj.weight"].view(-1)[3] += 1
+
+    monkeypatch.setattr(interp, "apply_reference", off_by_one)
+    row = sglang_coverage.run_architecture("MiniCPM3ForCausalLM", tmp_path / "off", tps=(1,))
+    assert row["status"] == "FAIL" and "model.layers.1.self_attn.w_kc" in row["reason"], row
 
 
 def test_no_config_class_is_cannot_with_the_reason(tmp_path):

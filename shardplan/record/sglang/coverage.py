@@ -119,7 +119,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 )
             try:
                 plan, _ = session.record_rank(rank)
-                replayed = replayed_by_plan(session.builder, rank, plan, checkpoint)
+                replayed = replayed_by_plan(session.builder, rank, plan, checkpoint, real)
             except Exception as exc:
                 return dict(
                     row,
