@@ -92,9 +92,12 @@ def test_the_report_has_sglang_beside_vllm():
     sglang = [
         {"arch": "A", "status": "FAIL", "reason": "differs", "layouts": {"tp1": {"ranks": 1, "equal": 0}}},
         {"arch": "OnlySglang", "status": "not run", "reason": "later", "layouts": {}, "fallbacks": []},
+        {"arch": "B", "status": "pass", "reason": "r", "fallbacks": [], "layouts": {"tp1": {"ranks": 1, "equal": 1}}},
     ]
+    sglang[-1]["layouts"]["tp2-ep"] = {"error": "SGLang's own loader fails on the real checkpoint names", "detail": "d"}
     text = coverage.render(vllm, "vLLM x", sglang, "SGLang y")
-    assert "**SGLang (SGLang y): 0 pass, 0 pass with fallbacks, 1 fail, 0 cannot run here**, 1 of the 2" in text
+    assert "**SGLang (SGLang y): 1 pass, 0 pass with fallbacks, 1 fail, 0 cannot run here**, 2 of the 3" in text
     assert "| A |  | pass | tp1 1/1 | FAIL | tp1 0/1 | SGLang: differs |" in text
     assert "| OnlyVllm |  | cannot |  | - |  | vLLM: x |" in text
     assert "| OnlySglang |  | - |  | not run |  | SGLang: later |" in text
+    assert "| B |  | - |  | pass | tp1 1/1, tp2-ep loader fails | SGLang: r |" in text
