@@ -90,15 +90,9 @@ def replayed_by_plan(
                 replayed.load_weights([(f.source, checkpoint[f.source].clone()) for f in plan.fallbacks])
         if hasattr(replayed, "post_load_weights"):
             replayed.post_load_weights()
-        elif real is not None and deleted_by_loader(real, replayed):
-            replayed.load_weights(iter(()))
+        elif real is not None and {n for n, _ in replayed.named_parameters()} - {n for n, _ in real.named_parameters()}:
+            replayed.load_weights(iter(()))  # SGLang's load deleted params of the build: it derived from them
     return replayed
-
-
-def deleted_by_loader(real: torch.nn.Module, built: torch.nn.Module) -> list[str]:
-    """Params of an identical build that SGLang's `load_weights` deleted from `real` (after deriving from them)."""
-    kept = dict(real.named_parameters())
-    return [name for name, _ in built.named_parameters() if name not in kept]
 
 
 def verify_models(real: torch.nn.Module, replayed: torch.nn.Module, rank: int) -> RankVerdict:
