@@ -361,10 +361,12 @@ def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = Non
 
 def _cells(r: dict) -> tuple[str, str]:
     """A row's layouts cell and detail cell."""
+
+    def failed(error: str) -> str:
+        return "rejected" if "rejects" in error else "loader fails" if "loader fails" in error else "build fails"
+
     layouts = ", ".join(
-        f"{tag} {v['equal']}/{v['ranks']}"
-        if "ranks" in v
-        else f"{tag} {'rejected' if 'rejects' in v['error'] else 'build fails'}"
+        f"{tag} {v['equal']}/{v['ranks']}" if "ranks" in v else f"{tag} {failed(v['error'])}"
         for tag, v in r.get("layouts", {}).items()
     )
     detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")

@@ -127,6 +127,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     # fields vLLM's implementation reads that the transformers class lacks or defaults differently (hub values)
     "AfmoeForCausalLM": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     "HYV3ForCausalLM": {"first_k_dense_replace": 1},
+    # SGLang takes v_head_dim as hidden_size // num_attention_heads (so does the published config: 2560 // 40 == 64)
+    "MiniCPM3ForCausalLM": {"v_head_dim": 32},
     "InklingForCausalLM": {
         "vocab_size": 320,
         "padded_vocab_size": 320,
@@ -193,8 +195,14 @@ _FIXES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,  # multi-head: the class sets it to num_attention_heads, as the public configs have
         "hybrid_layer_ids": [2],
     },  # the shrunk layers_block_type's hybrid layer
-    # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE
-    "KimiLinearForCausalLM": {"linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]}},
+    # 1-based layer lists: layer 1 (dense MLP, first_k_dense_replace) KDA, layer 2 MLA + MoE; transformers' class
+    # lists the kinds again in layer_types / mlp_layer_types (its 27 defaults shrink to 3 layers): all say the same
+    "KimiLinearForCausalLM": {
+        "num_hidden_layers": 2,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2]},
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse"],
+    },
 }
 # Fields whose None default the modeling code does not derive: set like the sizes above.
 _NONE_SIZES = ("head_dim", "num_key_value_heads")

@@ -2,13 +2,14 @@
 CPU engine is chosen at import by SGLANG_USE_CPU_ENGINE=1, and sgl-kernel's CPU ops come from the test shim in
 cpu_ops/).
 
-    python tests/sglang/live_engine.py WORKDIR TP [http]
+    python tests/sglang/live_engine.py WORKDIR TP [http|moe|mla]
 
-Writes tiny Qwen3 checkpoints (versions 0, 1, 2), records their plan with SGLang's CPU-engine loaders, notes the greedy
-tokens of a fresh engine on versions 1 and 2, then starts one engine on version 0 (no --custom-weight-loader: the
-`sglang.srt.plugins` entry point registers the shardplan loader) and drives it with `EngineSync` as vLLM engines are
-driven: its TP workers join the sync as consumers over the `nccl` transport (gloo on CPU) and the trainer sends from
-HF-named tensors. In order:
+Writes tiny Qwen3 checkpoints (versions 0, 1, 2; `moe`: tiny Qwen3-MoE, 8 experts, top-2; `mla`: tiny Kimi-K2, i.e.
+DeepSeek-V3's MLA + MoE with a shared expert and sigmoid routing with a correction bias, one dense layer), records their
+plan with SGLang's CPU-engine loaders, notes the greedy tokens of a fresh engine on versions 1 and 2, then starts one
+engine on version 0 (no --custom-weight-loader: the `sglang.srt.plugins` entry point registers the shardplan loader) and
+drives it with `EngineSync` as vLLM engines are driven: its TP workers join the sync as consumers over the `nccl`
+transport (gloo on CPU) and the trainer sends from HF-named tensors. In order:
   * a plan whose header says "not the CPU engine" is refused by name before anything is sent; one recorded for
     another model config (rms_norm_eps) is refused by every worker, by name; the engine's tokens are unchanged;
   * version 1 synced: tokens == the fresh engine's on checkpoint 1;
@@ -16,6 +17,10 @@ HF-named tensors. In order:
     "2:incomplete", its workers (2, complete=False);
   * version 3 (checkpoint 2) repairs it: resumed, "3", tokens == the fresh engine's on checkpoint 2.
 `http`: the same engine as `python -m sglang.launch_server`, driven through its HTTP routes (SglangClient(url)).
+`moe`, `mla`: in process, without the refusals (they are the dense case's; the MoE layers run SGLang's own torch-native
+path on this CPU engine; MLA runs SGLang's `intel_amx` attention backend on the shim's two attention kernels: see
+cpu_ops/). kimi-k2-tiny/config.json is shardplan/configs/kimi-k2.json under the tests' shrink overrides
+(tests/integration/arch_sessions.py) without its token ids (outside the tiny vocabulary).
 Prints one JSON line of results."""
 
 from __future__ import annotations
@@ -49,9 +54,9 @@ ENGINE_ARGS = dict(
 )
 
 
-def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
+def checkpoint(path: pathlib.Path, model: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
     path.mkdir(parents=True, exist_ok=True)
-    shutil.copy(HERE / "qwen3-tiny" / "config.json", path / "config.json")
+    shutil.copy(model / "config.json", path / "config.json")
     gen = torch.Generator().manual_seed(seed)
     tensors = {
         n: (torch.randn(s, generator=gen) * (0.02 if len(s) > 1 else 1) + (1 if len(s) == 1 else 0)).to(
@@ -63,10 +68,15 @@ def checkpoint(path: pathlib.Path, seed: int, names) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def engine(path, tp):
+MODELS = {"": "qwen3-tiny", "http": "qwen3-tiny", "moe": "qwen3-moe-tiny", "mla": "kimi-k2-tiny"}
+ATTENTION = {"mla": "intel_amx"}  # SGLang's torch_native backend cannot serve MLA's prefill
+
+
+def engine(path, tp, mode):
     import sglang as sgl
 
-    return sgl.Engine(model_path=str(path), tp_size=tp, log_level="error", **ENGINE_ARGS)
+    args = dict(ENGINE_ARGS, attention_backend=ATTENTION.get(mode, ENGINE_ARGS["attention_backend"]))
+    return sgl.Engine(model_path=str(path), tp_size=tp, log_level="error", **args)
 
 
 def greedy(llm):
@@ -119,7 +129,9 @@ class Server:
 
 def main():
     work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-    http = len(sys.argv) > 3 and sys.argv[3] == "http"
+    mode = sys.argv[3] if len(sys.argv) > 3 else ""
+    http = mode == "http"
+    model = HERE / MODELS[mode]
     from shardplan.engine.errors import EnginePlanMismatch, SyncIncomplete
     from shardplan.engine.sglang.client import SglangClient
     from shardplan.engine.trainer import EngineSync, ModuleSource
@@ -129,20 +141,20 @@ def main():
     from shardplan.record.sglang.session import SglangRecordSession
     from shardplan.sync import SyncConfig
 
-    s = SglangRecordSession(str(HERE / "qwen3-tiny"), Layout(tp=tp), options=SglangOptions(cpu_engine=True))
+    s = SglangRecordSession(str(model), Layout(tp=tp), options=SglangOptions(cpu_engine=True))
     body = s.record_plans(list(range(tp))).body
     plan_path = work / "plan.plan"
     write_plan(plan_path, s.encode(body))
     names = [(m.name, m.shape, m.dtype) for m in s.sources]
-    versions = {v: checkpoint(work / f"v{v}", v, names) for v in (0, 1, 2)}
-    results = {"tp": tp, "http": http}
+    versions = {v: checkpoint(work / f"v{v}", model, v, names) for v in (0, 1, 2)}
+    results = {"tp": tp, "mode": mode}
     # one engine at a time (memory): the fresh engines of versions 1 and 2 first, then the live one that is updated
     # (a second run in the same WORKDIR, e.g. the HTTP one, reuses them: the checkpoints are the same)
-    cached = work / f"fresh-tp{tp}.json"
+    cached = work / f"fresh-tp{tp}-{MODELS[mode]}.json"
     fresh = {int(k): v for k, v in json.loads(cached.read_text()).items()} if cached.exists() else {}
     for version in (1, 2):
         if version not in fresh:
-            fresh_engine = engine(work / f"v{version}", tp)
+            fresh_engine = engine(work / f"v{version}", tp, mode)
             fresh[version] = greedy(fresh_engine)
             fresh_engine.shutdown()
     cached.write_text(json.dumps(fresh))
@@ -152,18 +164,18 @@ def main():
         server = Server(work / "v0", tp)
         handle, generate = SglangClient(server.url), server.generate
     else:
-        live = engine(work / "v0", tp)
+        live = engine(work / "v0", tp, mode)
         handle, generate = live, lambda: greedy(live)
     try:
         results["v0"] = generate()
 
-        if not http:  # refusals (in-process only: the same checks run for both handles)
+        if not mode:  # refusals (dense in-process only: the same checks run for every handle and model)
             gpu_plan = work / "gpu.plan"  # the same plan, but its header says: recorded without the CPU engine
             wrong = SglangRecordSession.__new__(SglangRecordSession)
             wrong.__dict__.update(s.__dict__, options=SglangOptions())
             write_plan(gpu_plan, wrong.encode(body))
             other = SglangRecordSession(
-                str(HERE / "qwen3-tiny"),
+                str(model),
                 Layout(tp=tp),
                 options=SglangOptions(cpu_engine=True),
                 overrides=["rms_norm_eps=1e-5"],

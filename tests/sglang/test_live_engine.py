@@ -1,11 +1,14 @@
-"""Live SGLang CPU engines (tiny Qwen3 dense) driven by `EngineSync` as vLLM engines are: the TP workers join the sync
-as consumers (the shardplan loader registered by the `sglang.srt.plugins` entry point, no --custom-weight-loader),
-the trainer sends from HF-named tensors; after each complete version the greedy tokens equal a fresh engine's on that
-checkpoint; a trainer failing mid-sync leaves the engine paused with weight version "<v>:incomplete" and its workers
-incomplete until the next sync repairs it; plans for other server args or another model config are refused by name
-(the second by the workers themselves, through the control channel) with the engine unchanged. In-process
-`sgl.Engine` at TP1 and TP2 (gloo), and the HTTP server at TP1. Each case runs tests/sglang/live_engine.py in its own
-process (SGLANG_USE_CPU_ENGINE=1 at import; sgl-kernel's one CPU op from the test shim in cpu_ops/)."""
+"""Live SGLang CPU engines (tiny Qwen3 dense, Qwen3-MoE, Kimi-K2-style MLA + MoE) driven by `EngineSync` as vLLM engines
+are: the TP workers join the sync as consumers (the shardplan loader registered by the `sglang.srt.plugins` entry point,
+no --custom-weight-loader), the trainer sends from HF-named tensors; after each complete version the greedy tokens equal
+a fresh engine's on that checkpoint; a trainer failing mid-sync leaves the engine paused with weight version
+"<v>:incomplete" and its workers incomplete until the next sync repairs it; plans for other server args or another model
+config are refused by name (the second by the workers themselves, through the control channel) with the engine
+unchanged. In-process `sgl.Engine` at TP1 and TP2 (gloo), and the HTTP server at TP1; the MoE at TP2 (MoE-TP: SGLang's
+CPU MoE path has no EP, its moe_forward_native indexes experts by the -1 ids EP gives other ranks' experts), the MLA +
+MoE model at TP1 (its derived w_kc / w_vc follow the update: the worker runs post_load_weights). Each case runs
+tests/sglang/live_engine.py in its own process (SGLANG_USE_CPU_ENGINE=1 at import; sgl-kernel's CPU ops from the test
+shim in cpu_ops/)."""
 
 from __future__ import annotations
 
@@ -81,3 +84,8 @@ def test_engine_sync_drives_an_in_process_engine(work, tp):
 
 def test_engine_sync_drives_the_http_server(work):
     check(run(work, 1, "http"))
+
+
+@pytest.mark.parametrize("tp, mode", [(2, "moe"), (1, "mla")])  # two engine cases: CI time
+def test_engine_sync_drives_a_moe_engine(work, tp, mode):
+    check(run(work, tp, mode))

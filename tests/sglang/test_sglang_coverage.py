@@ -1,7 +1,7 @@
 """The SGLang side of the coverage sweep (`python -m shardplan.record.coverage --engine sglang`): a small architecture's
-verdict is pass against SGLang's own loader, a replay that differs is FAIL naming the tensor, an architecture without
-a config class is "cannot" with the reason, and the report puts SGLang's column beside vLLM's ("-" where an engine
-lacks the architecture).
+verdict is pass against SGLang's own loader, a replay that differs is FAIL naming the tensor, an architecture without a
+config class is "cannot" with the reason, a cited SGLang loader bug is that layout's own failure, and the report puts
+SGLang's column beside vLLM's ("-" where an engine lacks the architecture).
 
 Gemma is the small case on purpose: SGLang's Gemma loader adds 1 to the norm weights in place on the tensor it is
 given, so a harness that hands the real loader the shared checkpoint tensors sees the plan's replay differ."""
@@ -26,8 +26,8 @@ def test_a_small_architecture_passes_at_every_layout(tmp_path):
 def test_a_replay_that_differs_is_FAIL(tmp_path, monkeypatch):
     replayed_by_plan = sglang_coverage.replayed_by_plan
 
-    def broken(builder, rank, plan, checkpoint):  # one element of the final norm off: the plan's fault
-        model = replayed_by_plan(builder, rank, plan, checkpoint)
+    def broken(builder, rank, plan, checkpoint, real=None):  # one element of the final norm off: the plan's fault
+        model = replayed_by_plan(builder, rank, plan, checkpoint, real)
         with torch.no_grad():
             model.model.norm.weight.view(-1)[0] += 1
         return model
@@ -35,6 +35,48 @@ def test_a_replay_that_differs_is_FAIL(tmp_path, monkeypatch):
     monkeypatch.setattr(sglang_coverage, "replayed_by_plan", broken)
     row = sglang_coverage.run_architecture("GemmaForCausalLM", tmp_path, tps=(1,))
     assert row["status"] == "FAIL" and "model.norm.weight" in row["reason"], row
+
+
+def test_a_loader_that_derives_inline_and_deletes_its_source_is_verified_through_the_derivation(tmp_path, monkeypatch):
+    """MiniCPM3's load_weights ends by deriving the MLA w_kc / w_vc from kv_b_proj and deleting kv_b_proj (no
+    post_load_weights to re-run): the replay's kv_b_proj goes through SGLang's own derivation (its load_weights on no
+    tensors), so the plan's bytes are judged by the w_kc / w_vc they give, and one byte off there is FAIL."""
+    row = sglang_coverage.run_architecture("MiniCPM3ForCausalLM", tmp_path, tps=(1, 2))
+    assert row["status"] == "pass", row
+    from shardplan.plan import interp
+
+    apply_reference = interp.apply_reference
+
+    def off_by_one(plan, checkpoint, params):
+        apply_reference(plan, checkpoint, params)
+        with torch.no_grad():
+            params["model.layers.1.self_attn.kv_b_proj.weight"].view(-1)[3] += 1
+
+    monkeypatch.setattr(interp, "apply_reference", off_by_one)
+    row = sglang_coverage.run_architecture("MiniCPM3ForCausalLM", tmp_path / "off", tps=(1,))
+    assert row["status"] == "FAIL" and "model.layers.1.self_attn.w_kc" in row["reason"], row
+
+
+def test_kimi_linears_tiny_config_names_the_same_layer_kinds_for_sglang_and_transformers(tmp_path):
+    """SGLang reads the layer kinds from linear_attn_config, transformers' class (the checkpoint listing) from
+    layer_types / mlp_layer_types: the tiny config must say the same in both, or SGLang's loader meets a KDA tensor
+    of a layer it built as MLA."""
+    row = sglang_coverage.run_architecture("KimiLinearForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "pass", row
+
+
+def test_a_cited_sglang_loader_bug_is_that_layouts_own_failure_only_while_it_raises_that(tmp_path, monkeypatch):
+    """GPT-OSS BF16 under EP: SGLang's weight_loader_fused copies all experts into the rank's local ones (its issue
+    22784). Those layouts say so with SGLang's error; TP1 still passes; any other error is still the sweep's FAIL."""
+    row = sglang_coverage.run_architecture("GptOssForCausalLM", tmp_path, tps=(1, 2))
+    assert row["status"] == "pass", row
+    assert row["layouts"]["tp1"] == {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": []}
+    ep = row["layouts"]["tp2-ep"]
+    assert ep["error"].startswith("SGLang's own loader fails") and "issue 22784" in ep["detail"], ep
+    assert "must match the size of tensor b (8)" in ep["detail"] and "tp2-ep" in row["reason"], row
+    monkeypatch.setitem(sglang_coverage.SGLANG_LOADER_BUGS, "GptOssForCausalLM", ("another error", "why"))
+    row = sglang_coverage.run_architecture("GptOssForCausalLM", tmp_path / "other", tps=(2,))
+    assert row["status"] == "FAIL" and "refuses the derived checkpoint at tp2-ep" in row["reason"], row
 
 
 def test_no_config_class_is_cannot_with_the_reason(tmp_path):
@@ -50,9 +92,12 @@ def test_the_report_has_sglang_beside_vllm():
     sglang = [
         {"arch": "A", "status": "FAIL", "reason": "differs", "layouts": {"tp1": {"ranks": 1, "equal": 0}}},
         {"arch": "OnlySglang", "status": "not run", "reason": "later", "layouts": {}, "fallbacks": []},
+        {"arch": "B", "status": "pass", "reason": "r", "fallbacks": [], "layouts": {"tp1": {"ranks": 1, "equal": 1}}},
     ]
+    sglang[-1]["layouts"]["tp2-ep"] = {"error": "SGLang's own loader fails on the real checkpoint names", "detail": "d"}
     text = coverage.render(vllm, "vLLM x", sglang, "SGLang y")
-    assert "**SGLang (SGLang y): 0 pass, 0 pass with fallbacks, 1 fail, 0 cannot run here**, 1 of the 2" in text
+    assert "**SGLang (SGLang y): 1 pass, 0 pass with fallbacks, 1 fail, 0 cannot run here**, 2 of the 3" in text
     assert "| A |  | pass | tp1 1/1 | FAIL | tp1 0/1 | SGLang: differs |" in text
     assert "| OnlyVllm |  | cannot |  | - |  | vLLM: x |" in text
     assert "| OnlySglang |  | - |  | not run |  | SGLang: later |" in text
+    assert "| B |  | - |  | pass | tp1 1/1, tp2-ep loader fails | SGLang: r |" in text

@@ -8,7 +8,9 @@ with experts), every rank is recorded with SGLang's own loader (SglangRecordSess
 `shardplan verify --engine sglang` does: two CPU builds by SGLang, NaN-poisoned; SGLang's `load_weights` on one, the
 plan (then SGLang's `post_load_weights`) on the other; every parameter, buffer and tensor attribute compared bitwise.
 Verdicts as vLLM's: "cannot" only where SGLang itself refuses the config or layout or fails to build the model (its
-error quoted); SGLang's loader refusing the checkpoint we listed, a recording error or a differing replay is FAIL.
+error quoted), or its own loader fails on the real checkpoint names with a cited bug (SGLANG_LOADER_BUGS: that layout
+only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error
+or a differing replay is FAIL.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from shardplan.record.verify import random_checkpoint
 __all__ = ["text_decoder_architectures", "run_architecture", "versions"]
 
 TPS = SWEEP_TPS
+
+# SGLang loaders that fail on the real checkpoint names at some layouts (a bug in SGLang itself, cited): that layout is
+# "SGLang's own loader fails" with its error, only under expert parallelism and only while the error contains this.
+SGLANG_LOADER_BUGS: dict[str, tuple[str, str]] = {
+    "GptOssForCausalLM": (
+        "must match the size of tensor b (8) at non-singleton dimension 0",  # the tiny config's 8 experts, whole
+        "SGLang's GptOssForCausalLM._load_normal_weights hands the BF16 checkpoint's fused experts (all of them, "
+        "mlp.experts.gate_up_proj / down_proj as transformers saves them) to FusedMoE.weight_loader_fused, which "
+        "copies them whole into the EP rank's local experts; only its MXFP4 path narrows to the rank's experts "
+        "(sgl-project/sglang issue 22784, 'gpt-oss-120b EP=8 crashes with tensor size mismatch in "
+        "weight_loader_fused', open; its fix PR 22787 closed unmerged)",
+    ),
+}
 
 # Registry entries that are no standalone text decoder: draft / MTP / NextN heads of another model, multimodal
 # wrappers, SGLang's torch-native demos and out-of-tree stand-ins.
@@ -111,6 +126,13 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             try:  # SGLang's loader refusing the checkpoint we derived is our listing's failure
                 real = loaded_by_sglang(session.builder, rank, checkpoint)
             except Exception as exc:
+                known = SGLANG_LOADER_BUGS.get(arch)
+                if known and ep and known[0] in short_error(exc):
+                    result = {
+                        "error": f"SGLang's own loader fails on the real checkpoint names on rank {rank}",
+                        "detail": f"{short_error(exc)}: {known[1]}",
+                    }
+                    break
                 return dict(
                     row,
                     status="FAIL",
@@ -119,7 +141,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 )
             try:
                 plan, _ = session.record_rank(rank)
-                replayed = replayed_by_plan(session.builder, rank, plan, checkpoint)
+                replayed = replayed_by_plan(session.builder, rank, plan, checkpoint, real)
             except Exception as exc:
                 return dict(
                     row,
@@ -143,4 +165,4 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
-    return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
+    return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:800])

@@ -52,7 +52,7 @@ def verify_rank(
     builder: SglangBuilder, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
 ) -> RankVerdict:
     real = loaded_by_sglang(builder, rank, checkpoint)
-    return verify_models(real, replayed_by_plan(builder, rank, plan, checkpoint), rank)
+    return verify_models(real, replayed_by_plan(builder, rank, plan, checkpoint, real), rank)
 
 
 def loaded_by_sglang(builder: SglangBuilder, rank: int, checkpoint: Mapping[str, torch.Tensor]) -> torch.nn.Module:
@@ -67,10 +67,17 @@ def loaded_by_sglang(builder: SglangBuilder, rank: int, checkpoint: Mapping[str,
 
 
 def replayed_by_plan(
-    builder: SglangBuilder, rank: int, plan: ir.RankPlan, checkpoint: Mapping[str, torch.Tensor]
+    builder: SglangBuilder,
+    rank: int,
+    plan: ir.RankPlan,
+    checkpoint: Mapping[str, torch.Tensor],
+    real: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """The rank's model built by SGLang, poisoned, filled by the plan (reference interpreter), fallbacks through the
-    real loader, then SGLang's `post_load_weights` as `end_weight_update` runs it."""
+    real loader, then what SGLang derives after its loader's writes: `post_load_weights` as `end_weight_update` runs
+    it; or, for a loader that derives inline and then deletes the source params (MiniCPM3: w_kc / w_vc from
+    kv_b_proj, then `del kv_b_proj`; params of the build that `real`, SGLang's own load, no longer has), its own
+    `load_weights` on no tensors, whose loop writes nothing and whose tail derives from the replayed bytes."""
     replayed = builder.build(rank, "cpu")
     _poison_all(replayed)
     add_created_params(replayed, plan)
@@ -83,6 +90,8 @@ def replayed_by_plan(
                 replayed.load_weights([(f.source, checkpoint[f.source].clone()) for f in plan.fallbacks])
         if hasattr(replayed, "post_load_weights"):
             replayed.post_load_weights()
+        elif real is not None and {n for n, _ in replayed.named_parameters()} - {n for n, _ in real.named_parameters()}:
+            replayed.load_weights(iter(()))  # SGLang's load deleted params of the build: it derived from them
     return replayed
 
 
