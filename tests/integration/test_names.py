@@ -148,7 +148,8 @@ def test_tied_weights_are_dropped(tmp_path):
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
 
 
-NEW_BUILTINS = ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-4.5", "qwen3.5-397b-a17b"]
+# (qwen3.5-397b-a17b lists the released names, which save_pretrained does not write: test_frontier.py)
+NEW_BUILTINS = ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-4.5"]
 
 
 @pytest.mark.parametrize("short", NEW_BUILTINS)
