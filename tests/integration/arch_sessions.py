@@ -151,7 +151,10 @@ def shrink_overrides(name: str) -> list[str]:
             "num_experts_per_tok=2",
             "vocab_size=300",
         ]
-    if name == "deepseek-v4-flash":  # one layer of each attention kind: hash-routed window, ratio 4 (indexer), 128
+    if name in (
+        "deepseek-v4-flash",
+        "deepseek-v4-pro",
+    ):  # one layer of each attention kind: hash-routed window, ratio 4 (indexer), 128
         return [
             "num_hidden_layers=3",
             "num_hash_layers=1",

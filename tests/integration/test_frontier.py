@@ -46,6 +46,14 @@ SHRUNK = {
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
+    # DeepSeek-V4-Pro at its own sizes (hidden 7168, 128 heads in 16 output groups, q rank 1536), cut the same way
+    "deepseek-v4-pro": [
+        "num_hidden_layers=3",
+        "num_hash_layers=1",
+        "compress_ratios=[0,4,128,0]",
+        "n_routed_experts=8",
+        "vocab_size=1000",
+    ],
     # three Gated DeltaNet layers, then one full-attention layer; every layer MoE with a gated shared expert
     "qwen3.5-397b-a17b": [
         "text_config.num_hidden_layers=4",
@@ -62,6 +70,7 @@ SHRUNK = {
         ("kimi-linear-48b-a3b", 4, False),
         ("minimax-m2", 2, True),
         ("deepseek-v4-flash", 4, True),
+        ("deepseek-v4-pro", 8, True),
         ("qwen3.5-397b-a17b", 8, False),
         ("qwen3.5-397b-a17b", 8, True),
     ],

@@ -40,6 +40,7 @@ BUILTINS = {
     "minimax-m2": "MiniMaxAI/MiniMax-M2",
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
     "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",  # the multimodal hub config; its language model is the plan
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
@@ -85,6 +86,26 @@ KNOWN_FACTS = {
         hc_mult=4,
         vocab_size=129280,
         compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+    ),
+    # deepseek-ai/DeepSeek-V4-Pro config.json (docs/configs.md: a verbatim public copy, each value cross-checked)
+    "deepseek-v4-pro": dict(
+        architectures=["DeepseekV4ForCausalLM"],
+        hidden_size=7168,
+        num_hidden_layers=61,
+        n_routed_experts=384,
+        num_experts_per_tok=6,
+        moe_intermediate_size=3072,
+        num_attention_heads=128,
+        head_dim=512,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        index_topk=1024,
+        routed_scaling_factor=2.5,
+        num_hash_layers=3,
+        hc_mult=4,
+        vocab_size=129280,
+        compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
     ),
     "kimi-k2": dict(
         architectures=["DeepseekV3ForCausalLM"],
