@@ -165,9 +165,19 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             cls = getattr(transformers, inside[1])
         elif cls is None:
             hf_config = transformers_config(hf_config, architecture)
-            cls = model_class(architecture, hf_config)
+            try:
+                cls = model_class(architecture, hf_config)
+            except KeyError:  # no transformers class of that name, none registered for the config class
+                raise NamesError(
+                    f"{origin}: transformers {transformers.__version__} has no model class for {architecture} "
+                    f"(model_type {getattr(hf_config, 'model_type', '?')!r}), text or multimodal, so its checkpoint "
+                    f"names cannot be derived from the config alone. Point at a checkpoint directory with "
+                    f"safetensors files or a model.safetensors.index.json so the names are read from it."
+                ) from None
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
+    except NamesError:
+        raise
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
         raise NamesError(
             f"{origin}: transformers {transformers.__version__} cannot build {architecture} "
