@@ -46,11 +46,14 @@ SHRUNK = {
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
-    # DeepSeek-V4-Pro at its own sizes (hidden 7168, 128 heads in 16 output groups, q rank 1536), cut the same way
+    # DeepSeek-V4-Pro's own head layout (128 heads in 16 output groups, q rank 1536, indexer top-k 1024) on a narrower
+    # residual stream (hidden 7168 at 8 ranks outgrows a shared test box), layers cut as for Flash
     "deepseek-v4-pro": [
         "num_hidden_layers=3",
         "num_hash_layers=1",
         "compress_ratios=[0,4,128,0]",
+        "hidden_size=1024",
+        "moe_intermediate_size=256",
         "n_routed_experts=8",
         "vocab_size=1000",
     ],
