@@ -25,6 +25,7 @@ LAYOUTS = [
     ("kimi-linear-48b-a3b", ["--tp", "4"]),
     ("deepseek-v4-flash", ["--tp", "4", "--ep"]),
     ("deepseek-v4-flash", ["--tp", "1", "--dp", "4", "--ep"]),
+    ("deepseek-v4-pro", ["--tp", "8", "--ep"]),
     ("qwen3.5-397b-a17b", ["--tp", "8"]),
     ("deepseek-v3.2", ["--tp", "16", "--ep"]),
     # block-FP8 checkpoints (quantization_config kept; the trainer quantizes on replay, docs/fp8.md)

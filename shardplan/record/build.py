@@ -69,6 +69,9 @@ def make_vllm_config(
             enforce_eager=True,
             served_model_name=model_name or None,
             trust_remote_code=trust_remote_code,
+            # a plan holds a language model's weights: multimodal models are served as `--language-model-only` (their
+            # towers not built, their tensors dropped by vLLM's loader); no effect on a text-only model
+            language_model_only=True,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=layout.tp,

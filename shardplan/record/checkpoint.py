@@ -51,6 +51,9 @@ FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
         "_scale",
         ".ffn.gate.bias",
     ),
+    # Qwen3.5's Gated DeltaNet keeps A_log and its gated norm in F32 in the released headers (public header catalogs
+    # of the released Qwen3.5 checkpoints: A_log and linear_attn.norm.weight F32, dt_bias BF16)
+    "Qwen3_5MoeForConditionalGeneration": (".linear_attn.A_log", ".linear_attn.norm.weight"),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
@@ -163,9 +166,19 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
             cls = getattr(transformers, inside[1])
         elif cls is None:
             hf_config = transformers_config(hf_config, architecture)
-            cls = model_class(architecture, hf_config)
+            try:
+                cls = model_class(architecture, hf_config)
+            except KeyError:  # no transformers class of that name, none registered for the config class
+                raise NamesError(
+                    f"{origin}: transformers {transformers.__version__} has no model class for {architecture} "
+                    f"(model_type {getattr(hf_config, 'model_type', '?')!r}), text or multimodal, so its checkpoint "
+                    f"names cannot be derived from the config alone. Point at a checkpoint directory with "
+                    f"safetensors files or a model.safetensors.index.json so the names are read from it."
+                ) from None
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.bfloat16)
+    except NamesError:
+        raise
     except Exception as exc:  # transformers raises ValueError/KeyError/TypeError/AttributeError for bad configs
         raise NamesError(
             f"{origin}: transformers {transformers.__version__} cannot build {architecture} "
@@ -178,6 +191,8 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
+    towers = _STORED_AS_BUILT.get(getattr(hf_config, "model_type", ""), ())
+    state = {n: t for n, t in state.items() if not n.startswith(towers)} if towers else state
     reverted = _revert(model, state)
     if inside is not None:  # the multimodal class's other towers, which a text-only checkpoint does not have
         state = {n: t for n, t in state.items() if not n.startswith(inside[2])}
@@ -261,6 +276,13 @@ _TEXT_INSIDE = {
         ("vision_model.", "vit_large_projector."),
     )
 }
+# model_types whose released checkpoints store the language model as transformers' multimodal class holds it, so no
+# load-time conversion is reverted: Qwen3.5 MoE keeps model.language_model.* with routed experts fused
+# (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]: NVIDIA Megatron-Bridge's Qwen35VLMoEBridge maps exactly
+# these for Qwen/Qwen3.5-397B-A17B), while transformers' revert would split them per expert. Value: the prefixes of
+# the towers vLLM serves without (`--language-model-only`: the vision tower is not built and its tensors are dropped
+# by name, as is the MTP layer, which transformers does not build)
+_STORED_AS_BUILT = {"qwen3_5_moe": ("model.visual.",)}
 # model_types whose text-only transformers class has no load-time conversion of its own while the released
 # checkpoints are stored as those of the multimodal sibling: that sibling's conversion is reverted instead
 _CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
@@ -280,6 +302,8 @@ def _revert(model, state: dict) -> dict:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # a transformers without load-time conversions: names are stored as built
+        return state
+    if getattr(model.config, "model_type", "") in _STORED_AS_BUILT:
         return state
     use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)

@@ -151,7 +151,10 @@ def shrink_overrides(name: str) -> list[str]:
             "num_experts_per_tok=2",
             "vocab_size=300",
         ]
-    if name == "deepseek-v4-flash":  # one layer of each attention kind: hash-routed window, ratio 4 (indexer), 128
+    if name in (
+        "deepseek-v4-flash",
+        "deepseek-v4-pro",
+    ):  # one layer of each attention kind: hash-routed window, ratio 4 (indexer), 128
         return [
             "num_hidden_layers=3",
             "num_hash_layers=1",
@@ -168,20 +171,25 @@ def shrink_overrides(name: str) -> list[str]:
             "vocab_size=300",
         ]
     if name == "qwen3.5-397b-a17b":  # three linear-attention (Gated DeltaNet) layers, then one full-attention layer
+        # the hub config nests the language model's fields under text_config (the multimodal class vLLM serves)
         return [
-            "num_hidden_layers=4",
-            'layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
-            *_GQA,
-            "head_dim=32",
-            "moe_intermediate_size=64",
-            "shared_expert_intermediate_size=64",
-            "num_experts=8",
-            "num_experts_per_tok=2",
-            "linear_num_key_heads=4",
-            "linear_num_value_heads=8",
-            "linear_key_head_dim=32",
-            "linear_value_head_dim=32",
-            "vocab_size=300",
+            f"text_config.{o}"
+            for o in (
+                "num_hidden_layers=4",
+                'layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
+                *_GQA,
+                "head_dim=32",
+                "rope_parameters.mrope_section=[2,1,1]",  # mRoPE sections sum to half the rotary dim (32 * 0.25)
+                "moe_intermediate_size=64",
+                "shared_expert_intermediate_size=64",
+                "num_experts=8",
+                "num_experts_per_tok=2",
+                "linear_num_key_heads=4",
+                "linear_num_value_heads=8",
+                "linear_key_head_dim=32",
+                "linear_value_head_dim=32",
+                "vocab_size=300",
+            )
         ]
     raise KeyError(f"no shrink overrides for built-in {name!r}: add them here")
 

@@ -5,6 +5,8 @@ verify bitwise against vLLM's loader at their published layouts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardplan.plan.layout import Layout
@@ -46,12 +48,23 @@ SHRUNK = {
     ],
     # three dense layers, then one MoE layer; every layer MLA with the DSA indexer
     "deepseek-v3.2": ["num_hidden_layers=4", "n_routed_experts=8", "vocab_size=1000"],
+    # DeepSeek-V4-Pro's own head layout (128 heads in 16 output groups, q rank 1536, indexer top-k 1024) on a narrower
+    # residual stream (hidden 7168 at 8 ranks outgrows a shared test box), layers cut as for Flash
+    "deepseek-v4-pro": [
+        "num_hidden_layers=3",
+        "num_hash_layers=1",
+        "compress_ratios=[0,4,128,0]",
+        "hidden_size=1024",
+        "moe_intermediate_size=256",
+        "n_routed_experts=8",
+        "vocab_size=1000",
+    ],
     # three Gated DeltaNet layers, then one full-attention layer; every layer MoE with a gated shared expert
     "qwen3.5-397b-a17b": [
-        "num_hidden_layers=4",
-        'layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
-        "num_experts=8",
-        "vocab_size=1000",
+        "text_config.num_hidden_layers=4",
+        'text_config.layer_types=["linear_attention","linear_attention","linear_attention","full_attention"]',
+        "text_config.num_experts=8",
+        "text_config.vocab_size=1000",
     ],
 }
 
@@ -63,6 +76,7 @@ SHRUNK = {
         ("minimax-m2", 2, True),
         ("deepseek-v4-flash", 4, True),
         ("deepseek-v3.2", 4, True),
+        ("deepseek-v4-pro", 8, True),
         ("qwen3.5-397b-a17b", 8, False),
         ("qwen3.5-397b-a17b", 8, True),
     ],
@@ -90,6 +104,48 @@ def test_deepseek_v4_lists_its_reference_names():
     assert "layers.2.attn.kv_norm.weight" in tensors and "layers.2.attn.indexer.wq_b.weight" in tensors
     assert tensors["layers.0.ffn.gate.tid2eid"][0] == (129280, 6)
     assert not any(name.startswith("model.") for name in tensors)
+
+
+def test_qwen3_5_lists_the_released_names():
+    # the released Qwen/Qwen3.5-397B-A17B files: model.language_model.* with the routed experts fused, lm_head
+    # (NVIDIA Megatron-Bridge's Qwen35VLMoEBridge maps these names); not transformers' text-class names
+    # (model.layers.*, one tensor per expert), and neither the vision tower nor the MTP layer
+    from shardplan.models import resolve_model
+    from shardplan.record.checkpoint import checkpoint_tensors
+
+    tensors = {name: (shape, dtype) for name, shape, dtype in checkpoint_tensors(resolve_model("qwen3.5-397b-a17b"))}
+    layer = "model.language_model.layers.59."
+    assert tensors[layer + "mlp.experts.gate_up_proj"] == ((512, 2048, 4096), "bfloat16")
+    assert tensors[layer + "mlp.experts.down_proj"] == ((512, 4096, 1024), "bfloat16")
+    assert tensors["lm_head.weight"][0] == tensors["model.language_model.embed_tokens.weight"][0] == (248320, 4096)
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in tensors
+    assert "model.language_model.layers.3.self_attn.q_proj.weight" in tensors
+    assert all(name == "lm_head.weight" or name.startswith("model.language_model.") for name in tensors)
+    assert not any(re.search(r"experts\.\d+\.", name) for name in tensors)
+
+
+def test_qwen3_5_vision_and_mtp_tensors_are_dropped_by_vllms_loader():
+    # served --language-model-only (as the plan is recorded), vLLM's own loader takes the released vision tower and
+    # MTP tensors and writes nothing from them: a trainer holding them has nothing to send for them
+    import torch
+
+    from shardplan.record.build import build_model, loading_context
+    from shardplan.record.verify import poison
+
+    layout = Layout(tp=2)
+    session = RecordSession("qwen3.5-397b-a17b", layout, overrides=SHRUNK["qwen3.5-397b-a17b"])
+    real = build_model(session.vllm_config, layout, 0, "cpu")
+    poison(real)
+    extra = {
+        "model.visual.patch_embed.proj.weight": torch.ones(1152, 3, 2, 16, 16),
+        "model.visual.blocks.0.attn.qkv.weight": torch.ones(3456, 1152),
+        "mtp.fc.weight": torch.ones(4096, 8192),
+        "mtp.layers.0.mlp.experts.0.gate_proj.weight": torch.ones(1024, 4096),
+    }
+    with torch.no_grad(), loading_context(session.vllm_config, layout, 0):
+        real.load_weights(iter(extra.items()))
+    assert all(torch.isnan(p).all() for _, p in real.named_parameters())
+    assert not any("visual" in name or "mtp" in name for name, _ in real.named_parameters())
 
 
 def test_verify_words_construction_buffers_apart_from_undefined_bytes(capsys):

@@ -41,7 +41,8 @@ BUILTINS = {
     "kimi-linear-48b-a3b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
-    "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",  # text-only: the hub text_config under the text class
+    "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
+    "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",  # the multimodal hub config; its language model is the plan
     # block-FP8 checkpoints (quantization_config kept); the first two are variants of the BF16 built-ins above
     "kimi-k2-fp8": "moonshotai/Kimi-K2-Instruct",
     "deepseek-v3-fp8": "deepseek-ai/DeepSeek-V3",
@@ -51,10 +52,12 @@ VARIANTS = {"kimi-k2-fp8": "kimi-k2", "deepseek-v3-fp8": "deepseek-v3"}  # their
 
 # Public facts about each model (from the hub config.json files and model cards).
 KNOWN_FACTS = {
-    # Qwen/Qwen3.5-397B-A17B text_config (docs/configs.md): 45 Gated DeltaNet + 15 full-attention layers, all MoE
+    # Qwen/Qwen3.5-397B-A17B (docs/configs.md): the multimodal class; text_config: 45 Gated DeltaNet + 15
+    # full-attention layers, all MoE (fields not at the top level are read from text_config)
     "qwen3.5-397b-a17b": dict(
-        architectures=["Qwen3_5MoeForCausalLM"],
-        model_type="qwen3_5_moe_text",
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        model_type="qwen3_5_moe",
+        tie_word_embeddings=False,
         hidden_size=4096,
         num_hidden_layers=60,
         num_experts=512,
@@ -101,6 +104,26 @@ KNOWN_FACTS = {
         index_n_heads=64,
         index_head_dim=128,
         vocab_size=129280,
+    ),
+    # deepseek-ai/DeepSeek-V4-Pro config.json (docs/configs.md: a verbatim public copy, each value cross-checked)
+    "deepseek-v4-pro": dict(
+        architectures=["DeepseekV4ForCausalLM"],
+        hidden_size=7168,
+        num_hidden_layers=61,
+        n_routed_experts=384,
+        num_experts_per_tok=6,
+        moe_intermediate_size=3072,
+        num_attention_heads=128,
+        head_dim=512,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        index_topk=1024,
+        routed_scaling_factor=2.5,
+        num_hash_layers=3,
+        hc_mult=4,
+        vocab_size=129280,
+        compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
     ),
     "kimi-k2": dict(
         architectures=["DeepseekV3ForCausalLM"],
@@ -396,7 +419,7 @@ def test_builtin_resolves_by_every_name(short):
 def test_builtin_values_match_public_facts(short):
     config = resolve_model(short).config
     for field, value in KNOWN_FACTS[short].items():
-        assert config[field] == value, (short, field)
+        assert config.get(field, config.get("text_config", {}).get(field)) == value, (short, field)
     assert config["torch_dtype"] == "bfloat16"
 
 
@@ -798,8 +821,9 @@ def test_transformers_accepts_materialized_config(short):
     hf_config = AutoConfig.from_pretrained(spec.materialize())
     # Qwen3_5MoeTextConfig for qwen3_5_moe_text: compared without underscores on both sides
     assert type(hf_config).__name__.lower().replace("_", "").startswith(spec.config["model_type"].replace("_", ""))
-    assert hf_config.hidden_size == spec.config["hidden_size"]
-    assert hf_config.num_hidden_layers == spec.config["num_hidden_layers"]
+    text, spelled = hf_config.get_text_config(), spec.config.get("text_config", spec.config)
+    assert text.hidden_size == spelled["hidden_size"]
+    assert text.num_hidden_layers == spelled["num_hidden_layers"]
 
 
 def test_vllm_accepts_every_builtin(monkeypatch):
@@ -822,8 +846,9 @@ def test_vllm_accepts_every_builtin(monkeypatch):
     for spec, model_dir in zip(specs, dirs):
         model_config = build(model_dir)
         assert model_config.architectures == spec.config["architectures"]
-        assert model_config.hf_config.num_hidden_layers == spec.config["num_hidden_layers"]
-        assert model_config.get_vocab_size() == spec.config["vocab_size"]
+        spelled = spec.config.get("text_config", spec.config)
+        assert model_config.hf_text_config.num_hidden_layers == spelled["num_hidden_layers"]
+        assert model_config.get_vocab_size() == spelled["vocab_size"]
 
 
 def test_names_cache_on_disk_is_used_checked_and_rebuilt(tmp_path, monkeypatch):

@@ -63,7 +63,62 @@ def compile_writes(writes: Sequence[ir.Write]) -> tuple[list[ir.Write], list[ir.
             ordered.append(w)
         else:
             free.extend(simplify_write(w))
-    return free, ordered
+    return coalesce(free), ordered
+
+
+def coalesce(writes: Sequence[ir.Write]) -> list[ir.Write]:
+    """Runs of pure-view writes of one param from one source, alike but for offsets that advance by one constant
+    step on each side, as one write with an extra outer dim (exact duplicates dropped first).
+
+    vLLM's loader for a checkpoint that stores experts stacked (Qwen3.5's `experts.gate_up_proj [E, 2I, H]`) copies
+    one expert at a time: hundreds of writes per layer that differ only in the expert index, which neither the
+    layer nor the rank holes of a template can express. Only for params no two writes overlap in (the caller's
+    `free` writes): element (i, rest) of the merged write is element `rest` of the i-th write, so it writes exactly
+    their elements with their values."""
+    writes = list(dict.fromkeys(writes))
+    runs: dict[tuple, list[ir.Write]] = {}
+    out: list[ir.Write] = []
+    for w in writes:
+        if isinstance(w.src.leaf, ir.Source) and w.src.region.sizes == w.dst.sizes:
+            key = (w.param, w.src.leaf, w.dst.sizes, w.dst.strides, w.src.region.strides)
+            runs.setdefault(key, []).append(w)
+        else:
+            out.append(w)
+    for group in runs.values():
+        group.sort(key=lambda w: w.dst.offset)
+        start = 0
+        while start < len(group):
+            end = start + 1
+            if end < len(group):
+                step = (
+                    group[end].dst.offset - group[start].dst.offset,
+                    group[end].src.region.offset - group[start].src.region.offset,
+                )
+                while (
+                    end < len(group)
+                    and step[0] > 0
+                    and group[end].dst.offset - group[end - 1].dst.offset == step[0]
+                    and group[end].src.region.offset - group[end - 1].src.region.offset == step[1]
+                ):
+                    end += 1
+            out.append(_stacked(group[start:end]))
+            start = max(end, start + 1)
+    return out
+
+
+def _stacked(run: list[ir.Write]) -> ir.Write:
+    first = run[0]
+    if len(run) == 1:
+        return first
+    dst_step = run[1].dst.offset - first.dst.offset
+    src_step = run[1].src.region.offset - first.src.region.offset
+    dims = [(len(run), dst_step, src_step), *zip(first.dst.sizes, first.dst.strides, first.src.region.strides)]
+    sizes, dst_strides, src_strides = _merge(dims)
+    return ir.Write(
+        first.param,
+        ir.Region(first.dst.offset, sizes, dst_strides),
+        ir.View(first.src.leaf, ir.Region(first.src.region.offset, sizes, src_strides)),
+    )
 
 
 def simplify_write(w: ir.Write) -> list[ir.Write]:
