@@ -133,6 +133,11 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "emb_split_num": 4,
         },
     },
+    "PhiMoEForCausalLM": {
+        "source": "microsoft/Phi-3.5-MoE-instruct config.json (its bias switches, as in a public Rust phi3_5_moe "
+        "prefill test's config: attention_bias and lm_head_bias true; transformers' PhimoeConfig defaults both off)",
+        "fields": {"attention_bias": True, "lm_head_bias": True},
+    },
     "MiMoV2FlashForCausalLM": {
         "source": "XiaomiMiMo/MiMo-V2-Flash config.json (the hybrid sliding-window and MoE keys, as in public copies "
         "of mimo_v2 configs: a GPTQModel test TINY_CONFIG, a C++ loader fixture, an mlx test)",
