@@ -15,6 +15,7 @@ from shardplan.transport.base import (
     Control,
     Peer,
     PeerAborted,
+    PeerDied,
     Tag,
     Transport,
     consumer_name,
@@ -112,7 +113,13 @@ class ConsumerSync(Rank):
                     peer = trainer_name(piece.trainer)
                     key = done_key(version, peer, self.name, gi)
                     mark = self._mark(key, left(deadline), peer, f"bytes of {group}") if one_sided else None
-                    pending.wait(max(left(deadline), 0.001), check=lambda: abort_mark(self.control, key))
+                    try:
+                        pending.wait(max(left(deadline), 0.001), check=lambda: abort_mark(self.control, key))
+                    except PeerDied:  # a trainer that gave up closes the pair after leaving its reason
+                        mark = abort_mark(self.control, key)
+                        if mark is None:
+                            raise
+                        raise PeerAborted(peer, mark) from None
                     event(f"received {gi}")
                     j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
                     if self.config.verify:

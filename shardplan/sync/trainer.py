@@ -14,7 +14,16 @@ from shardplan.sync.control import abort_mark, done_key, free_key, join
 from shardplan.sync.rank import GroupTensors, Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor, held_whole
 from shardplan.sync.stages import Packer, SyncConfig, SyncReport, WeightSource, event
-from shardplan.transport.base import Control, Peer, PeerAborted, Tag, Transport, consumer_name, trainer_name
+from shardplan.transport.base import (
+    Control,
+    Peer,
+    PeerAborted,
+    PeerError,
+    Tag,
+    Transport,
+    consumer_name,
+    trainer_name,
+)
 
 
 class TrainerSync(Rank):
@@ -186,12 +195,27 @@ class TrainerSync(Rank):
                 mark(finished)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
+            # this rank failed, not the link: sends in flight go into receives the consumer posted, so they land
+            # before the pair closes (the consumer learns why from the marks, not from torn transfers)
+            for entry in in_flight if not isinstance(e, PeerError) else ():
+                try:
+                    finish(entry)
+                except BaseException:  # noqa: BLE001 - the lane failed already; that error is the one reported
+                    break
+            in_flight.clear()
             self._abort(version, peer, [gi for gi, *_ in steps if gi not in done], e)
 
     def _abort(self, version: int, peer: Peer, groups: list[int], error: BaseException) -> None:
-        """Mark the lane's groups not yet marked done as aborted: the consumer ends now rather than time out here."""
+        """Mark the lane's groups not yet marked done as aborted, then end the connection where the transport can
+        (a two-sided receive over gloo cannot poll the marks): the consumer ends now, with this rank's reason, rather
+        than time out here."""
         for gi in groups:
-            self.control.set(done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {error}")
+            self.control.set(
+                done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {type(error).__name__}: {error}"
+            )
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            abort(peer)
 
     def _await_free_slot(self, version: int, peer: Peer, gi: int, group: str, wait_s: float) -> None:
         """One-sided transports write into the consumer's buffer: wait until it says the slot is free."""

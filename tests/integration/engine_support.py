@@ -157,9 +157,10 @@ def greedy(llm) -> list[list[int]]:
 _FRESH: dict[tuple[str, int], list[list[int]]] = {}
 
 
-def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list[int]]:
+def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head") -> list[list[int]]:
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
-    per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine."""
+    per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine.
+    `gemm`: the GEMM path pinned, checked on the module computing the logits (`logits`)."""
     import hashlib
 
     key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm)
@@ -168,7 +169,7 @@ def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list
         try:
             if gemm is not None:
                 kinds = llm.collective_rpc("gemm_kinds")
-                assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds
+                assert [k[logits] for k in kinds] == [gemm] * tp, kinds
             _FRESH[key] = greedy(llm)
         finally:
             stop_llm(llm)

@@ -119,6 +119,7 @@ class StandInPacker:
     def __init__(self, world: StandInWorld):
         self.world = world
         self.stall_at: str | None = None  # fault: sleep "forever" when packing this group
+        self.fail_at: str | None = None  # fault: raise when packing this group
 
     def consumers(self):
         return range(self.world.num_consumers)
@@ -135,6 +136,8 @@ class StandInPacker:
     def pack(self, consumer, group, tensors, out, segments):
         if group == self.stall_at:
             time.sleep(3600)
+        if group == self.fail_at:
+            raise RuntimeError(f"the trainer's source failed while packing {group}")
         layout, picks = self.world.spans[consumer][group], self.world.picks[(consumer, group)]
         for i in segments:
             seg, (name, start) = layout[i], picks[i]
@@ -391,6 +394,10 @@ def state(engine) -> SyncState:
 
 def arm_stall(engine, group: str) -> None:
     engine.packer.stall_at = group
+
+
+def arm_failure(engine, group: str) -> None:
+    engine.packer.fail_at = group
 
 
 def arm_death(engine, group: str) -> None:

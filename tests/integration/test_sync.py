@@ -19,6 +19,7 @@ from sync_worlds import (
     ShardedWorld,
     StandInWorld,
     arm_corruption,
+    arm_failure,
     assert_bitwise,
     full_tensors,
     received,
@@ -46,7 +47,7 @@ from shardplan.sync import (
     build_schedule,
     checksum,
 )
-from shardplan.transport import Control, consumer_name, trainer_name
+from shardplan.transport import Control, PeerAborted, consumer_name, trainer_name
 
 
 # ---- unit tests ------------------------------------------------------------------------------------------------------
@@ -220,6 +221,32 @@ def test_corrupted_bytes_fail_the_version_by_name_and_the_next_sync_repairs():
         assert all(r[0] == "ok" for r in results.values()), results
         assert_bitwise(cluster, range(cluster.world.num_consumers))
         assert cluster.call("consumer1", state) == (2, True)
+    finally:
+        cluster.close()
+
+
+def test_a_trainer_failing_while_packing_ends_every_consumer_at_once_with_its_reason():
+    """Over gloo (the `nccl` adapter on CPU) a posted receive cannot poll the control channel, so a trainer that fails
+    between two sends (its source raised while packing) closes its pair to each consumer: every consumer's sync fails
+    with the trainer's own abort, naming it and what failed, instead of waiting out timeout_s for bytes that never
+    come (PeerTimeout, or still waiting when the driver gives up); the next version completes."""
+    timeout_s = 60.0  # far longer than the driver waits below
+    world = functools.partial(StandInWorld, num_trainers=1)
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=timeout_s, announce_timeout_s=60))
+    try:
+        cluster.call("trainer0", arm_failure, "layers.1")
+        results = cluster.sync(1, wait_s=timeout_s / 3)
+        assert results["trainer0"][0] == "error", results
+        for c in range(cluster.world.num_consumers):
+            tag, err = results[consumer_name(c)]
+            assert tag == "error" and isinstance(err, SyncFailed), (c, results)
+            cause = err.failures.get("trainer0")
+            assert isinstance(cause, PeerAborted), (c, err)
+            assert "trainer0 stopped" in str(cause) and "failed while packing layers.1" in str(cause), cause
+        cluster.call("trainer0", arm_failure, None)
+        results = cluster.sync(2)
+        assert all(r[0] == "ok" for r in results.values()), results
+        assert_bitwise(cluster, range(cluster.world.num_consumers))
     finally:
         cluster.close()
 
