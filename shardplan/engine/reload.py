@@ -155,6 +155,7 @@ class ReloadUnpacker:
         self.gemm_used: set[int] = set()  # ids of the modules whose DeferredGemm a forward called (logits modules)
         self.active = False
         self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
+        self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
 
     def _refuse_unwritten_params(self) -> None:
         """Every loadable param of the live model must be written by the plan. One the plan never writes would keep
@@ -264,7 +265,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            _process_or_defer(module, module.quant_method, self.gemm_used)
+            _process_or_defer(module, module.quant_method, self.gemm_used, self.defer_gemm)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -413,7 +414,7 @@ class ReloadUnpacker:
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            _process_or_defer(module, quant_method, self.gemm_used)
+            _process_or_defer(module, quant_method, self.gemm_used, self.defer_gemm)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -483,10 +484,10 @@ class DeferredGemm:
         return module.cpu_linear(x, weight, bias)
 
 
-def _process_or_defer(module: torch.nn.Module, quant_method, used: set[int]) -> None:
+def _process_or_defer(module: torch.nn.Module, quant_method, used: set[int], defer: bool = True) -> None:
     """Process the module, or, for an embedding's GEMM handle no logits call has used yet, drop the old handle and
     leave a DeferredGemm in its place (the old one holds the old weights)."""
-    if id(module) in used or not _builds_cpu_gemm(quant_method):
+    if not defer or id(module) in used or not _builds_cpu_gemm(quant_method):
         _process_dropping_old_gemm(module, quant_method)
         return
     module.__dict__.pop("cpu_linear", None)

@@ -101,6 +101,7 @@ class NcclTransport:
     of a new pair), `backend` ("nccl" on CUDA, "gloo" on CPU by default)."""
 
     one_sided = False
+    sends_any_memory = True  # nothing registered: a send may read a trainer's tensor itself (TrainerSync direct spans)
 
     def __init__(
         self,

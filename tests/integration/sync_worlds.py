@@ -12,6 +12,7 @@ A "world" is anything with `num_trainers`, `num_consumers`, `groups`, `spans`, `
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import time
@@ -258,6 +259,8 @@ class PlanWorld:
 
     num_trainers: int = 2
     num_consumers: int = 2
+    direct_bytes: int | None = 1024  # segments sent from the trainer's tensors (small: the tiny plans' qkv rows are)
+    refuse_direct: bool = False  # the packer gives no view of every other segment: those are packed instead
 
     def __post_init__(self):
         from shardplan.sync import ReplayPacker, spans_of
@@ -265,7 +268,12 @@ class PlanWorld:
         self.plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.tensors = full_tensors(self.sources)
         # small parts: every decoder layer's group is moved in several parts (PackLayout's max_group_bytes)
-        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
+        self._packer = ReplayPacker(
+            self.plans, self.sources, max_group_bytes=PART_BYTES, direct_bytes=self.direct_bytes
+        )
+        if self.refuse_direct:
+            view, calls = self._packer.direct_view, itertools.count()
+            self._packer.direct_view = lambda c, g, t, seg: None if next(calls) % 2 else view(c, g, t, seg)
         self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
         assert any("/" in g for g in self.groups), "the parts path is not exercised"
 

@@ -251,6 +251,33 @@ def test_a_trainer_failing_while_packing_ends_every_consumer_at_once_with_its_re
         cluster.close()
 
 
+@pytest.mark.parametrize(
+    "world",
+    [PlanWorld, functools.partial(PlanWorld, refuse_direct=True), functools.partial(PlanWorld, direct_bytes=None)],
+    ids=["sent-from-trainer-tensors", "some-packed-instead", "all-packed"],
+)
+def test_direct_segments_are_sent_from_the_trainers_tensors_bitwise(world):
+    """Segments that are one contiguous range of one source go out of the trainer's tensor itself (no staging copy),
+    as messages of their own on both sides; where the packer gives no view of one (a tensor it cannot send from),
+    the same message comes out of staging. Either way the consumers' params equal the reference interpreter's,
+    bitwise."""
+    w = world()
+    planned = sum(s.nbytes for spans in w.spans.values() for g in spans.values() for s in g if s.direct)
+    assert (planned > 0) == (w.direct_bytes is not None), planned
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=20, announce_timeout_s=60))
+    try:
+        results = cluster.sync(1)
+        assert all(r[0] == "ok" for r in results.values()), results
+        direct = sum(r[1].direct_nbytes for n, r in results.items() if n.startswith("trainer"))
+        assert (0 < direct < planned) if w.refuse_direct else direct == planned, (direct, planned)
+        for c in range(w.num_consumers):
+            got, want = cluster.call(consumer_name(c), received), w.reference(c)
+            for name in want:
+                assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (c, name)
+    finally:
+        cluster.close()
+
+
 def test_sync_mooncake_tcp_with_faults():
     pytest.importorskip("mooncake.engine", exc_type=ImportError)
     cluster = LocalCluster("mooncake:tcp", StandInWorld)
