@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -213,11 +214,18 @@ def run_case(
     skip_prepack: bool = False,
     variants: list[str] = (),
 ) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"engine-bench-{name}-"))
+    try:  # two checkpoints of the case (~5 GB for the cut Qwen3-30B-A3B): never left behind
+        return _run_case(root, name, layers, iters, overrides, skip_prepack, variants)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants) -> dict:
     from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.sync import SyncConfig
 
     cfg, tp = case_config(name, layers, overrides)
-    root = Path(tempfile.mkdtemp(prefix=f"engine-bench-{name}-"))
     t0 = time.perf_counter()
     (a, b), tensors_b, plan = write_checkpoints(root, cfg, tp)
     setup_s = time.perf_counter() - t0
