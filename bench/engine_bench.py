@@ -46,49 +46,24 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from shardplan.engine.cpu_llm import greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm  # noqa: E402
+from shardplan.engine.cpu_llm import (  # noqa: E402
+    greedy_tokens,
+    set_cpu_env,
+    start_cpu_llm,
+    stop_cpu_llm,
+    tiny_qwen3_config,
+)
 
 set_cpu_env()
 
-TINY = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-TINY_MOE = dict(
-    TINY,
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
 PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44]]
 
 
 def case_config(name: str, layers: int, overrides: list[str] = ()) -> tuple[dict, int]:
     if name == "tiny-dense":
-        return TINY, 1
+        return tiny_qwen3_config(moe=False), 1
     if name == "tiny-moe":
-        return TINY_MOE, 2
+        return tiny_qwen3_config(moe=True), 2
     if name == "qwen3-30b-a3b":
         from shardplan.models import resolve_model
 
