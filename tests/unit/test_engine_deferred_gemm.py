@@ -114,3 +114,15 @@ def test_other_quantization_methods_are_processed_at_once(builds):
     module.weight = torch.nn.Parameter(_weight(1), requires_grad=False)
     _process_or_defer(module, method, set())
     assert torch.equal(module.repacked, module.weight) and "cpu_linear" not in module.__dict__
+
+
+def test_a_failed_build_in_a_forward_serves_the_logits_with_f_linear(builds, monkeypatch):
+    module, method = _embedding(1)
+    _update(module, method, set(), 2)
+
+    def failing(layer, remove_weight):
+        raise RuntimeError("oneDNN could not build the primitive")
+
+    monkeypatch.setattr(vllm_layer_utils, "dispatch_cpu_unquantized_gemm", failing)
+    got, want = _logits(module, method)
+    assert torch.equal(got, want) and module.cpu_linear is torch.nn.functional.linear
