@@ -123,6 +123,91 @@ def _as_cpu_worker() -> None:
         os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
 
 
+@contextlib.contextmanager
+def gpu_kernel_refusals_answered(architectures: list[str]):
+    """Build as the GPU engine a plan is for would, where vLLM's CPU build refuses a model for lack of a kernel.
+
+    Each refusal below is about which kernel would run (an attention backend, a fused MoE op, a Triton allocator,
+    the model runner Triton enables), never about which params exist or how `load_weights` fills them, so a CPU
+    build that stops there says nothing about the weights. For building only (recording and verify, which then run
+    vLLM's real loader on that same build); a live CPU engine still gets vLLM's own refusal:
+    - sparse (DSA) attention: the CPU platform raises when asked for a backend; take its dense MLA backend (a
+      backend owns no weights; the indexer's projections are the model's own modules);
+    - a non-gated MoE (`is_act_and_mul=False`): FusedMoEConfig refuses non-CUDA platforms as its last check, and
+      no CPU MoE kernel takes it;
+    - Qwen4-Exp's QSA attention probes for FlashAttention's varlen kernel;
+    - without Triton vLLM picks its V1 model runner, which LongCat-Flash-Lite's n-gram embedding refuses;
+    - without Triton, layers that set Triton's allocator while being built find vLLM's placeholder lacks it.
+    """
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON, triton
+
+    undo = []
+
+    def swap(owner, name, value):
+        held = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        undo.append((owner, name, held.get(name, _ABSENT)))
+        setattr(owner, name, value)
+
+    if current_platform.is_cpu():
+        platform_cls = type(current_platform)
+        pick = platform_cls.get_attn_backend_cls.__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            return pick(cls, selected_backend, attn_selector_config._replace(use_sparse=False), num_heads)
+
+        swap(platform_cls, "get_attn_backend_cls", classmethod(get_attn_backend_cls))
+        moe_post_init = FusedMoEConfig.__post_init__
+
+        def __post_init__(self):
+            try:
+                moe_post_init(self)
+            except NotImplementedError as e:
+                if self.is_act_and_mul or "is_act_and_mul=False" not in str(e):
+                    raise
+
+        swap(FusedMoEConfig, "__post_init__", __post_init__)
+        # ... and then no CPU MoE kernel takes it: take the backend an SM90 GPU picks for it (Triton), which pads
+        # nothing (unquantized_round_up_hidden_size_and_intermediate_size)
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe_method
+        from vllm.model_executor.layers.fused_moe.oracle import unquantized as moe_oracle
+
+        select_moe = moe_method.select_unquantized_moe_backend
+
+        def select_unquantized_moe_backend(moe_config, *args, **kwargs):
+            try:
+                return select_moe(moe_config, *args, **kwargs)
+            except NotImplementedError:
+                if moe_config.is_act_and_mul:
+                    raise
+                triton_moe = moe_oracle.UnquantizedMoeBackend.TRITON
+                return triton_moe, moe_oracle.backend_to_kernel_cls(triton_moe)[0]
+
+        swap(moe_method, "select_unquantized_moe_backend", select_unquantized_moe_backend)
+        if any(arch.startswith("Qwen4Exp") for arch in architectures):
+            # QSA binds the probe when imported; patching its source instead would tell every module imported
+            # during the build that FlashAttention exists (they then import its CUDA-only symbols)
+            from vllm.models.qwen4_exp.nvidia import qsa
+
+            swap(qsa, "is_flash_attn_varlen_func_available", lambda: True)
+    if not HAS_TRITON:
+        swap(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+        swap(triton, "set_allocator", lambda alloc_fn: None)
+    try:
+        yield
+    finally:
+        for owner, name, old in reversed(undo):
+            if old is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+_ABSENT = object()
+
+
 def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") -> torch.nn.Module:
     """The model exactly as global `rank` of `layout` would build it (params uninitialised on CPU, or on meta)."""
     from vllm.config import set_current_vllm_config
@@ -140,6 +225,7 @@ def build_model(vllm_config, layout: Layout, rank: int, device: str = "meta") ->
         set_default_torch_dtype(vllm_config.model_config.dtype),
         torch.device(device),
         fp8.kernel_probes_patched(vllm_config),
+        gpu_kernel_refusals_answered(vllm_config.model_config.architectures or []),
     ):
         try:
             model = initialize_model(vllm_config=vllm_config)

@@ -116,6 +116,23 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "attention_bias": False,
         },
     },
+    "LongcatFlashNgramForCausalLM": {
+        "source": "meituan-longcat/LongCat-Flash-Lite config.json (LongCat-Flash's MLA and zero-expert keys as above; "
+        "the n-gram embedding keys as in public copies: an n-gram fixture generator quoting 'config.json @ HF main' "
+        "(vocab 131072, hidden 3072, ratio 78, N=4, K=4, eos 2), a harness test writing the same values)",
+        "fields": {
+            "attention_method": "MLA",
+            "mla_scale_q_lora": True,
+            "mla_scale_kv_lora": True,
+            "zero_expert_type": "identity",
+            "zero_expert_num": 1,
+            "norm_topk_prob": True,
+            "attention_bias": False,
+            "ngram_vocab_size_ratio": 78,
+            "emb_neighbor_num": 4,
+            "emb_split_num": 4,
+        },
+    },
     "MiMoV2FlashForCausalLM": {
         "source": "XiaomiMiMo/MiMo-V2-Flash config.json (the hybrid sliding-window and MoE keys, as in public copies "
         "of mimo_v2 configs: a GPTQModel test TINY_CONFIG, a C++ loader fixture, an mlx test)",
@@ -340,6 +357,22 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "scoring_func": "sigmoid",
             "norm_topk_prob": True,
             "routed_scaling_factor": 2.5,
+        },
+    },
+    "DeepseekV32ForCausalLM": {
+        "source": "deepseek-ai/DeepSeek-V3.2 config.json (routing and indexer keys as in public copies: a Rust "
+        "loader test's deepseek_v32_config() fixture, a DSA kernel table's DeepseekV32ForCausalLM dims)",
+        "fields": {
+            "moe_layer_freq": 1,
+            "n_group": 8,
+            "topk_group": 4,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "index_topk": 2048,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
         },
     },
     "GlmMoeDsaForCausalLM": {

@@ -21,6 +21,10 @@ MOE = {
     "MiniMaxM2ForCausalLM",
     "KimiLinearForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "NemotronHForCausalLM",
+    "Qwen4ExpForCausalLM",
+    "LongcatFlashNgramForCausalLM",
 }
 
 
@@ -40,6 +44,11 @@ MOE = {
         "Step3p5ForCausalLM",  # its text model only inside transformers' multimodal Step3p7 class
         "InklingForCausalLM",  # released under model.llm.* (its multimodal sibling's conversion, reverted)
         "Zamba2ForCausalLM",  # multi-head shared attention: kv heads = heads, as its class and public configs
+        # vLLM's CPU build refuses these for lack of a kernel only (build.gpu_kernel_refusals_answered): DSA sparse
+        # attention, a non-gated MoE, QSA's FlashAttention probe, the V2 model runner without Triton
+        "DeepseekV32ForCausalLM",
+        "NemotronHForCausalLM",
+        "LongcatFlashNgramForCausalLM",
     ],
 )
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
@@ -48,6 +57,19 @@ def test_sample_architectures_pass_bitwise(arch, tmp_path):
     ((layout, result),) = row["layouts"].items()
     assert result["ranks"] == result["equal"] == 2 and not result["mismatched"] and not result["fallbacks"]
     assert layout == ("tp2-ep" if arch in MOE else "tp2")
+
+
+def test_kernel_refusals_are_answered_for_building_only():
+    # a live CPU engine must still get vLLM's own refusal: the stand-ins are undone when the build ends
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+
+    from shardplan.record import build
+
+    before = (type(current_platform).__dict__["get_attn_backend_cls"], FusedMoEConfig.__dict__["__post_init__"])
+    with build.gpu_kernel_refusals_answered([]):
+        assert type(current_platform).__dict__["get_attn_backend_cls"] is not before[0]
+    assert (type(current_platform).__dict__["get_attn_backend_cls"], FusedMoEConfig.__dict__["__post_init__"]) == before
 
 
 def test_tiny_configs_carry_the_public_field_set():
@@ -121,8 +143,15 @@ def test_a_known_vllm_loader_bug_is_cannot_only_with_its_own_error(tmp_path, mon
     assert row["status"] == "FAIL" and "refuses the derived checkpoint" in row["reason"], row
 
 
-def test_a_config_with_the_public_fields_reaches_vllms_own_verdict(tmp_path):
+def test_a_config_with_the_public_fields_reaches_vllms_own_verdict(tmp_path, monkeypatch):
     # Qwen4-Exp's class leaves the QSA indexer sizes None (transformers then cannot build it: our FAIL); with the
-    # public fields, what is left is vLLM's own refusal on this machine
+    # public fields it builds as a GPU engine does and passes; only vLLM's CPU kernel probe refused it before
     row = coverage.run_architecture("Qwen4ExpForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "pass", row
+    import contextlib
+
+    from shardplan.record import build
+
+    monkeypatch.setattr(build, "gpu_kernel_refusals_answered", contextlib.nullcontext)
+    row = coverage.run_architecture("Qwen4ExpForCausalLM", tmp_path / "cpu-refusal", tps=(1,))
     assert row["status"] == "cannot" and "requires FlashAttention" in row["reason"], row
