@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,49 +46,24 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from shardplan.engine.cpu_llm import greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm  # noqa: E402
+from shardplan.engine.cpu_llm import (  # noqa: E402
+    greedy_tokens,
+    set_cpu_env,
+    start_cpu_llm,
+    stop_cpu_llm,
+    tiny_qwen3_config,
+)
 
 set_cpu_env()
 
-TINY = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-TINY_MOE = dict(
-    TINY,
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-)
 PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44]]
 
 
 def case_config(name: str, layers: int, overrides: list[str] = ()) -> tuple[dict, int]:
     if name == "tiny-dense":
-        return TINY, 1
+        return tiny_qwen3_config(moe=False), 1
     if name == "tiny-moe":
-        return TINY_MOE, 2
+        return tiny_qwen3_config(moe=True), 2
     if name == "qwen3-30b-a3b":
         from shardplan.models import resolve_model
 
@@ -196,12 +172,35 @@ ENGINE_STEPS = (
 )
 
 
-def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip_prepack: bool = False) -> dict:
+def parse_variant(text: str) -> tuple[str, dict]:
+    """--variant KEY=VALUE[,KEY=VALUE]: a shardplan sync with these EngineUpdateInfo fields (true/false, numbers)."""
+    options = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        options[key.strip()] = {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+    return text, options
+
+
+def run_case(
+    name: str,
+    layers: int,
+    iters: int,
+    overrides: list[str] = (),
+    skip_prepack: bool = False,
+    variants: list[str] = (),
+) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"engine-bench-{name}-"))
+    try:  # two checkpoints of the case (~5 GB for the cut Qwen3-30B-A3B): never left behind
+        return _run_case(root, name, layers, iters, overrides, skip_prepack, variants)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants) -> dict:
     from shardplan.engine.trainer import EngineSync, ModuleSource
     from shardplan.sync import SyncConfig
 
     cfg, tp = case_config(name, layers, overrides)
-    root = Path(tempfile.mkdtemp(prefix=f"engine-bench-{name}-"))
     t0 = time.perf_counter()
     (a, b), tensors_b, plan = write_checkpoints(root, cfg, tp)
     setup_s = time.perf_counter() - t0
@@ -244,19 +243,30 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
-    runs = {"shardplan": [], "vllm": [], "gloo": [], "shardplan_skip_prepack": []}
-    splits, packs, loads, phases = [], [], [], []
-    tokens_shardplan = tokens_vllm = tokens_skip = None
-    for _ in range(iters):
+    kinds = {"shardplan": {}, **dict(parse_variant(v) for v in variants)}
+    runs = {"vllm": [], "gloo": [], "shardplan_skip_prepack": [], **{k: [] for k in kinds}}
+    splits = {k: [] for k in kinds}
+    packs = {k: [] for k in kinds}
+    loads, phases = [], []
+    tokens_by_kind = {}
+    tokens_vllm = tokens_skip = None
+    for i in range(iters):
         loads.append(os.getloadavg()[0])
         runs["gloo"].append(ceiling.send())
-        pack_s.clear()
-        report = sync.sync(trainer=trainer)
-        runs["shardplan"].append(report.seconds)
-        phases.append(dict(report.phases))
-        splits.append([w["last_update"] for w in report.engines[0].workers])
-        packs.append(dict(pack_s))
-        tokens_shardplan = tokens()
+        order = list(kinds) if i % 2 == 0 else list(reversed(kinds))  # alternating: neither always goes first
+        for kind in order:
+            pack_s.clear()
+            options = dict(kinds[kind])
+            if options.pop("direct_sends", True) is False:  # the trainer packs every segment into staging
+                trainer.packer.direct_view = lambda *args: None
+            report = sync.sync(trainer=trainer, update_options=options or None)
+            trainer.packer.__dict__.pop("direct_view", None)
+            runs[kind].append(report.seconds)
+            if kind == "shardplan":
+                phases.append(dict(report.phases))
+            splits[kind].append([w["last_update"] for w in report.engines[0].workers])
+            packs[kind].append(dict(pack_s))
+            tokens_by_kind[kind] = tokens()
         if moe and skip_prepack:
             runs["shardplan_skip_prepack"].append(
                 sync.sync(trainer=trainer, update_options={"rerun_moe_prepack": False}).seconds
@@ -273,26 +283,31 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
     del llm
     gc.collect()
     med = statistics.median
-    ranks = []
-    for r in range(tp):
-        steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in splits) for k in (*ENGINE_STEPS, "update")}
-        steps["receive + verify"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
-        by_class = {
-            k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in splits)
-            for k in splits[0][r].get("process_by_class", {})
-        }
-        ranks.append(
-            dict(
-                rank=r,
-                trainer_pack_s=med(p.get(r, 0.0) for p in packs),
-                seconds=steps,
-                process_by_class=by_class,
-                rss_before=med(s[r]["rss_before"] or 0 for s in splits),
-                rss_peak=med(s[r]["rss_peak"] or 0 for s in splits),
-                pools=[s[r].get("pools_allocated") for s in splits],
-                layer_bytes=layer_bytes[r],
+
+    def per_rank(kind: str) -> list[dict]:
+        ranks = []
+        for r in range(tp):
+            kind_splits = splits[kind]
+            steps = {k: med(s[r]["seconds"].get(k, 0.0) for s in kind_splits) for k in (*ENGINE_STEPS, "update")}
+            steps["receive + verify"] = steps["update"] - sum(steps[k] for k in ENGINE_STEPS if k != "start")
+            by_class = {
+                k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in kind_splits)
+                for k in kind_splits[0][r].get("process_by_class", {})
+            }
+            ranks.append(
+                dict(
+                    rank=r,
+                    trainer_pack_s=med(p.get(r, 0.0) for p in packs[kind]),
+                    seconds=steps,
+                    process_by_class=by_class,
+                    rss_before=med(s[r]["rss_before"] or 0 for s in kind_splits),
+                    rss_peak=med(s[r]["rss_peak"] or 0 for s in kind_splits),
+                    pools=[s[r].get("pools_allocated") for s in kind_splits],
+                    layer_bytes=layer_bytes[r],
+                )
             )
-        )
+        return ranks
+
     return dict(
         case=name,
         tp=tp,
@@ -304,14 +319,67 @@ def run_case(name: str, layers: int, iters: int, overrides: list[str] = (), skip
         checkpoint_bytes=full_bytes,
         shardplan_s=med(runs["shardplan"]),
         vllm_reload_s=med(runs["vllm"]),
-        tokens_equal=tokens_shardplan == tokens_vllm,
-        ranks=ranks,
+        tokens_equal=tokens_by_kind["shardplan"] == tokens_vllm,
+        ranks=per_rank("shardplan"),
+        variants={
+            k: dict(
+                seconds=med(runs[k]),
+                ranks=per_rank(k),
+                tokens_equal_shardplan=tokens_by_kind[k] == tokens_by_kind["shardplan"],
+            )
+            for k in kinds
+            if k != "shardplan"
+        },
         load=loads,
         phases={k: med(p.get(k, 0.0) for p in phases) for k in phases[0]},
         shardplan_skip_prepack_s=med(runs["shardplan_skip_prepack"]) if runs["shardplan_skip_prepack"] else None,
         tokens_equal_skip_prepack=None if tokens_skip is None else tokens_skip == tokens_vllm,
         runs=runs,
     )
+
+
+def print_split(console, r: dict, kind: str, ranks: list[dict]) -> None:
+    from rich.table import Table
+
+    split = Table(
+        title=f"{r['case']}, {kind}: one update per engine rank (median s; process excludes the MoE prepack re-run; "
+        f"receive + verify = update - the engine's own steps: waiting for the bytes (the trainer packing, gloo) and "
+        f"checksumming them)"
+    )
+    cols = [
+        "rank",
+        "trainer pack",
+        "receive + verify",
+        *ENGINE_STEPS,
+        "update",
+        "RSS before",
+        "RSS peak",
+        "peak - before",
+        "one layer",
+    ]
+    for col in cols:
+        split.add_column(col)
+    mib = 2**20
+    for k in ranks:
+        s = k["seconds"]
+        split.add_row(
+            str(k["rank"]),
+            f"{k['trainer_pack_s']:.3f}",
+            f"{s['receive + verify']:.3f}",
+            *(f"{s[x]:.3f}" for x in ENGINE_STEPS),
+            f"{s['update']:.3f}",
+            f"{k['rss_before'] / mib:.0f} MiB",
+            f"{k['rss_peak'] / mib:.0f} MiB",
+            f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB",
+            f"{k['layer_bytes'] / mib:.0f} MiB",
+        )
+    console.print(split)
+    for k in ranks:
+        console.print(
+            f"rank {k['rank']} process by module class (median s): "
+            + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
+            + f"; materialize pools allocated per update: {k['pools']}"
+        )
 
 
 def main() -> None:
@@ -330,9 +398,20 @@ def main() -> None:
         action="store_true",
         help="MoE: also time a sync without the CPU prepack re-run (vLLM's own reload's work)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="also time, alternating with the default in every iteration, a shardplan sync with these update options "
+        "(KEY=VALUE[,KEY=VALUE], EngineUpdateInfo fields), e.g. defer_gemm=false; direct_sends=false: the trainer "
+        "copies every segment into staging (none sent from its tensors)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = [run_case(c, args.layers, args.iters, args.override, args.skip_prepack) for c in args.cases.split(",")]
+    results = [
+        run_case(c, args.layers, args.iters, args.override, args.skip_prepack, args.variant)
+        for c in args.cases.split(",")
+    ]
     from rich.console import Console
     from rich.table import Table
 
@@ -370,45 +449,13 @@ def main() -> None:
             f"{r['case']}: the driver's phases of the shardplan sync (median s): "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         )
-        split = Table(
-            title=f"{r['case']}: one shardplan update per engine rank (median s; process excludes the MoE "
-            f"prepack re-run; receive + verify = update - the engine's own steps: waiting for the "
-            f"bytes (the trainer packing, gloo) and checksumming them)"
-        )
-        cols = [
-            "rank",
-            "trainer pack",
-            "receive + verify",
-            *ENGINE_STEPS,
-            "update",
-            "RSS before",
-            "RSS peak",
-            "peak - before",
-            "one layer",
-        ]
-        for col in cols:
-            split.add_column(col)
-        mib = 2**20
-        for k in r["ranks"]:
-            s = k["seconds"]
-            split.add_row(
-                str(k["rank"]),
-                f"{k['trainer_pack_s']:.3f}",
-                f"{s['receive + verify']:.3f}",
-                *(f"{s[x]:.3f}" for x in ENGINE_STEPS),
-                f"{s['update']:.3f}",
-                f"{k['rss_before'] / mib:.0f} MiB",
-                f"{k['rss_peak'] / mib:.0f} MiB",
-                f"{(k['rss_peak'] - k['rss_before']) / mib:.0f} MiB",
-                f"{k['layer_bytes'] / mib:.0f} MiB",
-            )
-        console.print(split)
-        for k in r["ranks"]:
+        print_split(console, r, "shardplan", r["ranks"])
+        for kind, v in r["variants"].items():
             console.print(
-                f"rank {k['rank']} process by module class (median s): "
-                + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
-                + f"; materialize pools allocated per update: {k['pools']}"
+                f"{r['case']}: shardplan sync with {kind}: {v['seconds']:.3f} s (default {r['shardplan_s']:.3f} s, "
+                f"same run, alternating); same tokens as the default: {v['tokens_equal_shardplan']}"
             )
+            print_split(console, r, kind, v["ranks"])
     for r in results:
         if r["shardplan_skip_prepack_s"] is not None:
             print(

@@ -278,6 +278,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
+        self.unpacker.defer_gemm = bool(update_info.defer_gemm)
         t0 = time.perf_counter()
         try:
             placement = None

@@ -27,6 +27,47 @@ def set_cpu_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# the tiny random Qwen3 (dense, or MoE) the live-engine tests and bench/engine_bench.py write their checkpoints for
+TINY = dict(
+    hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=512, vocab=1024, experts=8, topk=2, moe_inter=128
+)
+
+
+def tiny_qwen3_config(moe: bool) -> dict:
+    """config.json of the tiny Qwen3 (`moe`: Qwen3-MoE, every layer sparse) of sizes TINY."""
+    t = TINY
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "hidden_size": t["hidden"],
+        "num_hidden_layers": t["layers"],
+        "num_attention_heads": t["heads"],
+        "num_key_value_heads": t["kv_heads"],
+        "head_dim": t["head_dim"],
+        "intermediate_size": t["inter"],
+        "vocab_size": t["vocab"],
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if moe:
+        cfg.update(
+            num_experts=t["experts"],
+            num_experts_per_tok=t["topk"],
+            moe_intermediate_size=t["moe_inter"],
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    return cfg
+
+
 def cpu_engine_kwargs(tp: int) -> dict:
     """`vllm.LLM` keyword arguments of a small eager CPU engine at tensor-parallel size `tp`."""
     return dict(

@@ -54,3 +54,7 @@ class EngineUpdateInfo:
     rerun_moe_prepack: bool = True
     """Re-run the CPU MoE experts' prepack that vLLM 0.32 skips on updates (shardplan.engine.reload). Leave it on;
     the regression test turns it off once to show the bug it works around."""
+    defer_gemm: bool = True
+    """Build an embedding's or lm_head's CPU GEMM handle at its first logits call after the update rather than in it,
+    unless a logits call was seen (shardplan.engine.reload.DeferredGemm). Off: every one built in the update, as
+    vLLM's own reload does (bench/engine_bench.py compares the two)."""

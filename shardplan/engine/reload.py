@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import defaultdict
 from itertools import chain
 from typing import Mapping
@@ -151,8 +152,10 @@ class ReloadUnpacker:
         self.pools_allocated = 0  # this sync's pools (1 when every module found the pool free; bench/engine_bench.py)
         self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
         self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
+        self.gemm_used: set[int] = set()  # ids of the modules whose DeferredGemm a forward called (logits modules)
         self.active = False
         self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
+        self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
 
     def _refuse_unwritten_params(self) -> None:
         """Every loadable param of the live model must be written by the plan. One the plan never writes would keep
@@ -262,7 +265,7 @@ class ReloadUnpacker:
                 continue
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
-            _process_dropping_old_gemm(module, module.quant_method)
+            _process_or_defer(module, module.quant_method, self.gemm_used, self.defer_gemm)
             logger.debug("shardplan: re-processed %s (reads %s)", name, params)
 
     # -- Unpacker protocol --
@@ -411,7 +414,7 @@ class ReloadUnpacker:
         quant_method = getattr(module, "quant_method", None)
         prepack = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
-            _process_dropping_old_gemm(module, quant_method)
+            _process_or_defer(module, quant_method, self.gemm_used, self.defer_gemm)
             t1 = time.perf_counter()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
@@ -450,6 +453,48 @@ def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:
     finally:
         if "cpu_linear" not in module.__dict__:
             module.cpu_linear = torch.nn.functional.linear
+
+
+def _builds_cpu_gemm(quant_method) -> bool:
+    """Whether processing is exactly UnquantizedEmbeddingMethod's on CPU: nothing but a GEMM handle in `cpu_linear`,
+    which only its `apply` (logits) calls; a lookup (`embedding`) reads the weight itself."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    process = type(quant_method).process_weights_after_loading
+    return process is UnquantizedEmbeddingMethod.process_weights_after_loading and current_platform.is_cpu()
+
+
+class DeferredGemm:
+    """`cpu_linear` of an embedding or lm_head whose weight an update wrote (UnquantizedEmbeddingMethod on CPU): the
+    GEMM handle is built from the module's weight at its first call, which then replaces this object. The handle is
+    used by `apply` only (logits), so an input embedding that is only looked up never pays for it, and a module that
+    computes logits (an lm_head, Gemma 2's or Command R's embed_tokens) builds it from the weight it holds then, never
+    from an earlier one. Modules seen calling it are built at the next update's processing instead (`used`), so a
+    sync's time includes what its logits need."""
+
+    def __init__(self, module: torch.nn.Module, quant_method, used: set[int]):
+        self.module, self.quant_method, self.used = weakref.ref(module), quant_method, used
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        module = self.module()
+        try:
+            with torch.inference_mode(False), torch.no_grad():  # a forward runs under inference mode
+                _process_dropping_old_gemm(module, self.quant_method)
+        except Exception as e:  # noqa: BLE001 - inside a forward: serve with vLLM's F.linear fallback, say why
+            logger.warning("shardplan: building the GEMM handle of %s failed (%s); using F.linear", type(module), e)
+        self.used.add(id(module))
+        return module.cpu_linear(x, weight, bias)
+
+
+def _process_or_defer(module: torch.nn.Module, quant_method, used: set[int], defer: bool = True) -> None:
+    """Process the module, or, for an embedding's GEMM handle no logits call has used yet, drop the old handle and
+    leave a DeferredGemm in its place (the old one holds the old weights)."""
+    if not defer or id(module) in used or not _builds_cpu_gemm(quant_method):
+        _process_dropping_old_gemm(module, quant_method)
+        return
+    module.__dict__.pop("cpu_linear", None)
+    module.cpu_linear = DeferredGemm(module, quant_method, used)
 
 
 def _rerun_skipped_moe_prepack(module: torch.nn.Module, quant_method, info=None) -> None:

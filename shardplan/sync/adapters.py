@@ -17,7 +17,7 @@ from shardplan.plan.names import group_order
 from shardplan.runtime.apply import Applier, FallbackRequiredError
 from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.runtime.quantize import QuantizingReplayer
-from shardplan.runtime.replay import Replayer
+from shardplan.runtime.replay import Replayer, run_items
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Span
 
@@ -26,6 +26,9 @@ from shardplan.sync.stages import Packer, Span
 # part is sized to take far longer on the wire than to pack or apply (docs/benchmarks.md, "Sync over NCCL"). Trainer
 # and consumer must agree.
 PART_BYTES = 256 << 20
+# ReplayPacker: a segment at least this large that is one contiguous range of one source is sent from the trainer's
+# tensor itself (Span.direct), not copied into staging; smaller ones cost more as a message than as a copy.
+DIRECT_BYTES = 256 << 10
 
 
 def spans_of(packer: Packer) -> dict[int, dict[str, tuple[Span, ...]]]:
@@ -139,8 +142,12 @@ class ReplayPacker:
         max_group_bytes: int | None = PART_BYTES,
         cache_bindings: bool | None = None,
         quantizer: str = "",
+        direct_bytes: int | None = DIRECT_BYTES,
     ):
         self.sources = dict(sources)
+        # `direct_bytes`: the smallest segment sent straight from a trainer tensor (DIRECT_BYTES); None: none is
+        self.direct_bytes = None if quantizer else direct_bytes
+        self._direct: dict[tuple[int, str], dict[int, tuple[str, int, int, torch.dtype]]] = {}
         make = functools.partial(QuantizingReplayer, quantizer=quantizer) if quantizer else Replayer
         self.replayers = {
             p.rank: make(p, sources, alignment=alignment, device=device, max_group_bytes=max_group_bytes) for p in plans
@@ -168,10 +175,45 @@ class ReplayPacker:
         rep = self.replayers[consumer]
         out = []
         if group in rep.layout.group_names:
-            rep_g = rep.for_group(group)
-            out = [Span(s.offset, s.nbytes, _segment_sources(rep_g, s)) for s in rep_g.layout.segments]
+            rep_g, direct = rep.for_group(group), self._direct_segments(consumer, group)
+            out = [
+                Span(s.offset, s.nbytes, _segment_sources(rep_g, s), direct=i in direct)
+                for i, s in enumerate(rep_g.layout.segments)
+            ]
         out += [Span(f.offset, f.nbytes, (f.name,)) for f in self.fallbacks[consumer].get(group, ())]
         return tuple(out)
+
+    def _direct_segments(self, consumer: int, group: str) -> dict[int, tuple[str, int, int, torch.dtype]]:
+        """Segment -> (source, first element, elements, dtype) of the group's segments that are one contiguous
+        range of one source in its own dtype (a pure view of collapsed geometry [n], stride 1), of direct_bytes or
+        more."""
+        key = (consumer, group)
+        if key not in self._direct:
+            out = {}
+            rep_g = self.replayers[consumer].for_group(group)
+            for (src_dtype, dst_dtype, sizes, strides), segs in rep_g._runs if self.direct_bytes is not None else ():
+                dtype = to_dtype(dst_dtype)
+                if src_dtype != dst_dtype or len(sizes) != 1 or tuple(strides) != (1,):
+                    continue
+                if sizes[0] * dtype.itemsize < self.direct_bytes:
+                    continue
+                for seg, _, name, src_offset in run_items(rep_g.plans, rep_g.layout.segments, segs):
+                    out[seg] = (name, src_offset, sizes[0], dtype)
+            self._direct[key] = out
+        return self._direct[key]
+
+    def direct_view(self, consumer: int, group: str, tensors, segment: int) -> torch.Tensor | None:
+        """The bytes of a direct segment (see spans) as a uint8 view of the trainer's tensor, or None where that
+        tensor is not the contiguous one of the plan's dtype and size (the segment is then packed as usual)."""
+        found = self._direct_segments(consumer, group).get(segment)
+        if found is None:  # a schedule made from other spans than this packer's: packed, as any other segment
+            return None
+        name, offset, numel, dtype = found
+        t = tensors.get(name)
+        meta = self.sources.get(name)
+        if t is None or meta is None or t.dtype != dtype or not t.is_contiguous() or t.numel() != meta.numel:
+            return None
+        return t.reshape(-1)[offset : offset + numel].view(torch.uint8)
 
     def pack(self, consumer, group, tensors, out, segments):
         rep = self.replayers[consumer]

@@ -9,12 +9,13 @@ import torch
 from shardplan.runtime.tensors import align_up
 from shardplan.sync.control import abort_mark, check_sum, done_key, free_key, join
 from shardplan.sync.rank import Rank
-from shardplan.sync.schedule import Piece, Schedule, checksum_tensor
+from shardplan.sync.schedule import Schedule, checksum_tensor
 from shardplan.sync.stages import LayoutMismatch, SyncConfig, SyncReport, SyncState, Unpacker, event
 from shardplan.transport.base import (
     Control,
     Peer,
     PeerAborted,
+    PeerDied,
     Tag,
     Transport,
     consumer_name,
@@ -87,9 +88,9 @@ class ConsumerSync(Rank):
         start = time.monotonic()
         event("consumer sync")
         schedule, trainers, mismatched = self._take_prepared(version)
-        c, groups, one_sided = self.rank, schedule.groups, self.transport.one_sided
+        groups, one_sided = schedule.groups, self.transport.one_sided
         posted: dict[int, list] = {}
-        deferred: list[tuple[int, int, Piece, torch.Tensor]] = []  # (group, index among its trainer's pieces, ...)
+        deferred: list[tuple[int, int, int, int, int, torch.Tensor]] = []  # (group, trainer, j, lo, hi, checksum)
         received = 0
         failures: dict[Peer, BaseException] = dict(mismatched)
 
@@ -105,35 +106,41 @@ class ConsumerSync(Rank):
                 post(gi)
             event("first receives posted")
             for gi, group in enumerate(groups):
-                buf, pieces = self.buffers[gi % 2], schedule.of(c, gi)
+                buf = self.buffers[gi % 2]
                 deadline = deadline_after(self.config.timeout_s)
                 seen: dict[int, int] = {}
-                for piece, pending in zip(pieces, posted.pop(gi)):
-                    peer = trainer_name(piece.trainer)
+                for (trainer, lo, hi), pending in zip(self._messages(schedule, gi), posted.pop(gi)):
+                    peer = trainer_name(trainer)
                     key = done_key(version, peer, self.name, gi)
                     mark = self._mark(key, left(deadline), peer, f"bytes of {group}") if one_sided else None
-                    pending.wait(max(left(deadline), 0.001), check=lambda: abort_mark(self.control, key))
+                    try:
+                        pending.wait(max(left(deadline), 0.001), check=lambda: abort_mark(self.control, key))
+                    except PeerDied:  # a trainer that gave up closes the pair after leaving its reason
+                        mark = abort_mark(self.control, key)
+                        if mark is None:
+                            raise
+                        raise PeerAborted(peer, mark) from None
                     event(f"received {gi}")
-                    j = seen[piece.trainer] = seen.get(piece.trainer, -1) + 1
+                    j = seen[trainer] = seen.get(trainer, -1) + 1
                     if self.config.verify:
-                        got = checksum_tensor(buf[piece.lo : piece.hi])
+                        got = checksum_tensor(buf[lo:hi])
                         if mark is not None:
-                            check_sum(peer, mark, j, int(got), piece, group)
+                            check_sum(peer, mark, j, int(got), lo, hi, group)
                         else:
-                            deferred.append((gi, j, piece, got))
-                    received += piece.hi - piece.lo
+                            deferred.append((gi, trainer, j, lo, hi, got))
+                    received += hi - lo
                 self._apply(version, group, buf)
                 event(f"apply {gi} enqueued")
                 if gi + 2 < len(groups):
                     post(gi + 2)
                     event(f"receive {gi + 2} posted")
             deadline = deadline_after(self.config.timeout_s)
-            for gi, j, piece, got in deferred:
-                peer = trainer_name(piece.trainer)
+            for gi, trainer, j, lo, hi, got in deferred:
+                peer = trainer_name(trainer)
                 mark = self._mark(
                     done_key(version, peer, self.name, gi), left(deadline), peer, f"checksums of {groups[gi]}"
                 )
-                check_sum(peer, mark, j, int(got), piece, groups[gi])
+                check_sum(peer, mark, j, int(got), lo, hi, groups[gi])
             self._state = SyncState(version, True)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by _finish as SyncFailed
             failures[getattr(e, "peer", self.name)] = e
@@ -153,12 +160,16 @@ class ConsumerSync(Rank):
             raise PeerAborted(peer, mark)
         return mark
 
+    def _messages(self, schedule: Schedule, gi: int) -> list[tuple[int, int, int]]:
+        """(trainer, lo, hi) of every message of group gi, in the order both sides post them (Piece.messages)."""
+        return [(p.trainer, lo, hi) for p in schedule.of(self.rank, gi) for lo, hi, _ in p.messages()]
+
     def _post_receives(self, version: int, schedule: Schedule, gi: int) -> list:
-        """Post the receives of group gi's pieces into its slot (gi % 2); one Pending per piece."""
+        """Post the receives of group gi's messages into its slot (gi % 2); one Pending per message."""
         buf = self.buffers[gi % 2]
         return [
-            self.transport.recv(trainer_name(p.trainer), buf[p.lo : p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
-            for p in schedule.of(self.rank, gi)
+            self.transport.recv(trainer_name(t), buf[lo:hi], Tag(version, gi, gi % 2, lo, hi - lo))
+            for t, lo, hi in self._messages(schedule, gi)
         ]
 
     def _apply(self, version: int, group: str, buf: torch.Tensor) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from shardplan.sync.schedule import Piece
 from shardplan.sync.stages import ChecksumMismatch
 from shardplan.transport.base import Control, Peer
 
@@ -45,14 +44,12 @@ def join(
     return epoch
 
 
-def check_sum(peer: Peer, mark: str, j: int, got: int, piece: Piece, group: str) -> None:
-    """Compare the consumer's checksum of a piece with the one its trainer wrote in its "done" mark (j-th of its
-    pieces in the group)."""
+def check_sum(peer: Peer, mark: str, j: int, got: int, lo: int, hi: int, group: str) -> None:
+    """Compare the consumer's checksum of bytes [lo, hi) of a group with the one its trainer wrote in its "done" mark
+    (the j-th of its messages in the group: Piece.messages)."""
     expected = json.loads(mark)["sums"][j]
     if expected != got:
-        raise ChecksumMismatch(
-            peer, f"bytes [{piece.lo}, {piece.hi}) of {group}: checksum {got}, trainer packed {expected}"
-        )
+        raise ChecksumMismatch(peer, f"bytes [{lo}, {hi}) of {group}: checksum {got}, trainer packed {expected}")
 
 
 def abort_mark(control: Control, key: str) -> str | None:

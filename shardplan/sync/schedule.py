@@ -16,12 +16,28 @@ from shardplan.transport.base import consumer_name
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Bytes [lo, hi) of a consumer's group buffer, packed and sent by one trainer (segments: layout indices)."""
+    """Bytes [lo, hi) of a consumer's group buffer, packed and sent by one trainer (segments: layout indices).
+    `direct`: (segment, lo, hi) of the segments the trainer sends from its own tensor (Span.direct) rather than from
+    its staging buffer; each is a message of its own, and so is each run of bytes between them (`messages`)."""
 
     trainer: int
     lo: int
     hi: int
     segments: tuple[int, ...]
+    direct: tuple[tuple[int, int, int], ...] = ()
+
+    def messages(self) -> tuple[tuple[int, int, int], ...]:
+        """(lo, hi, segment sent from the trainer's tensor, or -1: from its staging buffer) of each transfer, in
+        order: what both sides post, so sends and receives match one to one."""
+        out, at = [], self.lo
+        for seg, lo, hi in self.direct:
+            if lo > at:
+                out.append((at, lo, -1))
+            out.append((lo, hi, seg))
+            at = hi
+        if at < self.hi:
+            out.append((at, self.hi, -1))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,7 @@ class Schedule:
                 "nbytes": {str(c): list(n) for c, n in self.nbytes.items()},
                 "pieces": [
                     [c, g, p.trainer, p.lo, p.hi, list(p.segments)]
+                    + ([[list(d) for d in p.direct]] if p.direct else [])
                     for (c, g), ps in sorted(self.pieces.items())
                     for p in ps
                 ],
@@ -62,8 +79,9 @@ class Schedule:
     def from_json(cls, text: str) -> "Schedule":
         d = json.loads(text)
         pieces: dict[tuple[int, int], list[Piece]] = {}
-        for c, g, t, lo, hi, segs in d["pieces"]:
-            pieces.setdefault((c, g), []).append(Piece(t, lo, hi, tuple(segs)))
+        for c, g, t, lo, hi, segs, *direct in d["pieces"]:
+            sent = tuple(tuple(x) for x in direct[0]) if direct else ()
+            pieces.setdefault((c, g), []).append(Piece(t, lo, hi, tuple(segs), sent))
         return cls(
             tuple(d["groups"]),
             tuple(d["trainers"]),
@@ -144,6 +162,7 @@ def build_schedule(
             for _, idx, _, _ in mine:
                 t = owner[(c, idx[0])]
                 lo, hi = segs[idx[0]].offset, segs[idx[-1]].offset + segs[idx[-1]].nbytes
+                direct = tuple((i, segs[i].offset, segs[i].offset + segs[i].nbytes) for i in idx if segs[i].direct)
                 if (
                     merged
                     and merged[-1].trainer == t
@@ -151,9 +170,9 @@ def build_schedule(
                     and all(segs[j].nbytes == 0 for j in range(merged[-1].segments[-1] + 1, idx[0]))
                 ):
                     prev = merged.pop()
-                    merged.append(Piece(t, prev.lo, hi, prev.segments + tuple(idx)))
+                    merged.append(Piece(t, prev.lo, hi, prev.segments + tuple(idx), prev.direct + direct))
                 else:
-                    merged.append(Piece(t, lo, hi, tuple(idx)))
+                    merged.append(Piece(t, lo, hi, tuple(idx), direct))
             if merged:
                 pieces[(c, gi)] = tuple(merged)
     return Schedule(tuple(groups), trainers, consumers, {c: tuple(n) for c, n in nbytes.items()}, pieces)

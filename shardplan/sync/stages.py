@@ -25,6 +25,7 @@ class Span:
     nbytes: int
     sources: tuple[str, ...]
     only: tuple[int, ...] = ()
+    direct: bool = False  # its bytes are one contiguous range of one source: sent from it (Packer.direct_view)
 
 
 class WeightSource(Protocol):
@@ -37,7 +38,9 @@ class WeightSource(Protocol):
         """Which box of each tensor this rank holds. The scheduler uses only whole boxes (see docs/transports.md)."""
 
     def group(self, group: str) -> Mapping[str, torch.Tensor]:
-        """This rank's tensors of one weight group, ready to pack (e.g. gathered for this group only)."""
+        """This rank's tensors of one weight group, ready to pack (e.g. gathered for this group only). They may be
+        sent from as they are (direct spans), so they must keep their values until the sync returns (a buffer reused
+        for the next group would fail the consumer's checksum)."""
 
 
 class Packer(Protocol):
@@ -60,6 +63,9 @@ class Packer(Protocol):
     def stamp(self, consumer: int) -> str:
         """The consumer plan rank(s) and a digest of the bytes' arrangement for that consumer (pack layout, fallback
         slots): compared with the consumer's own stamp before any byte moves."""
+
+    # optional: direct_view(consumer, group, tensors, segment) -> uint8 tensor | None. The bytes of a span reported
+    # `direct`, as a view of the tensor they come from (None: that tensor cannot be sent from; it is packed instead)
 
 
 class Unpacker(Protocol):
@@ -143,6 +149,7 @@ class SyncReport:
     seconds: float
     nbytes: int  # bytes this rank sent (trainer) or received (consumer)
     peers: tuple[str, ...] = ()  # peers it exchanged bytes with
+    direct_nbytes: int = 0  # trainer: bytes of those sent from its own tensors (no copy into staging)
 
 
 # ---- engine events: a benchmark may listen (bench/sync_bench.py --trace); nothing is recorded otherwise -----------

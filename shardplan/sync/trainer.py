@@ -14,7 +14,16 @@ from shardplan.sync.control import abort_mark, done_key, free_key, join
 from shardplan.sync.rank import GroupTensors, Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor, held_whole
 from shardplan.sync.stages import Packer, SyncConfig, SyncReport, WeightSource, event
-from shardplan.transport.base import Control, Peer, PeerAborted, Tag, Transport, consumer_name, trainer_name
+from shardplan.transport.base import (
+    Control,
+    Peer,
+    PeerAborted,
+    PeerError,
+    Tag,
+    Transport,
+    consumer_name,
+    trainer_name,
+)
 
 
 class TrainerSync(Rank):
@@ -80,6 +89,7 @@ class TrainerSync(Rank):
         for peer, error in mismatched.items():  # the consumer ends at once instead of waiting for its bytes
             self._abort(version, peer, [gi for gi, *_ in self._steps(schedule, int(peer[8:]))], error)
         sent = {c: 0 for c in lanes}
+        self._direct_sent = {c: 0 for c in lanes}
         lane = self._lane
         # the first lane runs in this thread (no thread start before the first send), the others in threads
         threads = [
@@ -103,7 +113,12 @@ class TrainerSync(Rank):
         self._finish(version, failures)
         event("result set")
         return SyncReport(
-            self.name, version, time.monotonic() - start, sum(sent.values()), tuple(consumer_name(c) for c in lanes)
+            self.name,
+            version,
+            time.monotonic() - start,
+            sum(sent.values()),
+            tuple(consumer_name(c) for c in lanes),
+            sum(self._direct_sent.values()),
         )
 
     def _lane(
@@ -159,20 +174,28 @@ class TrainerSync(Rank):
                     finished = in_flight.pop(0)
                     finish(finished)
                     event(f"sent {finished[0]}")
-                slot = self.slots[c][k % 2]
-                self.packer.pack(c, group, tensors.get(group), slot, segments)
+                slot, group_tensors = self.slots[c][k % 2], tensors.get(group)
+                direct = self._direct_views(c, group, group_tensors, pieces)
+                staged = [i for i in segments if i not in direct] if direct else segments
+                if staged:
+                    self.packer.pack(c, group, group_tensors, slot, staged)
                 tensors.release(group)
                 event(f"pack {gi} enqueued")
-                sums = [checksum_tensor(slot[p.lo : p.hi]) for p in pieces] if self.config.verify else []
+                messages = [
+                    (lo, hi, direct[seg] if seg in direct else slot[lo:hi])
+                    for p in pieces
+                    for lo, hi, seg in p.messages()
+                ]
+                sums = [checksum_tensor(src) for _, _, src in messages] if self.config.verify else []
                 if one_sided:
                     self._await_free_slot(version, peer, gi, group, wait_s)
                 pendings = [
-                    self.transport.send(peer, slot[p.lo : p.hi], Tag(version, gi, gi % 2, p.lo, p.hi - p.lo))
-                    for p in pieces
+                    self.transport.send(peer, src, Tag(version, gi, gi % 2, lo, hi - lo)) for lo, hi, src in messages
                 ]
                 event(f"send {gi} posted")
                 in_flight.append((gi, pendings, sums))
                 sent[c] += sum(p.hi - p.lo for p in pieces)
+                self._direct_sent[c] += sum(v.numel() for v in direct.values())
                 if finished is not None:
                     mark(finished)
                 while len(in_flight) > keep_in_flight:
@@ -186,12 +209,42 @@ class TrainerSync(Rank):
                 mark(finished)
         except BaseException as e:  # noqa: BLE001 - recorded and raised by sync() as SyncFailed
             failures[peer] = e
+            # this rank failed, not the link: sends in flight go into receives the consumer posted, so they land
+            # before the pair closes (the consumer learns why from the marks, not from torn transfers)
+            for entry in in_flight if not isinstance(e, PeerError) else ():
+                try:
+                    finish(entry)
+                except BaseException:  # noqa: BLE001 - the lane failed already; that error is the one reported
+                    break
+            in_flight.clear()
             self._abort(version, peer, [gi for gi, *_ in steps if gi not in done], e)
 
+    def _direct_views(self, c: int, group: str, tensors, pieces) -> dict[int, torch.Tensor]:
+        """Segment -> the bytes to send of each direct segment (Piece.direct) the packer can give as a view of the
+        trainer's own tensor, where the transport sends from any memory: no copy into staging. The others are packed
+        into the slot as usual, and sent as the same messages."""
+        wanted = [(seg, hi - lo) for p in pieces for seg, lo, hi in p.direct]
+        view = getattr(self.packer, "direct_view", None)
+        if not wanted or view is None or not getattr(self.transport, "sends_any_memory", False):
+            return {}
+        out = {}
+        for seg, nbytes in wanted:
+            src = view(c, group, tensors, seg)
+            if src is not None and src.numel() == nbytes and src.device == self.slots[c][0].device:
+                out[seg] = src
+        return out
+
     def _abort(self, version: int, peer: Peer, groups: list[int], error: BaseException) -> None:
-        """Mark the lane's groups not yet marked done as aborted: the consumer ends now rather than time out here."""
+        """Mark the lane's groups not yet marked done as aborted, then end the connection where the transport can
+        (a two-sided receive over gloo cannot poll the marks): the consumer ends now, with this rank's reason, rather
+        than time out here."""
         for gi in groups:
-            self.control.set(done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {error}")
+            self.control.set(
+                done_key(version, self.name, peer, gi), f"abort: {self.name} stopped: {type(error).__name__}: {error}"
+            )
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            abort(peer)
 
     def _await_free_slot(self, version: int, peer: Peer, gi: int, group: str, wait_s: float) -> None:
         """One-sided transports write into the consumer's buffer: wait until it says the slot is free."""

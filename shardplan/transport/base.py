@@ -123,6 +123,9 @@ class Transport(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: abort(peer) -> None. After this side failed mid-sync with `peer` (its abort marks set), end the
+    # connection so the peer's posted transfers fail at once; for adapters whose waits cannot poll the marks (gloo)
+
 
 class Done:
     """An already-finished Pending (one-sided receive, empty transfer)."""

@@ -60,6 +60,8 @@ class _Work:
                 if "timed out" in text.lower() or "timeout" in text.lower():
                     raise PeerTimeout(self.peer, f"transfer did not finish within {timeout_s:.1f} s") from None
                 raise PeerDied(self.peer, f"connection failed: {text.splitlines()[0]}") from None
+            finally:
+                self.work = None  # a gloo work keeps its pair's connections open (NcclTransport.abort)
             return
         deadline = deadline_after(timeout_s)
         # NCCL: never block the CPU inside NCCL; poll the work's CUDA event against our own deadline, calling `check`
@@ -81,7 +83,8 @@ class _Work:
             raise PeerDied(self.peer, f"NCCL transfer failed: {text}") from None
 
     def _abort(self) -> None:
-        self.pair.pg.abort()
+        if self.pair.pg is not None:
+            self.pair.pg.abort()
 
     def _check(self, check) -> None:
         message = check()
@@ -98,6 +101,7 @@ class NcclTransport:
     of a new pair), `backend` ("nccl" on CUDA, "gloo" on CPU by default)."""
 
     one_sided = False
+    sends_any_memory = True  # nothing registered: a send may read a trainer's tensor itself (TrainerSync direct spans)
 
     def __init__(
         self,
@@ -168,11 +172,20 @@ class NcclTransport:
 
     def _drop(self, peer: Peer) -> None:
         pair = self.pairs.pop(peer, None)
-        if pair is not None:
+        if pair is not None and pair.pg is not None:
+            pg, pair.pg = pair.pg, None  # the last reference (a _Work keeps the _Pair, not the group)
             try:
-                pair.pg.abort()
+                pg.abort()
             except Exception:  # noqa: BLE001 - best effort: the pair is never used again either way
                 pass
+
+    def abort(self, peer: Peer) -> None:
+        """This side gave up on `peer` mid-sync (after its transfers in flight finished): end the pair now, so that
+        the peer's posted transfers fail at once instead of at their deadline. A gloo receive cannot poll anything
+        while it waits, and gloo's abort() leaves the connections open; destroying the pair's process group (with no
+        unfinished work left on it) closes them. NCCL: the communicator is aborted. The pair is re-opened at the next
+        version (a failed sync changes the epochs)."""
+        self._drop(peer)
 
     def _post(self, peer: Peer, tensor: torch.Tensor, sending: bool):
         if peer in self.broken:

@@ -11,7 +11,8 @@ another; SHARDPLAN_TEST_CPU_GEMM pins it:
     onednn  sgl off; oneDNN where it can build the primitive
     torch   sgl and oneDNN off: F.linear on the param itself (no derived copy)
 
-`ENGINE_KWARGS` selects this module as the worker extension; `gemm_kinds` (an RPC) says what each layer got.
+`ENGINE_KWARGS` selects this module as the worker extension; `gemm_kinds` (an RPC) says what each layer got, and
+`stale_gemms` which embeddings or lm_heads would compute logits from an earlier weight than they hold.
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ if os.environ.get(ENV):
 
 def gemm_kind(layer) -> str | None:
     """What `dispatch_cpu_unquantized_gemm` gave `layer`, read from the closure it left in `layer.cpu_linear`."""
+    from shardplan.engine.reload import DeferredGemm
+
     fn = getattr(layer, "cpu_linear", None)
     if fn is None:
         return None
+    if isinstance(fn, DeferredGemm):
+        return "deferred"  # dropped by an update, built at the module's first logits call
     free = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
     for name, kind in (("handler", "onednn"), ("packed_weight", "sgl"), ("zen_weight", "zentorch")):
         if name in free:
@@ -71,3 +76,24 @@ class GemmPathExtension:
     def shardplan_readers(self) -> list[str]:
         """The modules the shardplan backend re-processes because they share storage with a param it writes."""
         return sorted(name for name, _, _ in self.weight_transfer_engine.unpacker.readers.values())
+
+    def stale_gemms(self) -> list[str]:
+        """Modules of UnquantizedEmbeddingMethod whose logits (its `apply`, through the GEMM handle they hold) differ
+        from those of a handle built now from the weight they hold, on the same path: a handle built from an earlier
+        weight. Builds every deferred handle (call it last)."""
+        import torch
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        stale, g = [], torch.Generator().manual_seed(0)
+        for name, module in self.model_runner.get_model().named_modules():
+            method = getattr(module, "quant_method", None)
+            if not isinstance(method, UnquantizedEmbeddingMethod) or not hasattr(module, "cpu_linear"):
+                continue
+            x = torch.randn(5, module.weight.shape[1], generator=g).to(module.weight.dtype)
+            now = torch.nn.Module()
+            now.weight = module.weight
+            method.process_weights_after_loading(now)
+            with torch.inference_mode():
+                if not torch.equal(method.apply(module, x), now.cpu_linear(x, module.weight, None)):
+                    stale.append(name)
+        return stale

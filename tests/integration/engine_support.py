@@ -16,7 +16,15 @@ from pathlib import Path
 
 import torch
 
-from shardplan.engine.cpu_llm import cpu_engine_kwargs, greedy_tokens, set_cpu_env, start_cpu_llm, stop_cpu_llm
+from shardplan.engine.cpu_llm import (
+    TINY,
+    cpu_engine_kwargs,
+    greedy_tokens,
+    set_cpu_env,
+    start_cpu_llm,
+    stop_cpu_llm,
+    tiny_qwen3_config,
+)
 
 set_cpu_env()
 
@@ -24,41 +32,11 @@ PROMPTS = [[5, 17, 99, 300, 7], [42, 43, 44], [901, 3, 3, 512, 64, 8]]
 MAX_TOKENS = 16
 TIMEOUT_S = 10.0
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 256, 2, 4, 2, 64, 512, 1024
-EXPERTS, TOPK, MOE_INTER = 8, 2, 128
-
-
-def config(moe: bool) -> dict:
-    cfg = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "intermediate_size": INTER,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    if moe:
-        cfg.update(
-            num_experts=EXPERTS,
-            num_experts_per_tok=TOPK,
-            moe_intermediate_size=MOE_INTER,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
-    return cfg
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = (
+    TINY[k] for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "inter", "vocab")
+)
+EXPERTS, TOPK, MOE_INTER = TINY["experts"], TINY["topk"], TINY["moe_inter"]
+config = tiny_qwen3_config
 
 
 def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
@@ -157,9 +135,10 @@ def greedy(llm) -> list[list[int]]:
 _FRESH: dict[tuple[str, int], list[list[int]]] = {}
 
 
-def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list[int]]:
+def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head") -> list[list[int]]:
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
-    per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine."""
+    per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine.
+    `gemm`: the GEMM path pinned, checked on the module computing the logits (`logits`)."""
     import hashlib
 
     key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm)
@@ -168,7 +147,7 @@ def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None) -> list[list
         try:
             if gemm is not None:
                 kinds = llm.collective_rpc("gemm_kinds")
-                assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds
+                assert [k[logits] for k in kinds] == [gemm] * tp, kinds
             _FRESH[key] = greedy(llm)
         finally:
             stop_llm(llm)

@@ -12,6 +12,7 @@ A "world" is anything with `num_trainers`, `num_consumers`, `groups`, `spans`, `
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import time
@@ -119,6 +120,7 @@ class StandInPacker:
     def __init__(self, world: StandInWorld):
         self.world = world
         self.stall_at: str | None = None  # fault: sleep "forever" when packing this group
+        self.fail_at: str | None = None  # fault: raise when packing this group
 
     def consumers(self):
         return range(self.world.num_consumers)
@@ -135,6 +137,8 @@ class StandInPacker:
     def pack(self, consumer, group, tensors, out, segments):
         if group == self.stall_at:
             time.sleep(3600)
+        if group == self.fail_at:
+            raise RuntimeError(f"the trainer's source failed while packing {group}")
         layout, picks = self.world.spans[consumer][group], self.world.picks[(consumer, group)]
         for i in segments:
             seg, (name, start) = layout[i], picks[i]
@@ -255,6 +259,8 @@ class PlanWorld:
 
     num_trainers: int = 2
     num_consumers: int = 2
+    direct_bytes: int | None = 1024  # segments sent from the trainer's tensors (small: the tiny plans' qkv rows are)
+    refuse_direct: bool = False  # the packer gives no view of every other segment: those are packed instead
 
     def __post_init__(self):
         from shardplan.sync import ReplayPacker, spans_of
@@ -262,7 +268,12 @@ class PlanWorld:
         self.plans, self.sources = tiny_llama_plans(self.num_consumers)
         self.tensors = full_tensors(self.sources)
         # small parts: every decoder layer's group is moved in several parts (PackLayout's max_group_bytes)
-        self._packer = ReplayPacker(self.plans, self.sources, max_group_bytes=PART_BYTES)
+        self._packer = ReplayPacker(
+            self.plans, self.sources, max_group_bytes=PART_BYTES, direct_bytes=self.direct_bytes
+        )
+        if self.refuse_direct:
+            view, calls = self._packer.direct_view, itertools.count()
+            self._packer.direct_view = lambda c, g, t, seg: None if next(calls) % 2 else view(c, g, t, seg)
         self.groups, self.spans = list(self._packer.groups()), spans_of(self._packer)
         assert any("/" in g for g in self.groups), "the parts path is not exercised"
 
@@ -391,6 +402,10 @@ def state(engine) -> SyncState:
 
 def arm_stall(engine, group: str) -> None:
     engine.packer.stall_at = group
+
+
+def arm_failure(engine, group: str) -> None:
+    engine.packer.fail_at = group
 
 
 def arm_death(engine, group: str) -> None:

@@ -3,13 +3,18 @@
 On CPU, vLLM's processing of an lm_head builds a GEMM handle from its weight (an sgl packed copy or a oneDNN handle
 holding a reordered copy, engine_gemm). A tied lm_head's weight is embed_tokens' weight: no checkpoint tensor writes
 it, so a layerwise reload never processes it again and its handle keeps the old embedding while the gather reads the
-new one. The backend re-processes every module sharing storage with a written param (engine/reload.py).
+new one. The backend re-processes every module sharing storage with a written param (engine/reload.py). An
+embedding's handle serves logits only: after an update it is dropped and built at the module's first logits call
+(engine/reload.py: DeferredGemm), which a model computing its logits through embed_tokens (Command R, Gemma 2) makes at
+once, and a model that only looks embed_tokens up never does; `stale_gemms` checks every handle against one built from
+the weight its module holds.
 
-Per case (tiny random Llama / Qwen3 with tie_word_embeddings, written by transformers' save_pretrained, at TP1 / TP2,
-with the GEMM path pinned: a packed copy or plain F.linear), a trainer process takes two AdamW steps and syncs each;
-the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path) from the trainer's checkpoint.
-Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right with F.linear, wrong with a
-packed copy (vLLM 0.32's bug; the assertion fails once vLLM fixes it, and then says so).
+Per case (tiny random Llama / Qwen3 / Command R with tie_word_embeddings, written by transformers' save_pretrained, at
+TP1 / TP2, with the GEMM path pinned: a packed copy or plain F.linear), a trainer process takes two AdamW steps and
+syncs each; the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path) from the trainer's
+checkpoint. Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right with F.linear or
+where the copy is embed_tokens' own (it loads it), wrong with a tied lm_head's packed copy (vLLM 0.32's bug; the
+assertion fails once vLLM fixes it, and then says so).
 """
 
 from __future__ import annotations
@@ -21,19 +26,22 @@ from engine_support import TIMEOUT_S, VOCAB, Trainer, fresh_tokens, greedy, reco
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
-# each architecture at TP1 and TP2, each with and without a packed copy (sgl and oneDNN both build one)
+# (architecture, TP, GEMM path, the module computing the logits): each tied-lm_head architecture at TP1 and TP2, each
+# with and without a packed copy (sgl and oneDNN both build one); Command R computes its logits through embed_tokens
+# itself, the module the plan writes (as Gemma 2), so the embedding's handle must follow the update too
 CASES = {
-    "llama-tp1-onednn": ("llama", 1, "onednn"),
-    "llama-tp2-torch": ("llama", 2, "torch"),
-    "qwen3-tp1-torch": ("qwen3", 1, "torch"),
-    "qwen3-tp2-sgl": ("qwen3", 2, "sgl"),
+    "llama-tp1-onednn": ("llama", 1, "onednn", "lm_head"),
+    "llama-tp2-torch": ("llama", 2, "torch", "lm_head"),
+    "qwen3-tp1-torch": ("qwen3", 1, "torch", "lm_head"),
+    "qwen3-tp2-sgl": ("qwen3", 2, "sgl", "lm_head"),
+    "cohere-tp1-onednn": ("cohere", 1, "onednn", "model.embed_tokens"),
 }
 
 
 def make_tied_model(root, arch: str):
     """A tiny random model with tie_word_embeddings, as transformers saves it (lm_head stored once, as the
     embedding)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, CohereConfig, LlamaConfig, Qwen3Config
 
     common = dict(
         hidden_size=256,
@@ -48,7 +56,7 @@ def make_tied_model(root, arch: str):
         bos_token_id=1,
         eos_token_id=2,
     )
-    config = (LlamaConfig if arch == "llama" else Qwen3Config)(**common)
+    config = {"llama": LlamaConfig, "qwen3": Qwen3Config, "cohere": CohereConfig}[arch](**common)
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     path = root / arch
@@ -60,7 +68,7 @@ def make_tied_model(root, arch: str):
 def test_tied_lm_head_follows_the_update(case, tmp_path):
     from safetensors import safe_open
 
-    arch, tp, gemm = CASES[case]
+    arch, tp, gemm, logits = CASES[case]
     model = make_tied_model(tmp_path, arch)
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())  # tied: the checkpoint holds the embedding only
@@ -69,7 +77,7 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
     trainer = None
     try:
         kinds = llm.collective_rpc("gemm_kinds")
-        assert [k["lm_head"] for k in kinds] == [gemm] * tp, kinds  # the path this case is about was taken
+        assert [k[logits] for k in kinds] == [gemm] * tp, kinds  # the path this case is about was taken
         driver = EngineSync([llm], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
         trainer = Trainer(model, plan, driver.control, tmp_path / "ckpt", save_pretrained=True)
         tokens, steps = greedy(llm), []
@@ -83,9 +91,14 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
             assert new != tokens, f"version {version} did not change the engine's tokens"
             steps.append((checkpoint, new))
             tokens = new
-        assert llm.collective_rpc("shardplan_readers") == [["lm_head"]] * tp  # found through the shared storage
-        assert [k["lm_head"] for k in llm.collective_rpc("gemm_kinds")] == [gemm] * tp
-        fresh = [fresh_tokens(checkpoint, tp, gemm) for checkpoint, _ in steps]
+        readers = [] if logits == "model.embed_tokens" else ["lm_head"]
+        assert llm.collective_rpc("shardplan_readers") == [readers] * tp  # found through the shared storage
+        kinds = llm.collective_rpc("gemm_kinds")
+        assert [k[logits] for k in kinds] == [gemm] * tp, kinds
+        if logits != "model.embed_tokens":  # only looked up: its handle was dropped and never built again
+            assert [k["model.embed_tokens"] for k in kinds] == ["deferred"] * tp, kinds
+        assert llm.collective_rpc("stale_gemms") == [[]] * tp  # every handle, built now if deferred, is current
+        fresh = [fresh_tokens(checkpoint, tp, gemm, logits) for checkpoint, _ in steps]
         for version, ((checkpoint, got), want) in enumerate(zip(steps, fresh), 1):
             assert got == want, f"version {version}: engine != fresh engine from {checkpoint}"
 
@@ -93,7 +106,7 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
         llm.collective_rpc("reload_weights", kwargs={"weights_path": steps[0][0]})
         llm.reset_prefix_cache()
         reloaded = greedy(llm)
-        if gemm == "torch":
+        if gemm == "torch" or logits == "model.embed_tokens":  # no copy, or the copy's module is loaded
             assert reloaded == fresh[0]
         else:
             assert reloaded != fresh[0], (

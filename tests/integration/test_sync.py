@@ -19,6 +19,7 @@ from sync_worlds import (
     ShardedWorld,
     StandInWorld,
     arm_corruption,
+    arm_failure,
     assert_bitwise,
     full_tensors,
     received,
@@ -46,7 +47,7 @@ from shardplan.sync import (
     build_schedule,
     checksum,
 )
-from shardplan.transport import Control, consumer_name, trainer_name
+from shardplan.transport import Control, PeerAborted, consumer_name, trainer_name
 
 
 # ---- unit tests ------------------------------------------------------------------------------------------------------
@@ -220,6 +221,59 @@ def test_corrupted_bytes_fail_the_version_by_name_and_the_next_sync_repairs():
         assert all(r[0] == "ok" for r in results.values()), results
         assert_bitwise(cluster, range(cluster.world.num_consumers))
         assert cluster.call("consumer1", state) == (2, True)
+    finally:
+        cluster.close()
+
+
+def test_a_trainer_failing_while_packing_ends_every_consumer_at_once_with_its_reason():
+    """Over gloo (the `nccl` adapter on CPU) a posted receive cannot poll the control channel, so a trainer that fails
+    between two sends (its source raised while packing) closes its pair to each consumer: every consumer's sync fails
+    with the trainer's own abort, naming it and what failed, instead of waiting out timeout_s for bytes that never
+    come (PeerTimeout, or still waiting when the driver gives up); the next version completes."""
+    timeout_s = 60.0  # far longer than the driver waits below
+    world = functools.partial(StandInWorld, num_trainers=1)
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=timeout_s, announce_timeout_s=60))
+    try:
+        cluster.call("trainer0", arm_failure, "layers.1")
+        results = cluster.sync(1, wait_s=timeout_s / 3)
+        assert results["trainer0"][0] == "error", results
+        for c in range(cluster.world.num_consumers):
+            tag, err = results[consumer_name(c)]
+            assert tag == "error" and isinstance(err, SyncFailed), (c, results)
+            cause = err.failures.get("trainer0")
+            assert isinstance(cause, PeerAborted), (c, err)
+            assert "trainer0 stopped" in str(cause) and "failed while packing layers.1" in str(cause), cause
+        cluster.call("trainer0", arm_failure, None)
+        results = cluster.sync(2)
+        assert all(r[0] == "ok" for r in results.values()), results
+        assert_bitwise(cluster, range(cluster.world.num_consumers))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize(
+    "world",
+    [PlanWorld, functools.partial(PlanWorld, refuse_direct=True), functools.partial(PlanWorld, direct_bytes=None)],
+    ids=["sent-from-trainer-tensors", "some-packed-instead", "all-packed"],
+)
+def test_direct_segments_are_sent_from_the_trainers_tensors_bitwise(world):
+    """Segments that are one contiguous range of one source go out of the trainer's tensor itself (no staging copy),
+    as messages of their own on both sides; where the packer gives no view of one (a tensor it cannot send from),
+    the same message comes out of staging. Either way the consumers' params equal the reference interpreter's,
+    bitwise."""
+    w = world()
+    planned = sum(s.nbytes for spans in w.spans.values() for g in spans.values() for s in g if s.direct)
+    assert (planned > 0) == (w.direct_bytes is not None), planned
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=20, announce_timeout_s=60))
+    try:
+        results = cluster.sync(1)
+        assert all(r[0] == "ok" for r in results.values()), results
+        direct = sum(r[1].direct_nbytes for n, r in results.items() if n.startswith("trainer"))
+        assert (0 < direct < planned) if w.refuse_direct else direct == planned, (direct, planned)
+        for c in range(w.num_consumers):
+            got, want = cluster.call(consumer_name(c), received), w.reference(c)
+            for name in want:
+                assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (c, name)
     finally:
         cluster.close()
 
