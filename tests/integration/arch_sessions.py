@@ -56,8 +56,10 @@ def shrink_overrides(name: str) -> list[str]:
             "vocab_size=300",
             *mixed,
         ]
-    if name in ("deepseek-v3", "kimi-k2"):
+    if name in ("deepseek-v3", "kimi-k2", "deepseek-v3.2"):
+        indexer = ["index_n_heads=4", "index_head_dim=32", "index_topk=16"] if name == "deepseek-v3.2" else []
         return [
+            *indexer,
             "num_hidden_layers=2",
             "first_k_dense_replace=1",
             "hidden_size=128",
