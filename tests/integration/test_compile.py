@@ -125,13 +125,22 @@ _QWEN3_NEXT = [
         (str(Path(__file__).parent / "archs" / "mamba"), ["num_hidden_layers=4"]),  # in_proj.weight: two
     ],
 )
-def test_sampled_recording_with_a_source_written_twice_into_one_param(model, overrides):
+def test_sampled_recording_with_a_source_written_twice_into_one_param(model, overrides, monkeypatch):
     """Writes that share their variables are split into groups by a hole; when that hole was the layer, each group held
     one layer and extend_layers copied layer 0's writes under layer 0's names to its whole class: the shipped
     qwen3-next-80b-a3b TP4 plan missed conv1d.weight of 31 of its 36 linear-attention layers. Such a recording is
-    exhaustive now, byte-identical to recording every layer."""
+    exhaustive now, byte-identical to recording every layer. The compiler's coalesce now merges those writes into one
+    (sampling then holds), so the guard is exercised with coalesce off; with it on, sampled == exhaustive too."""
+    from shardplan.plan.compile import simplify
     from shardplan.record.session import RecordSession
 
+    merged = RecordSession(model, Layout(tp=1), overrides=overrides)
+    got = merged.record_plans(range(1))
+    assert got.how.startswith("sampled"), got.how
+    assert merged.encode(got.body) == merged.encode(
+        RecordSession(model, Layout(tp=1), overrides=overrides).record_plans(range(1), exhaustive=True).body
+    )
+    monkeypatch.setattr(simplify, "coalesce", list)
     got = RecordSession(model, Layout(tp=1), overrides=overrides).record_plans(range(1))
     assert "holds layer 0 without layer" in got.how, got.how
     exhaustive = RecordSession(model, Layout(tp=1), overrides=overrides)
@@ -142,8 +151,10 @@ def test_sampled_recording_with_a_source_written_twice_into_one_param(model, ove
 def test_extension_that_drops_writes_falls_back_to_every_layer(monkeypatch):
     """The post-extension check alone (the sampling guard disabled) catches the qwen3-next bug: a declared param left
     without writes sends the recording back to every layer, byte-identical to exhaustive."""
+    from shardplan.plan.compile import simplify
     from shardplan.record import session as session_mod
 
+    monkeypatch.setattr(simplify, "coalesce", list)  # the writes the guard is about stay apart (as before coalesce)
     monkeypatch.setattr(session_mod, "layer_split_templates", lambda body, classes: None)
     got = session_mod.RecordSession("qwen3-next-80b-a3b", Layout(tp=2), overrides=_QWEN3_NEXT).record_plans(range(2))
     assert "extension check failed" in got.how and "conv1d.weight" in got.how, got.how
