@@ -27,6 +27,17 @@ _KIMI_LINEAR_LAYERS = {
 }
 
 # SGLang reads the per-layer MoE flags; transformers' class has mlp_layer_types instead (tiny.py shrinks them alike)
+# LongCat-Flash's MLA and zero-expert keys, shared by its n-gram sibling (LongCat-Flash-Lite)
+_LONGCAT_FLASH = {
+    "attention_method": "MLA",
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+    "zero_expert_type": "identity",
+    "zero_expert_num": 1,
+    "norm_topk_prob": True,
+    "attention_bias": False,
+}
+
 _K_EXAONE = {
     "source": "LGAI-EXAONE/K-EXAONE-236B-A23B config.json (is_moe_layer as in a public test's EXAONE_MOE_CONFIG "
     "quoting the hub file: the first layer dense, the other 47 MoE)",
@@ -106,28 +117,14 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
     "LongcatFlashForCausalLM": {
         "source": "meituan-longcat/LongCat-Flash-Chat config.json (the MLA and zero-expert keys, as in public copies: "
         "a Swift kLongcatFlashConfigJSON fixture, an unsloth test quoting a LongCat config verbatim)",
-        "fields": {
-            "attention_method": "MLA",
-            "mla_scale_q_lora": True,
-            "mla_scale_kv_lora": True,
-            "zero_expert_type": "identity",
-            "zero_expert_num": 1,
-            "norm_topk_prob": True,
-            "attention_bias": False,
-        },
+        "fields": _LONGCAT_FLASH,
     },
     "LongcatFlashNgramForCausalLM": {
         "source": "meituan-longcat/LongCat-Flash-Lite config.json (LongCat-Flash's MLA and zero-expert keys as above; "
         "the n-gram embedding keys as in public copies: an n-gram fixture generator quoting 'config.json @ HF main' "
         "(vocab 131072, hidden 3072, ratio 78, N=4, K=4, eos 2), a harness test writing the same values)",
         "fields": {
-            "attention_method": "MLA",
-            "mla_scale_q_lora": True,
-            "mla_scale_kv_lora": True,
-            "zero_expert_type": "identity",
-            "zero_expert_num": 1,
-            "norm_topk_prob": True,
-            "attention_bias": False,
+            **_LONGCAT_FLASH,
             "ngram_vocab_size_ratio": 78,
             "emb_neighbor_num": 4,
             "emb_split_num": 4,

@@ -24,6 +24,13 @@ BUILTINS = [short for short, _, _ in models.list_models() if not short.endswith(
 EXTRAS = archs.extra_names()
 ALL_ARCHS = BUILTINS + EXTRAS
 
+# the shrunk Gated DeltaNet (linear attention) of Qwen3-Next and Qwen3.5
+_GATED_DELTANET = [
+    "linear_num_key_heads=4",
+    "linear_num_value_heads=8",
+    "linear_key_head_dim=32",
+    "linear_value_head_dim=32",
+]
 _GQA = ["hidden_size=128", "num_attention_heads=4", "num_key_value_heads=2"]
 
 
@@ -102,10 +109,7 @@ def shrink_overrides(name: str) -> list[str]:
             "shared_expert_intermediate_size=64",
             "num_experts=4",
             "num_experts_per_tok=2",
-            "linear_num_key_heads=4",
-            "linear_num_value_heads=8",
-            "linear_key_head_dim=32",
-            "linear_value_head_dim=32",
+            *_GATED_DELTANET,
             "vocab_size=300",
         ]
     if name in ("glm-4.5", "glm-4.6"):
@@ -186,10 +190,7 @@ def shrink_overrides(name: str) -> list[str]:
                 "shared_expert_intermediate_size=64",
                 "num_experts=8",
                 "num_experts_per_tok=2",
-                "linear_num_key_heads=4",
-                "linear_num_value_heads=8",
-                "linear_key_head_dim=32",
-                "linear_value_head_dim=32",
+                *_GATED_DELTANET,
                 "vocab_size=300",
             )
         ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -93,51 +94,19 @@ def test_extend_attention_mla_prefill_has_no_prefix_and_refuses_one():
         torch.randn(5, 4, 16, generator=gen),
     )
     latent = torch.randn(64, 1, 48, generator=gen)  # MLA cache: one latent head, not k_extend's 4
-    o = torch.empty(5, 4, 16)
-    args = (latent, latent[..., :32], 1.0, 1.0, torch.arange(64).reshape(4, 16), torch.tensor([0]))
-    OPS.extend_attention_cpu(
-        q,
-        k,
-        v,
-        o,
-        *args,
-        torch.tensor([5]),
-        torch.tensor([5]),
-        torch.tensor([0]),
-        5,
-        0.2,
-        0.0,
-        False,
-        0,
-        None,
-        None,
-        None,
-        True,
-    )
-    torch.testing.assert_close(o, reference(q, k, v, 0.2, 0))
-    try:
+    o = torch.full((5, 4, 16), float("nan"))
+
+    def prefill(seq_len: int) -> None:  # one request of 5 new tokens; seq_len > 5 means a cached prefix
+        cache = (latent, latent[..., :32], 1.0, 1.0, torch.arange(64).reshape(4, 16), torch.tensor([0]))
+        flags = (0.2, 0.0, False, 0, None, None, None, True)
         OPS.extend_attention_cpu(
-            q,
-            k,
-            v,
-            o,
-            *args,
-            torch.tensor([7]),
-            torch.tensor([5]),
-            torch.tensor([0]),
-            5,
-            0.2,
-            0.0,
-            False,
-            0,
-            None,
-            None,
-            None,
-            True,
+            q, k, v, o, *cache, torch.tensor([seq_len]), torch.tensor([5]), torch.tensor([0]), 5, *flags
         )
-        raise AssertionError("an MLA prefix was accepted")
-    except NotImplementedError as e:
-        assert "MLA with a cached prefix" in str(e)
+
+    prefill(5)
+    torch.testing.assert_close(o, reference(q, k, v, 0.2, 0))
+    with pytest.raises(NotImplementedError, match="MLA with a cached prefix"):
+        prefill(7)
 
 
 @settings(max_examples=20, deadline=None)
