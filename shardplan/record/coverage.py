@@ -29,11 +29,14 @@ import copy
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,7 +63,76 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
         "(vllm-project/vllm issue 49004; vLLM's regression test for it quotes this KeyError)",
     ),
 }
+
+
+@dataclass(frozen=True)
+class VllmPadding:
+    """Rows of a param that vLLM allocates as padding, never loads (its own loader leaves them as allocated) and never
+    reads into a result: the one kind of element no checkpoint tensor may leave unwritten in a passing row."""
+
+    params: str  # a regex the param's name fullmatches
+    what: str  # the padding, for the row's detail
+    rows: Callable[[torch.nn.Module, str], tuple[int, int]]  # (vLLM's model, the param's name) -> its rows [lo, hi)
+    cite: str  # the vLLM source it rests on
+
+
+def _ngram_vocab_padding(model: torch.nn.Module, name: str) -> tuple[int, int]:
+    shard = model.get_submodule(name.rpartition(".")[0]).shard_indices
+    return shard.num_org_elements, shard.num_org_elements_padded
+
+
+def _hyper_connection_pad_rows(model: torch.nn.Module, name: str) -> tuple[int, int]:
+    hc = model.get_submodule(name.rpartition(".")[0].rpartition(".")[0])
+    return hc.lora_rank + hc.hc_count, hc.lora_rank + hc.hc_count + hc.pad_size
+
+
+# Per architecture, the padding vLLM allocates and its loader leaves as allocated (cited): a row passes with such
+# elements unwritten only inside exactly these rows (of vLLM's own numbers, on the model it built), and says so; any
+# other element no listed checkpoint tensor writes is the sweep's FAIL.
+VLLM_PADDING: dict[str, tuple[VllmPadding, ...]] = {
+    "LongcatFlashNgramForCausalLM": (
+        VllmPadding(
+            r"model\.ngram_embeddings\.oe_embedder\.weight",
+            "the n-gram table's vocabulary padding rows",
+            _ngram_vocab_padding,
+            "vllm/model_executor/models/longcat_flash_ngram.py:86 builds oe_embedder as a VocabParallelEmbedding of "
+            "the concatenated tables' size, which pads each rank's rows to a multiple of 64; "
+            "NgramEmbedding.load_weight (:118-140) copies only the tables' rows, bypassing "
+            "VocabParallelEmbedding.weight_loader's zero-fill of the padding (vocab_parallel_embedding.py:520); "
+            "n-gram ids are always below the tables' size, so the padding rows are never looked up",
+        ),
+    ),
+    "Qwen4ExpForCausalLM": (
+        VllmPadding(
+            r"model\..*hyper_connection\.input_mix_weight_down_block_inject\.weight",
+            "the merged hyper-connection down+inject projection's pad rows",
+            _hyper_connection_pad_rows,
+            "vllm/models/qwen4_exp/nvidia/hyperconnection.py:96-108: the merged [hc_lowrank, hc_count] projection "
+            "gets pad_size = -(hc_lowrank + hc_count) % 16 extra output rows ('physically padded to 16 rows' for "
+            "cuBLAS), which no checkpoint tensor maps to (its stacked_params_mapping, :160-170, loads shards 0 and 1 "
+            "only); _down_and_inject (:150-159) splits their outputs off and drops them",
+        ),
+    ),
+}
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
+
+
+def unwritten_elements(arch: str, model: torch.nn.Module, verdict: RankVerdict) -> tuple[dict, dict]:
+    """verdict.undefined split in two: {param: (elements, numel)} that no listed checkpoint tensor writes outside the
+    padding VLLM_PADDING names for `arch` (the row's FAIL), and {param: (elements, numel, what)} inside it."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    failing, padding = {}, {}
+    for name, (nan, numel) in verdict.undefined.items():
+        entry = next((e for e in VLLM_PADDING.get(arch, ()) if re.fullmatch(e.params, name)), None)
+        if entry is not None:
+            lo, hi = entry.rows(model, name)
+            row = numel // tensors[name].shape[0]
+            if all(lo * row <= a and b <= hi * row for a, b in verdict.undefined_ranges[name]):
+                padding[name] = (nan, numel, entry.what)
+                continue
+        failing[name] = (nan, numel)
+    return failing, padding
 
 
 def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
@@ -80,7 +152,14 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
             )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
-        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": [], "undefined": []}
+        result = {
+            "ranks": layout.world_size,
+            "equal": 0,
+            "fallbacks": [],
+            "mismatched": [],
+            "undefined": {},  # param -> [elements, numel] no listed tensor writes (outside VLLM_PADDING), first rank
+            "padding": {},  # VLLM_PADDING's what -> [params, elements, numel] over the ranks, left as allocated
+        }
         for rank in range(layout.world_size):
             # vLLM's own build first: where it fails on a config with the public field set, this layout cannot
             # run on this machine at all
@@ -142,9 +221,15 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             compare_models(real, replayed, verdict)
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
-            # a parameter no listed tensor writes at all: the listing lacks tensors the checkpoint has (DeepSeek-V3.2's
-            # indexer under DeepseekV3Config); padding no checkpoint defines (Kimi-Linear) is only part of a param
-            result["undefined"] += [n for n, (nan, numel) in verdict.undefined.items() if nan == numel]
+            # any element no listed tensor writes, whole params (the listing lacks tensors the checkpoint has:
+            # DeepSeek-V3.2's indexer under DeepseekV3Config) or parts (vLLM sizes it from a field the tiny config
+            # leaves unshrunk), unless it is padding vLLM allocates and never loads (VLLM_PADDING, cited)
+            failing, padding = unwritten_elements(arch, real, verdict)
+            for name, counts in failing.items():
+                result["undefined"].setdefault(name, list(counts))
+            for nan, numel, what in padding.values():
+                total = result["padding"].setdefault(what, [0, 0, 0])
+                total[0], total[1], total[2] = total[0] + 1, total[1] + nan, total[2] + numel
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -159,16 +244,37 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
-    undefined = sorted({n for r in done for n in r.get("undefined", ())})
+    undefined = {  # each param at the first layout that leaves it unwritten
+        n: (tag, nan, numel)
+        for tag, r in reversed(row["layouts"].items())
+        for n, (nan, numel) in r.get("undefined", {}).items()
+    }
     if undefined:
+        shown = [
+            f"{n} ({'every element' if nan == numel else f'{nan} of {numel} elements'} at {tag})"
+            for n, (tag, nan, numel) in sorted(undefined.items())[:4]
+        ]
         return dict(
             row,
             status="FAIL",
-            reason=f"no listed checkpoint tensor writes any element of {undefined[:5]} (vLLM's loader leaves them "
-            f"as allocated too): the listing lacks tensors the model's checkpoint has, or vLLM's loader drops one it "
-            f"is given",
+            reason=f"no listed checkpoint tensor writes {'; '.join(shown)}"
+            + (f" and {len(undefined) - 4} more params" if len(undefined) > 4 else "")
+            + " (vLLM's loader leaves them as allocated too): the listing lacks tensors the model's checkpoint has, "
+            "vLLM sizes the param from a field the tiny config does not shrink as the checkpoint's class does, or "
+            "vLLM's loader drops a tensor it is given; only padding vLLM itself allocates and never loads "
+            "(coverage.VLLM_PADDING, cited) may stay unwritten",
         )
+    row["padding"] = _padding_summary(row["layouts"])
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
+
+
+def _padding_summary(layouts: dict) -> list[str]:
+    """Per VLLM_PADDING kind, the elements of it each layout's ranks left unwritten (the row's detail)."""
+    kinds: dict[str, list[str]] = {}
+    for tag, r in layouts.items():
+        for what, (params, nan, numel) in r.get("padding", {}).items():
+            kinds.setdefault(what, []).append(f"{tag}: {nan} of {numel} elements of {params} params over its ranks")
+    return [f"{what} ({', '.join(where)})" for what, where in kinds.items()]
 
 
 def _copy_or_build(model, session, layout, rank):
@@ -371,6 +477,10 @@ def _cells(r: dict) -> tuple[str, str]:
         for tag, v in r.get("layouts", {}).items()
     )
     detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
+    if r.get("padding"):  # a passing row's exempted padding (VLLM_PADDING): named, never silent
+        detail = "; ".join(
+            [detail] * bool(detail) + ["vLLM's own padding, left unwritten by its loader: " + "; ".join(r["padding"])]
+        )
     return layouts, detail.replace("|", "\\|")
 
 

@@ -15,6 +15,7 @@ import torch
 
 from shardplan.plan import interp, ir
 from shardplan.plan.layout import Layout
+from shardplan.plan.unwritten import unwritten_runs
 from shardplan.record.build import build_model, loading_context
 
 
@@ -27,6 +28,8 @@ class RankVerdict:
     # name -> (elements, of numel) no checkpoint tensor defines: vLLM's loader leaves them as allocated (padding such
     # as Kimi-Linear's expert intermediate at TP > 1 without EP), and the plan does not write them either
     undefined: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # name -> which elements those are: flat element ranges of the contiguous param, as plan.unwritten derives them
+    undefined_ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # the unwritten ones that are buffers vLLM computes when it builds the model (attention _k_scale/_v_scale, rotary
     # tables): initialised at construction, which neither the loader nor a plan repeats
     constructed: list[str] = field(default_factory=list)
@@ -75,7 +78,9 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             if name in buffers:
                 verdict.constructed.append(name)
             else:
-                verdict.undefined[name] = (int(torch.isnan(t).sum()), t.numel())
+                nan = torch.isnan(t).flatten()
+                verdict.undefined[name] = (int(nan.sum()), t.numel())
+                verdict.undefined_ranges[name] = unwritten_runs((~nan).numpy())
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:
