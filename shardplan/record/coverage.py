@@ -9,8 +9,10 @@ recorded plan (plus the real loader for fallback tensors only) on the other, eve
 buffer compared bitwise. A worker process runs the architectures one after another and is replaced when one hangs
 for --timeout seconds or crashes, so a hang or a crash costs one row.
 
-Verdicts: pass (bitwise equal on every rank, no fallback), fallback (bitwise equal, but the named tensors went through
-the real loader), FAIL (the recorder or the replay is wrong: a shardplan bug), or cannot run here with the exact
+Verdicts: pass (bitwise equal on every rank, no fallback, and every element of every param written by some listed
+checkpoint tensor, bar the padding vLLM allocates and never loads that VLLM_PADDING names with its vLLM source: the
+row says which), fallback (bitwise equal, but the named tensors went through the real loader), FAIL (the recorder, the
+replay, the listing or the tiny config is wrong: shardplan's), or cannot run here with the exact
 reason (no config class outside remote code, transformers cannot build it, vLLM refuses the config, vLLM's own loader
 fails on this machine, timeout). Results go to a JSON-lines file (one line per architecture, resumable: --resume
 skips architectures already in it) and are rendered to docs/coverage.md. docs/coverage-results.jsonl keeps the rows
@@ -432,7 +434,9 @@ def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = Non
         "(`shardplan/record/tiny.py`, `publicfields.py`, sources in docs/configs.md); every rank at TP 1, 2 and 4 "
         "(expert parallelism on at TP > 1 for models with experts) is recorded and replayed, and compared bitwise with "
         "vLLM's real `load_weights` (destination parameters poisoned with NaN). FAIL is anything that is shardplan's "
-        "(its tiny config, its checkpoint listing, vLLM's loader refusing the listed checkpoint, a replay differing); "
+        "(its tiny config, its checkpoint listing, vLLM's loader refusing the listed checkpoint, a replay differing, "
+        "any element of any param that no listed checkpoint tensor writes, other than padding vLLM itself allocates "
+        "and never loads, each kind cited in `coverage.VLLM_PADDING` and named in its row's detail); "
         "models are built as the GPU engine a plan is for builds them where vLLM's CPU build refuses one only for "
         "lack of a kernel (sparse attention, a non-gated MoE, FlashAttention, Triton: "
         "`build.gpu_kernel_refusals_answered`, docs/recording.md); "
