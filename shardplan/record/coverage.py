@@ -275,7 +275,8 @@ def _padding_summary(layouts: dict) -> list[str]:
     kinds: dict[str, list[str]] = {}
     for tag, r in layouts.items():
         for what, (params, nan, numel) in r.get("padding", {}).items():
-            kinds.setdefault(what, []).append(f"{tag}: {nan} of {numel} elements of {params} params over its ranks")
+            of = f"{params} param{'s' * (params > 1)}"
+            kinds.setdefault(what, []).append(f"{tag}: {nan} of the {numel} elements of {of} over its ranks")
     return [f"{what} ({', '.join(where)})" for what, where in kinds.items()]
 
 

@@ -43,7 +43,7 @@ def test_vllm_padding_passes_only_inside_its_cited_rows(tmp_path, monkeypatch):
     row = coverage.run_architecture(arch, tmp_path, tps=(1,))
     assert row["status"] == "pass", row
     assert row["padding"] == [
-        "the n-gram table's vocabulary padding rows (tp1: 160 of 2809600 elements of 1 params over its ranks)"
+        "the n-gram table's vocabulary padding rows (tp1: 160 of the 2809600 elements of 1 param over its ranks)"
     ]
     layouts, detail = coverage._cells(row)
     assert "vLLM's own padding, left unwritten by its loader: the n-gram table's vocabulary padding" in detail
