@@ -48,7 +48,14 @@ from shardplan.record.build import LayoutRejected, build_model, loading_context
 from shardplan.record.session import RecordSession
 from shardplan.record.sglang import coverage as sglang_coverage
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start, text_decoder_architectures
-from shardplan.record.verify import RankVerdict, add_created_params, compare_models, poison, random_checkpoint
+from shardplan.record.verify import (
+    RankVerdict,
+    add_created_params,
+    compare_models,
+    poison,
+    random_checkpoint,
+    undefined_reason,
+)
 
 __all__ = ["run_architecture", "render", "main"]
 
@@ -246,25 +253,13 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
-    undefined = {  # each param at the first layout that leaves it unwritten
-        n: (tag, nan, numel)
-        for tag, r in reversed(row["layouts"].items())
-        for n, (nan, numel) in r.get("undefined", {}).items()
-    }
+    undefined = undefined_reason(row["layouts"], "vLLM")
     if undefined:
-        shown = [
-            f"{n} ({'every element' if nan == numel else f'{nan} of {numel} elements'} at {tag})"
-            for n, (tag, nan, numel) in sorted(undefined.items())[:4]
-        ]
         return dict(
             row,
             status="FAIL",
-            reason=f"no listed checkpoint tensor writes {'; '.join(shown)}"
-            + (f" and {len(undefined) - 4} more params" if len(undefined) > 4 else "")
-            + " (vLLM's loader leaves them as allocated too): the listing lacks tensors the model's checkpoint has, "
-            "vLLM sizes the param from a field the tiny config does not shrink as the checkpoint's class does, or "
-            "vLLM's loader drops a tensor it is given; only padding vLLM itself allocates and never loads "
-            "(coverage.VLLM_PADDING, cited) may stay unwritten",
+            reason=undefined + "; only padding vLLM itself allocates and never loads (coverage.VLLM_PADDING, cited) "
+            "may stay unwritten",
         )
     row["padding"] = _padding_summary(row["layouts"])
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])

@@ -78,9 +78,37 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             if name in buffers:
                 verdict.constructed.append(name)
             else:
-                nan = torch.isnan(t).flatten()
-                verdict.undefined[name] = (int(nan.sum()), t.numel())
-                verdict.undefined_ranges[name] = unwritten_runs((~nan).numpy())
+                note_undefined(verdict, name, t)
+
+
+def note_undefined(verdict: RankVerdict, name: str, t: torch.Tensor) -> None:
+    """Which elements of param `name` the real loader left NaN-poisoned (no checkpoint tensor wrote them)."""
+    nan = torch.isnan(t).flatten()
+    verdict.undefined[name] = (int(nan.sum()), t.numel())
+    verdict.undefined_ranges[name] = unwritten_runs((~nan).numpy())
+
+
+def undefined_reason(layouts: dict, engine: str) -> str:
+    """A coverage row's FAIL reason for the params its layouts' "undefined" ({param: [elements, numel]}) name, each
+    at the first layout that leaves it unwritten; "" where none."""
+    undefined = {
+        n: (tag, nan, numel)
+        for tag, r in reversed(layouts.items())
+        for n, (nan, numel) in r.get("undefined", {}).items()
+    }
+    if not undefined:
+        return ""
+    shown = [
+        f"{n} ({'every element' if nan == numel else f'{nan} of {numel} elements'} at {tag})"
+        for n, (tag, nan, numel) in sorted(undefined.items())[:4]
+    ]
+    return (
+        f"no listed checkpoint tensor writes {'; '.join(shown)}"
+        + (f" and {len(undefined) - 4} more params" if len(undefined) > 4 else "")
+        + f" ({engine}'s loader leaves them as allocated too): the listing lacks tensors the model's checkpoint has, "
+        f"{engine} sizes the param from a field the tiny config does not shrink as the checkpoint's class does, or "
+        f"{engine}'s loader drops a tensor it is given"
+    )
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:

@@ -9,8 +9,9 @@ with experts), every rank is recorded with SGLang's own loader (SglangRecordSess
 plan (then SGLang's `post_load_weights`) on the other; every parameter, buffer and tensor attribute compared bitwise.
 Verdicts as vLLM's: "cannot" only where SGLang itself refuses the config or layout or fails to build the model (its
 error quoted), or its own loader fails on the real checkpoint names with a cited bug (SGLANG_LOADER_BUGS: that layout
-only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error
-or a differing replay is FAIL.
+only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error,
+a differing replay or any element of a parameter that no listed tensor writes (the same rule as vLLM's rows; no
+SGLang padding is exempted) is FAIL.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession, sglang_version
 from shardplan.record.sglang.verify import loaded_by_sglang, replayed_by_plan, verify_models
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start
-from shardplan.record.verify import random_checkpoint
+from shardplan.record.verify import random_checkpoint, undefined_reason
 
 __all__ = ["text_decoder_architectures", "run_architecture", "versions"]
 
@@ -112,7 +113,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
             )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
-        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
+        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": [], "undefined": {}}
         for rank in range(layout.world_size):
             try:  # SGLang's own build first: where it fails, this layout cannot run here at all
                 session.builder.build(rank, "meta")
@@ -151,6 +152,8 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             verdict = verify_models(real, replayed, rank)
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
+            for name, counts in verdict.undefined.items():  # any element no listed tensor writes, as vLLM's rows
+                result["undefined"].setdefault(name, list(counts))
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -165,4 +168,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
+    undefined = undefined_reason(row["layouts"], "SGLang")
+    if undefined:
+        return dict(row, status="FAIL", reason=undefined)
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:800])
