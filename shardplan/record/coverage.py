@@ -31,14 +31,11 @@ import copy
 import importlib.metadata
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -49,11 +46,15 @@ from shardplan.record.session import RecordSession
 from shardplan.record.sglang import coverage as sglang_coverage
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start, text_decoder_architectures
 from shardplan.record.verify import (
+    Padding,
     RankVerdict,
     add_created_params,
     compare_models,
+    note_padding,
+    padding_summary,
     poison,
     random_checkpoint,
+    split_unwritten,
     undefined_reason,
 )
 
@@ -74,17 +75,6 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
 }
 
 
-@dataclass(frozen=True)
-class VllmPadding:
-    """Rows of a param that vLLM allocates as padding, never loads (its own loader leaves them as allocated) and never
-    reads into a result: the one kind of element no checkpoint tensor may leave unwritten in a passing row."""
-
-    params: str  # a regex the param's name fullmatches
-    what: str  # the padding, for the row's detail
-    rows: Callable[[torch.nn.Module, str], tuple[int, int]]  # (vLLM's model, the param's name) -> its rows [lo, hi)
-    cite: str  # the vLLM source it rests on
-
-
 def _ngram_vocab_padding(model: torch.nn.Module, name: str) -> tuple[int, int]:
     shard = model.get_submodule(name.rpartition(".")[0]).shard_indices
     return shard.num_org_elements, shard.num_org_elements_padded
@@ -98,9 +88,9 @@ def _hyper_connection_pad_rows(model: torch.nn.Module, name: str) -> tuple[int, 
 # Per architecture, the padding vLLM allocates and its loader leaves as allocated (cited): a row passes with such
 # elements unwritten only inside exactly these rows (of vLLM's own numbers, on the model it built), and says so; any
 # other element no listed checkpoint tensor writes is the sweep's FAIL.
-VLLM_PADDING: dict[str, tuple[VllmPadding, ...]] = {
+VLLM_PADDING: dict[str, tuple[Padding, ...]] = {
     "LongcatFlashNgramForCausalLM": (
-        VllmPadding(
+        Padding(
             r"model\.ngram_embeddings\.oe_embedder\.weight",
             "the n-gram table's vocabulary padding rows",
             _ngram_vocab_padding,
@@ -112,7 +102,7 @@ VLLM_PADDING: dict[str, tuple[VllmPadding, ...]] = {
         ),
     ),
     "Qwen4ExpForCausalLM": (
-        VllmPadding(
+        Padding(
             r"model\..*hyper_connection\.input_mix_weight_down_block_inject\.weight",
             "the merged hyper-connection down+inject projection's pad rows",
             _hyper_connection_pad_rows,
@@ -124,24 +114,6 @@ VLLM_PADDING: dict[str, tuple[VllmPadding, ...]] = {
     ),
 }
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
-
-
-def unwritten_elements(arch: str, model: torch.nn.Module, verdict: RankVerdict) -> tuple[dict, dict]:
-    """verdict.undefined split in two: {param: (elements, numel)} that no listed checkpoint tensor writes outside the
-    padding VLLM_PADDING names for `arch` (the row's FAIL), and {param: (elements, numel, what)} inside it."""
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    failing, padding = {}, {}
-    for name, (nan, numel) in verdict.undefined.items():
-        entry = next((e for e in VLLM_PADDING.get(arch, ()) if re.fullmatch(e.params, name)), None)
-        if entry is not None:
-            lo, hi = entry.rows(model, name)
-            row = numel // tensors[name].shape[0]
-            if all(lo * row <= a and b <= hi * row for a, b in verdict.undefined_ranges[name]):
-                padding[name] = (nan, numel, entry.what)
-                continue
-        failing[name] = (nan, numel)
-    return failing, padding
 
 
 def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
@@ -167,7 +139,6 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             "fallbacks": [],
             "mismatched": [],
             "undefined": {},  # param -> [elements, numel] no listed tensor writes (outside VLLM_PADDING), first rank
-            "padding": {},  # VLLM_PADDING's what -> [params, elements, numel] over the ranks, left as allocated
         }
         for rank in range(layout.world_size):
             # vLLM's own build first: where it fails on a config with the public field set, this layout cannot
@@ -233,12 +204,10 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             # any element no listed tensor writes, whole params (the listing lacks tensors the checkpoint has:
             # DeepSeek-V3.2's indexer under DeepseekV3Config) or parts (vLLM sizes it from a field the tiny config
             # leaves unshrunk), unless it is padding vLLM allocates and never loads (VLLM_PADDING, cited)
-            failing, padding = unwritten_elements(arch, real, verdict)
+            failing, padding = split_unwritten(VLLM_PADDING.get(arch, ()), real, verdict)
             for name, counts in failing.items():
                 result["undefined"].setdefault(name, list(counts))
-            for nan, numel, what in padding.values():
-                total = result["padding"].setdefault(what, [0, 0, 0])
-                total[0], total[1], total[2] = total[0] + 1, total[1] + nan, total[2] + numel
+            note_padding(result, padding)
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -261,18 +230,8 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             reason=undefined + "; only padding vLLM itself allocates and never loads (coverage.VLLM_PADDING, cited) "
             "may stay unwritten",
         )
-    row["padding"] = _padding_summary(row["layouts"])
+    row["padding"] = padding_summary(row["layouts"])
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
-
-
-def _padding_summary(layouts: dict) -> list[str]:
-    """Per VLLM_PADDING kind, the elements of it each layout's ranks left unwritten (the row's detail)."""
-    kinds: dict[str, list[str]] = {}
-    for tag, r in layouts.items():
-        for what, (params, nan, numel) in r.get("padding", {}).items():
-            of = f"{params} param{'s' * (params > 1)}"
-            kinds.setdefault(what, []).append(f"{tag}: {nan} of the {numel} elements of {of} over its ranks")
-    return [f"{what} ({', '.join(where)})" for what, where in kinds.items()]
 
 
 def _copy_or_build(model, session, layout, rank):

@@ -175,6 +175,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
     # (linear, linear, full): the interval that gives the same
     "Qwen3NextForCausalLM": {"full_attention_interval": 3},
+    "Qwen3_5ForCausalLM": {"full_attention_interval": 3},  # the same for Qwen3.5 (SGLang's Qwen3_5 configs)
+    "Qwen3_5MoeForCausalLM": {"full_attention_interval": 3},
     # the published is_moe_layer (48 layers) as the shrunk mlp_layer_types (dense, sparse, sparse)
     "ExaoneMoEForCausalLM": {"is_moe_layer": [False, True, True]},
     "ExaoneMoeForCausalLM": {"is_moe_layer": [False, True, True]},

@@ -8,8 +8,9 @@ incomplete plan cannot pass.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -109,6 +110,52 @@ def undefined_reason(layouts: dict, engine: str) -> str:
         f"{engine} sizes the param from a field the tiny config does not shrink as the checkpoint's class does, or "
         f"{engine}'s loader drops a tensor it is given"
     )
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Rows of a param that the engine allocates as padding, never loads (its own loader leaves them as allocated)
+    and never reads into a result: the one kind of element no checkpoint tensor may leave unwritten in a passing
+    coverage row (coverage.VLLM_PADDING, sglang.coverage.SGLANG_PADDING: each cited)."""
+
+    params: str  # a regex the param's name fullmatches
+    what: str  # the padding, for the row's detail
+    rows: Callable[[torch.nn.Module, str], tuple[int, int]]  # (the engine's model, the param's name) -> rows [lo, hi)
+    cite: str  # the engine source it rests on
+
+
+def split_unwritten(entries, model: torch.nn.Module, verdict: RankVerdict) -> tuple[dict, dict]:
+    """verdict.undefined split in two: {param: (elements, numel)} that no listed checkpoint tensor writes outside the
+    padding `entries` name (the row's FAIL), and {param: (elements, numel, what)} inside exactly their rows."""
+    tensors = dict(model.named_parameters())
+    failing, padding = {}, {}
+    for name, (nan, numel) in verdict.undefined.items():
+        entry = next((e for e in entries if re.fullmatch(e.params, name)), None)
+        if entry is not None:
+            lo, hi = entry.rows(model, name)
+            row = numel // tensors[name].shape[0]
+            if all(lo * row <= a and b <= hi * row for a, b in verdict.undefined_ranges[name]):
+                padding[name] = (nan, numel, entry.what)
+                continue
+        failing[name] = (nan, numel)
+    return failing, padding
+
+
+def note_padding(result: dict, padding: dict) -> None:
+    """Add a rank's exempted padding to its layout's result: what -> [params, elements, numel] over the ranks."""
+    for nan, numel, what in padding.values():
+        total = result.setdefault("padding", {}).setdefault(what, [0, 0, 0])
+        total[0], total[1], total[2] = total[0] + 1, total[1] + nan, total[2] + numel
+
+
+def padding_summary(layouts: dict) -> list[str]:
+    """Per kind of exempted padding, the elements of it each layout's ranks left unwritten (the row's detail)."""
+    kinds: dict[str, list[str]] = {}
+    for tag, r in layouts.items():
+        for what, (params, nan, numel) in r.get("padding", {}).items():
+            of = f"{params} param{'s' * (params > 1)}"
+            kinds.setdefault(what, []).append(f"{tag}: {nan} of the {numel} elements of {of} over its ranks")
+    return [f"{what} ({', '.join(where)})" for what, where in kinds.items()]
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:

@@ -46,7 +46,10 @@ def test_vllm_padding_passes_only_inside_its_cited_rows(tmp_path, monkeypatch):
         "the n-gram table's vocabulary padding rows (tp1: 160 of the 2809600 elements of 1 param over its ranks)"
     ]
     layouts, detail = coverage._cells(row)
-    assert "vLLM's own padding, left unwritten by its loader: the n-gram table's vocabulary padding" in detail
+    assert (
+        "padding the engine allocates and its loader leaves unwritten (cited): the n-gram table's vocabulary padding"
+        in detail
+    )
     (entry,) = coverage.VLLM_PADDING[arch]
     assert re.search(r"\.py:\d+", entry.cite)
     # one row short of vLLM's padding: the element left over is a FAIL, with its count
