@@ -172,10 +172,10 @@ class QuantizingReplayer:
         # columnar (runtime/quantplan.py): tensors by id, names only where a caller asks
         ids, cols = quantplan.common_ids(self.plans, sources)
         reads = quantplan.plan_reads(ids, cols)
-        read = np.unique(np.concatenate([reads.src, np.asarray(sorted(reads.whole), dtype=np.int64)]))
+        read = quantplan.distinct(reads.src, np.asarray(sorted(reads.whole), dtype=np.int64))
         weight_of = ids.renamed(read, quantplan.drop_scale)
         # the quantized weights: fp8 [rows, cols] tensors with a scale table, read themselves or through their scales
-        cand = np.unique(np.concatenate([read, weight_of[weight_of >= 0]]))
+        cand = quantplan.distinct(read, weight_of)
         cand_scale = ids.renamed(cand, quantplan.add_scale)
         rows, cols_, two, dtype = quantplan.metas(ids, sources, cand)
         s_rows, s_cols, s_two, _ = quantplan.metas(ids, sources, np.maximum(cand_scale, 0))

@@ -117,6 +117,16 @@ def _with_src(c: WriteColumns, src, offset, src_class, src_table, computed, ids:
     )
 
 
+def distinct(*ids: np.ndarray) -> np.ndarray:
+    """The distinct non-negative ids of the arrays, sorted (one mask over the id range, no sort)."""
+    ids = [np.asarray(a, dtype=np.int64) for a in ids]
+    top = max([int(a.max()) for a in ids if len(a)] + [-1])
+    seen = np.zeros(top + 1, dtype=bool)
+    for a in ids:
+        seen[a[a >= 0]] = True
+    return np.flatnonzero(seen)
+
+
 def metas(ids: SourceIds, sources: Mapping[str, ir.TensorMeta], which: np.ndarray):
     """(rows, cols, 2-D, dtype name) per id (rows/cols 0 where the tensor is not 2-D or `sources` lacks it)."""
     if isinstance(ids, TableSourceIds) and sources is ids.table:
@@ -250,10 +260,12 @@ def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
     """Index of the first read (key, block rows [r0, r1), block cols [c0, c1)) whose blocks are not all inside the
     union of the scale reads (boxes in blocks) of the same key; -1 when every block is covered. One segmented pass:
     the scale boxes are cut into block rows, and each row's column intervals must chain from c0 to c1."""
+    # the scale reads of each key: by key as CSR (keys are small non-negative ints: a count, no search)
     order = np.argsort(scale_keys, kind="stable")
-    sk = scale_keys[order]
-    lo, hi = np.searchsorted(sk, keys, "left"), np.searchsorted(sk, keys, "right")
-    count = hi - lo
+    top = int(max(keys.max(initial=-1), scale_keys.max(initial=-1))) + 1
+    per_key = np.bincount(scale_keys, minlength=top)
+    count = per_key[keys]
+    lo = (np.cumsum(per_key) - per_key)[keys]
     pair_i = np.repeat(np.arange(len(keys)), count)
     pair_j = order[np.repeat(lo, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)]
     a = np.maximum(rows[0][pair_i], scale_rows[0][pair_j])
