@@ -200,10 +200,8 @@ class QuantizingReplayer:
         ]
         order = np.argsort(override[0], kind="stable")
         staged = quantplan.StagedIds(ids, sources, [x[order] for x in override])
-        rebased = quantplan.rebased_plans(
-            self.plans, cols, staged, reads, self._read_boxes, self._moved, self._rebase_view
-        )
-        del self._moved, self._read_boxes
+        rebased = quantplan.rebased_plans(self.plans, cols, staged, reads, self._steps, self._moved, self._rebase_view)
+        del self._moved, self._steps
         self.inner = Replayer(rebased, staged.table, layout=layout, **replayer_options)
         self.plans = self.inner.plans  # the rebased plans (same params, writes and source names)
         self._groups: dict[str, QuantizingReplayer] = {}
@@ -224,33 +222,24 @@ class QuantizingReplayer:
         mine = np.flatnonzero(kk >= 0)
         kk = kk[mine]
         is_s = kk >= n
-        is_w = ~is_s
         k = np.where(is_s, kk - n, kk)  # the weight
         t_rows, t_cols = np.concatenate([rows, s_rows]), np.concatenate([cols_, s_cols])
         got = quantplan.boxes_of(reads.offset[mine], reads.klass[mine], reads.sizes, reads.strides, t_cols[kk])
-        r0, r1, c0, c1, valid = got.row0, got.row1, got.col0, got.col1, got.valid
+        r0, r1, c0, c1, valid, pair, self._steps = got
         full = np.zeros(n, dtype=bool)
         full[k[~valid]] = True
-        whole = np.asarray(sorted(reads.whole), dtype=np.int64)
-        full |= np.isin(weights, whole) | np.isin(scales, whole)
+        full |= np.isin(weights, sorted(reads.whole)) | np.isin(scales, sorted(reads.whole))
         fr, fc = np.where(is_s, bn, 1), np.where(is_s, bk, 1)
         lo_r, hi_r, lo_c, hi_c = rows.copy(), np.zeros(n, np.int64), cols_.copy(), np.zeros(n, np.int64)
         np.minimum.at(lo_r, k, r0 * fr)
         np.maximum.at(hi_r, k, np.minimum(r1 * fr, rows[k]))
         np.minimum.at(lo_c, k, c0 * fc)
         np.maximum.at(hi_c, k, np.minimum(c1 * fc, cols_[k]))
-        box = np.stack(
-            [
-                lo_r // bn * bn,
-                np.minimum(-(-hi_r // bn) * bn, rows),
-                lo_c // bk * bk,
-                np.minimum(-(-hi_c // bk) * bk, cols_),
-            ],
-            axis=1,
-        )
+        lo_r, lo_c, hi_r, hi_c = lo_r // bn * bn, lo_c // bk * bk, -(-hi_r // bn) * bn, -(-hi_c // bk) * bk
+        box = np.stack([lo_r, np.minimum(hi_r, rows), lo_c, np.minimum(hi_c, cols_)], axis=1)
         box[full] = np.stack([np.zeros(n, np.int64), rows, np.zeros(n, np.int64), cols_], axis=1)[full]
         plan = reads.plan[mine]
-        self._uncovered(ids, weights, rows, cols_, k, plan, is_w, is_s, valid & ~full[k], (r0, r1, c0, c1))
+        self._uncovered(ids, weights, rows, cols_, k, plan, ~is_s, is_s, valid & ~full[k], (r0, r1, c0, c1))
         # reads to rebase: into the box (a scale's, in blocks), unless the box is the whole tensor; per stacked row
         b_r0 = np.concatenate([box[:, 0], box[:, 0] // bn])
         b_c0 = np.concatenate([box[:, 2], box[:, 2] // bk])
@@ -262,8 +251,7 @@ class QuantizingReplayer:
         move = np.flatnonzero(valid & ~keep[kk] & (write >= 0))
         km = kk[move]
         new_off = (r0[move] - b_r0[km]) * b_cols[km] + (c0[move] - b_c0[km])
-        self._moved = (plan[move], write[move], new_off, got.pair[move], b_cols[km])
-        self._read_boxes = got
+        self._moved = (plan[move], write[move], new_off, pair[move], b_cols[km])
         return box
 
     def _uncovered(self, ids, weights, rows, cols_, k, plan, is_w, is_s, checked, box) -> None:

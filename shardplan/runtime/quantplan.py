@@ -155,8 +155,8 @@ def drop_scale(text: str) -> str | None:
 @dataclasses.dataclass
 class Reads:
     """Every read of a checkpoint tensor by the plans' writes, one row each: rank position, plan position and write
-    index (-1: inside a computed write), tensor id, source offset and geometry class; per class its region's ndim,
-    sizes and strides (padded to one width). A rank's writes share a few dozen geometries: the geometry work runs
+    index (-1: inside a computed write), tensor id, source offset and geometry class; per class its region's sizes
+    and strides (padded to one width). A rank's writes share a few dozen geometries: the geometry work runs
     per class, and the reads only gather."""
 
     plan: np.ndarray
@@ -164,7 +164,6 @@ class Reads:
     src: np.ndarray
     offset: np.ndarray
     klass: np.ndarray
-    ndim: np.ndarray
     sizes: np.ndarray
     strides: np.ndarray
     whole: set  # ids some write reads other than through a view (an Update's base): quantized whole
@@ -178,12 +177,11 @@ def plan_reads(ids: SourceIds, cols: Sequence[WriteColumns]) -> Reads:
         tables.append((classes, c.geometry_rows("src", first)))
     width = max([t[1].shape[1] for _, t in tables] + [1])
     parts, extra, whole, base, class_base = [], [], set(), 0, []
-    cls_ndim, cls_sizes, cls_strides = [], [], []
+    cls_sizes, cls_strides = [], []
     for pos, (c, (classes, (ndim, sizes, strides))) in enumerate(zip(cols, tables)):
         class_base.append(base)
         rows = np.flatnonzero(c.src >= 0)
         pad = width - sizes.shape[1]
-        cls_ndim.append(ndim)
         cls_sizes.append(np.pad(sizes, ((0, 0), (0, pad)), constant_values=1))
         cls_strides.append(np.pad(strides, ((0, 0), (0, pad))))
         parts.append((np.full(len(rows), pos), rows, c.src[rows], c.src_offset[rows], classes[rows] + base))
@@ -202,37 +200,21 @@ def plan_reads(ids: SourceIds, cols: Sequence[WriteColumns]) -> Reads:
                         continue
                     pad = width - len(r.sizes)
                     extra.append((pos, -1, i, r.offset, base))  # a class of its own
-                    cls_ndim.append(np.asarray([len(r.sizes)], dtype=np.int64))
                     cls_sizes.append(np.asarray([list(r.sizes) + [1] * pad], dtype=np.int64))
                     cls_strides.append(np.asarray([list(r.strides) + [0] * pad], dtype=np.int64))
                     base += 1
     if extra:
         parts.append(tuple(np.asarray(x, dtype=np.int64) for x in zip(*extra)))
     arrays = [np.concatenate([p[k] for p in parts]).astype(np.int64, copy=False) for k in range(5)]
-    tables_out = [np.concatenate(t).astype(np.int64, copy=False) for t in (cls_ndim, cls_sizes, cls_strides)]
+    tables_out = [np.concatenate(t).astype(np.int64, copy=False) for t in (cls_sizes, cls_strides)]
     return Reads(*arrays, *tables_out, whole, class_base)
 
 
-@dataclasses.dataclass
-class ReadBoxes:
-    """Each read as a box of its [rows, cols] tensor (runtime/quantize.py's rule: each dim steps whole rows or within
-    a row, never carrying from columns into rows): rows [row0, row1), cols [col0, col1), `valid` where the rule
-    holds; `pair` indexes the per-(geometry class, tensor width) steps `row_step`, `col_step` (and `pair_class`)."""
-
-    row0: np.ndarray
-    row1: np.ndarray
-    col0: np.ndarray
-    col1: np.ndarray
-    valid: np.ndarray
-    pair: np.ndarray
-    pair_class: np.ndarray
-    row_step: np.ndarray
-    col_step: np.ndarray
-
-
-def boxes_of(offset, klass, sizes, strides, cols_of_read) -> ReadBoxes:
-    """The reads' boxes (`klass`: geometry class per read, rows of `sizes`/`strides`; `cols_of_read`: columns of
-    the tensor each reads), the steps computed once per (class, width) pair and gathered."""
+def boxes_of(offset, klass, sizes, strides, cols_of_read):
+    """(row0, row1, col0, col1, valid, pair, steps): each read as a box of its [rows, cols] tensor (quantize.py's rule:
+    each dim steps whole rows or within a row, never carrying into rows), `valid` where the rule holds. `klass`: class
+    per read (rows of `sizes`/`strides`); `cols_of_read`: its tensor's columns. Steps are computed once per (class,
+    width) pair: `pair` per read, `steps` = (class, row steps, col steps) per pair."""
     widths = np.unique(cols_of_read)  # a handful of distinct tensor widths
     lut = np.zeros(int(widths[-1]) + 1 if len(widths) else 1, dtype=np.int64)
     lut[widths] = np.arange(len(widths))
@@ -253,7 +235,7 @@ def boxes_of(offset, klass, sizes, strides, cols_of_read) -> ReadBoxes:
     row0, col0 = offset // safe_read, offset % safe_read
     col1 = col0 + col_reach[pair]
     valid = ok[pair] & (col1 <= cols_of_read)
-    return ReadBoxes(row0, row0 + row_reach[pair], col0, col1, valid, pair, pair_class, row_step, col_step)
+    return row0, row0 + row_reach[pair], col0, col1, valid, pair, (pair_class, row_step, col_step)
 
 
 def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
@@ -278,10 +260,7 @@ def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
     flip = (rows[1] - rows[0]) > (cols[1] - cols[0])
     rows, cols = (
         (np.where(flip, cols[0], rows[0]), np.where(flip, cols[1], rows[1])),
-        (
-            np.where(flip, rows[0], cols[0]),
-            np.where(flip, rows[1], cols[1]),
-        ),
+        (np.where(flip, rows[0], cols[0]), np.where(flip, rows[1], cols[1])),
     )
     f = flip[pair_i]
     a, b, c, d = np.where(f, c, a), np.where(f, d, b), np.where(f, a, c), np.where(f, b, d)
@@ -428,12 +407,13 @@ class StagedTable(Mapping):
         return len(self._ids.base_table)
 
 
-def rebased_plans(plans, cols, ids: StagedIds, reads: Reads, boxes: ReadBoxes, moved, rebase_view) -> list[ir.RankPlan]:
+def rebased_plans(plans, cols, ids: StagedIds, reads: Reads, steps, moved, rebase_view) -> list[ir.RankPlan]:
     """The plans with their moved reads' new source offsets and geometry, over the staged ids (computed writes
     through `rebase_view`). `moved`: (plan position, write index, new offset, pair, box columns) per moved read; its
     geometry is its (class, width) pair's steps over its box's columns: one new class per distinct (pair, box
-    columns), so the rebased columns stay in class form (the inner Replayer's checks run per class)."""
-    m_plan, m_write, m_offset, m_pair, m_cols = moved
+    columns), so the rebased columns stay in class form (the inner Replayer's checks run per class). `steps`:
+    boxes_of's per pair."""
+    (m_plan, m_write, m_offset, m_pair, m_cols), (pair_class, row_step, col_step) = moved, steps
     out = []
     for pos, (plan, c) in enumerate(zip(plans, cols)):
         mine = m_plan == pos
@@ -448,8 +428,8 @@ def rebased_plans(plans, cols, ids: StagedIds, reads: Reads, boxes: ReadBoxes, m
             keys, inverse = np.unique(pair * span + box_cols, return_inverse=True)  # (a few dozen distinct)
             k_pair, k_cols = keys // span, keys % span
             width = sizes.shape[1]
-            new_strides = boxes.row_step[k_pair, :width] * k_cols[:, None] + boxes.col_step[k_pair, :width]
-            own = boxes.pair_class[k_pair] - reads.class_base[pos]
+            new_strides = row_step[k_pair, :width] * k_cols[:, None] + col_step[k_pair, :width]
+            own = pair_class[k_pair] - reads.class_base[pos]
             src_class[rows] = len(ndim) + inverse.reshape(-1)
             ndim, sizes, strides = (
                 np.concatenate([ndim, ndim[own]]),
