@@ -288,6 +288,30 @@ _STORED_AS_BUILT = {"qwen3_5_moe": ("model.visual.",)}
 _CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
 
 
+def _olmo_hybrid_released_state(model, state: dict) -> dict:
+    # allenai/Olmo-Hybrid-7B stores the model's own names (the Gated DeltaNet layers' input_layernorm /
+    # post_attention_layernorm, as open-instruct's olmo_core_hybrid.py maps them "taken from allenai/Olmo-Hybrid-7B
+    # itself", all 523 tensors; vLLM's olmo_hybrid loader reads these) with the conv split per q/k/v
+    # (linear_attn.{q,k,v}_conv1d: key, key and value channels). transformers' conversion renames OLMo-core's
+    # attention_layer_norm / feedforward_layer_norm instead, so its revert writes those for every layer (the
+    # attention layers' post_attention_layernorm too), and it reverts the conv concatenation as three equal chunks
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith(".linear_attn.conv1d.weight"):
+            out[name] = tensor
+            continue
+        mixer = model.get_submodule(name.removesuffix(".conv1d.weight"))
+        parts = tensor.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=0)
+        for kind, part in zip("qkv", parts):
+            out[name.replace(".conv1d.", f".{kind}_conv1d.")] = part
+    return out
+
+
+# model_types whose released names transformers' revert does not give back, written out instead of reverting:
+# model_type -> (model, its state_dict) -> the released state
+_RELEASED_STATE = {"olmo_hybrid": _olmo_hybrid_released_state}
+
+
 def use_sibling_conversion(model) -> None:
     """Give `model` its multimodal sibling's load-time conversion where `_CONVERSION_OF` names one (transformers'
     revert, and save_pretrained, then give back the released checkpoints' names)."""
@@ -305,6 +329,8 @@ def _revert(model, state: dict) -> dict:
         return state
     if getattr(model.config, "model_type", "") in _STORED_AS_BUILT:
         return state
+    if getattr(model.config, "model_type", "") in _RELEASED_STATE:
+        return _RELEASED_STATE[model.config.model_type](model, state)
     use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)
     fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))

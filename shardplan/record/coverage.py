@@ -59,6 +59,28 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
         "ffn.experts.w13_weight, but its FusedMoE keeps them under ffn.experts.routed_experts "
         "(vllm-project/vllm issue 49004; vLLM's regression test for it quotes this KeyError)",
     ),
+    "OlmoHybridForCausalLM": (
+        "TypeError: list indices must be integers or slices, not NoneType",
+        "vLLM's OLMo Hybrid fused conv1d weight loader (olmo_gdn_linear_attn.py) takes the q/k/v part only as its "
+        "third argument, while vLLM 0.32's WeightsMapper puts it on the tensor (shard_id) and AutoWeightsLoader "
+        "passes two, so the released linear_attn.{q,k,v}_conv1d tensors fail (vllm-project/vllm PR 55858, open, "
+        "quotes this TypeError for allenai/Olmo-Hybrid-7B; with its fix the listing verifies bitwise, "
+        "tests/integration/test_coverage.py)",
+    ),
+}
+# vLLM loaders that take a real checkpoint tensor and write it nowhere (a bug in vLLM itself, cited): such a row is
+# "cannot run here" only while the params no listed tensor writes are exactly those ending in the named param and
+# the listing holds the hub tensor it should come from: (hub tensor suffix, param suffix, why)
+VLLM_LOADER_DROPS: dict[str, tuple[str, str, str]] = {
+    "LagunaForCausalLM": (
+        ".mlp.experts.e_score_correction_bias",
+        ".mlp.experts.routed_experts.e_score_correction_bias",
+        "the hub stores the router's correction bias at mlp.experts.e_score_correction_bias (vLLM's laguna.py says "
+        "so and registers it on the MoE runner for the loader to find; transformers' laguna conversion renames that "
+        "name), but vLLM's MoE refactor (vllm-project/vllm PR 41184) moved the param under routed_experts, and "
+        "LagunaModel.load_weights ignores unexpected '_bias' names, so the bias stays as built (zeros) and routing "
+        "runs without it; no vLLM issue for Laguna was found",
+    ),
 }
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
 
@@ -160,6 +182,19 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
     undefined = sorted({n for r in done for n in r.get("undefined", ())})
+    drop = VLLM_LOADER_DROPS.get(arch)
+    if (
+        undefined
+        and drop
+        and all(n.endswith(drop[1]) for n in undefined)
+        and any(name.endswith(drop[0]) for name, _, _ in session.tensors)
+    ):
+        return dict(
+            row,
+            status="cannot",
+            reason=f"vLLM's own loader drops the real checkpoint tensor(s) *{drop[0]}: {undefined[:3]} stay as "
+            f"built: {drop[2]}",
+        )
     if undefined:
         return dict(
             row,
@@ -331,7 +366,8 @@ def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = Non
         "lack of a kernel (sparse attention, a non-gated MoE, FlashAttention, Triton: "
         "`build.gpu_kernel_refusals_answered`, docs/recording.md); "
         "cannot run here is only vLLM's own build failing or vLLM refusing the layout, vLLM's own loader failing on "
-        "the real checkpoint names with a cited bug (`coverage.VLLM_LOADER_BUGS`, only while it raises that error), "
+        "the real checkpoint names with a cited bug (`coverage.VLLM_LOADER_BUGS`, only while it raises that error, "
+        "or `VLLM_LOADER_DROPS`, only while it leaves exactly that param unwritten), "
         "or a config class that exists only as the model's own code (`--trust-remote-code` records those from a "
         "local directory). "
         "The proof is on this machine's CPU: where a plan computes values "

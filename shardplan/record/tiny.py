@@ -183,6 +183,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     "OlmoForCausalLM": {"num_key_value_heads": 4},
     "OlmoeForCausalLM": {"num_key_value_heads": 4},
     "PhiForCausalLM": {"num_key_value_heads": 4, "intermediate_size": 512},  # SGLang's Phi MLP: 4 * hidden, as phi-2
+    # the published value heads are twice the key heads' width (allenai/Olmo-Hybrid-7B: 96 and 192, open-instruct's
+    # olmo3_hybrid_7B), so the Gated DeltaNet's q/k/v conv parts differ in size
+    "OlmoHybridForCausalLM": {"linear_value_head_dim": 64},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says

@@ -4,7 +4,8 @@ For every architecture of the coverage sweep that has a config class, a tiny ran
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
 the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
 revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts,
-Inkling's model.llm.* prefix), which are then applied to the saved names. Architectures transformers cannot build
+Inkling's model.llm.* prefix), which are then applied to the saved names, or _RELEASED_STATE (OLMo Hybrid), whose
+released state is taken from the model instead of save_pretrained's revert. Architectures transformers cannot build
 must raise the named NamesError instead.
 """
 
@@ -20,6 +21,7 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _RELEASED_STATE,
     _TEXT_INSIDE,
     FLOAT32_ON_DISK,
     NamesError,
@@ -58,6 +60,10 @@ def saved_headers(hf_config, arch: str, out: Path) -> dict:
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
     use_sibling_conversion(model)  # Inkling's text model saves under its multimodal sibling's released names
+    released = _RELEASED_STATE.get(getattr(hf_config, "model_type", ""))
+    if released is not None:  # stored as no transformers revert gives back (OLMo Hybrid): the released state
+        state = released(model, model.state_dict())
+        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
     model.save_pretrained(out)
     files = sorted(out.glob("*.safetensors"))
     assert files
