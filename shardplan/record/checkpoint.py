@@ -157,6 +157,9 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     import transformers
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    by_hand = _LISTED_FROM_RELEASED_CODE.get(getattr(hf_config, "model_type", ""))
+    if by_hand is not None and remote.model_class(hf_config) is None:
+        return {name: (shape, None) for name, shape in by_hand(hf_config).items()}
     try:
         cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
         inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
@@ -305,6 +308,69 @@ def _olmo_hybrid_released_state(model, state: dict) -> dict:
         for kind, part in zip("qkv", parts):
             out[name.replace(".conv1d.", f".{kind}_conv1d.")] = part
     return out
+
+
+def _step3_text_names(config) -> dict[str, tuple[int, ...]]:
+    # Step3 (stepfun-ai/step3) ships its model class only as hub remote code, and transformers has none: the names
+    # and shapes are those of StepFun's own modeling_step3.py (public copies), whose _checkpoint_conversion_mapping
+    # only moves the released model.* under model.language_model.* (so the text tensors are stored as model.* and
+    # lm_head.weight, as the model card's key_mapping says too): Step3vAttention's q_proj (share_q_dim), k_proj and
+    # v_proj (one head_dim kv head), inter_norm, wq and o_proj; Step3vMoEMLP's gate and stacked MoELinear experts
+    # (gate_proj/up_proj [E, I, H], down_proj [E, H, I]) with a share_expert MLP on the layers moe_layers_enum names,
+    # a dense mlp elsewhere. vLLM's and SGLang's Step3 loaders read exactly these names
+    hidden, heads, head_dim, q_dim = (
+        int(config.hidden_size),
+        int(config.num_attention_heads),
+        int(config.head_dim),
+        int(config.share_q_dim),
+    )
+    experts, moe_inter = int(config.moe_num_experts), int(config.moe_intermediate_size)
+    enum = getattr(config, "moe_layers_enum", None)
+    moe_layers = (
+        {int(i) for i in str(enum).split(",") if i.strip()}
+        if enum is not None
+        else set(range(1, int(config.num_hidden_layers)))
+    )
+
+    def mlp(prefix: str, inter: int) -> dict:
+        return {
+            f"{prefix}.gate_proj.weight": (inter, hidden),
+            f"{prefix}.up_proj.weight": (inter, hidden),
+            f"{prefix}.down_proj.weight": (hidden, inter),
+        }
+
+    names = {
+        "model.embed_tokens.weight": (int(config.vocab_size), hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (int(config.vocab_size), hidden),
+    }
+    for layer in range(int(config.num_hidden_layers)):
+        p = f"model.layers.{layer}"
+        names |= {
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+            f"{p}.self_attn.q_proj.weight": (q_dim, hidden),
+            f"{p}.self_attn.k_proj.weight": (head_dim, hidden),
+            f"{p}.self_attn.v_proj.weight": (head_dim, hidden),
+            f"{p}.self_attn.inter_norm.weight": (q_dim,),
+            f"{p}.self_attn.wq.weight": (heads * head_dim, q_dim),
+            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        }
+        if layer in moe_layers:
+            names |= {
+                f"{p}.moe.gate.weight": (experts, hidden),
+                f"{p}.moe.gate_proj.weight": (experts, moe_inter, hidden),
+                f"{p}.moe.up_proj.weight": (experts, moe_inter, hidden),
+                f"{p}.moe.down_proj.weight": (experts, hidden, moe_inter),
+            }
+            names |= mlp(f"{p}.share_expert", int(config.share_expert_dim))
+        else:
+            names |= mlp(f"{p}.mlp", int(config.intermediate_size))
+    return names
+
+
+# model_types with no model class in transformers whose released model code is public: config -> name -> shape
+_LISTED_FROM_RELEASED_CODE = {"step3_text": _step3_text_names}
 
 
 # model_types whose released names transformers' revert does not give back, written out instead of reverting:

@@ -186,6 +186,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     # the published value heads are twice the key heads' width (allenai/Olmo-Hybrid-7B: 96 and 192, open-instruct's
     # olmo3_hybrid_7B), so the Gated DeltaNet's q/k/v conv parts differ in size
     "OlmoHybridForCausalLM": {"linear_value_head_dim": 64},
+    # the released config names its MoE layers as a comma string (StepFun's modeling_step3.py and vLLM both
+    # .strip().split(",") it): layer 0 dense, layer 1 MoE; the low-rank query and shared expert shrunk
+    "Step3TextForCausalLM": {"moe_layers_enum": "1", "share_q_dim": 64, "share_expert_dim": 64, "moe_top_k": 2},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says

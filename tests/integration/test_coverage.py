@@ -239,3 +239,33 @@ def test_laguna_is_cannot_only_while_vllm_drops_its_correction_bias(tmp_path, mo
     )
     row = coverage.run_architecture("LagunaForCausalLM", tmp_path / "again", tps=(1,))
     assert row["status"] == "FAIL" and "e_score_correction_bias" in row["reason"], row
+
+
+def test_step3_text_lists_stepfuns_released_names_and_verifies(tmp_path):
+    # transformers has no Step3 class: the names come from StepFun's released model code (separate q/k/v, the
+    # low-rank query's inter_norm and wq, stacked experts [E, I, H] / [E, H, I], a shared expert on MoE layers)
+    from shardplan.models import resolve_model
+    from shardplan.record.build import LayoutRejected
+    from shardplan.record.checkpoint import checkpoint_tensors
+    from shardplan.record.session import RecordSession
+
+    row = coverage.run_architecture("Step3TextForCausalLM", tmp_path, tps=(2,))
+    assert row["status"] == "pass" and row["layouts"]["tp2-ep"]["equal"] == 2, row  # EP: vLLM's moe_num_experts
+    config = tiny.tiny_config("Step3TextForCausalLM")
+    hidden, experts, inter = config["hidden_size"], config["moe_num_experts"], config["moe_intermediate_size"]
+    listed = {name: shape for name, shape, _ in checkpoint_tensors(resolve_model(str(tmp_path / row["arch"])))}
+    attn = {f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "inter_norm", "wq")}
+    norms = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    for layer, ffn in ((0, {"mlp"}), (1, {"moe", "share_expert"})):
+        names = {n.removeprefix(f"model.layers.{layer}.") for n in listed if n.startswith(f"model.layers.{layer}.")}
+        mlps = {f"{f}.{p}_proj.weight" for f in ffn for p in ("gate", "up", "down")}
+        assert names == attn | norms | mlps | ({"moe.gate.weight"} if layer else set()), names
+    assert listed["model.layers.1.moe.gate_proj.weight"] == (experts, inter, hidden)
+    assert listed["model.layers.1.moe.down_proj.weight"] == (experts, hidden, inter)
+    assert listed["model.layers.0.self_attn.q_proj.weight"] == (config["share_q_dim"], hidden)
+    # a dense model with --ep is still refused by vLLM's own expert count
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(tiny.tiny_config("LlamaForCausalLM")))
+    with pytest.raises(LayoutRejected, match="--ep"):
+        RecordSession(str(llama), coverage.Layout(tp=2, ep=True))

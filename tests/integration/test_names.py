@@ -21,6 +21,7 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _LISTED_FROM_RELEASED_CODE,
     _RELEASED_STATE,
     _TEXT_INSIDE,
     FLOAT32_ON_DISK,
@@ -110,6 +111,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
         # only an architecture transformers has no class for (a vLLM-only config), or one whose own default config
         # does not build in transformers, may fail to build; the listing must then say so by name
         assert not builds_from_defaults(arch), f"transformers builds {arch} from its defaults but not the tiny config"
+        if view.hf_config.model_type in _LISTED_FROM_RELEASED_CODE:  # Step3: listed from its released model code
+            assert checkpoint_tensors(spec)  # (its names: tests/integration/test_coverage.py)
+            return
         with pytest.raises(NamesError, match=re.escape(arch)):
             checkpoint_tensors(spec)
         return
@@ -245,12 +249,15 @@ def test_longcat_flash_zero_experts_have_no_tensors(tmp_path):
     assert experts == set(range(config["n_routed_experts"]))
 
 
-def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path):
-    # Step3's text model (step3_text): transformers ships no model class for it, text or multimodal, so the names
-    # can only come from a checkpoint directory; the error says exactly that (not "fix the config field")
-    from shardplan.record import tiny
+def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path, monkeypatch):
+    # Step3's text model (step3_text) as if its released model code were not known: transformers ships no model
+    # class for it, text or multimodal, so the names can only come from a checkpoint directory; the error says
+    # exactly that (not "fix the config field")
+    from shardplan.record import checkpoint, tiny
     from shardplan.record.checkpoint import NamesError
 
+    monkeypatch.delitem(checkpoint._LISTED_FROM_RELEASED_CODE, "step3_text")
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
     row, model_dir, _ = tiny.sweep_start("Step3TextForCausalLM", tmp_path)
     assert not row["status"]
     with pytest.raises(NamesError) as info:
