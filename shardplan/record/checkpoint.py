@@ -292,89 +292,45 @@ _CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
 
 
 def _olmo_hybrid_released_state(model, state: dict) -> dict:
-    # allenai/Olmo-Hybrid-7B stores the model's own names (the Gated DeltaNet layers' input_layernorm /
-    # post_attention_layernorm, as open-instruct's olmo_core_hybrid.py maps them "taken from allenai/Olmo-Hybrid-7B
-    # itself", all 523 tensors; vLLM's olmo_hybrid loader reads these) with the conv split per q/k/v
-    # (linear_attn.{q,k,v}_conv1d: key, key and value channels). transformers' conversion renames OLMo-core's
-    # attention_layer_norm / feedforward_layer_norm instead, so its revert writes those for every layer (the
-    # attention layers' post_attention_layernorm too), and it reverts the conv concatenation as three equal chunks
+    # allenai/Olmo-Hybrid-7B stores the model's own names (open-instruct's olmo_core_hybrid.py key maps, "taken from
+    # allenai/Olmo-Hybrid-7B itself", 523 of 523 tensors) with the conv split per q/k/v at key, key, value channels;
+    # transformers' revert gives OLMo-core's attention_layer_norm / feedforward_layer_norm and three equal chunks
     out = {}
     for name, tensor in state.items():
-        if not name.endswith(".linear_attn.conv1d.weight"):
+        if name.endswith(".linear_attn.conv1d.weight"):
+            mixer = model.get_submodule(name.removesuffix(".conv1d.weight"))
+            parts = tensor.split([mixer.key_dim, mixer.key_dim, mixer.value_dim])
+            out |= {name.replace(".conv1d.", f".{k}_conv1d."): part for k, part in zip("qkv", parts)}
+        else:
             out[name] = tensor
-            continue
-        mixer = model.get_submodule(name.removesuffix(".conv1d.weight"))
-        parts = tensor.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=0)
-        for kind, part in zip("qkv", parts):
-            out[name.replace(".conv1d.", f".{kind}_conv1d.")] = part
     return out
 
 
 def _step3_text_names(config) -> dict[str, tuple[int, ...]]:
-    # Step3 (stepfun-ai/step3) ships its model class only as hub remote code, and transformers has none: the names
-    # and shapes are those of StepFun's own modeling_step3.py (public copies), whose _checkpoint_conversion_mapping
-    # only moves the released model.* under model.language_model.* (so the text tensors are stored as model.* and
-    # lm_head.weight, as the model card's key_mapping says too): Step3vAttention's q_proj (share_q_dim), k_proj and
-    # v_proj (one head_dim kv head), inter_norm, wq and o_proj; Step3vMoEMLP's gate and stacked MoELinear experts
-    # (gate_proj/up_proj [E, I, H], down_proj [E, H, I]) with a share_expert MLP on the layers moe_layers_enum names,
-    # a dense mlp elsewhere. vLLM's and SGLang's Step3 loaders read exactly these names
-    hidden, heads, head_dim, q_dim = (
-        int(config.hidden_size),
-        int(config.num_attention_heads),
-        int(config.head_dim),
-        int(config.share_q_dim),
-    )
-    experts, moe_inter = int(config.moe_num_experts), int(config.moe_intermediate_size)
+    # no transformers class: the names of StepFun's hub modeling_step3.py (public copies; it only moves the released
+    # model.* under model.language_model.*, as the model card's key_mapping says), which vLLM's and SGLang's Step3
+    # loaders read: low-rank query (inter_norm, wq), one kv head, stacked experts [E, I, H] / [E, H, I], share_expert
+    h, v, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
+    q, d, heads = int(config.share_q_dim), int(config.head_dim), int(config.num_attention_heads)
+    e, i = int(config.moe_num_experts), int(config.moe_intermediate_size)
     enum = getattr(config, "moe_layers_enum", None)
-    moe_layers = (
-        {int(i) for i in str(enum).split(",") if i.strip()}
-        if enum is not None
-        else set(range(1, int(config.num_hidden_layers)))
-    )
-
-    def mlp(prefix: str, inter: int) -> dict:
-        return {
-            f"{prefix}.gate_proj.weight": (inter, hidden),
-            f"{prefix}.up_proj.weight": (inter, hidden),
-            f"{prefix}.down_proj.weight": (hidden, inter),
-        }
-
-    names = {
-        "model.embed_tokens.weight": (int(config.vocab_size), hidden),
-        "model.norm.weight": (hidden,),
-        "lm_head.weight": (int(config.vocab_size), hidden),
-    }
-    for layer in range(int(config.num_hidden_layers)):
-        p = f"model.layers.{layer}"
-        names |= {
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (q_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": (head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (head_dim, hidden),
-            f"{p}.self_attn.inter_norm.weight": (q_dim,),
-            f"{p}.self_attn.wq.weight": (heads * head_dim, q_dim),
-            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-        }
-        if layer in moe_layers:
-            names |= {
-                f"{p}.moe.gate.weight": (experts, hidden),
-                f"{p}.moe.gate_proj.weight": (experts, moe_inter, hidden),
-                f"{p}.moe.up_proj.weight": (experts, moe_inter, hidden),
-                f"{p}.moe.down_proj.weight": (experts, hidden, moe_inter),
-            }
-            names |= mlp(f"{p}.share_expert", int(config.share_expert_dim))
-        else:
-            names |= mlp(f"{p}.mlp", int(config.intermediate_size))
+    moe = {int(x) for x in str(enum).split(",") if x.strip()} if enum is not None else set(range(1, layers))
+    attn = {"q_proj": (q, h), "k_proj": (d, h), "v_proj": (d, h), "inter_norm": (q,), "wq": (heads * d, q)}
+    common = {f"self_attn.{k}": s for k, s in attn.items()} | {"self_attn.o_proj": (h, heads * d)}
+    common |= {"input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    routed = {"moe.gate": (e, h), "moe.gate_proj": (e, i, h), "moe.up_proj": (e, i, h), "moe.down_proj": (e, h, i)}
+    names = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        mlp, w = ("share_expert", config.share_expert_dim) if n in moe else ("mlp", config.intermediate_size)
+        ffn = {f"{mlp}.{k}_proj": (int(w), h) for k in ("gate", "up")} | {f"{mlp}.down_proj": (h, int(w))}
+        parts = common | ffn | (routed if n in moe else {})
+        names |= {f"model.layers.{n}.{k}.weight": s for k, s in parts.items()}
     return names
 
 
-# model_types with no model class in transformers whose released model code is public: config -> name -> shape
+# model_types with no transformers class whose released model code is public: config -> name -> shape
 _LISTED_FROM_RELEASED_CODE = {"step3_text": _step3_text_names}
-
-
-# model_types whose released names transformers' revert does not give back, written out instead of reverting:
-# model_type -> (model, its state_dict) -> the released state
+# model_types whose released names transformers' revert does not give back: (model, state_dict) -> released state
 _RELEASED_STATE = {"olmo_hybrid": _olmo_hybrid_released_state}
 
 

@@ -61,25 +61,20 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
     ),
     "OlmoHybridForCausalLM": (
         "TypeError: list indices must be integers or slices, not NoneType",
-        "vLLM's OLMo Hybrid fused conv1d weight loader (olmo_gdn_linear_attn.py) takes the q/k/v part only as its "
-        "third argument, while vLLM 0.32's WeightsMapper puts it on the tensor (shard_id) and AutoWeightsLoader "
-        "passes two, so the released linear_attn.{q,k,v}_conv1d tensors fail (vllm-project/vllm PR 55858, open, "
-        "quotes this TypeError for allenai/Olmo-Hybrid-7B; with its fix the listing verifies bitwise, "
-        "tests/integration/test_coverage.py)",
+        "vLLM 0.32's OLMo Hybrid conv1d loader reads the q/k/v part only from an argument AutoWeightsLoader does "
+        "not pass, so the released linear_attn.{q,k,v}_conv1d fail (vllm-project/vllm PR 55858, open, quotes this "
+        "TypeError for allenai/Olmo-Hybrid-7B; with its fix the row verifies bitwise: test_coverage.py)",
     ),
 }
-# vLLM loaders that take a real checkpoint tensor and write it nowhere (a bug in vLLM itself, cited): such a row is
-# "cannot run here" only while the params no listed tensor writes are exactly those ending in the named param and
-# the listing holds the hub tensor it should come from: (hub tensor suffix, param suffix, why)
+# vLLM loaders that take a real checkpoint tensor and write it nowhere (cited): "cannot" only while the params no
+# listed tensor writes all end in the named param and the listing has the hub tensor: (hub suffix, param suffix, why)
 VLLM_LOADER_DROPS: dict[str, tuple[str, str, str]] = {
     "LagunaForCausalLM": (
         ".mlp.experts.e_score_correction_bias",
         ".mlp.experts.routed_experts.e_score_correction_bias",
-        "the hub stores the router's correction bias at mlp.experts.e_score_correction_bias (vLLM's laguna.py says "
-        "so and registers it on the MoE runner for the loader to find; transformers' laguna conversion renames that "
-        "name), but vLLM's MoE refactor (vllm-project/vllm PR 41184) moved the param under routed_experts, and "
-        "LagunaModel.load_weights ignores unexpected '_bias' names, so the bias stays as built (zeros) and routing "
-        "runs without it; no vLLM issue for Laguna was found",
+        "the hub name (vLLM's laguna.py says so; transformers' laguna conversion renames it), but vLLM's MoE refactor "
+        "(vllm-project/vllm PR 41184) moved the param under routed_experts and LagunaModel.load_weights ignores "
+        "unexpected '_bias' names, so routing runs with the bias as built (zeros); no vLLM issue for Laguna found",
     ),
 }
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
@@ -182,19 +177,10 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
     undefined = sorted({n for r in done for n in r.get("undefined", ())})
-    drop = VLLM_LOADER_DROPS.get(arch)
-    if (
-        undefined
-        and drop
-        and all(n.endswith(drop[1]) for n in undefined)
-        and any(name.endswith(drop[0]) for name, _, _ in session.tensors)
-    ):
-        return dict(
-            row,
-            status="cannot",
-            reason=f"vLLM's own loader drops the real checkpoint tensor(s) *{drop[0]}: {undefined[:3]} stay as "
-            f"built: {drop[2]}",
-        )
+    hub, param, why = VLLM_LOADER_DROPS.get(arch, ("\0", "\0", ""))
+    if undefined and all(n.endswith(param) for n in undefined) and any(t[0].endswith(hub) for t in session.tensors):
+        reason = f"vLLM's own loader drops the real checkpoint tensor(s) *{hub}: {undefined[:3]} stay as built: {why}"
+        return dict(row, status="cannot", reason=reason)
     if undefined:
         return dict(
             row,

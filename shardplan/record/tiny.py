@@ -183,11 +183,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     "OlmoForCausalLM": {"num_key_value_heads": 4},
     "OlmoeForCausalLM": {"num_key_value_heads": 4},
     "PhiForCausalLM": {"num_key_value_heads": 4, "intermediate_size": 512},  # SGLang's Phi MLP: 4 * hidden, as phi-2
-    # the published value heads are twice the key heads' width (allenai/Olmo-Hybrid-7B: 96 and 192, open-instruct's
-    # olmo3_hybrid_7B), so the Gated DeltaNet's q/k/v conv parts differ in size
+    # value heads twice the key heads' width, as published (Olmo-Hybrid-7B: 96 and 192, open-instruct's preset)
     "OlmoHybridForCausalLM": {"linear_value_head_dim": 64},
-    # the released config names its MoE layers as a comma string (StepFun's modeling_step3.py and vLLM both
-    # .strip().split(",") it): layer 0 dense, layer 1 MoE; the low-rank query and shared expert shrunk
+    # MoE layers as the released comma string (StepFun's code and vLLM .split(",") it): layer 0 dense, layer 1 MoE
     "Step3TextForCausalLM": {"moe_layers_enum": "1", "share_q_dim": 64, "share_expert_dim": 64, "moe_top_k": 2},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},

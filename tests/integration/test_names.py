@@ -258,6 +258,7 @@ def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed
 
     monkeypatch.delitem(checkpoint._LISTED_FROM_RELEASED_CODE, "step3_text")
     monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
+    monkeypatch.setattr(checkpoint, "_META_CACHE", type(checkpoint._META_CACHE)())  # nothing listed before counts
     row, model_dir, _ = tiny.sweep_start("Step3TextForCausalLM", tmp_path)
     assert not row["status"]
     with pytest.raises(NamesError) as info:
