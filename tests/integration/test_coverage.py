@@ -25,6 +25,8 @@ MOE = {
     "NemotronHForCausalLM",
     "Qwen4ExpForCausalLM",
     "LongcatFlashNgramForCausalLM",
+    "AXK1ForCausalLM",
+    "HYV4ForCausalLM",
 }
 
 
@@ -48,6 +50,11 @@ MOE = {
         # attention, a non-gated MoE, QSA's FlashAttention probe, the V2 model runner without Triton
         "DeepseekV32ForCausalLM",
         "NemotronHForCausalLM",
+        # tensors the released checkpoints store that transformers' class does not build or names otherwise
+        # (record/checkpoint.py: DISK_ONLY_TENSORS, _DISK_NAME_FIXUPS): every param whole-written
+        "AXK1ForCausalLM",  # post_mlp_layernorm on the dense first layer too
+        "HYV4ForCausalLM",  # the hyper-connection params under their hub names
+        "LongcatFlashNgramForCausalLM",  # the n-gram embedding (also needs the V2 model runner answered)
     ],
 )
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
@@ -69,12 +76,6 @@ def test_kernel_refusals_are_answered_for_building_only():
     with build.gpu_kernel_refusals_answered([]):
         assert type(current_platform).__dict__["get_attn_backend_cls"] is not before[0]
     assert (type(current_platform).__dict__["get_attn_backend_cls"], FusedMoEConfig.__dict__["__post_init__"]) == before
-
-
-def test_longcat_flash_lite_builds_and_fails_only_for_its_listing(tmp_path):
-    # the V2 model runner answered, vLLM builds and loads it; transformers' class has no n-gram embedding to list
-    row = coverage.run_architecture("LongcatFlashNgramForCausalLM", tmp_path, tps=(1,))
-    assert row["status"] == "FAIL" and "ngram_embeddings" in row["reason"], row
 
 
 def test_a_param_no_listed_tensor_writes_is_a_fail(tmp_path, monkeypatch):

@@ -4,9 +4,10 @@ For every architecture of the coverage sweep that has a config class, a tiny ran
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
 the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
 revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts,
-Inkling's model.llm.* prefix), which are then applied to the saved names, or _RELEASED_STATE (OLMo Hybrid), whose
-released state is taken from the model instead of save_pretrained's revert. Architectures transformers cannot build
-must raise the named NamesError instead.
+Inkling's model.llm.* prefix, HYV4's hyper-connection names) and tensors (DISK_ONLY_TENSORS: AXK1's dense-layer norm,
+LongCat-Flash-Lite's n-gram embedding), which are then applied to the saved names, or _RELEASED_STATE (OLMo Hybrid),
+whose released state is taken from the model instead of save_pretrained's revert. Architectures transformers cannot
+build must raise the named NamesError instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shardplan.record.checkpoint import (
     _LISTED_FROM_RELEASED_CODE,
     _RELEASED_STATE,
     _TEXT_INSIDE,
+    DISK_ONLY_TENSORS,
     FLOAT32_ON_DISK,
     NamesError,
     checkpoint_tensors,
@@ -125,6 +127,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
     if fixup is not None:
         renamed = ((fixup(n, view.text_config), v) for n, v in expected.items())
         expected = {n: v for n, v in renamed if n is not None}
+    extra = DISK_ONLY_TENSORS.get(arch)  # what the released checkpoints store beyond transformers' class
+    if extra is not None:
+        expected.update({n: (s, "bfloat16") for n, s in extra(view.text_config, expected).items()})
     assert set(derived) == set(expected), (
         sorted(set(derived) - set(expected))[:5],
         sorted(set(expected) - set(derived))[:5],
@@ -247,6 +252,48 @@ def test_longcat_flash_zero_experts_have_no_tensors(tmp_path):
     names = _names("LongcatFlashForCausalLM", tmp_path)
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}
     assert experts == set(range(config["n_routed_experts"]))
+
+
+def test_hy_v4_lists_the_hub_names_and_f32_mixers(tmp_path):
+    # transformers' reverse of its hy_v4 renames misplaces hc_pre and turns the MLPs' gate_proj into linear_gate;
+    # tencent/Hy4-preview stores the hub names below, the mixers, sinks and router bias in F32
+    names = {n: d for n, _, d in checkpoint_tensors(_spec("HYV4ForCausalLM", tmp_path))}
+    for name in (
+        "model.hc_head.hc_head_fn",
+        "model.layers.0.hc_attn_layer.hc_pre.hc_fn",
+        "model.layers.0.hc_mlp_layer.hc_pre.hc_base",
+        "model.layers.1.self_attn.learnable_sink_param",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+    ):
+        assert names.get(name) == "float32", name
+    for name in (
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.1.self_attn.linear_gate.weight",
+    ):
+        assert names.get(name) == "bfloat16", name
+    assert not any(".hc_pre.hc_attn_layer." in n or ".mlp.linear_gate." in n for n in names)
+
+
+def test_axk1_and_longcat_flash_lite_list_what_transformers_does_not_build(tmp_path):
+    axk1 = {n: s for n, s, _ in checkpoint_tensors(_spec("AXK1ForCausalLM", tmp_path / "a"))}
+    assert axk1["model.layers.0.post_mlp_layernorm.weight"] == (128,)  # the dense first layer's, as released
+    config = tiny.tiny_config("LongcatFlashNgramForCausalLM")
+    lite = {n: s for n, s, _ in checkpoint_tensors(_spec("LongcatFlashNgramForCausalLM", tmp_path / "b"))}
+    tables = config["emb_split_num"] * (config["emb_neighbor_num"] - 1)
+    rows, dim = config["ngram_vocab_size_ratio"] * config["vocab_size"], config["hidden_size"] // tables
+    for i in range(tables):
+        assert lite[f"model.ngram_embeddings.embedders.{i}.weight"] == (rows + 2 * i + 1, dim)
+        assert lite[f"model.ngram_embeddings.post_projs.{i}.weight"] == (config["hidden_size"], dim)
+    assert not any(
+        ".ngram_embeddings." in n for n, _, _ in checkpoint_tensors(_spec("LongcatFlashForCausalLM", tmp_path / "c"))
+    )
+
+
+def _spec(arch, directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny.tiny_config(arch)))
+    return models.resolve_model(str(directory / "config.json"))
 
 
 def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path, monkeypatch):
