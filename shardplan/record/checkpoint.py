@@ -163,6 +163,9 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     import transformers
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    by_hand = _LISTED_FROM_RELEASED_CODE.get(getattr(hf_config, "model_type", ""))
+    if by_hand is not None and remote.model_class(hf_config) is None:
+        return {name: (shape, None) for name, shape in by_hand(hf_config).items()}
     try:
         cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
         inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
@@ -346,6 +349,49 @@ _STORED_AS_BUILT = {"qwen3_5_moe": ("model.visual.",)}
 _CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
 
 
+def _olmo_hybrid_released_state(model, state: dict) -> dict:
+    # allenai/Olmo-Hybrid-7B stores the model's own names (open-instruct's olmo_core_hybrid.py key maps, "taken from
+    # allenai/Olmo-Hybrid-7B itself", 523 of 523 tensors) with the conv split per q/k/v at key, key, value channels;
+    # transformers' revert gives OLMo-core's attention_layer_norm / feedforward_layer_norm and three equal chunks
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".linear_attn.conv1d.weight"):
+            mixer = model.get_submodule(name.removesuffix(".conv1d.weight"))
+            parts = tensor.split([mixer.key_dim, mixer.key_dim, mixer.value_dim])
+            out |= {name.replace(".conv1d.", f".{k}_conv1d."): part for k, part in zip("qkv", parts)}
+        else:
+            out[name] = tensor
+    return out
+
+
+def _step3_text_names(config) -> dict[str, tuple[int, ...]]:
+    # no transformers class: the names of StepFun's hub modeling_step3.py (public copies; it only moves the released
+    # model.* under model.language_model.*, as the model card's key_mapping says), which vLLM's and SGLang's Step3
+    # loaders read: low-rank query (inter_norm, wq), one kv head, stacked experts [E, I, H] / [E, H, I], share_expert
+    h, v, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
+    q, d, heads = int(config.share_q_dim), int(config.head_dim), int(config.num_attention_heads)
+    e, i = int(config.moe_num_experts), int(config.moe_intermediate_size)
+    enum = getattr(config, "moe_layers_enum", None)
+    moe = {int(x) for x in str(enum).split(",") if x.strip()} if enum is not None else set(range(1, layers))
+    attn = {"q_proj": (q, h), "k_proj": (d, h), "v_proj": (d, h), "inter_norm": (q,), "wq": (heads * d, q)}
+    common = {f"self_attn.{k}": s for k, s in attn.items()} | {"self_attn.o_proj": (h, heads * d)}
+    common |= {"input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    routed = {"moe.gate": (e, h), "moe.gate_proj": (e, i, h), "moe.up_proj": (e, i, h), "moe.down_proj": (e, h, i)}
+    names = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        mlp, w = ("share_expert", config.share_expert_dim) if n in moe else ("mlp", config.intermediate_size)
+        ffn = {f"{mlp}.{k}_proj": (int(w), h) for k in ("gate", "up")} | {f"{mlp}.down_proj": (h, int(w))}
+        parts = common | ffn | (routed if n in moe else {})
+        names |= {f"model.layers.{n}.{k}.weight": s for k, s in parts.items()}
+    return names
+
+
+# model_types with no transformers class whose released model code is public: config -> name -> shape
+_LISTED_FROM_RELEASED_CODE = {"step3_text": _step3_text_names}
+# model_types whose released names transformers' revert does not give back: (model, state_dict) -> released state
+_RELEASED_STATE = {"olmo_hybrid": _olmo_hybrid_released_state}
+
+
 def use_sibling_conversion(model) -> None:
     """Give `model` its multimodal sibling's load-time conversion where `_CONVERSION_OF` names one (transformers'
     revert, and save_pretrained, then give back the released checkpoints' names)."""
@@ -363,6 +409,8 @@ def _revert(model, state: dict) -> dict:
         return state
     if getattr(model.config, "model_type", "") in _STORED_AS_BUILT:
         return state
+    if getattr(model.config, "model_type", "") in _RELEASED_STATE:
+        return _RELEASED_STATE[model.config.model_type](model, state)
     use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)
     fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))

@@ -5,7 +5,8 @@ with `save_pretrained` (real safetensors files); the names, shapes and dtypes li
 the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
 revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts,
 Inkling's model.llm.* prefix, HYV4's hyper-connection names) and tensors (DISK_ONLY_TENSORS: AXK1's dense-layer norm,
-LongCat-Flash-Lite's n-gram embedding), which are then applied to the saved names. Architectures transformers cannot
+LongCat-Flash-Lite's n-gram embedding), which are then applied to the saved names, or _RELEASED_STATE (OLMo Hybrid),
+whose released state is taken from the model instead of save_pretrained's revert. Architectures transformers cannot
 build must raise the named NamesError instead.
 """
 
@@ -21,6 +22,8 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _LISTED_FROM_RELEASED_CODE,
+    _RELEASED_STATE,
     _TEXT_INSIDE,
     DISK_ONLY_TENSORS,
     FLOAT32_ON_DISK,
@@ -60,6 +63,10 @@ def saved_headers(hf_config, arch: str, out: Path) -> dict:
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
     use_sibling_conversion(model)  # Inkling's text model saves under its multimodal sibling's released names
+    released = _RELEASED_STATE.get(getattr(hf_config, "model_type", ""))
+    if released is not None:  # stored as no transformers revert gives back (OLMo Hybrid): the released state
+        state = released(model, model.state_dict())
+        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
     model.save_pretrained(out)
     files = sorted(out.glob("*.safetensors"))
     assert files
@@ -106,6 +113,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
         # only an architecture transformers has no class for (a vLLM-only config), or one whose own default config
         # does not build in transformers, may fail to build; the listing must then say so by name
         assert not builds_from_defaults(arch), f"transformers builds {arch} from its defaults but not the tiny config"
+        if view.hf_config.model_type in _LISTED_FROM_RELEASED_CODE:  # Step3: listed from its released model code
+            assert checkpoint_tensors(spec)  # (its names: tests/integration/test_coverage.py)
+            return
         with pytest.raises(NamesError, match=re.escape(arch)):
             checkpoint_tensors(spec)
         return
@@ -286,12 +296,16 @@ def _spec(arch, directory):
     return models.resolve_model(str(directory / "config.json"))
 
 
-def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path):
-    # Step3's text model (step3_text): transformers ships no model class for it, text or multimodal, so the names
-    # can only come from a checkpoint directory; the error says exactly that (not "fix the config field")
-    from shardplan.record import tiny
+def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path, monkeypatch):
+    # Step3's text model (step3_text) as if its released model code were not known: transformers ships no model
+    # class for it, text or multimodal, so the names can only come from a checkpoint directory; the error says
+    # exactly that (not "fix the config field")
+    from shardplan.record import checkpoint, tiny
     from shardplan.record.checkpoint import NamesError
 
+    monkeypatch.delitem(checkpoint._LISTED_FROM_RELEASED_CODE, "step3_text")
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
+    monkeypatch.setattr(checkpoint, "_META_CACHE", type(checkpoint._META_CACHE)())  # nothing listed before counts
     row, model_dir, _ = tiny.sweep_start("Step3TextForCausalLM", tmp_path)
     assert not row["status"]
     with pytest.raises(NamesError) as info:
