@@ -466,7 +466,8 @@ def _cells(r: dict) -> tuple[str, str]:
     detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
     if r.get("padding"):  # a passing row's exempted padding (VLLM_PADDING): named, never silent
         detail = "; ".join(
-            [detail] * bool(detail) + ["vLLM's own padding, left unwritten by its loader: " + "; ".join(r["padding"])]
+            [detail] * bool(detail)
+            + ["padding the engine allocates and its loader leaves unwritten (cited): " + "; ".join(r["padding"])]
         )
     return layouts, detail.replace("|", "\\|")
 

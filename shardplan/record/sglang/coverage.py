@@ -56,7 +56,7 @@ SGLANG_LOADER_BUGS: dict[str, tuple[str, str]] = {
 SGLANG_PADDING: dict[str, tuple[Padding, ...]] = {
     "FalconH1ForCausalLM": (
         Padding(
-            r"model\.layers\.\d+\.[qk]_norm\.weight",
+            r"model\..*\.[qk]_norm\.weight",
             "q_norm / k_norm that SGLang builds and never uses (Falcon-H1 has no QK norm)",
             lambda model, name: (0, model.get_parameter(name).shape[0]),
             "sglang/srt/models/falcon_h1.py:220-221 (SGLang 0.5.23) builds q_norm and k_norm in every decoder layer; "
