@@ -12,23 +12,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from replay_bench import interleaved_medians, kimi_k2_layer, llama70b_layer, make_tensors, traffic  # noqa: E402
 
 from shardplan.runtime import copykernel as ck  # noqa: E402
-from shardplan.runtime import tensors as rt  # noqa: E402
 from shardplan.runtime.apply import Applier, params_from_plan  # noqa: E402
 from shardplan.runtime.replay import Replayer  # noqa: E402
 
-BASE = dict(BLOCK=256, TILE=256, UNROLL=True, NUM_WARPS=4, TORCH_MIN_BYTES=None, BR=1)
+BASE = dict(BLOCK=1024, TILE=256, NUM_WARPS=4)
 VARIANTS = {
-    "b256": {},
-    "b256w2": dict(NUM_WARPS=2),
-    "b512t256": dict(BLOCK=512),
-    "b1024t256": dict(BLOCK=1024),
-    "b1024t256dyn": dict(BLOCK=1024, UNROLL=False),
-    "b2048t256dyn": dict(BLOCK=2048, UNROLL=False),
-    "b1024t512w8": dict(BLOCK=1024, TILE=512, NUM_WARPS=8),
-    "b4096t512w8dyn": dict(BLOCK=4096, TILE=512, NUM_WARPS=8, UNROLL=False),
-    "b256mix4M": dict(TORCH_MIN_BYTES=4 << 20),
-    "b1024t256mix4M": dict(BLOCK=1024, TORCH_MIN_BYTES=4 << 20),
-    "b256mix4M-2br": dict(TORCH_MIN_BYTES=4 << 20, BR=2),
+    "b1024t256": {},
+    "b256t256": dict(BLOCK=256),
+    "b2048t256": dict(BLOCK=2048),
+    "b1024t512": dict(TILE=512),
+    "b1024t128": dict(TILE=128),
+    "b512t128": dict(BLOCK=512, TILE=128),
+    "b2048t512w8": dict(BLOCK=2048, TILE=512, NUM_WARPS=8),
 }
 ONLY = os.environ.get("VARIANTS")
 if ONLY:
@@ -37,14 +32,7 @@ if ONLY:
 
 def configure(cfg):
     c = {**BASE, **cfg}
-    ck.BLOCK, ck.TILE, ck.UNROLL, ck.NUM_WARPS, ck.TORCH_MIN_BYTES = (
-        c["BLOCK"],
-        c["TILE"],
-        c["UNROLL"],
-        c["NUM_WARPS"],
-        c["TORCH_MIN_BYTES"],
-    )
-    rt.GRAPH_BRANCHES = c["BR"]
+    ck.BLOCK, ck.TILE, ck.NUM_WARPS = c["BLOCK"], c["TILE"], c["NUM_WARPS"]
 
 
 def same_bytes(params, want):
@@ -74,10 +62,10 @@ def run_case(label, builder, iters):
     fns["ceiling"] = lambda: dst.copy_(src)
     fns["copy-pack"] = lambda: same_dst["pack"].copy_(same["pack"])
     fns["copy-apply"] = lambda: same_dst["apply"].copy_(same["apply"])
-    g = replayer.bind(tensors, cuda_graph=True)
+    g = replayer.bind(tensors, cuda_graph=True, box_copy=False)
     assert torch.equal(g.pack(check=False), ref)
     fns["pack graph"] = lambda g=g: g.pack(check=False)
-    ga = Applier(plan, replayer.layout, params, cuda_graph=True)
+    ga = Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=False)
     ga.apply(ref)
     fns["apply graph"] = lambda a=ga: a.apply(ref)
     info = {}

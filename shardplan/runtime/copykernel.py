@@ -1,15 +1,16 @@
 """One Triton launch for many strided copies on CUDA: the copies a bound replay or apply would launch one by one (a
 strided copy per run, a batched cat per stack, a foreach copy of the rest) become rows of one table of boxes, and one
-kernel moves them all, inside the CUDA graph. Fewer kernels in the graph means no drain between them: most of what the
-graph pack lost to a same-size copy.
+kernel moves them all, inside the CUDA graph (the default of a bound replay and an Applier). Fewer kernels in the graph
+means no drain between them: most of what the graph pack lost to a same-size copy.
 
 A copy pair (destination view, source view, same shape and element size) is a box: its dims jointly collapsed, the
 innermost contiguous in both (else the pair keeps its torch copy), the dims above the row dim enumerated on the host.
 Each box is cut into programs of BLOCK units (a unit: VEC elements of the launch's element type, 16 bytes where every
-address and stride allows). A program's row: source and destination element offsets of its first row (from the
-launch's base tensors: the lowest storage on each side), their row strides, the box's width in units, the column where
-the program starts and how many units it moves. Triton is imported only when a CUDA bind launches it (the CPU venv has
-none); `BoxCopy.run_reference` runs the same table with torch on any device, for checks without a GPU.
+address and stride allows), which a program moves TILE units a step, in an unrolled loop. A program's row: source and
+destination element offsets of its first row (from the launch's base tensors: the lowest storage on each side), their
+row strides, the box's width in units, the column where the program starts and how many units it moves. Triton is
+imported only when a CUDA bind launches it (the CPU venv has none); `BoxCopy.run_reference` runs the same table with
+torch on any device, for checks without a GPU.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-BLOCK = 256  # units (4 KiB at 16-byte units) a program moves: 1024 and more were slower on the H200
-TILE = 256  # units one step of a program's loop moves (BLOCK a multiple of it)
-UNROLL = True  # the loop over a program's tiles unrolled (static) or a runtime loop
+BLOCK = 1024  # units (16 KiB at 16-byte units) a program moves, in an unrolled loop of TILE units a step
+TILE = 256  # (one step of 1024 units, or 256 without the loop, was slower on the H200: docs/benchmarks.md)
 NUM_WARPS = 4
-TORCH_MIN_BYTES: int | None = None  # pairs one contiguous run of at least this many bytes keep a torch copy
 COLUMNS = ("src", "src_stride", "dst", "dst_stride", "cols", "col0", "count")
 _ELEM = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -60,12 +59,6 @@ def _box(dst: torch.Tensor, src: torch.Tensor):
     return sizes, [d for _, d, _ in merged], [s for _, _, s in merged]
 
 
-def _contiguous_run(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """Bytes of the pair when it is one contiguous run on both sides, else 0."""
-    sizes, _, _ = _box(dst, src)
-    return sizes[0] if len(sizes) == 1 else 0
-
-
 def split(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list]:
     """(pairs the kernel copies, pairs torch copies)."""
     mine, rest = [], []
@@ -78,9 +71,13 @@ class BoxCopy:
     """The kernel's tables for a list of (dst, src) view pairs whose destinations do not overlap (one launch per
     element width: normally one)."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int | None = None):
+    def __init__(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int | None = None, tile: int | None = None
+    ):
         self.block = block = block or BLOCK
-        self.tile, self.unroll, self.num_warps = min(TILE, block), UNROLL, NUM_WARPS
+        self.tile, self.num_warps = min(tile or TILE, block), NUM_WARPS
+        if block % self.tile:
+            raise ValueError(f"block {block} is not a multiple of tile {self.tile}")
         boxes = []  # per box: dst address, src address, rows, cols bytes, dst row stride, src row stride
         self.dst_tensors, self.src_tensors = [], []
         for dst, src in pairs:
@@ -170,9 +167,7 @@ class BoxCopy:
         """Enqueue every copy on the current stream: one kernel per element width (capturable in a CUDA graph)."""
         kernel = _kernel()
         for table, src, dst, vec in self._bind():
-            kernel[(len(table),)](
-                table, src, dst, VEC=vec, BLOCK=self.block, TILE=self.tile, UNROLL=self.unroll, num_warps=self.num_warps
-            )
+            kernel[(len(table),)](table, src, dst, VEC=vec, BLOCK=self.block, TILE=self.tile, num_warps=self.num_warps)
 
     def run_reference(self) -> None:
         """The programs one by one with torch on the tensors' device: what the kernel computes (checks the tables)."""
@@ -233,17 +228,9 @@ def fuse(ops: Sequence[Callable], device: torch.device) -> list[Callable]:
     mine, rest = split(pairs)
     if not mine:
         return list(ops)
-    big = []
-    if TORCH_MIN_BYTES is not None:
-        big = [p for p in mine if _contiguous_run(*p) >= TORCH_MIN_BYTES]
-        mine = [p for p in mine if _contiguous_run(*p) < TORCH_MIN_BYTES]
-    out = []
-    if mine:
-        copy = BoxCopy(mine)
-        out.append(pair_op(lambda: copy.launch(), mine, f"box copy x{len(mine)} ({copy.num_programs} programs)"))
-        out[0].box_copy = copy
-    for d, s in big:
-        out.append(pair_op(lambda d=d, s=s: d.copy_(s), [(d, s)], "contiguous copy"))
+    copy = BoxCopy(mine)
+    out = [pair_op(lambda: copy.launch(), mine, f"box copy x{len(mine)} ({copy.num_programs} programs)")]
+    out[0].box_copy = copy
     if rest:
         dsts, srcs = [d for d, _ in rest], [s for _, s in rest]
         out.append(pair_op(lambda: torch._foreach_copy_(dsts, srcs), rest, f"foreach_copy x{len(rest)}"))
@@ -268,9 +255,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_boxes_kernel(
-        table, src_base, dst_base, VEC: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, UNROLL: tl.constexpr
-    ):
+    def copy_boxes_kernel(table, src_base, dst_base, VEC: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
         row = table + tl.program_id(0).to(tl.int64) * 7
         src = tl.load(row)
         src_stride = tl.load(row + 1)
@@ -279,51 +264,27 @@ def _kernel():
         cols = tl.load(row + 4).to(tl.int32)
         col0 = tl.load(row + 5).to(tl.int32)
         count = tl.load(row + 6).to(tl.int32)
-        if UNROLL:
-            for k in tl.static_range(BLOCK // TILE):
-                i = k * TILE + tl.arange(0, TILE)
-                if col0 + count <= cols:  # inside one row: no division
-                    s = src + (col0 + i).to(tl.int64) * VEC
-                    d = dst + (col0 + i).to(tl.int64) * VEC
-                else:
-                    j = col0 + i
-                    r = j // cols
-                    c = (j - r * cols).to(tl.int64) * VEC
-                    r = r.to(tl.int64)
-                    s = src + r * src_stride + c
-                    d = dst + r * dst_stride + c
-                if VEC == 1:
-                    x = tl.load(src_base + s, mask=i < count)
-                    tl.store(dst_base + d, x, mask=i < count)
-                else:  # VEC elements a unit: one 16-byte access where the alignment hints hold
-                    s = tl.multiple_of(s, VEC)
-                    d = tl.multiple_of(d, VEC)
-                    lane = tl.arange(0, VEC)[None, :]
-                    mask = (i < count)[:, None]
-                    x = tl.load(src_base + s[:, None] + lane, mask=mask)
-                    tl.store(dst_base + d[:, None] + lane, x, mask=mask)
-        else:
-            for t0 in range(0, count, TILE):
-                i = t0 + tl.arange(0, TILE)
-                if col0 + count <= cols:  # inside one row: no division
-                    s = src + (col0 + i).to(tl.int64) * VEC
-                    d = dst + (col0 + i).to(tl.int64) * VEC
-                else:
-                    j = col0 + i
-                    r = j // cols
-                    c = (j - r * cols).to(tl.int64) * VEC
-                    r = r.to(tl.int64)
-                    s = src + r * src_stride + c
-                    d = dst + r * dst_stride + c
-                if VEC == 1:
-                    x = tl.load(src_base + s, mask=i < count)
-                    tl.store(dst_base + d, x, mask=i < count)
-                else:  # VEC elements a unit: one 16-byte access where the alignment hints hold
-                    s = tl.multiple_of(s, VEC)
-                    d = tl.multiple_of(d, VEC)
-                    lane = tl.arange(0, VEC)[None, :]
-                    mask = (i < count)[:, None]
-                    x = tl.load(src_base + s[:, None] + lane, mask=mask)
-                    tl.store(dst_base + d[:, None] + lane, x, mask=mask)
+        for k in tl.static_range(BLOCK // TILE):
+            i = k * TILE + tl.arange(0, TILE)
+            if col0 + count <= cols:  # inside one row: no division
+                s = src + (col0 + i).to(tl.int64) * VEC
+                d = dst + (col0 + i).to(tl.int64) * VEC
+            else:
+                j = col0 + i
+                r = j // cols
+                c = (j - r * cols).to(tl.int64) * VEC
+                r = r.to(tl.int64)
+                s = src + r * src_stride + c
+                d = dst + r * dst_stride + c
+            if VEC == 1:
+                x = tl.load(src_base + s, mask=i < count)
+                tl.store(dst_base + d, x, mask=i < count)
+            else:  # VEC elements a unit: one 16-byte access where the alignment hints hold
+                s = tl.multiple_of(s, VEC)
+                d = tl.multiple_of(d, VEC)
+                lane = tl.arange(0, VEC)[None, :]
+                mask = (i < count)[:, None]
+                x = tl.load(src_base + s[:, None] + lane, mask=mask)
+                tl.store(dst_base + d[:, None] + lane, x, mask=mask)
 
     return copy_boxes_kernel
