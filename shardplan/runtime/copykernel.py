@@ -1,16 +1,14 @@
 """One Triton launch for many strided copies on CUDA: the copies a bound replay or apply would launch one by one (a
 strided copy per run, a batched cat per stack, a foreach copy of the rest) become rows of one table of boxes, and one
-kernel moves them all, inside the CUDA graph (the default of a bound replay and an Applier). Fewer kernels in the graph
-means no drain between them: most of what the graph pack lost to a same-size copy.
+kernel moves them all, inside the CUDA graph (by default): no drain between kernels, most of what a graph lost to copy.
 
 A copy pair (destination view, source view, same shape and element size) is a box: its dims jointly collapsed, the
 innermost contiguous in both (else the pair keeps its torch copy), the dims above the row dim enumerated on the host.
 Each box is cut into programs of BLOCK units (a unit: VEC elements of the launch's element type, 16 bytes where every
-address and stride allows), which a program moves TILE units a step, in an unrolled loop. A program's row: source and
-destination element offsets of its first row (from the launch's base tensors: the lowest storage on each side), their
-row strides, the box's width in units, the column where the program starts and how many units it moves. Triton is
-imported only when a CUDA bind launches it (the CPU venv has none); `BoxCopy.run_reference` runs the same table with
-torch on any device, for checks without a GPU.
+address and stride allows), moved TILE units a step. A program's row: source and destination element offsets of its
+first row (from the launch's base tensors: the lowest storage on each side), their row strides, the box's width in
+units, the column where the program starts and how many units it moves. Triton is imported only when a CUDA bind
+launches it (the CPU venv has none); `BoxCopy.run_reference` runs the same table with torch on any device.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-BLOCK = 1024  # units (16 KiB at 16-byte units) a program moves, in an unrolled loop of TILE units a step
-TILE = 256  # (one step of 1024 units, or 256 without the loop, was slower on the H200: docs/benchmarks.md)
+BLOCK, TILE = 1024, 256  # units (16 B) a program moves, TILE a step (unrolled): fastest of those tried on the H200
 NUM_WARPS = 4
 COLUMNS = ("src", "src_stride", "dst", "dst_stride", "cols", "col0", "count")
 _ELEM = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -71,13 +68,9 @@ class BoxCopy:
     """The kernel's tables for a list of (dst, src) view pairs whose destinations do not overlap (one launch per
     element width: normally one)."""
 
-    def __init__(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int | None = None, tile: int | None = None
-    ):
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int = 0, tile: int = 0):
         self.block = block = block or BLOCK
-        self.tile, self.num_warps = min(tile or TILE, block), NUM_WARPS
-        if block % self.tile:
-            raise ValueError(f"block {block} is not a multiple of tile {self.tile}")
+        self.tile, self.num_warps = math.gcd(tile or TILE, block), NUM_WARPS  # (a tile divides the block)
         boxes = []  # per box: dst address, src address, rows, cols bytes, dst row stride, src row stride
         self.dst_tensors, self.src_tensors = [], []
         for dst, src in pairs:

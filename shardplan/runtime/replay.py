@@ -188,8 +188,7 @@ class Replayer:
         steps are fine; `p.data = new_tensor` or reallocation is not: `pack()` then raises StaleBindingError).
         cuda_graph: None (default) captures on CUDA and falls back to eager launches if capture fails (the reason is
         kept in `BoundReplay.graph_error`); True requires the capture; False never captures. box_copy: True (default)
-        has the graph replay the copies as one Triton box-copy launch where Triton runs (runtime/copykernel.py; a
-        failure there keeps the torch copies, reason in `BoundReplay.box_copy_error`); False: the torch copies.
+        has the graph copy through one Triton box-copy launch (else torch copies, why in `box_copy_error`); False: not.
         (The naive baselines, one copy_ per segment and one foreach copy, live in bench/replay_bench.py.)"""
         return BoundReplay(self, tensors, out, cuda_graph=cuda_graph, box_copy=box_copy)
 
