@@ -115,3 +115,25 @@ def test_the_report_has_sglang_beside_vllm():
     assert "| OnlyVllm |  | cannot |  | - |  | vLLM: x |" in text
     assert "| OnlySglang |  | - |  | not run |  | SGLang: later |" in text
     assert "| B |  | - |  | pass | tp1 1/1, tp2-ep loader fails | SGLang: r |" in text
+
+
+def test_step3p5s_tiny_config_has_one_entry_per_layer_and_sglang_builds_it(tmp_path):
+    """transformers' Step3p7TextConfig (the listing's class here) reads the layer kinds from mlp_layer_types, SGLang's
+    Step3p5 indexes rope_theta / swiglu_limits by layer: every per-layer list must have num_hidden_layers entries."""
+    from shardplan.plan.layout import Layout
+    from shardplan.record.sglang.session import SglangRecordSession
+    from shardplan.record.tiny import sweep_start
+
+    row, model_dir, has_experts = sweep_start("Step3p5ForCausalLM", tmp_path)
+    assert not row["status"] and has_experts, row
+    session = SglangRecordSession(str(model_dir), Layout(tp=1))
+    assert "model.layers.1.moe.experts.w13_weight" in dict(session.builder.build(0, "meta").named_parameters())
+
+
+def test_zayas_tiny_config_routes_top_1_as_published():
+    from transformers import ZayaConfig
+
+    from shardplan.record.tiny import tiny_config
+
+    fields = {k: v for k, v in tiny_config("ZayaForCausalLM").items() if k not in ("architectures", "model_type")}
+    assert ZayaConfig(**fields).num_experts_per_tok == 1  # the class's validator refuses any other
