@@ -181,6 +181,9 @@ _FIXES: dict[str, dict[str, Any]] = {
     "ZayaForCausalLM": {"num_experts_per_tok": 1},  # else vLLM builds no e_score_correction_bias
     # transformers reads the shrunk mlp_layer_types (dense, dense, sparse), SGLang first_k_dense_replace: agree
     "GlmMoeDsaForCausalLM": {"first_k_dense_replace": 2},
+    # the same for DeepSeek-V3.2 (transformers' DeepseekV32Config lists 3 layers; vLLM reads it as DeepseekV3Config,
+    # which shrinks to 2 layers: 3 layers there too, so both build dense, dense, MoE)
+    "DeepseekV32ForCausalLM": {"first_k_dense_replace": 2, "num_hidden_layers": 3},
     # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
     # (linear, linear, full): the interval that gives the same
     "Qwen3NextForCausalLM": {"full_attention_interval": 3},

@@ -137,3 +137,23 @@ def test_zayas_tiny_config_routes_top_1_as_published():
 
     fields = {k: v for k, v in tiny_config("ZayaForCausalLM").items() if k not in ("architectures", "model_type")}
     assert ZayaConfig(**fields).num_experts_per_tok == 1  # the class's validator refuses any other
+
+
+def test_tiny_configs_name_the_same_dense_layers_in_mlp_layer_types_and_first_k_dense_replace():
+    """SGLang's DeepSeek-style models take the dense layers from first_k_dense_replace, transformers' classes (the
+    checkpoint listing) from mlp_layer_types: where a tiny config has both they must agree, or SGLang's loader meets
+    a dense MLP tensor of a layer it built as MoE (DeepSeek-V3.2: KeyError 'model.layers.1.mlp.gate_up_proj.weight')."""
+    from shardplan.record.tiny import NoConfigClass, tiny_config
+
+    checked = []
+    for arch in sglang_coverage.text_decoder_architectures():
+        try:
+            config = tiny_config(arch)
+        except NoConfigClass:
+            continue
+        kinds, first_dense = config.get("mlp_layer_types"), config.get("first_k_dense_replace")
+        if isinstance(kinds, list) and isinstance(first_dense, int):
+            dense = [i for i, kind in enumerate(kinds) if kind == "dense"]
+            assert dense == list(range(first_dense)), (arch, kinds, first_dense)
+            checked.append(arch)
+    assert "DeepseekV32ForCausalLM" in checked, checked
