@@ -157,3 +157,13 @@ def test_tiny_configs_name_the_same_dense_layers_in_mlp_layer_types_and_first_k_
             assert dense == list(range(first_dense)), (arch, kinds, first_dense)
             checked.append(arch)
     assert "DeepseekV32ForCausalLM" in checked, checked
+
+
+def test_a_config_field_sglang_reads_that_real_configs_lack_is_cannot_only_where_cited(tmp_path, monkeypatch):
+    """SGLang's Mamba2 reads config.intermediate_size, which neither transformers' Mamba2Config nor a published
+    Mamba2 config has: "cannot" with the citation; without the citation the same error is the tiny config's FAIL."""
+    row = sglang_coverage.run_architecture("Mamba2ForCausalLM", tmp_path / "cited", tps=(1,))
+    assert row["status"] == "cannot" and "config.intermediate_size" in row["reason"], row
+    monkeypatch.setattr(sglang_coverage, "SGLANG_CONFIG_GAPS", {})
+    row = sglang_coverage.run_architecture("Mamba2ForCausalLM", tmp_path / "uncited", tps=(1,))
+    assert row["status"] == "FAIL" and "intermediate_size" in row["reason"], row
