@@ -167,3 +167,13 @@ def test_a_config_field_sglang_reads_that_real_configs_lack_is_cannot_only_where
     monkeypatch.setattr(sglang_coverage, "SGLANG_CONFIG_GAPS", {})
     row = sglang_coverage.run_architecture("Mamba2ForCausalLM", tmp_path / "uncited", tps=(1,))
     assert row["status"] == "FAIL" and "intermediate_size" in row["reason"], row
+
+
+def test_params_a_cited_sglang_loader_drops_are_cannot_and_uncited_they_are_FAIL(tmp_path, monkeypatch):
+    """SGLang's text-only Llama4ForCausalLM inherits Llama's loader, which skips the released fused experts: the
+    routed experts stay unwritten by SGLang's own load of a real checkpoint, "cannot" with the citation only."""
+    row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path / "cited", tps=(1,))
+    assert row["status"] == "cannot" and "llama.py" in row["reason"], row
+    monkeypatch.setattr(sglang_coverage, "SGLANG_LOADER_DROPS", {})
+    row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path / "uncited", tps=(1,))
+    assert row["status"] == "FAIL" and "feed_forward.experts.w13_weight" in row["reason"], row

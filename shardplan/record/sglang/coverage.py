@@ -9,14 +9,17 @@ with experts), every rank is recorded with SGLang's own loader (SglangRecordSess
 plan (then SGLang's `post_load_weights`) on the other; every parameter, buffer and tensor attribute compared bitwise.
 Verdicts as vLLM's: "cannot" only where SGLang itself refuses the config or layout or fails to build the model (its
 error quoted), or its own loader fails on the real checkpoint names with a cited bug (SGLANG_LOADER_BUGS: that layout
-only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error,
-a differing replay or any element of a parameter that no listed tensor writes (the same rule as vLLM's rows, bar the
-params SGLANG_PADDING names with SGLang's source) is FAIL.
+only, only while it raises that error), reads a config field no real config has (SGLANG_CONFIG_GAPS) or drops the
+real checkpoint's tensors for cited params (SGLANG_LOADER_DROPS: only while exactly those stay unwritten);
+SGLang's loader refusing the checkpoint we listed otherwise, a recording error, a differing replay or any element of a
+parameter that no listed tensor writes (the same rule as vLLM's rows, bar the params SGLANG_PADDING names with SGLang's
+source) is FAIL.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 from pathlib import Path
 
 from shardplan.plan.layout import Layout
@@ -60,6 +63,19 @@ SGLANG_CONFIG_GAPS: dict[str, tuple[str, str]] = {
         "transformers' Mamba2Config (5.19.0, the version SGLang pins) has no such field (its mixer derives "
         "expand * hidden_size) and the published Mamba2 configs (state-spaces/mamba2-*, converted to transformers' "
         "format) carry expand, not intermediate_size",
+    ),
+}
+
+# SGLang loaders that drop the real checkpoint's tensors for some params at every layout (cited): where exactly these
+# params stay unwritten and nothing else differs, the row is "cannot" (SGLang itself cannot load a real checkpoint).
+SGLANG_LOADER_DROPS: dict[str, tuple[str, str]] = {
+    "Llama4ForCausalLM": (
+        r"model\.layers\.\d+\.feed_forward\.experts\.w(13|2)_weight",
+        "SGLang 0.5.23's text-only Llama4ForCausalLM (sglang/srt/models/llama4.py) inherits "
+        "LlamaForCausalLM.load_weights (llama.py:701-774), which has no expert mapping: the released fused "
+        "feed_forward.experts.gate_up_proj / down_proj (as transformers lists and meta-llama's Llama-4 checkpoints "
+        "hold them) match no param and are skipped; only Llama4ForConditionalGeneration's loader (mllama4.py:773-834) "
+        "maps them to experts.w13_weight / w2_weight",
     ),
 }
 
@@ -210,6 +226,10 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
     undefined = undefined_reason(row["layouts"], "SGLang")
+    drops = SGLANG_LOADER_DROPS.get(arch)
+    unwritten = {n for r in done for n in r.get("undefined", {})}
+    if undefined and drops and all(re.fullmatch(drops[0], n) for n in unwritten):
+        return dict(row, status="cannot", reason=f"SGLang's own loader drops the real checkpoint's tensors: {drops[1]}")
     if undefined:
         return dict(row, status="FAIL", reason=undefined + "; only SGLANG_PADDING's (cited) may stay unwritten")
     row["padding"] = padding_summary(row["layouts"])
