@@ -76,6 +76,7 @@ class ReloadUnpacker:
 
         # a plan file's source table stays templated (a dict of it would spell out every checkpoint name)
         self.model, self.plan, self.sources = model, plan, dict(sources) if isinstance(sources, dict) else sources
+        self.sharded = sharded is not None  # several trainers' parts per group: every byte through the buffer
         self.alignment = alignment
         self._meta_params = params_from_plan(plan, device="meta")
         if sharded is None:
@@ -292,7 +293,7 @@ class ReloadUnpacker:
         materialized ahead in the first one), so the update holds no more than it did without receiving in place."""
         out: list[torch.Tensor | None] = [None] * len(spans)
         self._posted.append(group)
-        if not (self.active and self.receive_in_place and len(self.parts) == 1 and self._pool_size):
+        if not (self.active and self.receive_in_place and not self.sharded and self._pool_size):
             return out
         candidates = self.appliers[0].for_group(group).in_place_segments()
         if not any(lo in candidates for lo, _ in spans) or not self._materialize_ahead():
