@@ -79,9 +79,8 @@ class Unpacker(Protocol):
     def stamp(self) -> str:
         """This consumer's plan rank and pack-layout digest (see Packer.stamp)."""
 
-    # optional: receive_targets(group, [(lo, hi), ...]) -> [uint8 tensor | None, ...]. Per message of a group, called
-    # when its receives are posted (groups in sync order): where to receive those bytes instead of the buffer (None:
-    # the buffer), e.g. straight into a param; `apply` then skips them. The bytes stay checksummed where they land.
+    # optional: receive_targets(group, [(lo, hi), ...]) -> [uint8 tensor | None, ...]. Per message of a group, when its
+    # receives are posted (in sync order): where to receive it instead of the buffer (None: the buffer); apply skips it
 
 
 @dataclass(kw_only=True)
