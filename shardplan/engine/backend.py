@@ -280,6 +280,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
         self.unpacker.defer_gemm = bool(update_info.defer_gemm)
         self.unpacker.receive_in_place = bool(update_info.receive_in_place)
+        self.unpacker.prefault_pool = bool(update_info.prefault_pool)
         t0 = time.perf_counter()
         try:
             placement = None

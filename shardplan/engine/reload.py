@@ -29,6 +29,7 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -158,6 +159,7 @@ class ReloadUnpacker:
         self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
         self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
         self.receive_in_place = True  # EngineUpdateInfo.receive_in_place
+        self.prefault_pool = True  # EngineUpdateInfo.prefault_pool
         self._posted: list[str] = []  # this sync's groups whose receives are posted, in order
         self._ahead = 0  # how many of them had their modules materialized when posted (receive_targets)
         self._in_place: dict[str, frozenset[int]] = {}  # group -> buffer offsets of segments received into params
@@ -446,12 +448,17 @@ class ReloadUnpacker:
                 self._pool_used = start + tensor.numel() * tensor.element_size()
                 self._pool_bytes = max(self._pool_bytes, self._pool_used)
                 if self._pool is None and self._pool_size:
-                    self._pool = torch.empty(self._pool_size, dtype=torch.uint8)
-                    self._pool_uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
-                    self.pools_allocated += 1
+                    self._new_pool()
                 if self._pool is not None and self._pool_used <= self._pool.numel():
                     size, stride = tensor.size(), tensor.stride()
                     tensor.set_(self._pool.untyped_storage(), start // tensor.element_size(), size, stride)
+
+    def _new_pool(self) -> None:
+        self._pool = torch.empty(self._pool_size, dtype=torch.uint8)
+        self._pool_uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
+        self.pools_allocated += 1
+        if self.prefault_pool:
+            threading.Thread(target=_populate, args=(self._pool,), daemon=True).start()
 
     def _close(self, module: torch.nn.Module) -> None:
         """The module is processed: once no module is open, the pool is free for the next ones, unless something
@@ -507,6 +514,21 @@ class ReloadUnpacker:
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
+
+
+def _populate(pool: torch.Tensor) -> None:
+    """Fault the pool's pages in (Linux's MADV_POPULATE_WRITE, 5.14+) without writing them, so it may run while bytes
+    are received into the pool: a fresh page costs more to fault in than to write, and a receive or apply that does it
+    has the transfer waiting. Best effort: where the call is refused, the first writes fault the pages in as before."""
+    import ctypes
+
+    page = 4096
+    start = pool.data_ptr() // page * page
+    length = pool.data_ptr() + pool.numel() - start
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 23)
+    except (OSError, AttributeError):
+        pass
 
 
 def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:
