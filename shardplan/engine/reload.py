@@ -7,6 +7,8 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
 
     begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
                    (pre-processing) layout, on the meta device
+    receive_targets(group)  when the group's receives are posted: where the pool has room, materialize its layers
+                   now and have its single-param segments received straight into them (apply then skips them)
     apply(group)   materialize the layers the group writes (uninitialised tensors in the sync's pool), scatter the
                    group's bytes into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has
                    now landed run what vLLM's `_layerwise_process` runs after its loaders:
@@ -28,6 +30,7 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -302,13 +305,9 @@ class ReloadUnpacker:
             return out
         offsets, views = set(), []
         for i, (lo, hi) in enumerate(spans):
-            found = candidates.get(lo)
-            if found is None:
-                continue
-            name, first, numel = found
-            param = getattr(*self.targets[name])
-            view = param.detach().view(-1)[first : first + numel].view(torch.uint8)
-            if view.numel() != hi - lo:
+            name, first, numel = candidates.get(lo, (None, 0, 0))
+            view = None if name is None else getattr(*self.targets[name]).detach().view(-1)[first : first + numel]
+            if view is None or (view := view.view(torch.uint8)).numel() != hi - lo:
                 continue
             out[i] = view
             offsets.add(lo)
@@ -522,13 +521,9 @@ def _populate(pool: torch.Tensor) -> None:
     has the transfer waiting. Best effort: where the call is refused, the first writes fault the pages in as before."""
     import ctypes
 
-    page = 4096
-    start = pool.data_ptr() // page * page
-    length = pool.data_ptr() + pool.numel() - start
-    try:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 23)
-    except (OSError, AttributeError):
-        pass
+    start = pool.data_ptr() // 4096 * 4096
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(pool.data_ptr() + pool.numel() - start), 23)
 
 
 def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:

@@ -66,6 +66,7 @@ def _pool_unpacker(pool_bytes: int) -> ReloadUnpacker:
     unpacker = ReloadUnpacker.__new__(ReloadUnpacker)
     unpacker._open, unpacker._pool, unpacker._pool_used, unpacker._pool_uses = set(), None, 0, 0
     unpacker._pool_size, unpacker._pool_bytes, unpacker.pools_allocated = pool_bytes, 0, 0
+    unpacker.prefault_pool = True
     return unpacker
 
 
