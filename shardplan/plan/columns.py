@@ -212,13 +212,16 @@ class TableSourceIds(SourceIds):
     def renamed(self, ids: np.ndarray, rename) -> np.ndarray:
         # per template row: `rename` applied to the row's text, the names' integers kept
         out = np.full(len(ids), -1, dtype=np.int64)
-        rows = np.searchsorted(self.bases, ids, side="right") - 1
-        for r in np.unique(rows).tolist():
-            other = rename(self.texts[r])
-            if other is None:
-                continue
-            at = np.flatnonzero(rows == r)
-            out[at] = self.ids(other, self._rows[r][ids[at] - self.bases[r]])
+        if len(ids) > 1 and not (ids[1:] >= ids[:-1]).all():
+            order = np.argsort(ids, kind="stable")
+            out[order] = self.renamed(ids[order], rename)
+            return out
+        # sorted ids: each template row's ids are one slice
+        cuts = np.searchsorted(ids, self.bases).tolist()
+        for r, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+            other = rename(self.texts[r]) if hi > lo else None
+            if other is not None:
+                out[lo:hi] = self.ids(other, self._rows[r][ids[lo:hi] - self.bases[r]])
         return out
 
     def dtype_codes(self, ids: np.ndarray, table: Mapping[str, ir.TensorMeta]) -> tuple[np.ndarray, list[str]] | None:

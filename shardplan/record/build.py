@@ -100,17 +100,12 @@ def make_vllm_config(
             f"vLLM rejects {label}: {reason.rstrip('.')}. Choose a layout vLLM accepts (TP must divide the "
             f"attention heads; --ep needs a MoE model)."
         ) from None
-    if layout.ep and not _is_moe(model_config):
+    if layout.ep and not model_config.is_moe:  # vLLM's own expert-count fields (Step3's moe_num_experts too)
         raise LayoutRejected(
             f"vLLM rejects {label}: --ep (enable_expert_parallel) needs a mixture-of-experts model, "
             f"and this one has no experts. Drop --ep."
         )
     return vllm_config
-
-
-def _is_moe(model_config) -> bool:
-    cfg = model_config.hf_text_config
-    return any(getattr(cfg, k, None) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
 @functools.cache

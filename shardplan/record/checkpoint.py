@@ -54,6 +54,9 @@ FLOAT32_ON_DISK: dict[str, tuple[str, ...]] = {
     # Qwen3.5's Gated DeltaNet keeps A_log and its gated norm in F32 in the released headers (public header catalogs
     # of the released Qwen3.5 checkpoints: A_log and linear_attn.norm.weight F32, dt_bias BF16)
     "Qwen3_5MoeForConditionalGeneration": (".linear_attn.A_log", ".linear_attn.norm.weight"),
+    # tencent/Hy4-preview's headers (a public bring-up study that read its index and all 131 shard headers: "BF16,
+    # plus F32 for the hyper-connection parameters, sinks and router bias")
+    "HYV4ForCausalLM": ("_fn", "_base", "_scale", ".learnable_sink_param", ".e_score_correction_bias"),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # (on-disk name, shape, fixed dtype): the dtype a tensor is stored in whatever the model dtype (float32 kept by
@@ -94,6 +97,9 @@ def on_disk_tensors(view, include_mtp: bool = False) -> tuple[MetaTensor, ...]:
                 prefix + "shared_head.head.weight": ((vocab, hidden), None),
             }
         )
+    extra = DISK_ONLY_TENSORS.get(view.spec.architecture)
+    if extra is not None:
+        saved.update({name: (shape, None) for name, shape in extra(text, saved).items()})
     fp32_suffixes = FLOAT32_ON_DISK.get(view.spec.architecture, ())
     return tuple(
         (name, shape, "float32" if name.endswith(fp32_suffixes) else fixed)
@@ -157,6 +163,9 @@ def saved_state(hf_config, architecture: str, origin: str) -> dict[str, tuple[tu
     import transformers
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    by_hand = _LISTED_FROM_RELEASED_CODE.get(getattr(hf_config, "model_type", ""))
+    if by_hand is not None and remote.model_class(hf_config) is None:
+        return {name: (shape, None) for name, shape in by_hand(hf_config).items()}
     try:
         cls = remote.model_class(hf_config)  # the trusted directory's code (--trust-remote-code), else transformers'
         inside = _TEXT_INSIDE.get(getattr(hf_config, "model_type", ""))
@@ -259,11 +268,63 @@ def _inkling_disk_name(name: str, config) -> str | None:
     return name
 
 
+_HY_V4_NAMES = (
+    # transformers' hy_v4 conversion is rename-only, but its reverse is ambiguous: `.hc_pre.hc_` -> `.hc_` comes back
+    # as an hc_pre. in front of the module, and `.linear_gate` -> `.gate_proj` also catches the MLPs' gate_proj
+    (re.compile(r"^model\.hc_pre\.hc_head\."), "model.hc_head."),
+    (re.compile(r"^(model\.layers\.\d+)\.hc_pre\.(hc_attn_layer|hc_mlp_layer)\."), r"\1.\2.hc_pre."),
+    (re.compile(r"\.mlp\.(shared_experts\.)?linear_gate\."), r".mlp.\1gate_proj."),
+)
+
+
+def _hy_v4_disk_name(name: str, config) -> str | None:
+    # tencent/Hy4-preview's names (vLLM's GGUF plugin's HY V4 name map, test_name_map: model.hc_head.hc_head_fn,
+    # model.layers.N.hc_attn_layer.hc_pre.hc_fn, mlp.gate_proj, mlp.shared_experts.gate_proj, self_attn.linear_gate;
+    # vLLM's hy_v4 loader appends .weight to hc_fn / hc_head_fn itself)
+    for pattern, disk in _HY_V4_NAMES:
+        name = pattern.sub(disk, name, count=1)
+    return name
+
+
 _DISK_NAME_FIXUPS = {
     "kimi_linear": _kimi_linear_disk_name,
+    "hy_v4": _hy_v4_disk_name,
     "longcat_flash": _longcat_flash_disk_name,
     "inkling_text": _inkling_disk_name,
     "deepseek_v4": _deepseek_v4_disk_name,
+}
+
+
+# Tensors the released checkpoints store that transformers' class does not build, by architecture: (text config,
+# the names listed so far) -> {name: shape}, stored in the model dtype.
+def _axk1_disk_only(config, listed) -> dict[str, tuple[int, ...]]:
+    # skt/A.X-K1 stores post_mlp_layernorm at the decoder-layer level on every layer, its dense first layer's too
+    # (public inventory of the released model.safetensors.index.json, 976 names: pjordanandrsn/experts4bit-qlora
+    # experts4bit_qlora/arch/axk1.py and its test pinning that list); transformers builds the norm on MoE layers only
+    # (and drops layer 0's as unexpected), vLLM's AXK1DecoderLayer on every layer and loads it from that name
+    names = (f"model.layers.{i}.post_mlp_layernorm.weight" for i in range(int(config.num_hidden_layers)))
+    return {name: (int(config.hidden_size),) for name in names if name not in listed}
+
+
+def _longcat_ngram_disk_only(config, listed) -> dict[str, tuple[int, ...]]:
+    # LongCat-Flash-Lite's n-gram embedding, which transformers' LongcatFlash class does not have: k * (n - 1) tables
+    # of ratio * vocab + 2i + 1 rows and hidden // (k * (n - 1)) columns, each with a bias-free projection back to
+    # hidden (the hub's own modeling_longcat_ngram.py, NgramEmbedding._init_ngram_embeddings; a public inventory of
+    # the released index: 12 embedders.i.weight [10223616+2i+1, 256] and 12 post_projs.i.weight [3072, 256]; vLLM's
+    # longcat_flash_ngram NgramEmbedding.load_weight reads exactly these names and asserts the rows)
+    if getattr(config, "ngram_vocab_size_ratio", None) is None:
+        return {}
+    tables = int(config.emb_split_num) * (int(config.emb_neighbor_num) - 1)
+    hidden, rows = int(config.hidden_size), int(config.ngram_vocab_size_ratio) * int(config.vocab_size)
+    prefix = "model.ngram_embeddings."
+    out = {f"{prefix}embedders.{i}.weight": (rows + 2 * i + 1, hidden // tables) for i in range(tables)}
+    out.update({f"{prefix}post_projs.{i}.weight": (hidden, hidden // tables) for i in range(tables)})
+    return out
+
+
+DISK_ONLY_TENSORS = {
+    "AXK1ForCausalLM": _axk1_disk_only,
+    "LongcatFlashNgramForCausalLM": _longcat_ngram_disk_only,
 }
 # model_types whose transformers text model exists only inside a multimodal class (Step3.5: Step3p7's language model,
 # whose conversion gives back the released text names model.{embed_tokens,layers,norm}.*): its config class, its model
@@ -288,6 +349,49 @@ _STORED_AS_BUILT = {"qwen3_5_moe": ("model.visual.",)}
 _CONVERSION_OF = {"inkling_text": "inkling_mm_model"}
 
 
+def _olmo_hybrid_released_state(model, state: dict) -> dict:
+    # allenai/Olmo-Hybrid-7B stores the model's own names (open-instruct's olmo_core_hybrid.py key maps, "taken from
+    # allenai/Olmo-Hybrid-7B itself", 523 of 523 tensors) with the conv split per q/k/v at key, key, value channels;
+    # transformers' revert gives OLMo-core's attention_layer_norm / feedforward_layer_norm and three equal chunks
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".linear_attn.conv1d.weight"):
+            mixer = model.get_submodule(name.removesuffix(".conv1d.weight"))
+            parts = tensor.split([mixer.key_dim, mixer.key_dim, mixer.value_dim])
+            out |= {name.replace(".conv1d.", f".{k}_conv1d."): part for k, part in zip("qkv", parts)}
+        else:
+            out[name] = tensor
+    return out
+
+
+def _step3_text_names(config) -> dict[str, tuple[int, ...]]:
+    # no transformers class: the names of StepFun's hub modeling_step3.py (public copies; it only moves the released
+    # model.* under model.language_model.*, as the model card's key_mapping says), which vLLM's and SGLang's Step3
+    # loaders read: low-rank query (inter_norm, wq), one kv head, stacked experts [E, I, H] / [E, H, I], share_expert
+    h, v, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
+    q, d, heads = int(config.share_q_dim), int(config.head_dim), int(config.num_attention_heads)
+    e, i = int(config.moe_num_experts), int(config.moe_intermediate_size)
+    enum = getattr(config, "moe_layers_enum", None)
+    moe = {int(x) for x in str(enum).split(",") if x.strip()} if enum is not None else set(range(1, layers))
+    attn = {"q_proj": (q, h), "k_proj": (d, h), "v_proj": (d, h), "inter_norm": (q,), "wq": (heads * d, q)}
+    common = {f"self_attn.{k}": s for k, s in attn.items()} | {"self_attn.o_proj": (h, heads * d)}
+    common |= {"input_layernorm": (h,), "post_attention_layernorm": (h,)}
+    routed = {"moe.gate": (e, h), "moe.gate_proj": (e, i, h), "moe.up_proj": (e, i, h), "moe.down_proj": (e, h, i)}
+    names = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(layers):
+        mlp, w = ("share_expert", config.share_expert_dim) if n in moe else ("mlp", config.intermediate_size)
+        ffn = {f"{mlp}.{k}_proj": (int(w), h) for k in ("gate", "up")} | {f"{mlp}.down_proj": (h, int(w))}
+        parts = common | ffn | (routed if n in moe else {})
+        names |= {f"model.layers.{n}.{k}.weight": s for k, s in parts.items()}
+    return names
+
+
+# model_types with no transformers class whose released model code is public: config -> name -> shape
+_LISTED_FROM_RELEASED_CODE = {"step3_text": _step3_text_names}
+# model_types whose released names transformers' revert does not give back: (model, state_dict) -> released state
+_RELEASED_STATE = {"olmo_hybrid": _olmo_hybrid_released_state}
+
+
 def use_sibling_conversion(model) -> None:
     """Give `model` its multimodal sibling's load-time conversion where `_CONVERSION_OF` names one (transformers'
     revert, and save_pretrained, then give back the released checkpoints' names)."""
@@ -305,6 +409,8 @@ def _revert(model, state: dict) -> dict:
         return state
     if getattr(model.config, "model_type", "") in _STORED_AS_BUILT:
         return state
+    if getattr(model.config, "model_type", "") in _RELEASED_STATE:
+        return _RELEASED_STATE[model.config.model_type](model, state)
     use_sibling_conversion(model)
     reverted = revert_weight_conversion(model, state)
     fixup = _DISK_NAME_FIXUPS.get(getattr(model.config, "model_type", ""))

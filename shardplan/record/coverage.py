@@ -59,6 +59,23 @@ VLLM_LOADER_BUGS: dict[str, tuple[str, str]] = {
         "ffn.experts.w13_weight, but its FusedMoE keeps them under ffn.experts.routed_experts "
         "(vllm-project/vllm issue 49004; vLLM's regression test for it quotes this KeyError)",
     ),
+    "OlmoHybridForCausalLM": (
+        "TypeError: list indices must be integers or slices, not NoneType",
+        "vLLM 0.32's OLMo Hybrid conv1d loader reads the q/k/v part only from an argument AutoWeightsLoader does "
+        "not pass, so the released linear_attn.{q,k,v}_conv1d fail (vllm-project/vllm PR 55858, open, quotes this "
+        "TypeError for allenai/Olmo-Hybrid-7B; with its fix the row verifies bitwise: test_coverage.py)",
+    ),
+}
+# vLLM loaders that take a real checkpoint tensor and write it nowhere (cited): "cannot" only while the params no
+# listed tensor writes all end in the named param and the listing has the hub tensor: (hub suffix, param suffix, why)
+VLLM_LOADER_DROPS: dict[str, tuple[str, str, str]] = {
+    "LagunaForCausalLM": (
+        ".mlp.experts.e_score_correction_bias",
+        ".mlp.experts.routed_experts.e_score_correction_bias",
+        "the hub name (vLLM's laguna.py says so; transformers' laguna conversion renames it), but vLLM's MoE refactor "
+        "(vllm-project/vllm PR 41184) moved the param under routed_experts and LagunaModel.load_weights ignores "
+        "unexpected '_bias' names, so routing runs with the bias as built (zeros); no vLLM issue for Laguna found",
+    ),
 }
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
 
@@ -160,6 +177,10 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
     undefined = sorted({n for r in done for n in r.get("undefined", ())})
+    hub, param, why = VLLM_LOADER_DROPS.get(arch, ("\0", "\0", ""))
+    if undefined and all(n.endswith(param) for n in undefined) and any(t[0].endswith(hub) for t in session.tensors):
+        reason = f"vLLM's own loader drops the real checkpoint tensor(s) *{hub}: {undefined[:3]} stay as built: {why}"
+        return dict(row, status="cannot", reason=reason)
     if undefined:
         return dict(
             row,
@@ -331,7 +352,8 @@ def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = Non
         "lack of a kernel (sparse attention, a non-gated MoE, FlashAttention, Triton: "
         "`build.gpu_kernel_refusals_answered`, docs/recording.md); "
         "cannot run here is only vLLM's own build failing or vLLM refusing the layout, vLLM's own loader failing on "
-        "the real checkpoint names with a cited bug (`coverage.VLLM_LOADER_BUGS`, only while it raises that error), "
+        "the real checkpoint names with a cited bug (`coverage.VLLM_LOADER_BUGS`, only while it raises that error, "
+        "or `VLLM_LOADER_DROPS`, only while it leaves exactly that param unwritten), "
         "or a config class that exists only as the model's own code (`--trust-remote-code` records those from a "
         "local directory). "
         "The proof is on this machine's CPU: where a plan computes values "

@@ -183,6 +183,10 @@ _FIXES: dict[str, dict[str, Any]] = {
     "OlmoForCausalLM": {"num_key_value_heads": 4},
     "OlmoeForCausalLM": {"num_key_value_heads": 4},
     "PhiForCausalLM": {"num_key_value_heads": 4, "intermediate_size": 512},  # SGLang's Phi MLP: 4 * hidden, as phi-2
+    # value heads twice the key heads' width, as published (Olmo-Hybrid-7B: 96 and 192, open-instruct's preset)
+    "OlmoHybridForCausalLM": {"linear_value_head_dim": 64},
+    # MoE layers as the released comma string (StepFun's code and vLLM .split(",") it): layer 0 dense, layer 1 MoE
+    "Step3TextForCausalLM": {"moe_layers_enum": "1", "share_q_dim": 64, "share_expert_dim": 64, "moe_top_k": 2},
     "Glm4MoeForCausalLM": {"head_dim": 32},
     "Glm4MoeLiteForCausalLM": {"head_dim": 32, "first_k_dense_replace": 1},
     "FalconForCausalLM": {"ffn_hidden_size": 512},  # vLLM's Falcon MLP is 4 * hidden whatever ffn_hidden_size says

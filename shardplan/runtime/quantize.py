@@ -172,10 +172,10 @@ class QuantizingReplayer:
         # columnar (runtime/quantplan.py): tensors by id, names only where a caller asks
         ids, cols = quantplan.common_ids(self.plans, sources)
         reads = quantplan.plan_reads(ids, cols)
-        read = np.unique(np.concatenate([reads.src, np.asarray(sorted(reads.whole), dtype=np.int64)]))
+        read = quantplan.distinct(reads.src, np.asarray(sorted(reads.whole), dtype=np.int64))
         weight_of = ids.renamed(read, quantplan.drop_scale)
         # the quantized weights: fp8 [rows, cols] tensors with a scale table, read themselves or through their scales
-        cand = np.unique(np.concatenate([read, weight_of[weight_of >= 0]]))
+        cand = quantplan.distinct(read, weight_of)
         cand_scale = ids.renamed(cand, quantplan.add_scale)
         rows, cols_, two, dtype = quantplan.metas(ids, sources, cand)
         s_rows, s_cols, s_two, _ = quantplan.metas(ids, sources, np.maximum(cand_scale, 0))
@@ -200,7 +200,8 @@ class QuantizingReplayer:
         ]
         order = np.argsort(override[0], kind="stable")
         staged = quantplan.StagedIds(ids, sources, [x[order] for x in override])
-        rebased = quantplan.rebased_plans(self.plans, cols, staged, *self._moved, self._rebase_view)
+        rebased = quantplan.rebased_plans(self.plans, cols, staged, reads, self._steps, self._moved, self._rebase_view)
+        del self._moved, self._steps
         self.inner = Replayer(rebased, staged.table, layout=layout, **replayer_options)
         self.plans = self.inner.plans  # the rebased plans (same params, writes and source names)
         self._groups: dict[str, QuantizingReplayer] = {}
@@ -213,58 +214,44 @@ class QuantizingReplayer:
         rows, cols_, s_rows, s_cols = shapes
         bn, bk = self.block
         n = len(weights)
-        # which weight each read reads (itself or through its scale): one gather from a table by tensor id
+        # which tensor each read reads, as a row of the stacked tables [weights, scales]: one gather by tensor id
         at = np.full(int(max(reads.src.max(initial=-1), weights.max(initial=-1), scales.max(initial=-1))) + 2, -1)
         at[weights] = np.arange(n)
-        k_w = at[reads.src]
-        at[weights] = -1
-        at[scales] = np.arange(n)
-        k_s = at[reads.src]
-        is_w, is_s = k_w >= 0, k_s >= 0
-        k = np.where(is_w, k_w, k_s)
-        mine = k >= 0
-        k, is_w, is_s = k[mine], is_w[mine], is_s[mine]
-        off, sizes, strides = reads.offset[mine], reads.sizes[mine], reads.strides[mine]
-        r0, r1, c0, c1, valid, row_step, col_step = quantplan.boxes_of(
-            off, sizes, strides, np.where(is_w, cols_[k], s_cols[k])
-        )
+        at[scales] = np.arange(n, 2 * n)
+        kk = at[reads.src]
+        mine = np.flatnonzero(kk >= 0)
+        kk = kk[mine]
+        is_s = kk >= n
+        k = np.where(is_s, kk - n, kk)  # the weight
+        t_rows, t_cols = np.concatenate([rows, s_rows]), np.concatenate([cols_, s_cols])
+        got = quantplan.boxes_of(reads.offset[mine], reads.klass[mine], reads.sizes, reads.strides, t_cols[kk])
+        r0, r1, c0, c1, valid, pair, self._steps = got
         full = np.zeros(n, dtype=bool)
         full[k[~valid]] = True
-        whole = np.asarray(sorted(reads.whole), dtype=np.int64)
-        full |= np.isin(weights, whole) | np.isin(scales, whole)
+        full |= np.isin(weights, sorted(reads.whole)) | np.isin(scales, sorted(reads.whole))
         fr, fc = np.where(is_s, bn, 1), np.where(is_s, bk, 1)
         lo_r, hi_r, lo_c, hi_c = rows.copy(), np.zeros(n, np.int64), cols_.copy(), np.zeros(n, np.int64)
         np.minimum.at(lo_r, k, r0 * fr)
         np.maximum.at(hi_r, k, np.minimum(r1 * fr, rows[k]))
         np.minimum.at(lo_c, k, c0 * fc)
         np.maximum.at(hi_c, k, np.minimum(c1 * fc, cols_[k]))
-        box = np.stack(
-            [
-                lo_r // bn * bn,
-                np.minimum(-(-hi_r // bn) * bn, rows),
-                lo_c // bk * bk,
-                np.minimum(-(-hi_c // bk) * bk, cols_),
-            ],
-            axis=1,
-        )
+        lo_r, lo_c, hi_r, hi_c = lo_r // bn * bn, lo_c // bk * bk, -(-hi_r // bn) * bn, -(-hi_c // bk) * bk
+        box = np.stack([lo_r, np.minimum(hi_r, rows), lo_c, np.minimum(hi_c, cols_)], axis=1)
         box[full] = np.stack([np.zeros(n, np.int64), rows, np.zeros(n, np.int64), cols_], axis=1)[full]
         plan = reads.plan[mine]
-        self._uncovered(ids, weights, rows, cols_, k, plan, is_w, is_s, valid & ~full[k], (r0, r1, c0, c1))
-        # reads to rebase: into the box (a scale's, in blocks), unless the box is the whole tensor
-        b_r0 = np.where(is_w, box[k, 0], box[k, 0] // bn)
-        b_c0 = np.where(is_w, box[k, 2], box[k, 2] // bk)
-        b_cols = np.where(is_w, box[k, 3] - box[k, 2], -(-box[k, 3] // bk) - box[k, 2] // bk)
-        b_rows = np.where(is_w, box[k, 1] - box[k, 0], -(-box[k, 1] // bn) - box[k, 0] // bn)
-        whole_box = (b_r0 == 0) & (b_c0 == 0) & (b_cols == np.where(is_w, cols_[k], s_cols[k]))
-        whole_box &= b_rows == np.where(is_w, rows[k], s_rows[k])
-        move = valid & ~full[k] & ~whole_box & (reads.write[mine] >= 0)
-        new_off = (r0 - b_r0) * b_cols + (c0 - b_c0)
-        new_strides = row_step * b_cols[:, None] + col_step
-        self._moved = (
-            quantplan.Reads(plan[move], reads.write[mine][move], None, None, None, None, set()),
-            new_off[move],
-            new_strides[move],
-        )
+        self._uncovered(ids, weights, rows, cols_, k, plan, ~is_s, is_s, valid & ~full[k], (r0, r1, c0, c1))
+        # reads to rebase: into the box (a scale's, in blocks), unless the box is the whole tensor; per stacked row
+        b_r0 = np.concatenate([box[:, 0], box[:, 0] // bn])
+        b_c0 = np.concatenate([box[:, 2], box[:, 2] // bk])
+        b_cols = np.concatenate([box[:, 3] - box[:, 2], -(-box[:, 3] // bk) - box[:, 2] // bk])
+        b_rows = np.concatenate([box[:, 1] - box[:, 0], -(-box[:, 1] // bn) - box[:, 0] // bn])
+        keep = (b_r0 == 0) & (b_c0 == 0) & (b_cols == t_cols) & (b_rows == t_rows)  # the whole tensor
+        keep |= np.concatenate([full, full])
+        write = reads.write[mine]
+        move = np.flatnonzero(valid & ~keep[kk] & (write >= 0))
+        km = kk[move]
+        new_off = (r0[move] - b_r0[km]) * b_cols[km] + (c0[move] - b_c0[km])
+        self._moved = (plan[move], write[move], new_off, pair[move], b_cols[km])
         return box
 
     def _uncovered(self, ids, weights, rows, cols_, k, plan, is_w, is_s, checked, box) -> None:

@@ -89,16 +89,15 @@ def common_ids(plans: Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta
     for c in cols:
         uniq, inverse = np.unique(c.src, return_inverse=True)
         remap = np.asarray([ids._index[c.sources.name(i)] if i >= 0 else -1 for i in uniq.tolist()], dtype=np.int64)
-        out.append(
-            _with_src(
-                c, remap[inverse.reshape(-1)], c.src_offset, c.src_ndim, c.src_sizes, c.src_strides, c.computed, ids
-            )
-        )
+        classes, first = c.region_classes("src")
+        table = c.geometry_rows("src", first)
+        out.append(_with_src(c, remap[inverse.reshape(-1)], c.src_offset, classes, table, c.computed, ids))
     return ids, out
 
 
-def _with_src(c: WriteColumns, src, offset, ndim, sizes, strides, computed, ids: SourceIds) -> WriteColumns:
-    """`c` with other source columns (the destination side kept as it is, per class where it has classes)."""
+def _with_src(c: WriteColumns, src, offset, src_class, src_table, computed, ids: SourceIds) -> WriteColumns:
+    """`c` with other source columns, the geometry as classes (`src_class`) of `src_table` (ndim, sizes, strides
+    per class); the destination side kept as it is (per class where it has classes)."""
     dst_tables = "dst" in c._tables and ("dst", 1) not in c._geometry
     dst = (None, None, None) if dst_tables else (c.dst_ndim, c.dst_sizes, c.dst_strides)
     return WriteColumns(
@@ -108,14 +107,24 @@ def _with_src(c: WriteColumns, src, offset, ndim, sizes, strides, computed, ids:
         *dst,
         src,
         offset,
-        ndim,
-        sizes,
-        strides,
+        None,
+        None,
+        None,
         computed,
         ids,
-        classes={"dst": c._classes["dst"]} if dst_tables else None,
-        tables={"dst": c._tables["dst"]} if dst_tables else None,
+        classes={"src": src_class, **({"dst": c._classes["dst"]} if dst_tables else {})},
+        tables={"src": src_table, **({"dst": c._tables["dst"]} if dst_tables else {})},
     )
+
+
+def distinct(*ids: np.ndarray) -> np.ndarray:
+    """The distinct non-negative ids of the arrays, sorted (one mask over the id range, no sort)."""
+    ids = [np.asarray(a, dtype=np.int64) for a in ids]
+    top = max([int(a.max()) for a in ids if len(a)] + [-1])
+    seen = np.zeros(top + 1, dtype=bool)
+    for a in ids:
+        seen[a[a >= 0]] = True
+    return np.flatnonzero(seen)
 
 
 def metas(ids: SourceIds, sources: Mapping[str, ir.TensorMeta], which: np.ndarray):
@@ -146,26 +155,37 @@ def drop_scale(text: str) -> str | None:
 @dataclasses.dataclass
 class Reads:
     """Every read of a checkpoint tensor by the plans' writes, one row each: rank position, plan position and write
-    index (-1: inside a computed write), tensor id, source region (offset, sizes, strides padded to one width)."""
+    index (-1: inside a computed write), tensor id, source offset and geometry class; per class its region's sizes
+    and strides (padded to one width). A rank's writes share a few dozen geometries: the geometry work runs
+    per class, and the reads only gather."""
 
     plan: np.ndarray
     write: np.ndarray
     src: np.ndarray
     offset: np.ndarray
+    klass: np.ndarray
     sizes: np.ndarray
     strides: np.ndarray
     whole: set  # ids some write reads other than through a view (an Update's base): quantized whole
+    class_base: list  # per plan position: its first class (classes are numbered plan by plan)
 
 
 def plan_reads(ids: SourceIds, cols: Sequence[WriteColumns]) -> Reads:
-    width = max([c.src_sizes.shape[1] for c in cols] + [1])
-    parts, extra, whole = [], [], set()
-    for pos, c in enumerate(cols):
+    tables = []
+    for c in cols:
+        classes, first = c.region_classes("src")
+        tables.append((classes, c.geometry_rows("src", first)))
+    width = max([t[1].shape[1] for _, t in tables] + [1])
+    parts, extra, whole, base, class_base = [], [], set(), 0, []
+    cls_sizes, cls_strides = [], []
+    for pos, (c, (classes, (ndim, sizes, strides))) in enumerate(zip(cols, tables)):
+        class_base.append(base)
         rows = np.flatnonzero(c.src >= 0)
-        pad = width - c.src_sizes.shape[1]
-        sizes = np.pad(c.src_sizes[rows], ((0, 0), (0, pad)), constant_values=1)
-        strides = np.pad(c.src_strides[rows], ((0, 0), (0, pad)))
-        parts.append((np.full(len(rows), pos), rows, c.src[rows], c.src_offset[rows], sizes, strides))
+        pad = width - sizes.shape[1]
+        cls_sizes.append(np.pad(sizes, ((0, 0), (0, pad)), constant_values=1))
+        cls_strides.append(np.pad(strides, ((0, 0), (0, pad))))
+        parts.append((np.full(len(rows), pos), rows, c.src[rows], c.src_offset[rows], classes[rows] + base))
+        base += len(ndim)
         for w in c.computed.values():
             for name in sorted(ir.sources(w.src.leaf)):
                 i = int(ids.ids_of_names([name])[0])
@@ -179,40 +199,55 @@ def plan_reads(ids: SourceIds, cols: Sequence[WriteColumns]) -> Reads:
                         whole.add(i)
                         continue
                     pad = width - len(r.sizes)
-                    extra.append((pos, -1, i, r.offset, list(r.sizes) + [1] * pad, list(r.strides) + [0] * pad))
+                    extra.append((pos, -1, i, r.offset, base))  # a class of its own
+                    cls_sizes.append(np.asarray([list(r.sizes) + [1] * pad], dtype=np.int64))
+                    cls_strides.append(np.asarray([list(r.strides) + [0] * pad], dtype=np.int64))
+                    base += 1
     if extra:
-        pos, write, src, offset, sizes, strides = zip(*extra)
-        parts.append(tuple(np.asarray(x, dtype=np.int64) for x in (pos, write, src, offset, sizes, strides)))
-    arrays = [np.concatenate([p[k] for p in parts]).astype(np.int64) for k in range(4)]
-    mats = [np.concatenate([p[k] for p in parts]).reshape(-1, width).astype(np.int64) for k in (4, 5)]
-    return Reads(*arrays, *mats, whole)
+        parts.append(tuple(np.asarray(x, dtype=np.int64) for x in zip(*extra)))
+    arrays = [np.concatenate([p[k] for p in parts]).astype(np.int64, copy=False) for k in range(5)]
+    tables_out = [np.concatenate(t).astype(np.int64, copy=False) for t in (cls_sizes, cls_strides)]
+    return Reads(*arrays, *tables_out, whole, class_base)
 
 
-def boxes_of(offset, sizes, strides, cols_of_read):
-    """(row0, row1, col0, col1, valid) of each read as a box of its [rows, cols] tensor (runtime/quantize.py's
-    rule: each dim steps whole rows or within a row, never carrying from columns into rows)."""
-    C = cols_of_read[:, None]
+def boxes_of(offset, klass, sizes, strides, cols_of_read):
+    """(row0, row1, col0, col1, valid, pair, steps): each read as a box of its [rows, cols] tensor (quantize.py's rule:
+    each dim steps whole rows or within a row, never carrying into rows), `valid` where the rule holds. `klass`: class
+    per read (rows of `sizes`/`strides`); `cols_of_read`: its tensor's columns. Steps are computed once per (class,
+    width) pair: `pair` per read, `steps` = (class, row steps, col steps) per pair."""
+    widths = np.unique(cols_of_read)  # a handful of distinct tensor widths
+    lut = np.zeros(int(widths[-1]) + 1 if len(widths) else 1, dtype=np.int64)
+    lut[widths] = np.arange(len(widths))
+    pair = klass * len(widths) + lut[cols_of_read]
+    pair_class = np.repeat(np.arange(len(sizes)), len(widths))
+    S, T = sizes[pair_class], strides[pair_class]
+    C = np.tile(widths, len(sizes))[:, None]
     safe = np.maximum(C, 1)
-    active = (sizes != 1) & (strides != 0)
-    whole_rows = (strides > 0) & (strides % safe == 0)
-    in_row = (strides > 0) & (strides < C)
-    row_step = np.where(active & whole_rows, strides // safe, 0)
-    col_step = np.where(active & in_row, strides, 0)
-    row0, col0 = offset // np.maximum(cols_of_read, 1), offset % np.maximum(cols_of_read, 1)
-    row1 = row0 + ((sizes - 1) * row_step).sum(axis=1) + 1
-    col1 = col0 + ((sizes - 1) * col_step).sum(axis=1) + 1
-    valid = ~(active & ~whole_rows & ~in_row).any(axis=1) & (sizes > 0).all(axis=1) & (col1 <= cols_of_read)
-    return row0, row1, col0, col1, valid, row_step, col_step
+    active = (S != 1) & (T != 0)
+    whole_rows = (T > 0) & (T % safe == 0)
+    in_row = (T > 0) & (T < C)
+    row_step = np.where(active & whole_rows, T // safe, 0)
+    col_step = np.where(active & in_row, T, 0)
+    row_reach = ((S - 1) * row_step).sum(axis=1) + 1
+    col_reach = ((S - 1) * col_step).sum(axis=1) + 1
+    ok = ~(active & ~whole_rows & ~in_row).any(axis=1) & (S > 0).all(axis=1)
+    safe_read = np.maximum(cols_of_read, 1)
+    row0, col0 = offset // safe_read, offset % safe_read
+    col1 = col0 + col_reach[pair]
+    valid = ok[pair] & (col1 <= cols_of_read)
+    return row0, row0 + row_reach[pair], col0, col1, valid, pair, (pair_class, row_step, col_step)
 
 
 def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
     """Index of the first read (key, block rows [r0, r1), block cols [c0, c1)) whose blocks are not all inside the
     union of the scale reads (boxes in blocks) of the same key; -1 when every block is covered. One segmented pass:
     the scale boxes are cut into block rows, and each row's column intervals must chain from c0 to c1."""
+    # the scale reads of each key: by key as CSR (keys are small non-negative ints: a count, no search)
     order = np.argsort(scale_keys, kind="stable")
-    sk = scale_keys[order]
-    lo, hi = np.searchsorted(sk, keys, "left"), np.searchsorted(sk, keys, "right")
-    count = hi - lo
+    top = int(max(keys.max(initial=-1), scale_keys.max(initial=-1))) + 1
+    per_key = np.bincount(scale_keys, minlength=top)
+    count = per_key[keys]
+    lo = (np.cumsum(per_key) - per_key)[keys]
     pair_i = np.repeat(np.arange(len(keys)), count)
     pair_j = order[np.repeat(lo, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)]
     a = np.maximum(rows[0][pair_i], scale_rows[0][pair_j])
@@ -225,10 +260,7 @@ def uncovered(keys, rows, cols, scale_keys, scale_rows, scale_cols) -> int:
     flip = (rows[1] - rows[0]) > (cols[1] - cols[0])
     rows, cols = (
         (np.where(flip, cols[0], rows[0]), np.where(flip, cols[1], rows[1])),
-        (
-            np.where(flip, rows[0], cols[0]),
-            np.where(flip, rows[1], cols[1]),
-        ),
+        (np.where(flip, rows[0], cols[0]), np.where(flip, rows[1], cols[1])),
     )
     f = flip[pair_i]
     a, b, c, d = np.where(f, c, a), np.where(f, d, b), np.where(f, a, c), np.where(f, b, d)
@@ -375,22 +407,39 @@ class StagedTable(Mapping):
         return len(self._ids.base_table)
 
 
-def rebased_plans(plans, cols, ids: StagedIds, reads: Reads, offset, strides, rebase_view) -> list[ir.RankPlan]:
-    """The plans with their reads' new source offsets/strides (rows of `reads` with a write index; computed writes
-    through `rebase_view`), over the staged ids."""
+def rebased_plans(plans, cols, ids: StagedIds, reads: Reads, steps, moved, rebase_view) -> list[ir.RankPlan]:
+    """The plans with their moved reads' new source offsets and geometry, over the staged ids (computed writes
+    through `rebase_view`). `moved`: (plan position, write index, new offset, pair, box columns) per moved read; its
+    geometry is its (class, width) pair's steps over its box's columns: one new class per distinct (pair, box
+    columns), so the rebased columns stay in class form (the inner Replayer's checks run per class). `steps`:
+    boxes_of's per pair."""
+    (m_plan, m_write, m_offset, m_pair, m_cols), (pair_class, row_step, col_step) = moved, steps
     out = []
     for pos, (plan, c) in enumerate(zip(plans, cols)):
-        mine = (reads.plan == pos) & (reads.write >= 0)
-        rows = reads.write[mine]
+        mine = m_plan == pos
+        rows, pair, box_cols = m_write[mine], m_pair[mine], m_cols[mine]
         src_offset = c.src_offset.copy()
-        src_offset[rows] = offset[mine]
-        width = c.src_strides.shape[1]
-        src_sizes, src_strides = c.src_sizes.copy(), c.src_strides.copy()
-        src_strides[rows] = strides[mine][:, :width]
+        src_offset[rows] = m_offset[mine]
+        classes, first = c.region_classes("src")
+        ndim, sizes, strides = c.geometry_rows("src", first)
+        src_class = classes.copy()
+        if len(rows):
+            span = int(box_cols.max()) + 1
+            keys, inverse = np.unique(pair * span + box_cols, return_inverse=True)  # (a few dozen distinct)
+            k_pair, k_cols = keys // span, keys % span
+            width = sizes.shape[1]
+            new_strides = row_step[k_pair, :width] * k_cols[:, None] + col_step[k_pair, :width]
+            own = pair_class[k_pair] - reads.class_base[pos]
+            src_class[rows] = len(ndim) + inverse.reshape(-1)
+            ndim, sizes, strides = (
+                np.concatenate([ndim, ndim[own]]),
+                np.concatenate([sizes, sizes[own]]),
+                np.concatenate([strides, new_strides]),
+            )
         computed = {}
         for i, w in c.computed.items():
             view = rebase_view(w.src)
             computed[i] = w if view is w.src else ir.Write(w.param, w.dst, view)
-        new = _with_src(c, c.src, src_offset, c.src_ndim, src_sizes, src_strides, computed, ids)
+        new = _with_src(c, c.src, src_offset, src_class, (ndim, sizes, strides), computed, ids)
         out.append(dataclasses.replace(plan, writes=LazyWrites(new)))
     return out

@@ -90,7 +90,6 @@ class Replayer:
         self.layout = layout if layout is not None else PackLayout.from_plans(self.plans, alignment, max_group_bytes)
         self._by_rank = {p.rank: p for p in self.plans}
         self.computed_peak = check_plans(self.plans, self.sources)  # bytes one computed write makes, at most
-        self._runs, self._computed = self._plan_batches()
         self._group_replayers: dict[str, Replayer] = {}
 
     # -- plan-only precomputation --
@@ -98,7 +97,13 @@ class Replayer:
         return self._by_rank[ref.rank].writes[ref.index]
 
     def _plan_batches(self) -> tuple[list[tuple], list[int]]:
-        return plan_batches(self.plans, self.layout.segments, self.sources)
+        got = self.__dict__.get("_planned")
+        if got is None:  # at first use: a caller that packs only groups or subsets never batches the whole layout
+            got = self.__dict__["_planned"] = plan_batches(self.plans, self.layout.segments, self.sources)
+        return got
+
+    _runs = property(lambda self: self._plan_batches()[0])
+    _computed = property(lambda self: self._plan_batches()[1])
 
     @property
     def _batches(self) -> list[_Batch]:
@@ -143,7 +148,6 @@ class Replayer:
             sub.plans, sub.sources, sub.device = self.plans, self.sources, self.device
             sub._by_rank, sub.computed_peak = self._by_rank, self.computed_peak
             sub.layout = self.layout.group(group)
-            sub._runs, sub._computed = sub._plan_batches()
             sub._group_replayers = {}
             self._group_replayers[group] = sub
         return self._group_replayers[group]
@@ -167,7 +171,6 @@ class Replayer:
         sub.layout = PackLayout(
             lay.alignment, lay.nbytes, segs, (GroupSpan(name, 0, lay.nbytes, 0, len(segs)),), lay.ranks, lay.base
         )
-        sub._runs, sub._computed = sub._plan_batches()
         sub._group_replayers = {}
         return sub
 

@@ -25,6 +25,8 @@ MOE = {
     "NemotronHForCausalLM",
     "Qwen4ExpForCausalLM",
     "LongcatFlashNgramForCausalLM",
+    "AXK1ForCausalLM",
+    "HYV4ForCausalLM",
 }
 
 
@@ -48,6 +50,11 @@ MOE = {
         # attention, a non-gated MoE, QSA's FlashAttention probe, the V2 model runner without Triton
         "DeepseekV32ForCausalLM",
         "NemotronHForCausalLM",
+        # tensors the released checkpoints store that transformers' class does not build or names otherwise
+        # (record/checkpoint.py: DISK_ONLY_TENSORS, _DISK_NAME_FIXUPS): every param whole-written
+        "AXK1ForCausalLM",  # post_mlp_layernorm on the dense first layer too
+        "HYV4ForCausalLM",  # the hyper-connection params under their hub names
+        "LongcatFlashNgramForCausalLM",  # the n-gram embedding (also needs the V2 model runner answered)
     ],
 )
 def test_sample_architectures_pass_bitwise(arch, tmp_path):
@@ -69,12 +76,6 @@ def test_kernel_refusals_are_answered_for_building_only():
     with build.gpu_kernel_refusals_answered([]):
         assert type(current_platform).__dict__["get_attn_backend_cls"] is not before[0]
     assert (type(current_platform).__dict__["get_attn_backend_cls"], FusedMoEConfig.__dict__["__post_init__"]) == before
-
-
-def test_longcat_flash_lite_builds_and_fails_only_for_its_listing(tmp_path):
-    # the V2 model runner answered, vLLM builds and loads it; transformers' class has no n-gram embedding to list
-    row = coverage.run_architecture("LongcatFlashNgramForCausalLM", tmp_path, tps=(1,))
-    assert row["status"] == "FAIL" and "ngram_embeddings" in row["reason"], row
 
 
 def test_a_param_no_listed_tensor_writes_is_a_fail(tmp_path, monkeypatch):
@@ -183,3 +184,89 @@ def test_a_config_with_the_public_fields_reaches_vllms_own_verdict(tmp_path, mon
     monkeypatch.setattr(build, "gpu_kernel_refusals_answered", contextlib.nullcontext)
     row = coverage.run_architecture("Qwen4ExpForCausalLM", tmp_path / "cpu-refusal", tps=(1,))
     assert row["status"] == "cannot" and "requires FlashAttention" in row["reason"], row
+
+
+def test_olmo_hybrid_lists_the_released_names_and_is_vllms_conv_loader_bug(tmp_path, monkeypatch):
+    # allenai/Olmo-Hybrid-7B's names (open-instruct's olmo_core_hybrid.py key maps, read from the released
+    # checkpoint): the model's own norm names, the Gated DeltaNet conv split per q/k/v at key, key, value channels
+    from shardplan.models import resolve_model
+    from shardplan.record.checkpoint import checkpoint_tensors
+
+    row = coverage.run_architecture("OlmoHybridForCausalLM", tmp_path, tps=(1,))
+    listed = {name: shape for name, shape, _ in checkpoint_tensors(resolve_model(str(tmp_path / row["arch"])))}
+    gdn = {n.removeprefix("model.layers.0.") for n in listed if n.startswith("model.layers.0.")}
+    attn = {n.removeprefix("model.layers.2.") for n in listed if n.startswith("model.layers.2.")}
+    mlp = {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert gdn == mlp | {"input_layernorm.weight", "post_attention_layernorm.weight", "linear_attn.A_log"} | {
+        f"linear_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj")
+    } | {"linear_attn.q_conv1d.weight", "linear_attn.k_conv1d.weight", "linear_attn.v_conv1d.weight"} | {
+        "linear_attn.o_norm.weight",
+        "linear_attn.dt_bias",
+    }
+    assert attn == mlp | {"post_attention_layernorm.weight", "post_feedforward_layernorm.weight"} | {
+        f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    }
+    key, value = (
+        listed["model.layers.0.linear_attn.k_proj.weight"][0],
+        listed["model.layers.0.linear_attn.v_proj.weight"][0],
+    )
+    assert key != value and listed["model.layers.0.linear_attn.v_conv1d.weight"][0] == value
+    assert listed["model.layers.0.linear_attn.q_conv1d.weight"][0] == key
+    # vLLM 0.32's own loader raises on those names (vllm-project/vllm PR 55858): "cannot", quoting it
+    assert row["status"] == "cannot" and "PR 55858" in row["reason"], row
+    # with that PR's fix (the conv loader reads the shard id the mapper put on the tensor) the row verifies bitwise
+    from vllm.model_executor.layers.mamba.gdn import olmo_gdn_linear_attn as gdn_attn
+
+    made = gdn_attn._make_fused_conv1d_weight_loader
+
+    def fixed(dims, tp_size, tp_rank):
+        loader = made(dims, tp_size, tp_rank)
+        return lambda param, w, shard=None: loader(param, w, getattr(w, "shard_id", None) if shard is None else shard)
+
+    monkeypatch.setattr(gdn_attn, "_make_fused_conv1d_weight_loader", fixed)
+    row = coverage.run_architecture("OlmoHybridForCausalLM", tmp_path / "fixed", tps=(2,))
+    assert row["status"] == "pass" and row["layouts"]["tp2"]["equal"] == 2, row
+
+
+def test_laguna_is_cannot_only_while_vllm_drops_its_correction_bias(tmp_path, monkeypatch):
+    # the hub's mlp.experts.e_score_correction_bias is listed; vLLM 0.32's loader writes it nowhere (the param moved
+    # under routed_experts): "cannot", every other param bitwise
+    row = coverage.run_architecture("LagunaForCausalLM", tmp_path, tps=(2,))
+    assert row["status"] == "cannot" and "41184" in row["reason"], row
+    assert row["layouts"]["tp2-ep"]["equal"] == 2 and not row["layouts"]["tp2-ep"]["mismatched"]
+    # any other param left unwritten is still the listing's failure
+    monkeypatch.setitem(
+        coverage.VLLM_LOADER_DROPS, "LagunaForCausalLM", (".mlp.experts.e_score_correction_bias", ".x", "")
+    )
+    row = coverage.run_architecture("LagunaForCausalLM", tmp_path / "again", tps=(1,))
+    assert row["status"] == "FAIL" and "e_score_correction_bias" in row["reason"], row
+
+
+def test_step3_text_lists_stepfuns_released_names_and_verifies(tmp_path):
+    # transformers has no Step3 class: the names come from StepFun's released model code (separate q/k/v, the
+    # low-rank query's inter_norm and wq, stacked experts [E, I, H] / [E, H, I], a shared expert on MoE layers)
+    from shardplan.models import resolve_model
+    from shardplan.record.build import LayoutRejected
+    from shardplan.record.checkpoint import checkpoint_tensors
+    from shardplan.record.session import RecordSession
+
+    row = coverage.run_architecture("Step3TextForCausalLM", tmp_path, tps=(2,))
+    assert row["status"] == "pass" and row["layouts"]["tp2-ep"]["equal"] == 2, row  # EP: vLLM's moe_num_experts
+    config = tiny.tiny_config("Step3TextForCausalLM")
+    hidden, experts, inter = config["hidden_size"], config["moe_num_experts"], config["moe_intermediate_size"]
+    listed = {name: shape for name, shape, _ in checkpoint_tensors(resolve_model(str(tmp_path / row["arch"])))}
+    attn = {f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "inter_norm", "wq")}
+    norms = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    for layer, ffn in ((0, {"mlp"}), (1, {"moe", "share_expert"})):
+        names = {n.removeprefix(f"model.layers.{layer}.") for n in listed if n.startswith(f"model.layers.{layer}.")}
+        mlps = {f"{f}.{p}_proj.weight" for f in ffn for p in ("gate", "up", "down")}
+        assert names == attn | norms | mlps | ({"moe.gate.weight"} if layer else set()), names
+    assert listed["model.layers.1.moe.gate_proj.weight"] == (experts, inter, hidden)
+    assert listed["model.layers.1.moe.down_proj.weight"] == (experts, hidden, inter)
+    assert listed["model.layers.0.self_attn.q_proj.weight"] == (config["share_q_dim"], hidden)
+    # a dense model with --ep is still refused by vLLM's own expert count
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(tiny.tiny_config("LlamaForCausalLM")))
+    with pytest.raises(LayoutRejected, match="--ep"):
+        RecordSession(str(llama), coverage.Layout(tp=2, ep=True))

@@ -4,8 +4,10 @@ For every architecture of the coverage sweep that has a config class, a tiny ran
 with `save_pretrained` (real safetensors files); the names, shapes and dtypes listed from the config alone must equal
 the saved headers exactly, except where the released checkpoints are known to store other names than transformers'
 revert gives back (record.checkpoint._DISK_NAME_FIXUPS: Kimi-Linear's dense layer, LongCat-Flash's zero experts,
-Inkling's model.llm.* prefix), which are then applied to the saved names. Architectures transformers cannot build
-must raise the named NamesError instead.
+Inkling's model.llm.* prefix, HYV4's hyper-connection names) and tensors (DISK_ONLY_TENSORS: AXK1's dense-layer norm,
+LongCat-Flash-Lite's n-gram embedding), which are then applied to the saved names, or _RELEASED_STATE (OLMo Hybrid),
+whose released state is taken from the model instead of save_pretrained's revert. Architectures transformers cannot
+build must raise the named NamesError instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from shardplan import models
 from shardplan.record import tiny
 from shardplan.record.checkpoint import (
     _DISK_NAME_FIXUPS,
+    _LISTED_FROM_RELEASED_CODE,
+    _RELEASED_STATE,
     _TEXT_INSIDE,
+    DISK_ONLY_TENSORS,
     FLOAT32_ON_DISK,
     NamesError,
     checkpoint_tensors,
@@ -58,6 +63,10 @@ def saved_headers(hf_config, arch: str, out: Path) -> dict:
     torch.manual_seed(0)
     model = cls._from_config(hf_config, dtype=torch.bfloat16)
     use_sibling_conversion(model)  # Inkling's text model saves under its multimodal sibling's released names
+    released = _RELEASED_STATE.get(getattr(hf_config, "model_type", ""))
+    if released is not None:  # stored as no transformers revert gives back (OLMo Hybrid): the released state
+        state = released(model, model.state_dict())
+        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
     model.save_pretrained(out)
     files = sorted(out.glob("*.safetensors"))
     assert files
@@ -104,6 +113,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
         # only an architecture transformers has no class for (a vLLM-only config), or one whose own default config
         # does not build in transformers, may fail to build; the listing must then say so by name
         assert not builds_from_defaults(arch), f"transformers builds {arch} from its defaults but not the tiny config"
+        if view.hf_config.model_type in _LISTED_FROM_RELEASED_CODE:  # Step3: listed from its released model code
+            assert checkpoint_tensors(spec)  # (its names: tests/integration/test_coverage.py)
+            return
         with pytest.raises(NamesError, match=re.escape(arch)):
             checkpoint_tensors(spec)
         return
@@ -115,6 +127,9 @@ def test_names_equal_save_pretrained(arch, tmp_path):
     if fixup is not None:
         renamed = ((fixup(n, view.text_config), v) for n, v in expected.items())
         expected = {n: v for n, v in renamed if n is not None}
+    extra = DISK_ONLY_TENSORS.get(arch)  # what the released checkpoints store beyond transformers' class
+    if extra is not None:
+        expected.update({n: (s, "bfloat16") for n, s in extra(view.text_config, expected).items()})
     assert set(derived) == set(expected), (
         sorted(set(derived) - set(expected))[:5],
         sorted(set(expected) - set(derived))[:5],
@@ -239,12 +254,58 @@ def test_longcat_flash_zero_experts_have_no_tensors(tmp_path):
     assert experts == set(range(config["n_routed_experts"]))
 
 
-def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path):
-    # Step3's text model (step3_text): transformers ships no model class for it, text or multimodal, so the names
-    # can only come from a checkpoint directory; the error says exactly that (not "fix the config field")
-    from shardplan.record import tiny
+def test_hy_v4_lists_the_hub_names_and_f32_mixers(tmp_path):
+    # transformers' reverse of its hy_v4 renames misplaces hc_pre and turns the MLPs' gate_proj into linear_gate;
+    # tencent/Hy4-preview stores the hub names below, the mixers, sinks and router bias in F32
+    names = {n: d for n, _, d in checkpoint_tensors(_spec("HYV4ForCausalLM", tmp_path))}
+    for name in (
+        "model.hc_head.hc_head_fn",
+        "model.layers.0.hc_attn_layer.hc_pre.hc_fn",
+        "model.layers.0.hc_mlp_layer.hc_pre.hc_base",
+        "model.layers.1.self_attn.learnable_sink_param",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+    ):
+        assert names.get(name) == "float32", name
+    for name in (
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.1.self_attn.linear_gate.weight",
+    ):
+        assert names.get(name) == "bfloat16", name
+    assert not any(".hc_pre.hc_attn_layer." in n or ".mlp.linear_gate." in n for n in names)
+
+
+def test_axk1_and_longcat_flash_lite_list_what_transformers_does_not_build(tmp_path):
+    axk1 = {n: s for n, s, _ in checkpoint_tensors(_spec("AXK1ForCausalLM", tmp_path / "a"))}
+    assert axk1["model.layers.0.post_mlp_layernorm.weight"] == (128,)  # the dense first layer's, as released
+    config = tiny.tiny_config("LongcatFlashNgramForCausalLM")
+    lite = {n: s for n, s, _ in checkpoint_tensors(_spec("LongcatFlashNgramForCausalLM", tmp_path / "b"))}
+    tables = config["emb_split_num"] * (config["emb_neighbor_num"] - 1)
+    rows, dim = config["ngram_vocab_size_ratio"] * config["vocab_size"], config["hidden_size"] // tables
+    for i in range(tables):
+        assert lite[f"model.ngram_embeddings.embedders.{i}.weight"] == (rows + 2 * i + 1, dim)
+        assert lite[f"model.ngram_embeddings.post_projs.{i}.weight"] == (config["hidden_size"], dim)
+    assert not any(
+        ".ngram_embeddings." in n for n, _, _ in checkpoint_tensors(_spec("LongcatFlashForCausalLM", tmp_path / "c"))
+    )
+
+
+def _spec(arch, directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny.tiny_config(arch)))
+    return models.resolve_model(str(directory / "config.json"))
+
+
+def test_an_architecture_without_a_transformers_class_says_so_and_how_to_proceed(tmp_path, monkeypatch):
+    # Step3's text model (step3_text) as if its released model code were not known: transformers ships no model
+    # class for it, text or multimodal, so the names can only come from a checkpoint directory; the error says
+    # exactly that (not "fix the config field")
+    from shardplan.record import checkpoint, tiny
     from shardplan.record.checkpoint import NamesError
 
+    monkeypatch.delitem(checkpoint._LISTED_FROM_RELEASED_CODE, "step3_text")
+    monkeypatch.setenv("SHARDPLAN_NAMES_CACHE", "0")
+    monkeypatch.setattr(checkpoint, "_META_CACHE", type(checkpoint._META_CACHE)())  # nothing listed before counts
     row, model_dir, _ = tiny.sweep_start("Step3TextForCausalLM", tmp_path)
     assert not row["status"]
     with pytest.raises(NamesError) as info:

@@ -3,7 +3,11 @@ choosing by engine. SGLang itself is not needed: tests/sglang records and verifi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from planfile_helpers import raw_parts, rich_plans, seal
 
 from shardplan.models import resolve_model
@@ -124,3 +128,28 @@ def test_sglang_options_check_layouts_by_name():
         dp_size=8,
         enable_dp_attention=True,
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ep_size=st.sampled_from([1, 2, 4, 8]),
+    dp_size=st.sampled_from([1, 2, 8]),
+    dp_lm_head=st.booleans(),
+    dense_tp=st.sampled_from([0, 1, 2]),
+    runner=st.sampled_from(["auto", "triton"]),
+    a2a=st.sampled_from(["none", "deepep"]),
+    redundant=st.sampled_from([0, 16]),
+    cpu_engine=st.booleans(),
+)
+def test_sglang_options_read_back_from_the_server_args_they_write(
+    ep_size, dp_size, dp_lm_head, dense_tp, runner, a2a, redundant, cpu_engine
+):
+    """A live engine started with a plan's server args reads back the plan's options: the two directions agree."""
+    assume(dp_size > 1 or not dp_lm_head)
+    options = SglangOptions(ep_size, dp_size, dp_lm_head, dense_tp, runner, a2a, redundant, cpu_engine)
+    layout = Layout(tp=8, ep=ep_size > 1)
+    written = options.server_args(layout)
+    # SGLang's ServerArgs defaults for what a plan leaves unset
+    server = SimpleNamespace(**{"dp_size": 1, "enable_dp_attention": False, "moe_dense_tp_size": None, **written})
+    assert SglangOptions.from_server_args(server, cpu_engine) == options
+    assert set(written) <= set(SglangOptions.layout_server_args())

@@ -32,23 +32,9 @@ def plan_problems(plan_file: PlanFile, server_args, world_ranks, cpu_engine: boo
     return problems
 
 
-_LAYOUT_ARGS = (
-    "tp_size",
-    "pp_size",
-    "ep_size",
-    "dp_size",
-    "enable_dp_attention",
-    "enable_dp_lm_head",
-    "moe_dense_tp_size",
-    "moe_runner_backend",
-    "moe_a2a_backend",
-    "ep_num_redundant_experts",
-)
-
-
 def check_server_info(info: dict, plan_file: PlanFile) -> None:
     """EnginePlanMismatch naming every difference between the plan and an engine's resolved server args."""
-    server_args = SimpleNamespace(**{k: info.get(k) for k in _LAYOUT_ARGS})
+    server_args = SimpleNamespace(**{k: info.get(k) for k in SglangOptions.layout_server_args()})
     world = range(int(server_args.tp_size) * int(server_args.pp_size))
     problems = plan_problems(plan_file, server_args, world, info.get("device") == "cpu")
     if problems:

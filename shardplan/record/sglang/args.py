@@ -8,40 +8,35 @@ from shardplan.record.sglang.options import SglangOptions
 
 
 def add_sglang_arguments(p) -> None:
-    sgl = p.add_argument_group("SGLang server args that change layouts (--engine sglang; kept in the plan header)")
-    sgl.add_argument("--ep-size", type=int, default=None, help="SGLang --ep-size (default with --ep: the TP size)")
-    sgl.add_argument(
+    group = p.add_argument_group("SGLang server args that change layouts (--engine sglang; kept in the plan header)")
+    dests = []
+
+    def add(*flags, **kw):
+        dests.append(group.add_argument(*flags, **kw).dest)
+
+    add("--ep-size", type=int, default=None, help="SGLang --ep-size (default with --ep: the TP size)")
+    add(
         "--enable-dp-attention",
         action="store_true",
         help="SGLang DP attention: --dp N shards attention over tp/N ranks inside the TP group",
     )
-    sgl.add_argument("--enable-dp-lm-head", action="store_true", help="SGLang --enable-dp-lm-head")
-    sgl.add_argument("--moe-dense-tp-size", type=int, default=None, help="SGLang --moe-dense-tp-size")
-    sgl.add_argument("--moe-runner-backend", default=None, help="SGLang --moe-runner-backend (default auto)")
-    sgl.add_argument("--moe-a2a-backend", default=None, help="SGLang --moe-a2a-backend (default none)")
-    sgl.add_argument(
+    add("--enable-dp-lm-head", action="store_true", help="SGLang --enable-dp-lm-head")
+    add("--moe-dense-tp-size", type=int, default=None, help="SGLang --moe-dense-tp-size")
+    add("--moe-runner-backend", default=None, help="SGLang --moe-runner-backend (default auto)")
+    add("--moe-a2a-backend", default=None, help="SGLang --moe-a2a-backend (default none)")
+    add(
         "--ep-num-redundant-experts",
         type=int,
         default=None,
         help="SGLang --ep-num-redundant-experts (EPLB's extra expert slots)",
     )
-    sgl.add_argument(
+    add(
         "--sglang-cpu-engine",
         action="store_true",
         help="record SGLang's CPU engine layout (SGLANG_USE_CPU_ENGINE=1: padded CPU linears)",
     )
-
-
-_SGLANG_ARGS = (
-    "ep_size",
-    "enable_dp_attention",
-    "enable_dp_lm_head",
-    "moe_dense_tp_size",
-    "moe_runner_backend",
-    "moe_a2a_backend",
-    "ep_num_redundant_experts",
-    "sglang_cpu_engine",
-)
+    # sglang_options refuses these without --engine sglang: this function is their one list
+    p.set_defaults(sglang_arg_dests=tuple(dests))
 
 
 class EngineArgsError(ShardplanError):
@@ -50,7 +45,7 @@ class EngineArgsError(ShardplanError):
 
 def sglang_options(args):
     """The SGLang recording options from the command line; None for --engine vllm (which refuses them)."""
-    given = [a for a in _SGLANG_ARGS if getattr(args, a) not in (None, False)]
+    given = [a for a in args.sglang_arg_dests if getattr(args, a) not in (None, False)]
     if args.engine != "sglang":
         if given:
             raise EngineArgsError(

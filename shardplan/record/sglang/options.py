@@ -11,7 +11,7 @@ under others. Imports nothing heavy (the trainer and the engine side read it wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from shardplan.errors import ShardplanError
 from shardplan.plan.file.engines import EngineInfo
@@ -28,13 +28,17 @@ class SglangOptionError(ShardplanError):
 class SglangOptions:
     """Server args of `sglang.launch_server` / `sgl.Engine` (same names), plus the CPU engine switch."""
 
-    ep_size: int = 1  # --ep-size: the MoE expert-parallel width, a divisor of --tp-size
-    dp_size: int = 1  # --dp-size with --enable-dp-attention: attention over tp/dp ranks
-    enable_dp_lm_head: bool = False  # --enable-dp-lm-head (needs DP attention)
-    moe_dense_tp_size: int = 0  # --moe-dense-tp-size (0: unset, dense MLPs use the full TP)
-    moe_runner_backend: str = "auto"  # --moe-runner-backend
-    moe_a2a_backend: str = "none"  # --moe-a2a-backend (deepep, mooncake, ...)
-    ep_num_redundant_experts: int = 0  # --ep-num-redundant-experts (EPLB's extra physical expert slots)
+    # metadata "server_arg": the ServerArgs field each option is read from (from_server_args) and written to
+    # (server_args); cpu_engine is the SGLANG_USE_CPU_ENGINE environment switch, not a server arg.
+    ep_size: int = field(default=1, metadata={"server_arg": "ep_size"})  # a divisor of --tp-size
+    dp_size: int = field(
+        default=1, metadata={"server_arg": "dp_size"}
+    )  # with --enable-dp-attention: attention over tp/dp ranks
+    enable_dp_lm_head: bool = field(default=False, metadata={"server_arg": "enable_dp_lm_head"})  # needs DP attention
+    moe_dense_tp_size: int = field(default=0, metadata={"server_arg": "moe_dense_tp_size"})  # 0: unset (None), full TP
+    moe_runner_backend: str = field(default="auto", metadata={"server_arg": "moe_runner_backend"})
+    moe_a2a_backend: str = field(default="none", metadata={"server_arg": "moe_a2a_backend"})  # deepep, mooncake, ...
+    ep_num_redundant_experts: int = field(default=0, metadata={"server_arg": "ep_num_redundant_experts"})  # EPLB slots
     cpu_engine: bool = False  # SGLANG_USE_CPU_ENGINE=1: SGLang's CPU engine (padded CPU linears)
 
     def __post_init__(self):
@@ -80,19 +84,16 @@ class SglangOptions:
 
     def server_args(self, layout: Layout) -> dict:
         """The ServerArgs fields of a rank of `layout` under these options."""
-        out = dict(
-            tp_size=layout.tp,
-            pp_size=layout.pp,
-            ep_size=self.ep_size,
-            moe_runner_backend=self.moe_runner_backend,
-            moe_a2a_backend=self.moe_a2a_backend,
-            ep_num_redundant_experts=self.ep_num_redundant_experts,
-            enable_dp_lm_head=self.enable_dp_lm_head,
+        out = dict(tp_size=layout.tp, pp_size=layout.pp)
+        out.update(
+            (f.metadata["server_arg"], getattr(self, f.name)) for f in fields(self) if "server_arg" in f.metadata
         )
         if self.dp_attention:
-            out.update(dp_size=self.dp_size, enable_dp_attention=True)
-        if self.moe_dense_tp_size:
-            out["moe_dense_tp_size"] = self.moe_dense_tp_size
+            out["enable_dp_attention"] = True
+        else:
+            del out["dp_size"]
+        if not self.moe_dense_tp_size:
+            del out["moe_dense_tp_size"]
         return out
 
     def to_header(self) -> tuple[tuple[str, bool | int | str], ...]:
@@ -117,17 +118,14 @@ class SglangOptions:
     @classmethod
     def from_server_args(cls, server_args, cpu_engine: bool) -> "SglangOptions":
         """The options a live engine runs with, read from its (resolved) ServerArgs."""
-        dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
-        return cls(
-            ep_size=int(server_args.ep_size),
-            dp_size=int(server_args.dp_size) if dp_attention else 1,
-            enable_dp_lm_head=bool(server_args.enable_dp_lm_head),
-            moe_dense_tp_size=int(server_args.moe_dense_tp_size or 0),
-            moe_runner_backend=str(server_args.moe_runner_backend),
-            moe_a2a_backend=str(server_args.moe_a2a_backend),
-            ep_num_redundant_experts=int(server_args.ep_num_redundant_experts),
-            cpu_engine=bool(cpu_engine),
-        )
+        read = {}
+        for f in fields(cls):
+            if "server_arg" in f.metadata:
+                value = getattr(server_args, f.metadata["server_arg"])
+                read[f.name] = type(f.default)(f.default if value is None else value)
+        if not getattr(server_args, "enable_dp_attention", False):
+            read["dp_size"] = 1
+        return cls(**read, cpu_engine=bool(cpu_engine))
 
     def differences(self, other: "SglangOptions") -> list[str]:
         return [
@@ -135,6 +133,12 @@ class SglangOptions:
             for f in fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
+
+    @classmethod
+    def layout_server_args(cls) -> tuple[str, ...]:
+        """Every ServerArgs field a layout check reads from a live engine."""
+        named = tuple(f.metadata["server_arg"] for f in fields(cls) if "server_arg" in f.metadata)
+        return ("tp_size", "pp_size", "enable_dp_attention", *named)
 
     def tag(self) -> str:
         """File-name-safe summary of the non-default options: 'sglang', 'sglang-dpattn4-deepep', ..."""
