@@ -31,6 +31,7 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -519,8 +520,6 @@ def _populate(pool: torch.Tensor) -> None:
     """Fault the pool's pages in (Linux's MADV_POPULATE_WRITE, 5.14+) without writing them, so it may run while bytes
     are received into the pool: a fresh page costs more to fault in than to write, and a receive or apply that does it
     has the transfer waiting. Best effort: where the call is refused, the first writes fault the pages in as before."""
-    import ctypes
-
     start = pool.data_ptr() // 4096 * 4096
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(pool.data_ptr() + pool.numel() - start), 23)
