@@ -117,10 +117,9 @@ def test_bytes_received_into_the_params_are_what_processing_sees(model, ep, rank
     (modules materialized ahead, in group order, within the room the last sync's pool leaves) and apply skips them.
     What every module holds in its written params when it is processed equals, bitwise, an update with every byte
     through the buffer."""
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     _, plan, sources, session = _live(model, ep, rank)
