@@ -323,8 +323,8 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     pack_bytes, apply_bytes = traffic(replayer)
     params = params_from_plan(plan, device, fill=float("nan"))
     applier = Applier(plan, replayer.layout, params, cuda_graph=False)
-    # "+graph": the torch copies captured (bind()'s and Applier's default on CUDA); "box+graph": box_copy=True, the
-    # copies as one Triton box-copy launch in the graph (runtime/copykernel.py)
+    # "batched+graph": the torch copies captured (box_copy=False); "box+graph": the copies as one Triton box-copy
+    # launch in the graph (runtime/copykernel.py), bind()'s and Applier's default on CUDA
     graph_applier = (
         Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=False) if device == "cuda" else None
     )
@@ -335,8 +335,8 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
         check_bitwise(plan, tensors, params, device)
     reference_buffer = bound.out.clone()
     # "batched" = eager launches (cuda_graph=False)
-    # "graph 8 streams": the graph's copies captured on up to 8 forked streams, overlapping (runtime.tensors
-    # .GRAPH_BRANCHES = 8); "batched+graph" one after another (the default)
+    # "graph 8 streams": the graph's torch copies captured on up to 8 forked streams, overlapping (runtime.tensors
+    # .GRAPH_BRANCHES = 8); "batched+graph" one after another
     cuda = ["batched+graph", "graph 8 streams", "box+graph"] if device == "cuda" else []
     strategies = ["batched"] + cuda + ["foreach", "loop"]
     bounds = {}
@@ -379,7 +379,7 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
     if graph_applier is not None:
         graph_applier.apply(bound.out)
         fns["apply+graph"] = lambda: graph_applier.apply(bound.out)  # noqa: F821
-        branched_applier = Applier(plan, replayer.layout, params, cuda_graph=True)
+        branched_applier = Applier(plan, replayer.layout, params, cuda_graph=True, box_copy=False)
         with streams(8):
             branched_applier.apply(bound.out)
         fns["apply+graph8"] = lambda: branched_applier.apply(bound.out)  # noqa: F821

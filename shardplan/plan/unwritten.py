@@ -3,6 +3,7 @@ defines"): padding vLLM allocates per rank (Kimi-Linear's expert intermediate at
 loader never writes either. Derived from the writes and the param shapes alone, so a consumer can zero them.
 
     unwritten_ranges(plan) -> {param: [(lo, hi), ...]}   flat element ranges of the contiguous param, sorted, disjoint
+    unwritten_runs(written_mask) -> [(lo, hi), ...]     the same ranges from a flat mask of written elements
 
 Only params the plan writes are listed (one it never writes is another matter: the engine refuses it). A write whose
 destination is one contiguous run is an interval; any other region is marked element by element on a boolean mask of
@@ -27,9 +28,10 @@ def _gaps(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
     return out
 
 
-def _mask_ranges(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(lo, hi) of each run of False in a flat boolean mask."""
-    edges = np.flatnonzero(np.diff(np.concatenate(([1], mask.view(np.int8), [1]))))
+def unwritten_runs(written: np.ndarray) -> list[tuple[int, int]]:
+    """(lo, hi) of each run of False in a flat boolean mask of written elements (also what `shardplan verify` and the
+    coverage sweep derive from the elements vLLM's loader leaves NaN-poisoned)."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([1], written.view(np.int8), [1]))))
     return [(int(lo), int(hi)) for lo, hi in zip(edges[::2], edges[1::2])]
 
 
@@ -59,7 +61,7 @@ def unwritten_ranges(plan: ir.RankPlan) -> dict[str, list[tuple[int, int]]]:
                     mask[r.offset :], shape=r.sizes, strides=[s * itemsize for s in r.strides], writeable=True
                 )
                 view[...] = True
-            gaps = _mask_ranges(mask)
+            gaps = unwritten_runs(mask)
         if gaps:
             out[name] = gaps
     return out

@@ -9,8 +9,10 @@ recorded plan (plus the real loader for fallback tensors only) on the other, eve
 buffer compared bitwise. A worker process runs the architectures one after another and is replaced when one hangs
 for --timeout seconds or crashes, so a hang or a crash costs one row.
 
-Verdicts: pass (bitwise equal on every rank, no fallback), fallback (bitwise equal, but the named tensors went through
-the real loader), FAIL (the recorder or the replay is wrong: a shardplan bug), or cannot run here with the exact
+Verdicts: pass (bitwise equal on every rank, no fallback, and every element of every param written by some listed
+checkpoint tensor, bar the padding vLLM allocates and never loads that VLLM_PADDING names with its vLLM source: the
+row says which), fallback (bitwise equal, but the named tensors went through the real loader), FAIL (the recorder, the
+replay, the listing or the tiny config is wrong: shardplan's), or cannot run here with the exact
 reason (no config class outside remote code, transformers cannot build it, vLLM refuses the config, vLLM's own loader
 fails on this machine, timeout). Results go to a JSON-lines file (one line per architecture, resumable: --resume
 skips architectures already in it) and are rendered to docs/coverage.md. docs/coverage-results.jsonl keeps the rows
@@ -43,7 +45,18 @@ from shardplan.record.build import LayoutRejected, build_model, loading_context
 from shardplan.record.session import RecordSession
 from shardplan.record.sglang import coverage as sglang_coverage
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start, text_decoder_architectures
-from shardplan.record.verify import RankVerdict, add_created_params, compare_models, poison, random_checkpoint
+from shardplan.record.verify import (
+    Padding,
+    RankVerdict,
+    add_created_params,
+    compare_models,
+    note_padding,
+    padding_summary,
+    poison,
+    random_checkpoint,
+    split_unwritten,
+    undefined_reason,
+)
 
 __all__ = ["run_architecture", "render", "main"]
 
@@ -77,6 +90,46 @@ VLLM_LOADER_DROPS: dict[str, tuple[str, str, str]] = {
         "unexpected '_bias' names, so routing runs with the bias as built (zeros); no vLLM issue for Laguna found",
     ),
 }
+
+
+def _ngram_vocab_padding(model: torch.nn.Module, name: str) -> tuple[int, int]:
+    shard = model.get_submodule(name.rpartition(".")[0]).shard_indices
+    return shard.num_org_elements, shard.num_org_elements_padded
+
+
+def _hyper_connection_pad_rows(model: torch.nn.Module, name: str) -> tuple[int, int]:
+    hc = model.get_submodule(name.rpartition(".")[0].rpartition(".")[0])
+    return hc.lora_rank + hc.hc_count, hc.lora_rank + hc.hc_count + hc.pad_size
+
+
+# Per architecture, the padding vLLM allocates and its loader leaves as allocated (cited): a row passes with such
+# elements unwritten only inside exactly these rows (of vLLM's own numbers, on the model it built), and says so; any
+# other element no listed checkpoint tensor writes is the sweep's FAIL.
+VLLM_PADDING: dict[str, tuple[Padding, ...]] = {
+    "LongcatFlashNgramForCausalLM": (
+        Padding(
+            r"model\.ngram_embeddings\.oe_embedder\.weight",
+            "the n-gram table's vocabulary padding rows",
+            _ngram_vocab_padding,
+            "vllm/model_executor/models/longcat_flash_ngram.py:86 builds oe_embedder as a VocabParallelEmbedding of "
+            "the concatenated tables' size, which pads each rank's rows to a multiple of 64; "
+            "NgramEmbedding.load_weight (:118-140) copies only the tables' rows, bypassing "
+            "VocabParallelEmbedding.weight_loader's zero-fill of the padding (vocab_parallel_embedding.py:520); "
+            "n-gram ids are always below the tables' size, so the padding rows are never looked up",
+        ),
+    ),
+    "Qwen4ExpForCausalLM": (
+        Padding(
+            r"model\..*hyper_connection\.input_mix_weight_down_block_inject\.weight",
+            "the merged hyper-connection down+inject projection's pad rows",
+            _hyper_connection_pad_rows,
+            "vllm/models/qwen4_exp/nvidia/hyperconnection.py:96-108: the merged [hc_lowrank, hc_count] projection "
+            "gets pad_size = -(hc_lowrank + hc_count) % 16 extra output rows ('physically padded to 16 rows' for "
+            "cuBLAS), which no checkpoint tensor maps to (its stacked_params_mapping, :160-170, loads shards 0 and 1 "
+            "only); _down_and_inject (:150-159) splits their outputs off and drops them",
+        ),
+    ),
+}
 REPO = Path(__file__).resolve().parent.parent.parent  # the repository root (shardplan/record/coverage.py)
 
 
@@ -97,7 +150,13 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
             )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
-        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": [], "undefined": []}
+        result = {
+            "ranks": layout.world_size,
+            "equal": 0,
+            "fallbacks": [],
+            "mismatched": [],
+            "undefined": {},  # param -> [elements, numel] no listed tensor writes (outside VLLM_PADDING), first rank
+        }
         for rank in range(layout.world_size):
             # vLLM's own build first: where it fails on a config with the public field set, this layout cannot
             # run on this machine at all
@@ -159,9 +218,13 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             compare_models(real, replayed, verdict)
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
-            # a parameter no listed tensor writes at all: the listing lacks tensors the checkpoint has (DeepSeek-V3.2's
-            # indexer under DeepseekV3Config); padding no checkpoint defines (Kimi-Linear) is only part of a param
-            result["undefined"] += [n for n, (nan, numel) in verdict.undefined.items() if nan == numel]
+            # any element no listed tensor writes, whole params (the listing lacks tensors the checkpoint has:
+            # DeepSeek-V3.2's indexer under DeepseekV3Config) or parts (vLLM sizes it from a field the tiny config
+            # leaves unshrunk), unless it is padding vLLM allocates and never loads (VLLM_PADDING, cited)
+            failing, padding = split_unwritten(VLLM_PADDING.get(arch, ()), real, verdict)
+            for name, counts in failing.items():
+                result["undefined"].setdefault(name, list(counts))
+            note_padding(result, padding)
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -176,19 +239,25 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
-    undefined = sorted({n for r in done for n in r.get("undefined", ())})
+    unwritten = {n: (nan, numel) for r in done for n, (nan, numel) in r.get("undefined", {}).items()}
     hub, param, why = VLLM_LOADER_DROPS.get(arch, ("\0", "\0", ""))
-    if undefined and all(n.endswith(param) for n in undefined) and any(t[0].endswith(hub) for t in session.tensors):
-        reason = f"vLLM's own loader drops the real checkpoint tensor(s) *{hub}: {undefined[:3]} stay as built: {why}"
+    if (
+        unwritten
+        and all(n.endswith(param) and nan == numel for n, (nan, numel) in unwritten.items())
+        and any(t[0].endswith(hub) for t in session.tensors)
+    ):
+        dropped = sorted(unwritten)[:3]
+        reason = f"vLLM's own loader drops the real checkpoint tensor(s) *{hub}: {dropped} stay as built: {why}"
         return dict(row, status="cannot", reason=reason)
+    undefined = undefined_reason(row["layouts"], "vLLM")
     if undefined:
         return dict(
             row,
             status="FAIL",
-            reason=f"no listed checkpoint tensor writes any element of {undefined[:5]} (vLLM's loader leaves them "
-            f"as allocated too): the listing lacks tensors the model's checkpoint has, or vLLM's loader drops one it "
-            f"is given",
+            reason=undefined + "; only padding vLLM itself allocates and never loads (coverage.VLLM_PADDING, cited) "
+            "may stay unwritten",
         )
+    row["padding"] = padding_summary(row["layouts"])
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:300])
 
 
@@ -347,7 +416,9 @@ def render(rows: list[dict], versions: str, sglang_rows: list[dict] | None = Non
         "(`shardplan/record/tiny.py`, `publicfields.py`, sources in docs/configs.md); every rank at TP 1, 2 and 4 "
         "(expert parallelism on at TP > 1 for models with experts) is recorded and replayed, and compared bitwise with "
         "vLLM's real `load_weights` (destination parameters poisoned with NaN). FAIL is anything that is shardplan's "
-        "(its tiny config, its checkpoint listing, vLLM's loader refusing the listed checkpoint, a replay differing); "
+        "(its tiny config, its checkpoint listing, vLLM's loader refusing the listed checkpoint, a replay differing, "
+        "any element of any param that no listed checkpoint tensor writes, other than padding vLLM itself allocates "
+        "and never loads, each kind cited in `coverage.VLLM_PADDING` and named in its row's detail); "
         "models are built as the GPU engine a plan is for builds them where vLLM's CPU build refuses one only for "
         "lack of a kernel (sparse attention, a non-gated MoE, FlashAttention, Triton: "
         "`build.gpu_kernel_refusals_answered`, docs/recording.md); "
@@ -393,6 +464,11 @@ def _cells(r: dict) -> tuple[str, str]:
         for tag, v in r.get("layouts", {}).items()
     )
     detail = r["reason"] or ("fallback: " + "; ".join(r["fallbacks"]) if r["fallbacks"] else "")
+    if r.get("padding"):  # a passing row's exempted padding (VLLM_PADDING): named, never silent
+        detail = "; ".join(
+            [detail] * bool(detail)
+            + ["padding the engine allocates and its loader leaves unwritten (cited): " + "; ".join(r["padding"])]
+        )
     return layouts, detail.replace("|", "\\|")
 
 
@@ -410,7 +486,8 @@ def _sglang_section(rows: list[dict], sglang_rows: list[dict], sglang_versions: 
         + ". Same tiny configs (in .venv-sglang, without vLLM's config registry: transformers' classes), layouts "
         "and verdict kinds, against SGLang's own `load_weights` "
         '(`shardplan/record/sglang/coverage.py`; "cannot" only where SGLang itself refuses the config or layout '
-        "or fails to build the model; a build failing for lack of a config field is FAIL). Re-run (`--resume` "
+        "or fails to build the model; a build failing for lack of a config field is FAIL, and so is any element of a "
+        "param no listed tensor writes, bar `SGLANG_PADDING`'s, cited). Re-run (`--resume` "
         "finishes an interrupted sweep) in .venv-sglang: `python -m shardplan.record.coverage --engine sglang --resume "
         "--results docs/coverage-results-sglang.jsonl --out ''` (about 2 minutes here), then render in .venv: "
         "`python -m shardplan.record.coverage --render-only docs/coverage-results.jsonl`.",

@@ -412,9 +412,11 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
         "fields": {"full_attention_interval": 4},
     },
     "HunYuanMoEV1ForCausalLM": {
-        "source": "tencent/Hunyuan-A13B-Instruct config.json (the per-layer MoE lists, as in a public test's "
-        "HUNYUAN_MOE_LIST_CONFIG, and the use_* switches, as in a public copy of the hub file: 32 layers, 64 experts)",
+        "source": "tencent/Hunyuan-A13B-Instruct config.json (the per-layer MoE lists and intermediate_size, as in a "
+        "public test's HUNYUAN_MOE_LIST_CONFIG, and the use_* switches, as in a public copy of the hub file: 32 "
+        "layers, 64 experts)",
         "fields": {
+            "intermediate_size": 3072,  # == every moe_intermediate_size: the tiny config keeps them tied
             "moe_intermediate_size": [3072] * 32,
             "moe_topk": [8] * 32,
             "num_shared_expert": [1] * 32,

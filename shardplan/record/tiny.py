@@ -175,6 +175,8 @@ _FIXES: dict[str, dict[str, Any]] = {
     # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
     # (linear, linear, full): the interval that gives the same
     "Qwen3NextForCausalLM": {"full_attention_interval": 3},
+    "Qwen3_5ForCausalLM": {"full_attention_interval": 3},  # the same for Qwen3.5 (SGLang's Qwen3_5 configs)
+    "Qwen3_5MoeForCausalLM": {"full_attention_interval": 3},
     # the published is_moe_layer (48 layers) as the shrunk mlp_layer_types (dense, sparse, sparse)
     "ExaoneMoEForCausalLM": {"is_moe_layer": [False, True, True]},
     "ExaoneMoeForCausalLM": {"is_moe_layer": [False, True, True]},
@@ -304,9 +306,18 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
         if key in config and config[key] is None:
             config[key] = _SIZES[key]
     old_layers = next((int(config[k]) for k in _LAYER_COUNTS if isinstance(config.get(k), int)), None)
+    ties = _tied_sizes(config)
     for key, size in _SIZES.items():
-        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool) and config[key] > 0:
-            config[key] = min(config[key], size) if key in ("n_group", "topk_group", "num_expert_group") else size
+        value = config.get(key)
+        if _is_size(value) and value > 0:
+            config[key] = _shrunk(key, value)
+        elif isinstance(value, list) and value and all(_is_size(v) for v in value):
+            # a size given per layer (Hunyuan-A13B's moe_intermediate_size and moe_topk, Gemma 3n's
+            # intermediate_size) shrinks layer by layer like the single value: an unshrunk entry is a hollow pass
+            # (vLLM builds it at full size, the checkpoint's class perhaps from another field, small)
+            config[key] = [_shrunk(key, v) if v > 0 else v for v in value]
+    for scalar, per_layer in ties.items():
+        config[scalar] = config[per_layer][0]
     if isinstance(config.get("rope_parameters"), dict) or isinstance(config.get("rope_scaling"), dict):
         for key in ("rope_parameters", "rope_scaling"):
             params = config.get(key)
@@ -338,6 +349,28 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
                     if int(k) in renumber
                 }
     return config
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shrunk(key: str, value: int) -> int:
+    return min(value, _SIZES[key]) if key in ("n_group", "topk_group", "num_expert_group") else _SIZES[key]
+
+
+def _tied_sizes(config: dict[str, Any]) -> dict[str, str]:
+    """Single sizes the config gives equal to every entry of a per-layer size list, each with that list's key: they
+    stay equal when shrunk (Hunyuan-A13B's intermediate_size 3072, which transformers' experts are built from, and
+    moe_intermediate_size [3072] * 32, which vLLM's Transformers backend sizes its fused experts from)."""
+    ties = {}
+    for per_layer, values in config.items():
+        if per_layer in _SIZES and isinstance(values, list) and values and all(_is_size(v) for v in values):
+            if len(set(values)) == 1 and values[0] > 0:
+                for scalar in _SIZES:
+                    if scalar != per_layer and _is_size(config.get(scalar)) and config[scalar] == values[0]:
+                        ties[scalar] = per_layer
+    return ties
 
 
 def _layer_picks(config: dict[str, Any], num_layers: int) -> list[int]:

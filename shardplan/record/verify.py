@@ -8,13 +8,15 @@ incomplete plan cannot pass.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from shardplan.plan import interp, ir
 from shardplan.plan.layout import Layout
+from shardplan.plan.unwritten import unwritten_runs
 from shardplan.record.build import build_model, loading_context
 
 
@@ -27,6 +29,8 @@ class RankVerdict:
     # name -> (elements, of numel) no checkpoint tensor defines: vLLM's loader leaves them as allocated (padding such
     # as Kimi-Linear's expert intermediate at TP > 1 without EP), and the plan does not write them either
     undefined: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # name -> which elements those are: flat element ranges of the contiguous param, as plan.unwritten derives them
+    undefined_ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # the unwritten ones that are buffers vLLM computes when it builds the model (attention _k_scale/_v_scale, rotary
     # tables): initialised at construction, which neither the loader nor a plan repeats
     constructed: list[str] = field(default_factory=list)
@@ -75,7 +79,83 @@ def compare_models(real: torch.nn.Module, replayed: torch.nn.Module, verdict: Ra
             if name in buffers:
                 verdict.constructed.append(name)
             else:
-                verdict.undefined[name] = (int(torch.isnan(t).sum()), t.numel())
+                note_undefined(verdict, name, t)
+
+
+def note_undefined(verdict: RankVerdict, name: str, t: torch.Tensor) -> None:
+    """Which elements of param `name` the real loader left NaN-poisoned (no checkpoint tensor wrote them)."""
+    nan = torch.isnan(t).flatten()
+    verdict.undefined[name] = (int(nan.sum()), t.numel())
+    verdict.undefined_ranges[name] = unwritten_runs((~nan).numpy())
+
+
+def undefined_reason(layouts: dict, engine: str) -> str:
+    """A coverage row's FAIL reason for the params its layouts' "undefined" ({param: [elements, numel]}) name, each
+    at the first layout that leaves it unwritten; "" where none."""
+    undefined = {
+        n: (tag, nan, numel)
+        for tag, r in reversed(layouts.items())
+        for n, (nan, numel) in r.get("undefined", {}).items()
+    }
+    if not undefined:
+        return ""
+    shown = [
+        f"{n} ({'every element' if nan == numel else f'{nan} of {numel} elements'} at {tag})"
+        for n, (tag, nan, numel) in sorted(undefined.items())[:4]
+    ]
+    return (
+        f"no listed checkpoint tensor writes {'; '.join(shown)}"
+        + (f" and {len(undefined) - 4} more params" if len(undefined) > 4 else "")
+        + f" ({engine}'s loader leaves them as allocated too): the listing lacks tensors the model's checkpoint has, "
+        f"{engine} sizes the param from a field the tiny config does not shrink as the checkpoint's class does, or "
+        f"{engine}'s loader drops a tensor it is given"
+    )
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Rows of a param that the engine allocates as padding, never loads (its own loader leaves them as allocated)
+    and never reads into a result: the one kind of element no checkpoint tensor may leave unwritten in a passing
+    coverage row (coverage.VLLM_PADDING, sglang.coverage.SGLANG_PADDING: each cited)."""
+
+    params: str  # a regex the param's name fullmatches
+    what: str  # the padding, for the row's detail
+    rows: Callable[[torch.nn.Module, str], tuple[int, int]]  # (the engine's model, the param's name) -> rows [lo, hi)
+    cite: str  # the engine source it rests on
+
+
+def split_unwritten(entries, model: torch.nn.Module, verdict: RankVerdict) -> tuple[dict, dict]:
+    """verdict.undefined split in two: {param: (elements, numel)} that no listed checkpoint tensor writes outside the
+    padding `entries` name (the row's FAIL), and {param: (elements, numel, what)} inside exactly their rows."""
+    tensors = dict(model.named_parameters())
+    failing, padding = {}, {}
+    for name, (nan, numel) in verdict.undefined.items():
+        entry = next((e for e in entries if re.fullmatch(e.params, name)), None)
+        if entry is not None:
+            lo, hi = entry.rows(model, name)
+            row = numel // tensors[name].shape[0]
+            if all(lo * row <= a and b <= hi * row for a, b in verdict.undefined_ranges[name]):
+                padding[name] = (nan, numel, entry.what)
+                continue
+        failing[name] = (nan, numel)
+    return failing, padding
+
+
+def note_padding(result: dict, padding: dict) -> None:
+    """Add a rank's exempted padding to its layout's result: what -> [params, elements, numel] over the ranks."""
+    for nan, numel, what in padding.values():
+        total = result.setdefault("padding", {}).setdefault(what, [0, 0, 0])
+        total[0], total[1], total[2] = total[0] + 1, total[1] + nan, total[2] + numel
+
+
+def padding_summary(layouts: dict) -> list[str]:
+    """Per kind of exempted padding, the elements of it each layout's ranks left unwritten (the row's detail)."""
+    kinds: dict[str, list[str]] = {}
+    for tag, r in layouts.items():
+        for what, (params, nan, numel) in r.get("padding", {}).items():
+            of = f"{params} param{'s' * (params > 1)}"
+            kinds.setdefault(what, []).append(f"{tag}: {nan} of the {numel} elements of {of} over its ranks")
+    return [f"{what} ({', '.join(where)})" for what, where in kinds.items()]
 
 
 def add_created_params(model: torch.nn.Module, plan: ir.RankPlan) -> None:

@@ -89,8 +89,8 @@ class Applier:
     `lambda n, t: model.load_weights([(n, t)])`; without one, a plan with fallbacks is refused here.
     `cuda_graph`: None (default) captures the scatter of each CUDA buffer into a CUDA graph on its first apply
     (falling back to eager launches if capture fails, reason in `graph_error`); True requires it; False never.
-    `box_copy` True: the graph replays each overlap step's copies as one Triton launch where it can
-    (runtime/copykernel.py; a failure there keeps the torch copies, reason in `box_copy_error`).
+    `box_copy` True (default): the graph replays each overlap step's copies as one Triton launch where Triton runs
+    (runtime/copykernel.py; a failure there keeps the torch copies, reason in `box_copy_error`); False: torch copies.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class Applier:
         *,
         fallback_loader: Callable[[str, torch.Tensor], object] | None = None,
         cuda_graph: bool | None = None,
-        box_copy: bool = False,
+        box_copy: bool = True,
     ):
         self.plan, self.layout = plan, layout
         self.cuda_graph, self.box_copy = cuda_graph, box_copy

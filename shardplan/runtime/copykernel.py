@@ -1,15 +1,14 @@
 """One Triton launch for many strided copies on CUDA: the copies a bound replay or apply would launch one by one (a
 strided copy per run, a batched cat per stack, a foreach copy of the rest) become rows of one table of boxes, and one
-kernel moves them all, inside the CUDA graph. Fewer kernels in the graph means no drain between them: most of what the
-graph pack lost to a same-size copy.
+kernel moves them all, inside the CUDA graph (by default): no drain between kernels, most of what a graph lost to copy.
 
 A copy pair (destination view, source view, same shape and element size) is a box: its dims jointly collapsed, the
 innermost contiguous in both (else the pair keeps its torch copy), the dims above the row dim enumerated on the host.
 Each box is cut into programs of BLOCK units (a unit: VEC elements of the launch's element type, 16 bytes where every
-address and stride allows). A program's row: source and destination element offsets of its first row (from the
-launch's base tensors: the lowest storage on each side), their row strides, the box's width in units, the column where
-the program starts and how many units it moves. Triton is imported only when a CUDA bind launches it (the CPU venv has
-none); `BoxCopy.run_reference` runs the same table with torch on any device, for checks without a GPU.
+address and stride allows), moved TILE units a step. A program's row: source and destination element offsets of its
+first row (from the launch's base tensors: the lowest storage on each side), their row strides, the box's width in
+units, the column where the program starts and how many units it moves. Triton is imported only when a CUDA bind
+launches it (the CPU venv has none); `BoxCopy.run_reference` runs the same table with torch on any device.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-BLOCK = 256  # units (4 KiB at 16-byte units) a program moves: 1024 and more were slower on the H200
+BLOCK, TILE = 1024, 256  # units (16 B) a program moves, TILE a step (unrolled): fastest of those tried on the H200
 NUM_WARPS = 4
 COLUMNS = ("src", "src_stride", "dst", "dst_stride", "cols", "col0", "count")
 _ELEM = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -69,8 +68,9 @@ class BoxCopy:
     """The kernel's tables for a list of (dst, src) view pairs whose destinations do not overlap (one launch per
     element width: normally one)."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int = BLOCK):
-        self.block = block
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int = 0, tile: int = 0):
+        self.block = block = block or BLOCK
+        self.tile, self.num_warps = math.gcd(tile or TILE, block), NUM_WARPS  # (a tile divides the block)
         boxes = []  # per box: dst address, src address, rows, cols bytes, dst row stride, src row stride
         self.dst_tensors, self.src_tensors = [], []
         for dst, src in pairs:
@@ -160,7 +160,7 @@ class BoxCopy:
         """Enqueue every copy on the current stream: one kernel per element width (capturable in a CUDA graph)."""
         kernel = _kernel()
         for table, src, dst, vec in self._bind():
-            kernel[(len(table),)](table, src, dst, VEC=vec, BLOCK=self.block, num_warps=NUM_WARPS)
+            kernel[(len(table),)](table, src, dst, VEC=vec, BLOCK=self.block, TILE=self.tile, num_warps=self.num_warps)
 
     def run_reference(self) -> None:
         """The programs one by one with torch on the tensors' device: what the kernel computes (checks the tables)."""
@@ -248,7 +248,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_boxes_kernel(table, src_base, dst_base, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_boxes_kernel(table, src_base, dst_base, VEC: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
         row = table + tl.program_id(0).to(tl.int64) * 7
         src = tl.load(row)
         src_stride = tl.load(row + 1)
@@ -257,26 +257,27 @@ def _kernel():
         cols = tl.load(row + 4).to(tl.int32)
         col0 = tl.load(row + 5).to(tl.int32)
         count = tl.load(row + 6).to(tl.int32)
-        i = tl.arange(0, BLOCK)
-        if col0 + count <= cols:  # inside one row: no division
-            s = src + (col0 + i).to(tl.int64) * VEC
-            d = dst + (col0 + i).to(tl.int64) * VEC
-        else:
-            j = col0 + i
-            r = j // cols
-            c = (j - r * cols).to(tl.int64) * VEC
-            r = r.to(tl.int64)
-            s = src + r * src_stride + c
-            d = dst + r * dst_stride + c
-        if VEC == 1:
-            x = tl.load(src_base + s, mask=i < count)
-            tl.store(dst_base + d, x, mask=i < count)
-        else:  # VEC elements a unit: one 16-byte access where the alignment hints hold
-            s = tl.multiple_of(s, VEC)
-            d = tl.multiple_of(d, VEC)
-            lane = tl.arange(0, VEC)[None, :]
-            mask = (i < count)[:, None]
-            x = tl.load(src_base + s[:, None] + lane, mask=mask)
-            tl.store(dst_base + d[:, None] + lane, x, mask=mask)
+        for k in tl.static_range(BLOCK // TILE):
+            i = k * TILE + tl.arange(0, TILE)
+            if col0 + count <= cols:  # inside one row: no division
+                s = src + (col0 + i).to(tl.int64) * VEC
+                d = dst + (col0 + i).to(tl.int64) * VEC
+            else:
+                j = col0 + i
+                r = j // cols
+                c = (j - r * cols).to(tl.int64) * VEC
+                r = r.to(tl.int64)
+                s = src + r * src_stride + c
+                d = dst + r * dst_stride + c
+            if VEC == 1:
+                x = tl.load(src_base + s, mask=i < count)
+                tl.store(dst_base + d, x, mask=i < count)
+            else:  # VEC elements a unit: one 16-byte access where the alignment hints hold
+                s = tl.multiple_of(s, VEC)
+                d = tl.multiple_of(d, VEC)
+                lane = tl.arange(0, VEC)[None, :]
+                mask = (i < count)[:, None]
+                x = tl.load(src_base + s[:, None] + lane, mask=mask)
+                tl.store(dst_base + d[:, None] + lane, x, mask=mask)
 
     return copy_boxes_kernel

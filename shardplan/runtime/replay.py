@@ -180,15 +180,15 @@ class Replayer:
         out: torch.Tensor | None = None,
         *,
         cuda_graph: bool | None = None,
-        box_copy: bool = False,
+        box_copy: bool = True,
     ) -> "BoundReplay":
         """Validate the trainer's tensors, build every view and batch, and on CUDA capture them in a CUDA graph.
 
         Contract: until re-bound, the bound tensors and `out` keep their storage (in-place updates such as optimizer
         steps are fine; `p.data = new_tensor` or reallocation is not: `pack()` then raises StaleBindingError).
         cuda_graph: None (default) captures on CUDA and falls back to eager launches if capture fails (the reason is
-        kept in `BoundReplay.graph_error`); True requires the capture; False never captures. box_copy: True has
-        the graph replay the copies as one Triton box-copy launch where it can (opt-in until the GPU tier passes it).
+        kept in `BoundReplay.graph_error`); True requires the capture; False never captures. box_copy: True (default)
+        has the graph copy through one Triton box-copy launch (else torch copies, why in `box_copy_error`); False: not.
         (The naive baselines, one copy_ per segment and one foreach copy, live in bench/replay_bench.py.)"""
         return BoundReplay(self, tensors, out, cuda_graph=cuda_graph, box_copy=box_copy)
 
@@ -234,7 +234,7 @@ class BoundReplay:
         out: torch.Tensor | None,
         *,
         cuda_graph: bool,
-        box_copy: bool = False,
+        box_copy: bool = True,
     ):
         self.replayer = replayer
         self.layout = replayer.layout

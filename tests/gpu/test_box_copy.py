@@ -24,7 +24,7 @@ def _run(pairs) -> BoxCopy:
     mine, rest = split(pairs)
     for d, s in rest:
         d.copy_(s)
-    copy = BoxCopy(mine, block=64)  # small programs: many per box, rows cut mid-way
+    copy = BoxCopy(mine, block=64, tile=16)  # small programs of 4 steps: many per box, rows cut mid-way
     copy.launch() if ON_GPU else copy.run_reference()
     return copy
 
@@ -132,3 +132,23 @@ def test_graphs_outlive_the_memory_they_address(box_copy):
     applier.apply(bound.pack())
     assert_bits_equal(params, want, f"{name} rank {rank} layer {LAYER}: graphs replayed after the memory churn")
     del churn
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
+def test_graphs_copy_through_the_box_copy_by_default():
+    """bind() and Applier() on CUDA replay the box copy unless told not to (it is the faster graph in every
+    replay_bench case, docs/benchmarks.md); box_copy=False keeps the torch copies."""
+    name, rank = "llama-3.1-8b--tp2--bfloat16.plan", 1
+    layer = Layer(PlanFile.read(PLANS / name), rank, LAYER)
+    tensors = trainer_tensors(layer.sources, None, DEVICE, seed=rank)
+    replayer = Replayer(layer.plan, layer.sources, device=DEVICE)
+    assert replayer.bind(tensors).box_copy is not None
+    assert replayer.bind(tensors, box_copy=False).box_copy is None
+    params = params_from_plan(layer.plan, DEVICE, fill=NAN)
+    buffer = replayer.bind(tensors).pack()
+    for box_copy, want in ((None, True), (False, False)):
+        applier = Applier(layer.plan, replayer.layout, params, **({} if box_copy is None else {"box_copy": box_copy}))
+        applier.apply(buffer)
+        (replay,) = next(iter(applier._bound.values()))
+        ops = [op for step in replay.__defaults__[1] for op in step]
+        assert any(hasattr(op, "box_copy") for op in ops) == want, [getattr(op, "label", op) for op in ops]

@@ -170,7 +170,7 @@ def test_unwritten_ranges_are_exactly_the_bytes_vllms_loader_leaves_undefined():
 
     from shardplan.plan.unwritten import unwritten_ranges
     from shardplan.record.build import build_model, loading_context
-    from shardplan.record.verify import poison
+    from shardplan.record.verify import RankVerdict, compare_models, poison
 
     layout = Layout(tp=2)
     session = RecordSession("kimi-linear-48b-a3b", layout, overrides=shrink_overrides("kimi-linear-48b-a3b"))
@@ -189,3 +189,7 @@ def test_unwritten_ranges_are_exactly_the_bytes_vllms_loader_leaves_undefined():
         for lo, hi in ranges.get(meta.name, []):
             expected[lo:hi] = True
         assert (nan == expected).all(), meta.name
+    # the coverage sweep's view of the same elements (from the loader's NaNs, not the plan) is the same ranges
+    verdict = RankVerdict(1)
+    compare_models(real, real, verdict)
+    assert verdict.undefined_ranges == ranges

@@ -18,8 +18,8 @@ def test_a_small_architecture_passes_at_every_layout(tmp_path):
     row = sglang_coverage.run_architecture("GemmaForCausalLM", tmp_path, tps=(1, 2))
     assert row["status"] == "pass", row
     assert row["layouts"] == {
-        "tp1": {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": []},
-        "tp2": {"ranks": 2, "equal": 2, "fallbacks": [], "mismatched": []},
+        "tp1": {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": [], "undefined": {}},
+        "tp2": {"ranks": 2, "equal": 2, "fallbacks": [], "mismatched": [], "undefined": {}},
     }
 
 
@@ -65,12 +65,26 @@ def test_kimi_linears_tiny_config_names_the_same_layer_kinds_for_sglang_and_tran
     assert row["status"] == "pass", row
 
 
+def test_a_param_no_listed_tensor_writes_is_FAIL_bar_cited_padding(tmp_path, monkeypatch):
+    """The vLLM rows' rule: both loaders leaving elements as built compares "equal". SGLang's text-only Llama4 loader
+    (LlamaForCausalLM's) maps no expert name, so every routed expert stays as built; Falcon-H1's q_norm / k_norm,
+    which SGLang builds and never reads, pass only as SGLANG_PADDING names them, and the row says so."""
+    row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path, tps=(1,))
+    assert row["status"] == "FAIL", row
+    assert "model.layers.0.feed_forward.experts.w13_weight (every element at tp1)" in row["reason"]
+    row = sglang_coverage.run_architecture("FalconH1ForCausalLM", tmp_path / "falcon", tps=(1,))
+    assert row["status"] in ("pass", "fallback") and "q_norm / k_norm" in row["padding"][0], row
+    monkeypatch.setitem(sglang_coverage.SGLANG_PADDING, "FalconH1ForCausalLM", ())
+    row = sglang_coverage.run_architecture("FalconH1ForCausalLM", tmp_path / "unexempted", tps=(1,))
+    assert row["status"] == "FAIL" and "model.layers.0.q_norm.weight (every element at tp1)" in row["reason"], row
+
+
 def test_a_cited_sglang_loader_bug_is_that_layouts_own_failure_only_while_it_raises_that(tmp_path, monkeypatch):
     """GPT-OSS BF16 under EP: SGLang's weight_loader_fused copies all experts into the rank's local ones (its issue
     22784). Those layouts say so with SGLang's error; TP1 still passes; any other error is still the sweep's FAIL."""
     row = sglang_coverage.run_architecture("GptOssForCausalLM", tmp_path, tps=(1, 2))
     assert row["status"] == "pass", row
-    assert row["layouts"]["tp1"] == {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": []}
+    assert row["layouts"]["tp1"] == {"ranks": 1, "equal": 1, "fallbacks": [], "mismatched": [], "undefined": {}}
     ep = row["layouts"]["tp2-ep"]
     assert ep["error"].startswith("SGLang's own loader fails") and "issue 22784" in ep["detail"], ep
     assert "must match the size of tensor b (8)" in ep["detail"] and "tp2-ep" in row["reason"], row

@@ -9,8 +9,9 @@ with experts), every rank is recorded with SGLang's own loader (SglangRecordSess
 plan (then SGLang's `post_load_weights`) on the other; every parameter, buffer and tensor attribute compared bitwise.
 Verdicts as vLLM's: "cannot" only where SGLang itself refuses the config or layout or fails to build the model (its
 error quoted), or its own loader fails on the real checkpoint names with a cited bug (SGLANG_LOADER_BUGS: that layout
-only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error
-or a differing replay is FAIL.
+only, only while it raises that error); SGLang's loader refusing the checkpoint we listed otherwise, a recording error,
+a differing replay or any element of a parameter that no listed tensor writes (the same rule as vLLM's rows, bar the
+params SGLANG_PADDING names with SGLang's source) is FAIL.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from shardplan.record.sglang.options import SglangOptions
 from shardplan.record.sglang.session import SglangRecordSession, sglang_version
 from shardplan.record.sglang.verify import loaded_by_sglang, replayed_by_plan, verify_models
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start
-from shardplan.record.verify import random_checkpoint
+from shardplan.record.verify import (
+    Padding,
+    note_padding,
+    padding_summary,
+    random_checkpoint,
+    split_unwritten,
+    undefined_reason,
+)
 
 __all__ = ["text_decoder_architectures", "run_architecture", "versions"]
 
@@ -40,6 +48,21 @@ SGLANG_LOADER_BUGS: dict[str, tuple[str, str]] = {
         "copies them whole into the EP rank's local experts; only its MXFP4 path narrows to the rank's experts "
         "(sgl-project/sglang issue 22784, 'gpt-oss-120b EP=8 crashes with tensor size mismatch in "
         "weight_loader_fused', open; its fix PR 22787 closed unmerged)",
+    ),
+}
+
+# Per architecture, params SGLang allocates that its loader never writes and its forward never reads (cited): a row
+# passes with them unwritten only inside exactly these rows, and says so (as coverage.VLLM_PADDING for vLLM).
+SGLANG_PADDING: dict[str, tuple[Padding, ...]] = {
+    "FalconH1ForCausalLM": (
+        Padding(
+            r"model\..*\.[qk]_norm\.weight",
+            "q_norm / k_norm that SGLang builds and never uses (Falcon-H1 has no QK norm)",
+            lambda model, name: (0, model.get_parameter(name).shape[0]),
+            "sglang/srt/models/falcon_h1.py:220-221 (SGLang 0.5.23) builds q_norm and k_norm in every decoder layer; "
+            "nothing in the file reads them and no checkpoint tensor maps to them (transformers' FalconH1 and vLLM's "
+            "falcon_h1.py have none)",
+        ),
     ),
 }
 
@@ -112,7 +135,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
                 row, status="FAIL", reason=f"cannot list the checkpoint or parse the config: {short_error(exc)}"
             )
         checkpoint = random_checkpoint(session.tensors, seed + tp)
-        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": []}
+        result = {"ranks": layout.world_size, "equal": 0, "fallbacks": [], "mismatched": [], "undefined": {}}
         for rank in range(layout.world_size):
             try:  # SGLang's own build first: where it fails, this layout cannot run here at all
                 session.builder.build(rank, "meta")
@@ -151,6 +174,11 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             verdict = verify_models(real, replayed, rank)
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
+            # any element no listed tensor writes, as vLLM's rows, bar SGLANG_PADDING's
+            failing, padding = split_unwritten(SGLANG_PADDING.get(arch, ()), real, verdict)
+            for name, counts in failing.items():
+                result["undefined"].setdefault(name, list(counts))
+            note_padding(result, padding)
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -165,4 +193,8 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
+    undefined = undefined_reason(row["layouts"], "SGLang")
+    if undefined:
+        return dict(row, status="FAIL", reason=undefined + "; only SGLANG_PADDING's (cited) may stay unwritten")
+    row["padding"] = padding_summary(row["layouts"])
     return dict(row, status="fallback" if row["fallbacks"] else "pass", reason=refused[:800])

@@ -15,7 +15,7 @@ import torch
 
 from shardplan.plan import interp, ir
 from shardplan.record.sglang.build import SglangBuilder, post_load_deferred
-from shardplan.record.verify import RankVerdict, add_created_params, bits
+from shardplan.record.verify import RankVerdict, add_created_params, bits, note_undefined
 
 
 def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -98,6 +98,10 @@ def replayed_by_plan(
 def verify_models(real: torch.nn.Module, replayed: torch.nn.Module, rank: int) -> RankVerdict:
     verdict = RankVerdict(rank)
     compare(module_tensors(real), module_tensors(replayed), verdict)
+    params = dict(real.named_parameters())
+    for name in verdict.unwritten:  # elements no checkpoint tensor writes (buffers and attributes: SGLang's to make)
+        if name in params:
+            note_undefined(verdict, name, params[name])
     return verdict
 
 
