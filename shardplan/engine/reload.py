@@ -308,7 +308,8 @@ class ReloadUnpacker:
         for i, (lo, hi) in enumerate(spans):
             name, first, numel = candidates.get(lo, (None, 0, 0))
             view = None if name is None else getattr(*self.targets[name]).detach().view(-1)[first : first + numel]
-            if view is None or (view := view.view(torch.uint8)).numel() != hi - lo:
+            message_bytes = hi - lo  # a message is received whole into one view or not at all
+            if view is None or (view := view.view(torch.uint8)).numel() != message_bytes:
                 continue
             out[i] = view
             offsets.add(lo)
