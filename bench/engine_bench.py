@@ -23,7 +23,8 @@ updates each, alternating (gloo round, shardplan sync, vLLM reload), with the lo
 
 Per engine rank, the split of one shardplan update (the worker's own clocks, shardplan.engine.reload): trainer pack
 (this process, per consumer lane), receive + verify (the rest of the update: waiting for bytes, checksums), start
-(layerwise reload set up), materialize, apply (bytes into the pre-processing params), process (vLLM's
+(layerwise reload set up), materialize, apply (bytes from the receive buffer into the pre-processing params; bytes
+received straight into them, printed per rank, skip it), process (vLLM's
 process_weights_after_loading, per module class below the table), MoE prepack (the re-run vLLM 0.32 skips), copy
 into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
 the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
@@ -303,6 +304,7 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
                     rss_before=med(s[r]["rss_before"] or 0 for s in kind_splits),
                     rss_peak=med(s[r]["rss_peak"] or 0 for s in kind_splits),
                     pools=[s[r].get("pools_allocated") for s in kind_splits],
+                    in_place_bytes=med(s[r].get("in_place_bytes", 0) for s in kind_splits),
                     layer_bytes=layer_bytes[r],
                 )
             )
@@ -378,7 +380,8 @@ def print_split(console, r: dict, kind: str, ranks: list[dict]) -> None:
         console.print(
             f"rank {k['rank']} process by module class (median s): "
             + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
-            + f"; materialize pools allocated per update: {k['pools']}"
+            + f"; materialize pools allocated per update: {k['pools']}; received straight into params: "
+            f"{k.get('in_place_bytes', 0) / 2**20:.0f} MiB"
         )
 
 

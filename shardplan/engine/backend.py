@@ -279,6 +279,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
         self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
         self.unpacker.defer_gemm = bool(update_info.defer_gemm)
+        self.unpacker.receive_in_place = bool(update_info.receive_in_place)
+        self.unpacker.prefault_pool = bool(update_info.prefault_pool)
         t0 = time.perf_counter()
         try:
             placement = None
@@ -304,6 +306,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                 "seconds": seconds,
                 "process_by_class": dict(self.unpacker.process_by_class),
                 "pools_allocated": self.unpacker.pools_allocated,
+                "in_place_bytes": self.unpacker.in_place_bytes,
                 "rss_before": getattr(self, "_rss_before", None),
                 "rss_peak": _peak_rss(),
             }

@@ -58,3 +58,10 @@ class EngineUpdateInfo:
     """Build an embedding's or lm_head's CPU GEMM handle at its first logits call after the update rather than in it,
     unless a logits call was seen (shardplan.engine.reload.DeferredGemm). Off: every one built in the update, as
     vLLM's own reload does (bench/engine_bench.py compares the two)."""
+    receive_in_place: bool = True
+    """Receive a segment that is one contiguous range of one param straight into the materialized param, where the
+    sync's pool has room for its module (shardplan.engine.reload.ReloadUnpacker.receive_targets), rather than into the
+    receive buffer and then copying it. Off: every byte through the buffer (bench/engine_bench.py compares the two)."""
+    prefault_pool: bool = True
+    """Fault the sync's materialize pool in when it is allocated, in a thread beside the first transfers (Linux
+    MADV_POPULATE_WRITE), rather than by the first receive or apply into it."""

@@ -7,6 +7,8 @@ backends do (vllm/model_executor/model_loader/reload/), per sync:
 
     begin()        initialize_layerwise_reload(model): kernel tensors saved, every layer back to its constructed
                    (pre-processing) layout, on the meta device
+    receive_targets(group)  when the group's receives are posted: where the pool has room, materialize its layers
+                   now and have its single-param segments received straight into them (apply then skips them)
     apply(group)   materialize the layers the group writes (uninitialised tensors in the sync's pool), scatter the
                    group's bytes into them (shardplan.runtime.apply.Applier), and for every module whose LAST part has
                    now landed run what vLLM's `_layerwise_process` runs after its loaders:
@@ -28,7 +30,10 @@ reload, where vLLM's wrapped loaders buffer and process them per layer as usual.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -76,6 +81,7 @@ class ReloadUnpacker:
 
         # a plan file's source table stays templated (a dict of it would spell out every checkpoint name)
         self.model, self.plan, self.sources = model, plan, dict(sources) if isinstance(sources, dict) else sources
+        self.sharded = sharded is not None  # several trainers' parts per group: every byte through the buffer
         self.alignment = alignment
         self._meta_params = params_from_plan(plan, device="meta")
         if sharded is None:
@@ -156,6 +162,14 @@ class ReloadUnpacker:
         self.active = False
         self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
         self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
+        self.receive_in_place = True  # EngineUpdateInfo.receive_in_place
+        self.prefault_pool = True  # EngineUpdateInfo.prefault_pool
+        self._posted: list[str] = []  # this sync's groups whose receives are posted, in order
+        self._ahead = 0  # how many of them had their modules materialized when posted (receive_targets)
+        self._in_place: dict[str, frozenset[int]] = {}  # group -> buffer offsets of segments received into params
+        self._receiving: dict[str, list[torch.Tensor]] = {}  # group -> params' views its posted receives write
+        self._kept: list[torch.Tensor] = []  # a failed sync's such views, alive until the next sync has ended
+        self.in_place_bytes = 0  # this sync's bytes received straight into params (bench/engine_bench.py)
 
     def _refuse_unwritten_params(self) -> None:
         """Every loadable param of the live model must be written by the plan. One the plan never writes would keep
@@ -277,6 +291,58 @@ class ReloadUnpacker:
     def sizes(self) -> dict[str, int]:
         return dict(self._sizes)
 
+    def receive_targets(self, group: str, spans: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        """Where to receive each message (lo, hi) of a group whose receives are being posted: a view of the param
+        where the message is one segment of Applier.in_place_segments and the group's modules could be materialized
+        now, else None (the receive buffer). Modules are materialized ahead only in group order (every group posted
+        before this one first) and only into the room left in the sync's pool (sized by the last sync: nothing is
+        materialized ahead in the first one), so the update holds no more than it did without receiving in place."""
+        out: list[torch.Tensor | None] = [None] * len(spans)
+        self._posted.append(group)
+        if not (self.active and self.receive_in_place and not self.sharded and self._pool_size):
+            return out
+        candidates = self.appliers[0].for_group(group).in_place_segments()
+        if not any(lo in candidates for lo, _ in spans) or not self._materialize_ahead():
+            return out
+        offsets, views = set(), []
+        for i, (lo, hi) in enumerate(spans):
+            name, first, numel = candidates.get(lo, (None, 0, 0))
+            view = None if name is None else getattr(*self.targets[name]).detach().view(-1)[first : first + numel]
+            message_bytes = hi - lo  # a message is received whole into one view or not at all
+            if view is None or (view := view.view(torch.uint8)).numel() != message_bytes:
+                continue
+            out[i] = view
+            offsets.add(lo)
+            views.append(view)
+            self.in_place_bytes += hi - lo
+        self._in_place[group], self._receiving[group] = frozenset(offsets), views
+        return out
+
+    def _materialize_ahead(self) -> bool:
+        """Materialize the modules of the posted groups not materialized yet, in order, while they fit in the room
+        left in the pool; True when every posted group's modules are materialized."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        clock, t0 = self.seconds, time.perf_counter()
+        try:
+            while self._ahead < len(self._posted):
+                group = self._posted[self._ahead]
+                at = self._pool_used
+                for module in self.group_modules.get(group, ()):
+                    if id(module) in self._materialized:
+                        continue
+                    params, buffers = LAYERWISE_INFO[module].restore_metadata
+                    for t in chain(params.values(), buffers.values()):
+                        at = align_up(at, 4096) + t.numel() * t.element_size()
+                if at > self._pool_size:
+                    return False
+                if group in self.group_modules:
+                    self._materialize(group)
+                self._ahead += 1
+            return True
+        finally:
+            clock["materialize"] += time.perf_counter() - t0
+
     def apply(self, group: str, buffer: torch.Tensor) -> None:
         if not self.active:
             raise EngineUnsupported("bytes arrived outside a weight update (start_weight_update not called)")
@@ -291,13 +357,14 @@ class ReloadUnpacker:
             names = self.group_params[t, group]
             sub = self.appliers[t].for_group(group)
             sub.rebind({n: getattr(*self.targets[n]) for n in names})
-            sub.apply(buffer[base : base + self.parts[t].group(group).nbytes])
+            sub.apply(buffer[base : base + self.parts[t].group(group).nbytes], self._in_place.get(group, frozenset()))
             sub.rebind({n: self._meta_params[n] for n in names})  # drop views of them
         for f in self.fallbacks.get(group, ()):
             meta = self.sources[f.name]
             tensor = buffer[f.offset : f.offset + f.nbytes].view(to_dtype(meta.dtype)).view(meta.shape).clone()
             self._load_fallback(f.name, tensor)
         clock["apply"] += time.perf_counter() - t1
+        self._receiving.pop(group, None)  # its receives finished; views left would pin the pool (_close)
         for module in self.group_modules.get(group, ()):
             pending = self._pending[module]
             pending.discard(group)
@@ -317,6 +384,7 @@ class ReloadUnpacker:
         self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
         self.seconds = defaultdict(float)
         self.process_by_class = defaultdict(float)
+        self._posted, self._ahead, self._in_place, self._receiving, self.in_place_bytes = [], 0, {}, {}, 0
         self.active = True
 
     def end(self, model_config) -> None:
@@ -328,6 +396,14 @@ class ReloadUnpacker:
             return
         self.active = False
         self._pool = None
+        # a receive posted into a param and never waited for (the sync failed first) may still land: what it writes
+        # into stays alive until a later sync has posted its receives (its transport pairs are re-opened by then: a
+        # failure changes this rank's epoch), so it never lands in freed memory
+        if self._receiving:
+            self._kept = [v for views in self._receiving.values() for v in views]
+        elif self._posted:
+            self._kept = []
+        self._receiving = {}
         for (t, group), names in self.group_params.items():  # no view of a materialized param may outlive the sync
             self.appliers[t].for_group(group).rebind({n: self._meta_params[n] for n in names})
         t0 = time.perf_counter()
@@ -373,12 +449,17 @@ class ReloadUnpacker:
                 self._pool_used = start + tensor.numel() * tensor.element_size()
                 self._pool_bytes = max(self._pool_bytes, self._pool_used)
                 if self._pool is None and self._pool_size:
-                    self._pool = torch.empty(self._pool_size, dtype=torch.uint8)
-                    self._pool_uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
-                    self.pools_allocated += 1
+                    self._new_pool()
                 if self._pool is not None and self._pool_used <= self._pool.numel():
                     size, stride = tensor.size(), tensor.stride()
                     tensor.set_(self._pool.untyped_storage(), start // tensor.element_size(), size, stride)
+
+    def _new_pool(self) -> None:
+        self._pool = torch.empty(self._pool_size, dtype=torch.uint8)
+        self._pool_uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
+        self.pools_allocated += 1
+        if self.prefault_pool:
+            threading.Thread(target=_populate, args=(self._pool,), daemon=True).start()
 
     def _close(self, module: torch.nn.Module) -> None:
         """The module is processed: once no module is open, the pool is free for the next ones, unless something
@@ -434,6 +515,15 @@ class ReloadUnpacker:
 
     def _load_fallback(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_weights([(name, tensor)])
+
+
+def _populate(pool: torch.Tensor) -> None:
+    """Fault the pool's pages in (Linux's MADV_POPULATE_WRITE, 5.14+) without writing them, so it may run while bytes
+    are received into the pool: a fresh page costs more to fault in than to write, and a receive or apply that does it
+    has the transfer waiting. Best effort: where the call is refused, the first writes fault the pages in as before."""
+    start = pool.data_ptr() // 4096 * 4096
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(pool.data_ptr() + pool.numel() - start), 23)
 
 
 def _process_dropping_old_gemm(module: torch.nn.Module, quant_method) -> None:

@@ -168,20 +168,56 @@ class Applier:
     @property
     def _steps(self) -> list[list[list[_Item]]]:
         """Steps (one per overlap level, in order) of runs: a run is items copied by one strided copy_."""
-        steps = self.__dict__.get("_step_lists")
+        return self._steps_skipping(frozenset())
+
+    def _steps_skipping(self, skip: frozenset[int]) -> list[list[list[_Item]]]:
+        """_steps without the items at the buffer offsets in `skip` (received in place: see in_place_segments)."""
+        cache = self.__dict__.setdefault("_step_lists", {})
+        steps = cache.get(skip)
         if steps is None:
             levels = dict(
                 zip(self._placed.write.tolist(), overlap_steps(self._columns, self._placed, self._metas).tolist())
             )
             steps = [[] for _ in range(1 + max(levels.values(), default=-1))]
             for item in sorted(self._items, key=lambda it: (levels[it.write], it.offset, it.write)):
+                if item.offset in skip:
+                    continue
                 runs = steps[levels[item.write]]
                 if runs and self._extends(runs[-1], item):
                     runs[-1].append(item)
                 else:
                     runs.append([item])
-            self.__dict__["_step_lists"] = steps
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[skip] = steps
         return steps
+
+    def in_place_segments(self) -> dict[int, tuple[str, int, int]]:
+        """Buffer offset -> (param, first element, elements) of each segment whose bytes may be received straight into
+        its param instead of the buffer (apply(skip=...) then leaves it out): the bytes of one write of this rank, into
+        one contiguous range of the param, which no other write of the plan may overlap (so no write order to keep,
+        whatever group or part the other writes are in)."""
+        found = self.__dict__.get("_in_place")
+        if found is None:
+            placed, cols = self._placed, self._columns
+            offsets, counts = np.unique(placed.offset, return_counts=True)
+            lone = set(offsets[counts == 1].tolist())  # a segment copied into two places is applied as usual
+            shared = overlapping_writes(
+                cols.param,
+                cols.dst_offset,
+                cols.dst_sizes,
+                cols.dst_strides,
+                param_shapes(cols.param_names, self._metas)[cols.param],
+            )
+            found = {}
+            for j in range(len(placed.write)):
+                offset, write = int(placed.offset[j]), int(placed.write[j])
+                sizes, strides = placed.geometry[int(placed.geometry_id[j])]
+                if offset not in lone or shared[write] or len(sizes) != 1 or strides[0] != 1:
+                    continue
+                found[offset] = (cols.param_names[int(placed.param[j])], int(placed.dst_offset[j]), int(sizes[0]))
+            self.__dict__["_in_place"] = found
+        return found
 
     @staticmethod
     def _extends(run: list[_Item], item: _Item) -> bool:
@@ -196,7 +232,7 @@ class Applier:
         )
 
     # -- binding a buffer --
-    def _bind(self, buffer: torch.Tensor) -> list[Callable]:
+    def _bind(self, buffer: torch.Tensor, skip: frozenset[int] = frozenset()) -> list[Callable]:
         if (
             buffer.dtype != torch.uint8
             or buffer.dim() != 1
@@ -222,7 +258,7 @@ class Applier:
                     check_tensor("param", name, self.params[name], metas[name], None)
             self._bound.clear()
             self._param_ptrs = ptrs
-        key = (buffer.data_ptr(), buffer.device)
+        key = (buffer.data_ptr(), buffer.device, skip)
         if key not in self._bound:
             if len(self._bound) >= 4:  # cached views keep their buffers alive: remember only the last few buffers
                 self._bound.pop(next(iter(self._bound)))
@@ -230,7 +266,7 @@ class Applier:
                 t = self.params[name]
                 if t.device != buffer.device:
                     raise PackBufferError(f"param {name!r} is on {t.device}, the buffer on {buffer.device}")
-            steps = [self._step_ops(runs, buffer) for runs in self._steps]
+            steps = [self._step_ops(runs, buffer) for runs in self._steps_skipping(skip)]
             self._bound[key] = self._maybe_graph(steps, buffer.device)
         return self._bound[key]
 
@@ -294,9 +330,10 @@ class Applier:
         return dst, src
 
     # -- public API --
-    def apply(self, buffer: torch.Tensor) -> None:
-        """Scatter a buffer of `self.layout` (enqueued on the current stream)."""
-        ops = self._bind(buffer)
+    def apply(self, buffer: torch.Tensor, skip: frozenset[int] = frozenset()) -> None:
+        """Scatter a buffer of `self.layout` (enqueued on the current stream), but the segments at the offsets in
+        `skip` (of in_place_segments: their bytes were received into the params themselves)."""
+        ops = self._bind(buffer, frozenset(skip))
         with torch.no_grad():
             for op in ops:
                 op()

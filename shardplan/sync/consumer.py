@@ -109,7 +109,7 @@ class ConsumerSync(Rank):
                 buf = self.buffers[gi % 2]
                 deadline = deadline_after(self.config.timeout_s)
                 seen: dict[int, int] = {}
-                for (trainer, lo, hi), pending in zip(self._messages(schedule, gi), posted.pop(gi)):
+                for (trainer, lo, hi), (pending, view) in zip(self._messages(schedule, gi), posted.pop(gi)):
                     peer = trainer_name(trainer)
                     key = done_key(version, peer, self.name, gi)
                     mark = self._mark(key, left(deadline), peer, f"bytes of {group}") if one_sided else None
@@ -123,12 +123,13 @@ class ConsumerSync(Rank):
                     event(f"received {gi}")
                     j = seen[trainer] = seen.get(trainer, -1) + 1
                     if self.config.verify:
-                        got = checksum_tensor(buf[lo:hi])
+                        got = checksum_tensor(view)
                         if mark is not None:
                             check_sum(peer, mark, j, int(got), lo, hi, group)
                         else:
                             deferred.append((gi, trainer, j, lo, hi, got))
                     received += hi - lo
+                pending = view = None  # a view left here would keep an in-place target's storage in use
                 self._apply(version, group, buf)
                 event(f"apply {gi} enqueued")
                 if gi + 2 < len(groups):
@@ -164,13 +165,21 @@ class ConsumerSync(Rank):
         """(trainer, lo, hi) of every message of group gi, in the order both sides post them (Piece.messages)."""
         return [(p.trainer, lo, hi) for p in schedule.of(self.rank, gi) for lo, hi, _ in p.messages()]
 
-    def _post_receives(self, version: int, schedule: Schedule, gi: int) -> list:
-        """Post the receives of group gi's messages into its slot (gi % 2); one Pending per message."""
+    def _post_receives(self, version: int, schedule: Schedule, gi: int) -> list[tuple]:
+        """Post the receives of group gi's messages into its slot (gi % 2), or, where the unpacker gives one and the
+        transport receives into any memory, straight into the destination it gives (Unpacker.receive_targets);
+        (Pending, the view received into) per message."""
         buf = self.buffers[gi % 2]
-        return [
-            self.transport.recv(trainer_name(t), buf[lo:hi], Tag(version, gi, gi % 2, lo, hi - lo))
-            for t, lo, hi in self._messages(schedule, gi)
-        ]
+        messages = self._messages(schedule, gi)
+        targets = [None] * len(messages)
+        choose = getattr(self.unpacker, "receive_targets", None)
+        if choose is not None and getattr(self.transport, "receives_any_memory", False):
+            targets = choose(schedule.groups[gi], [(lo, hi) for _, lo, hi in messages])
+        out = []
+        for (t, lo, hi), target in zip(messages, targets):
+            view = buf[lo:hi] if target is None else target
+            out.append((self.transport.recv(trainer_name(t), view, Tag(version, gi, gi % 2, lo, hi - lo)), view))
+        return out
 
     def _apply(self, version: int, group: str, buf: torch.Tensor) -> None:
         if self.sizes.get(group, 0):

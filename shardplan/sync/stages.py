@@ -79,6 +79,9 @@ class Unpacker(Protocol):
     def stamp(self) -> str:
         """This consumer's plan rank and pack-layout digest (see Packer.stamp)."""
 
+    # optional: receive_targets(group, [(lo, hi), ...]) -> [uint8 tensor | None, ...]. Per message of a group, when its
+    # receives are posted (in sync order): where to receive it instead of the buffer (None: the buffer); apply skips it
+
 
 @dataclass(kw_only=True)
 class SyncConfig:

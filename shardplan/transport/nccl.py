@@ -102,6 +102,7 @@ class NcclTransport:
 
     one_sided = False
     sends_any_memory = True  # nothing registered: a send may read a trainer's tensor itself (TrainerSync direct spans)
+    receives_any_memory = True  # and a receive may land in a consumer's param itself (Unpacker.receive_targets)
 
     def __init__(
         self,

@@ -237,6 +237,38 @@ class Received:
         return self.inner.stamp()
 
 
+class ReceivedInPlace(Received):
+    """Received, plus what the engine backend's unpacker does with the sync's `receive_targets`: every segment
+    Applier.in_place_segments allows is received straight into its param (here the params exist all along), and
+    apply skips it. `in_place_bytes`: how many bytes landed so."""
+
+    def __init__(self, inner, params, alternate: bool = False):
+        super().__init__(inner, params)
+        self.skip: dict[str, frozenset[int]] = {}
+        self.in_place_bytes = 0
+        self.refuse = itertools.cycle([False, True] if alternate else [False])  # every other one through the buffer
+
+    def receive_targets(self, group, spans):
+        layout = self.inner.layout
+        if group not in layout.group_names:
+            return [None] * len(spans)
+        found = self.inner.applier.for_group(group).in_place_segments()
+        out = []
+        for lo, hi in spans:
+            name, first, numel = found.get(lo, (None, 0, 0))
+            if next(self.refuse):
+                name = None
+            view = None if name is None else self.received[name].view(-1)[first : first + numel].view(torch.uint8)
+            out.append(view if view is not None and view.numel() == hi - lo else None)
+        self.skip[group] = frozenset(lo for (lo, _), v in zip(spans, out) if v is not None)
+        self.in_place_bytes += sum(v.numel() for v in out if v is not None)
+        return out
+
+    def apply(self, group, buffer):
+        if group in self.inner.layout.group_names:
+            self.inner.applier.for_group(group).apply(buffer[: self.inner.layout.group(group).nbytes], self.skip[group])
+
+
 class FullSource:
     """Trainer holding full tensors (a replicated trainer, or one that gathered them)."""
 
@@ -261,6 +293,8 @@ class PlanWorld:
     num_consumers: int = 2
     direct_bytes: int | None = 1024  # segments sent from the trainer's tensors (small: the tiny plans' qkv rows are)
     refuse_direct: bool = False  # the packer gives no view of every other segment: those are packed instead
+    in_place: str = ""  # "all" / "alternate": consumers receive what they can (or every other such message) straight
+    # into their params (ReceivedInPlace)
 
     def __post_init__(self):
         from shardplan.sync import ReplayPacker, spans_of
@@ -288,7 +322,10 @@ class PlanWorld:
         from shardplan.sync import ApplyUnpacker
 
         params = params_from_plan(self.plans[rank], fill=float("nan"))
-        return Received(ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES), params)
+        unpacker = ApplyUnpacker(self.plans[rank], params, max_group_bytes=PART_BYTES)
+        if self.in_place:
+            return ReceivedInPlace(unpacker, params, alternate=self.in_place == "alternate")
+        return Received(unpacker, params)
 
     def reference(self, rank):
         from shardplan.plan.interp import apply_reference
@@ -394,6 +431,10 @@ def build_rank(world_factory, name: str, transport, control: Control, config: Sy
 
 def received(engine) -> dict:
     return engine.unpacker.received
+
+
+def in_place_bytes(engine) -> int:
+    return engine.unpacker.in_place_bytes
 
 
 def state(engine) -> SyncState:

@@ -22,6 +22,7 @@ from sync_worlds import (
     arm_failure,
     assert_bitwise,
     full_tensors,
+    in_place_bytes,
     received,
     run_sync,
     scenario,
@@ -271,6 +272,30 @@ def test_direct_segments_are_sent_from_the_trainers_tensors_bitwise(world):
         direct = sum(r[1].direct_nbytes for n, r in results.items() if n.startswith("trainer"))
         assert (0 < direct < planned) if w.refuse_direct else direct == planned, (direct, planned)
         for c in range(w.num_consumers):
+            got, want = cluster.call(consumer_name(c), received), w.reference(c)
+            for name in want:
+                assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (c, name)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("in_place", ["all", "alternate"])
+@pytest.mark.parametrize("direct_bytes", [1024, None], ids=["direct-sends", "all-packed"])
+def test_segments_received_straight_into_params_equal_the_reference_bitwise(direct_bytes, in_place):
+    """A consumer whose unpacker gives receive targets (the engine backend's way: Applier.in_place_segments) gets
+    those messages straight into its params, checksummed there, and apply skips them; the params (NaN-poisoned)
+    equal the reference interpreter's, bitwise, with the rest (every other such message: "alternate") applied from
+    the buffer as usual."""
+    world = functools.partial(PlanWorld, in_place=in_place, direct_bytes=direct_bytes)
+    w = world()
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=20, announce_timeout_s=60))
+    try:
+        results = cluster.sync(1)
+        assert all(r[0] == "ok" for r in results.values()), results
+        for c in range(w.num_consumers):
+            landed = cluster.call(consumer_name(c), in_place_bytes)
+            total = sum(s.nbytes for g in w.groups for s in w.spans[c].get(g, ()))
+            assert 0 < landed <= total if in_place == "all" else 0 < landed < total, (c, landed, total)
             got, want = cluster.call(consumer_name(c), received), w.reference(c)
             for name in want:
                 assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (c, name)

@@ -45,7 +45,7 @@ BUDGETS = {
     "shardplan.plan.compile": 1200,
     # (quantplan.py: the quantizing build on columns; copykernel.py: the box copy; graph stages, the fused pack's
     # scale stores and flag read: issue 25)
-    "shardplan.runtime": 4550,
+    "shardplan.runtime": 4590,  # (+ receive in place: Applier.in_place_segments, apply(skip); issue 28)
     "shardplan.transport": 1000,
     "shardplan.sync": 1800,  # (direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28)
     "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and

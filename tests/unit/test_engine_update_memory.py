@@ -66,6 +66,7 @@ def _pool_unpacker(pool_bytes: int) -> ReloadUnpacker:
     unpacker = ReloadUnpacker.__new__(ReloadUnpacker)
     unpacker._open, unpacker._pool, unpacker._pool_used, unpacker._pool_uses = set(), None, 0, 0
     unpacker._pool_size, unpacker._pool_bytes, unpacker.pools_allocated = pool_bytes, 0, 0
+    unpacker.prefault_pool = True
     return unpacker
 
 
@@ -113,3 +114,15 @@ def test_a_pool_something_still_points_into_is_given_up():
     unpacker._place_in_pool(again)
     assert again.w0.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
     assert unpacker.pools_allocated == 2
+
+
+def test_faulting_the_pool_in_never_changes_bytes_already_received():
+    """The pool is faulted in by a thread while receives land in it (_populate: MADV_POPULATE_WRITE): what arrived
+    before or meanwhile stays as it is."""
+    from shardplan.engine.reload import _populate
+
+    pool = torch.empty(64 << 20, dtype=torch.uint8)
+    arrived = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pool[5 << 20 : 8 << 20] = arrived  # a receive that landed first (partly faulting pages in itself)
+    _populate(pool)
+    assert torch.equal(pool[5 << 20 : 8 << 20], arrived)
