@@ -67,8 +67,10 @@ def test_kimi_linears_tiny_config_names_the_same_layer_kinds_for_sglang_and_tran
 
 def test_a_param_no_listed_tensor_writes_is_FAIL_bar_cited_padding(tmp_path, monkeypatch):
     """The vLLM rows' rule: both loaders leaving elements as built compares "equal". SGLang's text-only Llama4 loader
-    (LlamaForCausalLM's) maps no expert name, so every routed expert stays as built; Falcon-H1's q_norm / k_norm,
-    which SGLang builds and never reads, pass only as SGLANG_PADDING names them, and the row says so."""
+    (LlamaForCausalLM's) maps no expert name, so every routed expert stays as built (FAIL without its citation in
+    SGLANG_LOADER_DROPS); Falcon-H1's q_norm / k_norm, which SGLang builds and never reads, pass only as
+    SGLANG_PADDING names them, and the row says so."""
+    monkeypatch.setattr(sglang_coverage, "SGLANG_LOADER_DROPS", {})
     row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path, tps=(1,))
     assert row["status"] == "FAIL", row
     assert "model.layers.0.feed_forward.experts.w13_weight (every element at tp1)" in row["reason"]
