@@ -486,7 +486,8 @@ def _sglang_section(rows: list[dict], sglang_rows: list[dict], sglang_versions: 
         + ". Same tiny configs (in .venv-sglang, without vLLM's config registry: transformers' classes), layouts "
         "and verdict kinds, against SGLang's own `load_weights` "
         '(`shardplan/record/sglang/coverage.py`; "cannot" only where SGLang itself refuses the config or layout '
-        "or fails to build the model; a build failing for lack of a config field is FAIL, and so is any element of a "
+        "or fails to build the model, or its loader or a config field it reads fails on real checkpoints, cited; a "
+        "build failing for lack of a config field is FAIL, and so is any element of a "
         "param no listed tensor writes, bar `SGLANG_PADDING`'s, cited). Re-run (`--resume` "
         "finishes an interrupted sweep) in .venv-sglang: `python -m shardplan.record.coverage --engine sglang --resume "
         "--results docs/coverage-results-sglang.jsonl --out ''` (about 2 minutes here), then render in .venv: "

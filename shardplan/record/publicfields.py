@@ -320,6 +320,10 @@ PUBLIC_FIELDS: dict[str, dict[str, Any]] = {
             "moe_intermediate_size": 1280,
             "share_expert_dim": 1280,
             "use_head_wise_attn_gate": True,
+            "need_fp32_gate": True,
+            "use_moe_router_bias": True,
+            "moe_router_scaling_factor": 3.0,
+            "yarn_only_types": ["full_attention"],
             "sliding_window": 512,
             "attention_other_setting": {
                 "attention_type": "sliding_attention",

@@ -152,6 +152,13 @@ _FIXES: dict[str, dict[str, Any]] = {
         "layer_types": ["full_attention", "sliding_attention"],
         "partial_rotary_factors": [0.5, 1.0],
         "moe_layers_enum": "1",
+        "mlp_layer_types": ["dense", "sparse"],  # transformers' Step3p7TextConfig reads the layers' kinds here
+        # per layer as published (full 5e6, sliding 1e4): SGLang's step3p5.py indexes config.rope_theta[layer_id]
+        "rope_theta": [5000000.0, 10000.0],
+        "rope_parameters": None,
+        # per-layer SwiGLU clamps, none (0) as in most published layers (vLLM's CPU MoE has no clamped backend)
+        "swiglu_limits": [0.0, 0.0],
+        "swiglu_limits_shared": [0.0, 0.0],
         "use_moe": True,
         "moe_num_experts": 8,
         "moe_top_k": 2,
@@ -169,9 +176,14 @@ _FIXES: dict[str, dict[str, Any]] = {
         "index_head_dim": 128,
         "qk_rope_head_dim": 64,
     },
-    "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},  # else vLLM builds no e_score_correction_bias
+    "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc"},
+    # top-1 routing as published (Zyphra/ZAYA1-8B, the class default); transformers' ZayaConfig refuses any other
+    "ZayaForCausalLM": {"num_experts_per_tok": 1},  # else vLLM builds no e_score_correction_bias
     # transformers reads the shrunk mlp_layer_types (dense, dense, sparse), SGLang first_k_dense_replace: agree
     "GlmMoeDsaForCausalLM": {"first_k_dense_replace": 2},
+    # the same for DeepSeek-V3.2 (transformers' DeepseekV32Config lists 3 layers; vLLM reads it as DeepseekV3Config,
+    # which shrinks to 2 layers: 3 layers there too, so both build dense, dense, MoE)
+    "DeepseekV32ForCausalLM": {"first_k_dense_replace": 2, "num_hidden_layers": 3},
     # SGLang's Qwen3NextConfig derives the layer kinds from the interval, transformers' reads the shrunk layer_types
     # (linear, linear, full): the interval that gives the same
     "Qwen3NextForCausalLM": {"full_attention_interval": 3},

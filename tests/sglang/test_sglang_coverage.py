@@ -67,8 +67,10 @@ def test_kimi_linears_tiny_config_names_the_same_layer_kinds_for_sglang_and_tran
 
 def test_a_param_no_listed_tensor_writes_is_FAIL_bar_cited_padding(tmp_path, monkeypatch):
     """The vLLM rows' rule: both loaders leaving elements as built compares "equal". SGLang's text-only Llama4 loader
-    (LlamaForCausalLM's) maps no expert name, so every routed expert stays as built; Falcon-H1's q_norm / k_norm,
-    which SGLang builds and never reads, pass only as SGLANG_PADDING names them, and the row says so."""
+    (LlamaForCausalLM's) maps no expert name, so every routed expert stays as built (FAIL without its citation in
+    SGLANG_LOADER_DROPS); Falcon-H1's q_norm / k_norm, which SGLang builds and never reads, pass only as
+    SGLANG_PADDING names them, and the row says so."""
+    monkeypatch.setattr(sglang_coverage, "SGLANG_LOADER_DROPS", {})
     row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path, tps=(1,))
     assert row["status"] == "FAIL", row
     assert "model.layers.0.feed_forward.experts.w13_weight (every element at tp1)" in row["reason"]
@@ -115,3 +117,65 @@ def test_the_report_has_sglang_beside_vllm():
     assert "| OnlyVllm |  | cannot |  | - |  | vLLM: x |" in text
     assert "| OnlySglang |  | - |  | not run |  | SGLang: later |" in text
     assert "| B |  | - |  | pass | tp1 1/1, tp2-ep loader fails | SGLang: r |" in text
+
+
+def test_step3p5s_tiny_config_has_one_entry_per_layer_and_sglang_builds_it(tmp_path):
+    """transformers' Step3p7TextConfig (the listing's class here) reads the layer kinds from mlp_layer_types, SGLang's
+    Step3p5 indexes rope_theta / swiglu_limits by layer: every per-layer list must have num_hidden_layers entries."""
+    from shardplan.plan.layout import Layout
+    from shardplan.record.sglang.session import SglangRecordSession
+    from shardplan.record.tiny import sweep_start
+
+    row, model_dir, has_experts = sweep_start("Step3p5ForCausalLM", tmp_path)
+    assert not row["status"] and has_experts, row
+    session = SglangRecordSession(str(model_dir), Layout(tp=1))
+    assert "model.layers.1.moe.experts.w13_weight" in dict(session.builder.build(0, "meta").named_parameters())
+
+
+def test_zayas_tiny_config_routes_top_1_as_published():
+    from transformers import ZayaConfig
+
+    from shardplan.record.tiny import tiny_config
+
+    fields = {k: v for k, v in tiny_config("ZayaForCausalLM").items() if k not in ("architectures", "model_type")}
+    assert ZayaConfig(**fields).num_experts_per_tok == 1  # the class's validator refuses any other
+
+
+def test_tiny_configs_name_the_same_dense_layers_in_mlp_layer_types_and_first_k_dense_replace():
+    """SGLang's DeepSeek-style models take the dense layers from first_k_dense_replace, transformers' classes (the
+    checkpoint listing) from mlp_layer_types: where a tiny config has both they must agree, or SGLang's loader meets
+    a dense MLP tensor of a layer it built as MoE (DeepSeek-V3.2: KeyError 'model.layers.1.mlp.gate_up_proj.weight')."""
+    from shardplan.record.tiny import NoConfigClass, tiny_config
+
+    checked = []
+    for arch in sglang_coverage.text_decoder_architectures():
+        try:
+            config = tiny_config(arch)
+        except NoConfigClass:
+            continue
+        kinds, first_dense = config.get("mlp_layer_types"), config.get("first_k_dense_replace")
+        if isinstance(kinds, list) and isinstance(first_dense, int):
+            dense = [i for i, kind in enumerate(kinds) if kind == "dense"]
+            assert dense == list(range(first_dense)), (arch, kinds, first_dense)
+            checked.append(arch)
+    assert "DeepseekV32ForCausalLM" in checked, checked
+
+
+def test_a_config_field_sglang_reads_that_real_configs_lack_is_cannot_only_where_cited(tmp_path, monkeypatch):
+    """SGLang's Mamba2 reads config.intermediate_size, which neither transformers' Mamba2Config nor a published
+    Mamba2 config has: "cannot" with the citation; without the citation the same error is the tiny config's FAIL."""
+    row = sglang_coverage.run_architecture("Mamba2ForCausalLM", tmp_path / "cited", tps=(1,))
+    assert row["status"] == "cannot" and "config.intermediate_size" in row["reason"], row
+    monkeypatch.setattr(sglang_coverage, "SGLANG_CONFIG_GAPS", {})
+    row = sglang_coverage.run_architecture("Mamba2ForCausalLM", tmp_path / "uncited", tps=(1,))
+    assert row["status"] == "FAIL" and "intermediate_size" in row["reason"], row
+
+
+def test_params_a_cited_sglang_loader_drops_are_cannot_and_uncited_they_are_FAIL(tmp_path, monkeypatch):
+    """SGLang's text-only Llama4ForCausalLM inherits Llama's loader, which skips the released fused experts: the
+    routed experts stay unwritten by SGLang's own load of a real checkpoint, "cannot" with the citation only."""
+    row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path / "cited", tps=(1,))
+    assert row["status"] == "cannot" and "llama.py" in row["reason"], row
+    monkeypatch.setattr(sglang_coverage, "SGLANG_LOADER_DROPS", {})
+    row = sglang_coverage.run_architecture("Llama4ForCausalLM", tmp_path / "uncited", tps=(1,))
+    assert row["status"] == "FAIL" and "feed_forward.experts.w13_weight" in row["reason"], row
