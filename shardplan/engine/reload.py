@@ -314,7 +314,7 @@ class ReloadUnpacker:
             out[i] = view
             offsets.add(lo)
             views.append(view)
-            self.in_place_bytes += hi - lo
+            self.in_place_bytes += message_bytes
         self._in_place[group], self._receiving[group] = frozenset(offsets), views
         return out
 

@@ -50,11 +50,11 @@ from shardplan.record.verify import (
     RankVerdict,
     add_created_params,
     compare_models,
-    note_padding,
+    note_unwritten,
+    only_dropped,
     padding_summary,
     poison,
     random_checkpoint,
-    split_unwritten,
     undefined_reason,
 )
 
@@ -221,10 +221,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             # any element no listed tensor writes, whole params (the listing lacks tensors the checkpoint has:
             # DeepSeek-V3.2's indexer under DeepseekV3Config) or parts (vLLM sizes it from a field the tiny config
             # leaves unshrunk), unless it is padding vLLM allocates and never loads (VLLM_PADDING, cited)
-            failing, padding = split_unwritten(VLLM_PADDING.get(arch, ()), real, verdict)
-            for name, counts in failing.items():
-                result["undefined"].setdefault(name, list(counts))
-            note_padding(result, padding)
+            note_unwritten(result, VLLM_PADDING.get(arch, ()), real, verdict)
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -239,14 +236,9 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
     row["fallbacks"] = sorted({f for r in done for f in r["fallbacks"]})
     if mismatched:
         return dict(row, status="FAIL", reason=f"replay differs from vLLM's loader in {mismatched[:5]}")
-    unwritten = {n: (nan, numel) for r in done for n, (nan, numel) in r.get("undefined", {}).items()}
     hub, param, why = VLLM_LOADER_DROPS.get(arch, ("\0", "\0", ""))
-    if (
-        unwritten
-        and all(n.endswith(param) and nan == numel for n, (nan, numel) in unwritten.items())
-        and any(t[0].endswith(hub) for t in session.tensors)
-    ):
-        dropped = sorted(unwritten)[:3]
+    if only_dropped(row["layouts"], (param,)) and any(t[0].endswith(hub) for t in session.tensors):
+        dropped = sorted({n for r in done for n in r.get("undefined", {})})[:3]
         reason = f"vLLM's own loader drops the real checkpoint tensor(s) *{hub}: {dropped} stay as built: {why}"
         return dict(row, status="cannot", reason=reason)
     undefined = undefined_reason(row["layouts"], "vLLM")

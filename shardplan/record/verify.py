@@ -141,11 +141,23 @@ def split_unwritten(entries, model: torch.nn.Module, verdict: RankVerdict) -> tu
     return failing, padding
 
 
-def note_padding(result: dict, padding: dict) -> None:
-    """Add a rank's exempted padding to its layout's result: what -> [params, elements, numel] over the ranks."""
+def note_unwritten(result: dict, entries, model: torch.nn.Module, verdict: RankVerdict) -> None:
+    """Add a rank's unwritten elements to its layout's result (split_unwritten): outside the padding `entries` name
+    under "undefined" (the first rank's counts), the padding under "padding" (what -> [params, elements, numel])."""
+    failing, padding = split_unwritten(entries, model, verdict)
+    for name, counts in failing.items():
+        result["undefined"].setdefault(name, list(counts))
     for nan, numel, what in padding.values():
         total = result.setdefault("padding", {}).setdefault(what, [0, 0, 0])
         total[0], total[1], total[2] = total[0] + 1, total[1] + nan, total[2] + numel
+
+
+def only_dropped(layouts: dict, endings: tuple[str, ...]) -> bool:
+    """Whether the params a coverage row leaves unwritten (its layouts' "undefined") are all wholly unwritten and all
+    end in one of `endings`: the params an engine's loader drops (coverage.VLLM_LOADER_DROPS, SGLANG_LOADER_DROPS)."""
+    unwritten = [c for r in layouts.values() for n, c in r.get("undefined", {}).items() if n.endswith(endings)]
+    total = sum(len(r.get("undefined", {})) for r in layouts.values())
+    return bool(unwritten) and len(unwritten) == total and all(nan == numel for nan, numel in unwritten)
 
 
 def padding_summary(layouts: dict) -> list[str]:

@@ -29,10 +29,10 @@ from shardplan.record.sglang.verify import loaded_by_sglang, replayed_by_plan, v
 from shardplan.record.tiny import SWEEP_TPS, short_error, sweep_start
 from shardplan.record.verify import (
     Padding,
-    note_padding,
+    note_unwritten,
+    only_dropped,
     padding_summary,
     random_checkpoint,
-    split_unwritten,
     undefined_reason,
 )
 
@@ -206,10 +206,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
             result["equal"] += verdict.ok
             result["mismatched"] += verdict.mismatched
             # any element no listed tensor writes, as vLLM's rows, bar SGLANG_PADDING's
-            failing, padding = split_unwritten(SGLANG_PADDING.get(arch, ()), real, verdict)
-            for name, counts in failing.items():
-                result["undefined"].setdefault(name, list(counts))
-            note_padding(result, padding)
+            note_unwritten(result, SGLANG_PADDING.get(arch, ()), real, verdict)
             for f in plan.fallbacks:
                 entry = f"{f.source} ({f.op})"
                 if entry not in result["fallbacks"]:
@@ -226,8 +223,7 @@ def run_architecture(arch: str, workdir: Path, tps=TPS, seed: int = 0) -> dict:
         return dict(row, status="FAIL", reason=f"replay differs from SGLang's loader in {mismatched[:5]}")
     undefined = undefined_reason(row["layouts"], "SGLang")
     drops = SGLANG_LOADER_DROPS.get(arch)
-    unwritten = {n for r in done for n in r.get("undefined", {})}
-    if undefined and drops and all(n.endswith(drops[0]) for n in unwritten):
+    if drops and only_dropped(row["layouts"], drops[0]):
         return dict(row, status="cannot", reason=f"SGLang's own loader drops the real checkpoint's tensors: {drops[1]}")
     if undefined:
         return dict(row, status="FAIL", reason=undefined + "; only SGLANG_PADDING's (cited) may stay unwritten")
