@@ -11,6 +11,13 @@ another; SHARDPLAN_TEST_CPU_GEMM pins it:
     onednn  sgl off; oneDNN where it can build the primitive
     torch   sgl and oneDNN off: F.linear on the param itself (no derived copy)
 
+On a CPU that cannot run the pinned kernel (AVX2 without AVX-512-BF16: no sgl GEMM, and oneDNN cannot build a bf16
+matmul), vLLM's dispatch still takes the pinned branch, and the kernel's entry points it calls are replaced by torch
+stand-ins with the same contract: built at processing from the weight, a copy of it in another layout, the linear's
+`weight` left with 0 elements by vLLM as with the real kernel. What the tests are about (derived state built from
+the weight at processing, going stale if processing is not re-run) is then the same on every CPU; the stand-ins'
+arithmetic differs from the real kernels', so tokens are compared only between engines on the same path.
+
 `ENGINE_KWARGS` selects this module as the worker extension; `gemm_kinds` (an RPC) says what each layer got, and
 `stale_gemms` which embeddings or lm_heads would compute logits from an earlier weight than they hold.
 """
@@ -46,6 +53,58 @@ def _pin(mode: str) -> None:
     utils.check_cpu_sgl_kernel = sgl_check
     if mode == "torch":
         ops._supports_onednn = False
+    elif not runs_natively(mode):
+        _stand_in(mode)
+
+
+def runs_natively(mode: str) -> bool:
+    """Whether this CPU runs the pinned kernel itself (else `_stand_in` replaces it)."""
+    import torch
+    import vllm._custom_ops as ops
+
+    if mode == "sgl":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if mode == "onednn":
+        if not ops._supports_onednn:
+            return False
+        try:  # oneDNN dispatches by ISA itself: ask it
+            ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16), 32)
+        except RuntimeError:
+            return False
+    return True
+
+
+class _PackedCopy:
+    """What the stand-ins build in place of a kernel's packed weight: a copy of the [N, K] weight as [K/2, N, 2]
+    (VNNI-like pairs along K; K odd: [K, N]), taken when processing builds it."""
+
+    def __init__(self, weight):
+        n, k = weight.shape
+        self.n, self.k = n, k
+        import torch
+
+        packed = weight.contiguous().view(n, k // 2, 2).permute(1, 0, 2) if k % 2 == 0 else weight.t()
+        self.data = packed.clone(memory_format=torch.contiguous_format)  # a copy, never a view of the weight
+
+    def linear(self, x, bias):
+        import torch
+
+        w = self.data.permute(1, 0, 2).reshape(self.n, self.k) if self.k % 2 == 0 else self.data.t()
+        out = torch.nn.functional.linear(x, w)
+        return out if bias is None else (out.float() + bias.float()).to(x.dtype)
+
+
+def _stand_in(mode: str) -> None:
+    import torch
+    import vllm._custom_ops as ops
+
+    if mode == "sgl":
+        torch.ops._C.convert_weight_packed = lambda weight: _PackedCopy(weight.detach())
+        ops.weight_packed_linear_cpu = lambda x, packed, n, bias: packed.linear(x, bias)
+    else:
+        ops._supports_onednn = True
+        ops.create_onednn_mm = lambda weight_kn, cache_size=128: _PackedCopy(weight_kn.detach().t())
+        ops.onednn_mm = lambda handler, x, bias: handler.linear(x, bias)
 
 
 if os.environ.get(ENV):
