@@ -222,7 +222,8 @@ def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
     """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged (those of the engine as loaded, or
     as an earlier test left it), on both CPU experts' paths: vec, the prepack re-run writing straight into the kernel
     tensors; amx (torch stand-ins where the CPU has none), its intermediate dim padded, the generic branch. With the
-    backend's re-run of the experts' CPU prepack switched off (the vLLM 0.32 path), they change: the bug this pins."""
+    backend's re-run of the experts' CPU prepack switched off (the vLLM 0.32 path), they change (padded: the update
+    fails): the bug this pins. The branch each re-run took is asserted, so skipping either branch fails here too."""
     import torch
 
     from shardplan.engine.errors import SyncIncomplete
