@@ -132,6 +132,9 @@ class GemmPathExtension:
         model = self.model_runner.get_model()
         return {name: gemm_kind(m) for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
 
+    def moe_paths(self) -> dict[str, dict]:
+        return moe_paths(self.model_runner.get_model())
+
     def shardplan_readers(self) -> list[str]:
         """The modules the shardplan backend re-processes because they share storage with a param it writes."""
         return sorted(name for name, _, _ in self.weight_transfer_engine.unpacker.readers.values())
@@ -156,3 +159,128 @@ class GemmPathExtension:
                 if not torch.equal(method.apply(module, x), now.cpu_linear(x, module.weight, None)):
                     stale.append(name)
         return stale
+
+
+# ---- the CPU MoE experts' path ---------------------------------------------------------------------------------------
+# vLLM 0.32 gives an unquantized MoE layer X86CPUUnquantizedExperts (isa "amx": the intermediate dim zero-padded to a
+# multiple of 32, weights prepacked by `prepack_moe_weight(src, dst, "amx")`, computed by `cpu_fused_moe(..., "amx")`)
+# where `torch.cpu._is_amx_tile_supported()`, else CPUUnquantizedExperts (isa "vec"). SHARDPLAN_TEST_CPU_MOE pins it:
+#
+#     vec  the ISA-specific experts classes refused (the portable path, on any CPU)
+#     amx  X86CPUUnquantizedExperts; where the CPU has no AMX, its two kernel entry points for isa "amx" are torch
+#          stand-ins with the same contract: the prepack writes a copy of each expert's [N, K] weight as [K, N] into
+#          the output (raw unprepacked bytes left in the kernel tensors compute something else, as with the real
+#          kernel), the compute a plain SwiGLU MoE reading that layout, weighted by vLLM's top-k weights.
+#
+# `moe_paths` (an RPC) says what each MoE layer got and which branch of shardplan's prepack re-run each update took.
+MOE_ENV = "SHARDPLAN_TEST_CPU_MOE"
+MOE_MODES = ("vec", "amx")
+_MOE = {"stand_in": False, "prepacks": {}}  # per worker: stand-in in use; module id -> branches since the last RPC
+
+
+def _pin_moe(mode: str) -> None:
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    if mode not in MOE_MODES:
+        raise ValueError(f"{MOE_ENV}={mode!r}: one of {MOE_MODES}")
+    if mode == "vec":
+        for cls in (
+            cpu_moe.X86CPUUnquantizedExperts,
+            cpu_moe.ArmCPUUnquantizedExperts,
+            cpu_moe.PowerCPUUnquantizedExperts,
+        ):
+            cls._supports_current_device = staticmethod(lambda: False)
+    elif not torch.cpu._is_amx_tile_supported():
+        cpu_moe.X86CPUUnquantizedExperts._supports_current_device = staticmethod(cpu_moe.current_platform.is_cpu)
+        _moe_stand_in()
+    _record_prepack_branches()
+
+
+def _moe_stand_in() -> None:
+    import torch
+
+    prepack, fused = torch.ops._C.prepack_moe_weight, torch.ops._C.cpu_fused_moe
+
+    def prepack_moe_weight(src, dst, isa):
+        if isa != "amx":
+            return prepack(src, dst, isa)
+        e, n, k = src.shape
+        dst.copy_(src.transpose(1, 2).reshape(e, n, k))  # [K, N] per expert, in the [N, K]-shaped output
+
+    def cpu_fused_moe(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act, isa):
+        if isa != "amx":
+            return fused(out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act, isa)
+        out.copy_(_swiglu_moe(x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act))
+
+    torch.ops._C.prepack_moe_weight = prepack_moe_weight
+    torch.ops._C.cpu_fused_moe = cpu_fused_moe
+    _MOE["stand_in"] = True
+
+
+def _swiglu_moe(x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act):
+    """sum over the top-k experts e of weight * w2_e @ (silu(gate_e x) * up_e x), the experts' weights in the
+    stand-in prepack's layout (w13: [E, 2I, H] holding [H, 2I]; w2: [E, H, I] holding [I, H])."""
+    import torch
+
+    if act != "silu":
+        raise NotImplementedError(f"the MoE stand-in computes SwiGLU only, not {act!r}")
+    e_count, two_i, hidden = w13.shape
+    inter = two_i // 2
+    xf, out = x.float(), torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        if not 0 <= e < e_count:
+            continue
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        h = xf[tokens] @ w13[e].reshape(hidden, two_i).float()
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].reshape(inter, -1).float()
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        if not skip_weighted:
+            y = y * topk_weights[tokens, slots].float()[:, None]
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+def _record_prepack_branches() -> None:
+    """Note, per MoE layer, which branch of shardplan's prepack re-run each update took: "kernel tensors" (written
+    straight into them) or "generic" (the experts' own process_weights_after_loading)."""
+    from shardplan.engine import reload
+
+    into = reload._prepack_into_kernel_tensors
+
+    def recorded(module, experts, info):
+        done = into(module, experts, info)
+        _MOE["prepacks"].setdefault(id(module), []).append("kernel tensors" if done else "generic")
+        return done
+
+    reload._prepack_into_kernel_tensors = recorded
+
+
+def moe_paths(model) -> dict[str, dict]:
+    """Per unquantized MoE layer: its experts class and isa, whether the intermediate dim was padded, whether the
+    torch stand-ins compute it, and the prepack re-run branches taken since the last call (then forgotten)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    paths = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or getattr(method, "moe_kernel", None) is None:
+            continue
+        experts = method.moe_kernel.fused_experts
+        cfg, isa = experts.moe_config, getattr(experts, "isa", None)
+        padded = getattr(experts, "_padded_intermediate_size", lambda c: c.intermediate_size_per_partition)(cfg)
+        paths[name] = {
+            "experts": type(experts).__name__,
+            "isa": isa,
+            "padded": padded != cfg.intermediate_size_per_partition,
+            "stand_in": _MOE["stand_in"] and isa == "amx",
+            "prepacks": _MOE["prepacks"].pop(id(module), []),
+        }
+    return paths
+
+
+if os.environ.get(MOE_ENV):
+    _pin_moe(os.environ[MOE_ENV])

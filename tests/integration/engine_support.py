@@ -39,7 +39,7 @@ EXPERTS, TOPK, MOE_INTER = TINY["experts"], TINY["topk"], TINY["moe_inter"]
 config = tiny_qwen3_config
 
 
-def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
+def random_tensors(moe: bool, seed: int, moe_inter: int = MOE_INTER) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
@@ -67,9 +67,9 @@ def random_tensors(moe: bool, seed: int) -> dict[str, torch.Tensor]:
             t[p + "mlp.gate.weight"] = r(EXPERTS, HIDDEN)
             for e in range(EXPERTS):
                 q = p + f"mlp.experts.{e}."
-                t[q + "gate_proj.weight"] = r(MOE_INTER, HIDDEN)
-                t[q + "up_proj.weight"] = r(MOE_INTER, HIDDEN)
-                t[q + "down_proj.weight"] = r(HIDDEN, MOE_INTER)
+                t[q + "gate_proj.weight"] = r(moe_inter, HIDDEN)
+                t[q + "up_proj.weight"] = r(moe_inter, HIDDEN)
+                t[q + "down_proj.weight"] = r(HIDDEN, moe_inter)
         else:
             t[p + "mlp.gate_proj.weight"] = r(INTER, HIDDEN)
             t[p + "mlp.up_proj.weight"] = r(INTER, HIDDEN)
@@ -88,8 +88,10 @@ def write_checkpoint(directory: Path, cfg: dict, tensors: dict[str, torch.Tensor
     return directory
 
 
-def make_model(root: Path, moe: bool, seed: int = 1) -> Path:
-    return write_checkpoint(root / ("moe" if moe else "dense"), config(moe), random_tensors(moe, seed))
+def make_model(root: Path, moe: bool, seed: int = 1, moe_inter: int = MOE_INTER) -> Path:
+    """`moe_inter`: the experts' intermediate size (TINY's, or another to make vLLM pad it per partition)."""
+    cfg = config(moe) | ({"moe_intermediate_size": moe_inter} if moe else {})
+    return write_checkpoint(root / ("moe" if moe else "dense"), cfg, random_tensors(moe, seed, moe_inter))
 
 
 def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
@@ -108,20 +110,24 @@ def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
 engine_kwargs = cpu_engine_kwargs
 
 
-def start_llm(model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None):
-    """shardplan.engine.cpu_llm's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES; None:
-    what the CPU picks)."""
+def start_llm(
+    model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None, moe: str | None = None
+):
+    """shardplan.engine.cpu_llm's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES), `moe`:
+    its CPU MoE experts' path (engine_gemm.MOE_MODES); None: what the CPU picks."""
     extra = {}
-    if gemm is not None:
+    for env, mode in (("SHARDPLAN_TEST_CPU_GEMM", gemm), ("SHARDPLAN_TEST_CPU_MOE", moe)):
+        if mode is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = mode
+    if gemm is not None or moe is not None:
         import engine_gemm
 
-        os.environ[engine_gemm.ENV] = gemm
         here = str(Path(__file__).parent)  # the workers import engine_gemm
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         extra.update(engine_gemm.ENGINE_KWARGS)
-    else:
-        os.environ.pop("SHARDPLAN_TEST_CPU_GEMM", None)
     return start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, **extra)
 
 
@@ -135,23 +141,39 @@ def greedy(llm) -> list[list[int]]:
 _FRESH: dict[tuple[str, int], list[list[int]]] = {}
 
 
-def fresh_tokens(model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head") -> list[list[int]]:
+def fresh_tokens(
+    model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head", moe: str | None = None
+) -> list[list[int]]:
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
     per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine.
-    `gemm`: the GEMM path pinned, checked on the module computing the logits (`logits`)."""
+    `gemm`: the GEMM path pinned, checked on the module computing the logits (`logits`); `moe`: the MoE experts'
+    path pinned, checked on every MoE layer."""
     import hashlib
 
-    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm)
+    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm, moe)
     if key not in _FRESH:
-        llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm)
+        llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm, moe=moe)
         try:
             if gemm is not None:
                 kinds = llm.collective_rpc("gemm_kinds")
                 assert [k[logits] for k in kinds] == [gemm] * tp, kinds
+            if moe is not None:
+                assert_moe_path(llm, moe, tp)
             _FRESH[key] = greedy(llm)
         finally:
             stop_llm(llm)
     return _FRESH[key]
+
+
+def assert_moe_path(llm, moe: str, tp: int) -> list[dict[str, dict]]:
+    """Every MoE layer of every worker got the experts of the pinned path (engine_gemm.moe_paths per worker)."""
+    paths = llm.collective_rpc("moe_paths")
+    assert len(paths) == tp and all(paths), paths
+    assert {(p["isa"], p["experts"]) for w in paths for p in w.values()} == {(moe, MOE_EXPERTS[moe])}, paths
+    return paths
+
+
+MOE_EXPERTS = {"vec": "CPUUnquantizedExperts", "amx": "X86CPUUnquantizedExperts"}
 
 
 # ---- the trainer process ---------------------------------------------------------------------------------------------

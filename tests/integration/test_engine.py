@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 from engine_support import (
+    MOE_INTER,
     TIMEOUT_S,
     FsdpTrainers,
     Trainer,
+    assert_moe_path,
     fresh_tokens,
     greedy,
     make_model,
@@ -24,22 +26,30 @@ from engine_support import (
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
-LAYOUTS = {"dense-tp1": (False, 1), "dense-tp2": (False, 2), "moe-tp2": (True, 2)}
+# name: (MoE, TP, the MoE experts' path pinned, the experts' intermediate size); the MoE layouts pin the path
+# (engine_gemm.MOE_MODES) so that every CPU runs both. "moe-tp2-amx" (only where a test asks for it): 96 / TP=2 = 48
+# per partition, padded to 64 by the amx experts, so the prepack re-run takes its generic (padding) branch.
+LAYOUTS = {
+    "dense-tp1": (False, 1, None, None),
+    "dense-tp2": (False, 2, None, None),
+    "moe-tp2": (True, 2, "vec", MOE_INTER),
+    "moe-tp2-amx": (True, 2, "amx", 96),
+}
 
 
 class World:
     pass
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=["dense-tp1", "dense-tp2", "moe-tp2"])
 def world(request, tmp_path_factory):
-    moe, tp = LAYOUTS[request.param]
+    moe, tp, w_moe, moe_inter = LAYOUTS[request.param]
     w = World()
-    w.name, w.tp = request.param, tp
+    w.name, w.tp, w.moe = request.param, tp, w_moe
     w.root = tmp_path_factory.mktemp(request.param)
-    w.model = make_model(w.root, moe)
+    w.model = make_model(w.root, moe, moe_inter=moe_inter or MOE_INTER)
     w.plan = record_plan(w.model, tp, w.root / "plans")
-    w.llm = start_llm(w.model, tp)
+    w.llm = start_llm(w.model, tp, moe=w_moe)
     w.driver = EngineSync([w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
     w.trainer = Trainer(w.model, w.plan, w.driver.control, w.root / "ckpt")
     w.version = 0
@@ -75,7 +85,9 @@ def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
         tokens = new
         w.version = version
     for version, (checkpoint, got) in enumerate(steps, 1):
-        assert fresh_tokens(checkpoint, w.tp) == got, f"version {version}: engine != fresh engine from {checkpoint}"
+        assert fresh_tokens(checkpoint, w.tp, moe=w.moe) == got, (
+            f"version {version}: engine != fresh engine from {checkpoint}"
+        )
     # the trainer side never imported vLLM (nor safetensors: the test's checkpoint writer is imported lazily)
     assert not [m for m in w.trainer.call("modules") if m.startswith("vllm")]
 
@@ -205,20 +217,44 @@ def test_trainer_missing_a_tensor_is_named(world):
         ModuleSource(tensors, world.plan)
 
 
-@pytest.mark.parametrize("world", ["moe-tp2"], indirect=True)
+@pytest.mark.parametrize("world", ["moe-tp2", "moe-tp2-amx"], indirect=True)
 def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
-    """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged. With the backend's re-run of the
-    experts' CPU prepack switched off (the vLLM 0.32 path), they change: the bug this pins."""
+    """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged (those of the engine as loaded, or
+    as an earlier test left it), on both CPU experts' paths: vec, the prepack re-run writing straight into the kernel
+    tensors; amx (torch stand-ins where the CPU has none), its intermediate dim padded, the generic branch. With the
+    backend's re-run of the experts' CPU prepack switched off (the vLLM 0.32 path), they change (padded: the update
+    fails): the bug this pins. The branch each re-run took is asserted, so skipping either branch fails here too."""
+    import torch
+
+    from shardplan.engine.errors import SyncIncomplete
+
     w = world
+    padded = w.moe == "amx"
+    branch = "generic" if padded else "kernel tensors"
+    stand_in = w.moe == "amx" and not torch.cpu._is_amx_tile_supported()
+    for layers in assert_moe_path(w.llm, w.moe, w.tp):
+        assert [(p["padded"], p["stand_in"]) for p in layers.values()] == [(padded, stand_in)] * len(layers), layers
     tokens = greedy(w.llm)
-    for version, rerun in ((w.version + 1, True), (w.version + 2, False), (w.version + 3, True)):
+    # padded: vLLM's own reload fails, last (after a failed update on TP=2 the multiproc executor's responses are
+    # out of step: a worker's error is left queued for the next RPC)
+    steps = (True, False) if padded else (True, False, True)
+    for version, rerun in zip(range(w.version + 1, w.version + 4), steps):
         w.trainer.send("sync", version)
+        if padded and not rerun:  # vLLM copies the unpadded weights into the padded kernel tensors: it fails
+            with pytest.raises(
+                SyncIncomplete, match=r"size of tensor a \(128\) must match the size of tensor b \(96\)"
+            ):
+                w.driver.sync(version, update_options={"rerun_moe_prepack": rerun})
+            w.trainer._recv(120)  # whatever the trainer's side made of it
+            continue
         report = w.driver.sync(version, update_options={"rerun_moe_prepack": rerun})
         w.trainer.result()
         assert report.complete
+        taken = {tuple(p["prepacks"]) for layers in w.llm.collective_rpc("moe_paths") for p in layers.values()}
+        assert taken == {(branch,) if rerun else ()}, f"version {version}: prepack re-run branches {taken}"
         got = greedy(w.llm)
         assert (got == tokens) is rerun, f"version {version}, prepack re-run {rerun}"
-    w.version += 3
+    w.version += len(steps)
 
 
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
