@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -281,7 +282,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.unpacker.defer_gemm = bool(update_info.defer_gemm)
         self.unpacker.receive_in_place = bool(update_info.receive_in_place)
         self.unpacker.prefault_pool = bool(update_info.prefault_pool)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _process_cpu_s()
         try:
             placement = None
             if self.eplb is not None:  # drain an in-flight rebalance, then say which expert each slot holds
@@ -305,6 +306,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             self.last_update = {
                 "seconds": seconds,
                 "process_by_class": dict(self.unpacker.process_by_class),
+                "cpu_seconds": {**self.unpacker.cpu_seconds, "update": _process_cpu_s() - cpu0},
+                "pid": os.getpid(),
                 "pools_allocated": self.unpacker.pools_allocated,
                 "in_place_bytes": self.unpacker.in_place_bytes,
                 "rss_before": getattr(self, "_rss_before", None),
@@ -360,3 +363,9 @@ def _reset_peak_rss() -> int | None:
 
 def _peak_rss() -> int | None:
     return _status_bytes("VmHWM")
+
+
+def _process_cpu_s() -> float:
+    """This process's CPU seconds (user + sys, every thread) so far."""
+    t = os.times()
+    return t.user + t.system

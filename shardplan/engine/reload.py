@@ -158,6 +158,7 @@ class ReloadUnpacker:
         self.pools_allocated = 0  # this sync's pools (1 when every module found the pool free; bench/engine_bench.py)
         self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
         self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
+        self.cpu_seconds: dict[str, float] = defaultdict(float)  # this thread's CPU in vLLM's steps (engine_bench)
         self.gemm_used: set[int] = set()  # ids of the modules whose DeferredGemm a forward called (logits modules)
         self.active = False
         self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
@@ -384,6 +385,7 @@ class ReloadUnpacker:
         self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
         self.seconds = defaultdict(float)
         self.process_by_class = defaultdict(float)
+        self.cpu_seconds = defaultdict(float)
         self._posted, self._ahead, self._in_place, self._receiving, self.in_place_bytes = [], 0, {}, {}, 0
         self.active = True
 
@@ -486,30 +488,34 @@ class ReloadUnpacker:
         )
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-        clock, t0 = self.seconds, time.perf_counter()
+        clock, t0, c0 = self.seconds, time.perf_counter(), time.thread_time()
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
         for tensor in get_layer_tensors(module).values():
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
-        prepack = 0.0
+        prepack = prepack_cpu = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
             _process_or_defer(module, quant_method, self.gemm_used, self.defer_gemm)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
-            prepack = time.perf_counter() - t1
+            prepack, prepack_cpu = time.perf_counter() - t1, time.thread_time() - c1
             clock["moe prepack"] += prepack
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
         t2 = time.perf_counter()
         clock["copy into kernel tensors"] += t2 - t1
         clock["process"] += t1 - t0 - prepack
+        # one OpenMP thread per worker (cpu_llm): vLLM's kernels run on this thread, so its CPU time is theirs
+        self.cpu_seconds["copy into kernel tensors"] += time.thread_time() - c1
+        self.cpu_seconds["moe prepack"] += prepack_cpu
+        self.cpu_seconds["process"] += c1 - c0 - prepack_cpu
         self.process_by_class[type(module).__name__] += t1 - t0 - prepack
         self._processed.add(id(module))
 
