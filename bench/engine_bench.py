@@ -272,10 +272,25 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
     pack_s: dict[int, float] = {}
     pack = trainer.packer.pack
 
+    trainer_cpu: dict[str, float] = {}  # this sync's trainer CPU seconds in its pack and its checksums (lane threads)
+
     def timed_pack(consumer, *args, **kwargs):  # the trainer's pack, per consumer lane (lanes run in threads)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         pack(consumer, *args, **kwargs)
         pack_s[consumer] = pack_s.get(consumer, 0.0) + time.perf_counter() - t
+        trainer_cpu["pack"] = trainer_cpu.get("pack", 0.0) + time.thread_time() - c
+
+    import shardplan.sync.trainer as trainer_module
+
+    checksum = trainer_module.checksum_tensor
+
+    def timed_checksum(view):
+        c = time.thread_time()
+        out = checksum(view)
+        trainer_cpu["checksums"] = trainer_cpu.get("checksums", 0.0) + time.thread_time() - c
+        return out
+
+    trainer_module.checksum_tensor = timed_checksum
 
     trainer.packer.pack = timed_pack
     sync.init()  # once per engine: not part of an update
@@ -301,12 +316,13 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
         order = list(kinds) if i % 2 == 0 else list(reversed(kinds))  # alternating: neither always goes first
         for kind in order:
             pack_s.clear()
+            trainer_cpu.clear()
             options = dict(kinds[kind])
             if options.pop("direct_sends", True) is False:  # the trainer packs every segment into staging
                 trainer.packer.direct_view = lambda *args: None
             with CpuClock(engine_pids) as clock:
                 report = sync.sync(trainer=trainer, update_options=options or None)
-            cpus[kind].append(clock.seconds)
+            cpus[kind].append({**clock.seconds, **{f"trainer: {k}": v for k, v in trainer_cpu.items()}})
             trainer.packer.__dict__.pop("direct_view", None)
             runs[kind].append(report.seconds)
             if kind == "shardplan":
@@ -369,7 +385,10 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
         for r in range(tp):
             per_sync = [sum(s[r].get("cpu_seconds", {}).get(k, 0.0) for k in VLLM_STEPS) for s in splits[kind]]
             vllm[f"worker {r}"] = med(per_sync)
-        return dict(processes=procs, vllm_processing=vllm, total=med(sum(c.values()) for c in cpus[kind]))
+        parts = {k: v for k, v in procs.items() if k.startswith("trainer: ")}  # within the trainer's
+        procs = {k: v for k, v in procs.items() if k not in parts}
+        total = med(sum(v for k, v in c.items() if not k.startswith("trainer: ")) for c in cpus[kind])
+        return dict(processes=procs, trainer_parts=parts, vllm_processing=vllm, total=total)
 
     return dict(
         case=name,
@@ -487,6 +506,12 @@ def print_cpu(console, r: dict) -> None:
             f"{cpu['total'] / cores:.3f}",
         )
     console.print(table)
+    for kind, _, cpu in runs:
+        console.print(
+            f"{r['case']}, {kind}: of the trainer's CPU s, "
+            + ", ".join(f"{k.removeprefix('trainer: ')} {v:.2f}" for k, v in cpu["trainer_parts"].items())
+            + " (its lane threads); the rest: gloo sends, control, the engine RPCs"
+        )
     c = r["cpu"]
     vllm = sum(c["vllm_processing"].values())
     must = g["total"] + vllm

@@ -282,6 +282,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.unpacker.defer_gemm = bool(update_info.defer_gemm)
         self.unpacker.receive_in_place = bool(update_info.receive_in_place)
         self.unpacker.prefault_pool = bool(update_info.prefault_pool)
+        self.unpacker.set_keep_pool(bool(update_info.keep_pool))
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         try:
             placement = None

@@ -165,6 +165,7 @@ class ReloadUnpacker:
         self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
         self.receive_in_place = True  # EngineUpdateInfo.receive_in_place
         self.prefault_pool = True  # EngineUpdateInfo.prefault_pool
+        self.keep_pool = False  # EngineUpdateInfo.keep_pool (set_keep_pool)
         self._posted: list[str] = []  # this sync's groups whose receives are posted, in order
         self._ahead = 0  # how many of them had their modules materialized when posted (receive_targets)
         self._in_place: dict[str, frozenset[int]] = {}  # group -> buffer offsets of segments received into params
@@ -381,8 +382,10 @@ class ReloadUnpacker:
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
         self._materialized = set()
         self._processed = set()
-        self._open, self._pool, self._pool_used = set(), None, 0
+        self._open, self._pool_used = set(), 0
         self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
+        if self._pool is not None and (not self.keep_pool or self._pool.numel() != self._pool_size):
+            self._pool = None  # the pool kept by the last update (keep_pool), unless unwanted or of another size
         self.seconds = defaultdict(float)
         self.process_by_class = defaultdict(float)
         self.cpu_seconds = defaultdict(float)
@@ -397,7 +400,10 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
-        self._pool = None
+        if self._pool is not None and not (
+            self.keep_pool and not self._receiving and not self._open and self._pool_free()
+        ):
+            self._pool = None  # kept (keep_pool) only when nothing points into it any more
         # a receive posted into a param and never waited for (the sync failed first) may still land: what it writes
         # into stays alive until a later sync has posted its receives (its transport pairs are re-opened by then: a
         # failure changes this rank's epoch), so it never lands in freed memory
@@ -473,10 +479,19 @@ class ReloadUnpacker:
         self._pool_used = 0
         if not self._pool_size:  # the first sync: size the pool by the modules so far, for the rest of it
             self._pool_size = self._pool_bytes
-        if self._pool is not None:
-            uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
-            if uses > self._pool_uses:
-                self._pool = None
+        if self._pool is not None and not self._pool_free():
+            self._pool = None
+
+    def set_keep_pool(self, keep: bool) -> None:
+        """EngineUpdateInfo.keep_pool of this sync (known after begin): without it, a pool the last sync kept is
+        given back now, before any module is placed in it."""
+        self.keep_pool = keep
+        if not keep and not self._open:
+            self._pool = None
+
+    def _pool_free(self) -> bool:
+        """Nothing but the unpacker points into the pool (no param, closure or view left by processing)."""
+        return torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata) <= self._pool_uses
 
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
