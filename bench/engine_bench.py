@@ -524,6 +524,11 @@ def print_cpu(console, r: dict) -> None:
         f"{ours:.2f} CPU s are shardplan's (or the engine's RPCs) and {r['shardplan_s'] - c['total'] / cores:.3f} s "
         f"of wall is cores idle (waiting)"
     )
+    console.print(
+        f"{r['case']}: the gloo send alone kept {g['total'] / (cores * gloo):.0%} of the {cores} cores busy; where it "
+        f"keeps them all busy (CPU-bound, a quiet box), the floor is 1 + vLLM's processing / the gloo send's CPU s = "
+        f"{1 + vllm / g['total']:.2f}x the gloo send, whatever shardplan does"
+    )
 
 
 def main() -> None:

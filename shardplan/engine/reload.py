@@ -400,10 +400,7 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
-        if self._pool is not None and not (
-            self.keep_pool and not self._receiving and not self._open and self._pool_free()
-        ):
-            self._pool = None  # kept (keep_pool) only when nothing points into it any more
+        self._release_pool()
         # a receive posted into a param and never waited for (the sync failed first) may still land: what it writes
         # into stays alive until a later sync has posted its receives (its transport pairs are re-opened by then: a
         # failure changes this rank's epoch), so it never lands in freed memory
@@ -487,6 +484,13 @@ class ReloadUnpacker:
         given back now, before any module is placed in it."""
         self.keep_pool = keep
         if not keep and not self._open:
+            self._pool = None
+
+    def _release_pool(self) -> None:
+        """At the end of a sync: the pool is given back, or kept (keep_pool) when nothing points into it any more."""
+        if self._pool is not None and not (
+            self.keep_pool and not self._receiving and not self._open and self._pool_free()
+        ):
             self._pool = None
 
     def _pool_free(self) -> bool:
