@@ -278,12 +278,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
-        self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
-        self.unpacker.defer_gemm = bool(update_info.defer_gemm)
-        self.unpacker.receive_in_place = bool(update_info.receive_in_place)
-        self.unpacker.prefault_pool = bool(update_info.prefault_pool)
+        for key in ("rerun_moe_prepack", "defer_gemm", "receive_in_place", "prefault_pool"):
+            setattr(self.unpacker, key, bool(getattr(update_info, key)))
         self.unpacker.set_keep_pool(bool(update_info.keep_pool))
-        t0, cpu0 = time.perf_counter(), _process_cpu_s()
+        t0, cpu0 = time.perf_counter(), sum(os.times()[:2])  # this process's user + sys CPU, every thread
         try:
             placement = None
             if self.eplb is not None:  # drain an in-flight rebalance, then say which expert each slot holds
@@ -307,7 +305,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             self.last_update = {
                 "seconds": seconds,
                 "process_by_class": dict(self.unpacker.process_by_class),
-                "cpu_seconds": {**self.unpacker.cpu_seconds, "update": _process_cpu_s() - cpu0},
+                "cpu_seconds": {**self.unpacker.cpu_seconds, "update": sum(os.times()[:2]) - cpu0},
                 "pid": os.getpid(),
                 "pools_allocated": self.unpacker.pools_allocated,
                 "in_place_bytes": self.unpacker.in_place_bytes,
@@ -364,9 +362,3 @@ def _reset_peak_rss() -> int | None:
 
 def _peak_rss() -> int | None:
     return _status_bytes("VmHWM")
-
-
-def _process_cpu_s() -> float:
-    """This process's CPU seconds (user + sys, every thread) so far."""
-    t = os.times()
-    return t.user + t.system

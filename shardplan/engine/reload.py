@@ -161,11 +161,9 @@ class ReloadUnpacker:
         self.cpu_seconds: dict[str, float] = defaultdict(float)  # this thread's CPU in vLLM's steps (engine_bench)
         self.gemm_used: set[int] = set()  # ids of the modules whose DeferredGemm a forward called (logits modules)
         self.active = False
-        self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
-        self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
-        self.receive_in_place = True  # EngineUpdateInfo.receive_in_place
-        self.prefault_pool = True  # EngineUpdateInfo.prefault_pool
-        self.keep_pool = False  # EngineUpdateInfo.keep_pool (set_keep_pool)
+        # EngineUpdateInfo's fields, set per sync (rerun_moe_prepack is off only in the regression test)
+        self.rerun_moe_prepack = self.defer_gemm = self.receive_in_place = self.prefault_pool = True
+        self.keep_pool = False  # set_keep_pool
         self._posted: list[str] = []  # this sync's groups whose receives are posted, in order
         self._ahead = 0  # how many of them had their modules materialized when posted (receive_targets)
         self._in_place: dict[str, frozenset[int]] = {}  # group -> buffer offsets of segments received into params
@@ -380,15 +378,15 @@ class ReloadUnpacker:
 
         initialize_layerwise_reload(self.model)
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
-        self._materialized = set()
-        self._processed = set()
-        self._open, self._pool_used = set(), 0
+        self._materialized, self._processed, self._open, self._pool_used = set(), set(), set(), 0
         self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
         if self._pool is not None and (not self.keep_pool or self._pool.numel() != self._pool_size):
             self._pool = None  # the pool kept by the last update (keep_pool), unless unwanted or of another size
-        self.seconds = defaultdict(float)
-        self.process_by_class = defaultdict(float)
-        self.cpu_seconds = defaultdict(float)
+        self.seconds, self.process_by_class, self.cpu_seconds = (
+            defaultdict(float),
+            defaultdict(float),
+            defaultdict(float),
+        )
         self._posted, self._ahead, self._in_place, self._receiving, self.in_place_bytes = [], 0, {}, {}, 0
         self.active = True
 
@@ -479,22 +477,14 @@ class ReloadUnpacker:
         if self._pool is not None and not self._pool_free():
             self._pool = None
 
-    def set_keep_pool(self, keep: bool) -> None:
-        """EngineUpdateInfo.keep_pool of this sync (known after begin): without it, a pool the last sync kept is
-        given back now, before any module is placed in it."""
-        self.keep_pool = keep
-        if not keep and not self._open:
-            self._pool = None
+    def set_keep_pool(self, keep: bool) -> None:  # this sync's EngineUpdateInfo.keep_pool; a kept pool goes if off
+        self.keep_pool, self._pool = keep, self._pool if keep or self._open else None
 
-    def _release_pool(self) -> None:
-        """At the end of a sync: the pool is given back, or kept (keep_pool) when nothing points into it any more."""
-        if self._pool is not None and not (
-            self.keep_pool and not self._receiving and not self._open and self._pool_free()
-        ):
-            self._pool = None
+    def _release_pool(self) -> None:  # end of a sync: kept (keep_pool) only where nothing points into it any more
+        keep = self.keep_pool and not self._receiving and not self._open
+        self._pool = self._pool if self._pool is not None and keep and self._pool_free() else None
 
-    def _pool_free(self) -> bool:
-        """Nothing but the unpacker points into the pool (no param, closure or view left by processing)."""
+    def _pool_free(self) -> bool:  # nothing but the unpacker points into the pool (no param, closure or view)
         return torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata) <= self._pool_uses
 
     def _process(self, module: torch.nn.Module) -> None:
@@ -528,13 +518,11 @@ class ReloadUnpacker:
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
-        t2 = time.perf_counter()
-        clock["copy into kernel tensors"] += t2 - t1
+        clock["copy into kernel tensors"] += time.perf_counter() - t1
         clock["process"] += t1 - t0 - prepack
-        # one OpenMP thread per worker (cpu_llm): vLLM's kernels run on this thread, so its CPU time is theirs
-        self.cpu_seconds["copy into kernel tensors"] += time.thread_time() - c1
-        self.cpu_seconds["moe prepack"] += prepack_cpu
-        self.cpu_seconds["process"] += c1 - c0 - prepack_cpu
+        cpu = self.cpu_seconds  # one OpenMP thread per worker (cpu_llm): vLLM's kernels' CPU time is this thread's
+        cpu["copy into kernel tensors"] += time.thread_time() - c1
+        cpu["moe prepack"], cpu["process"] = cpu["moe prepack"] + prepack_cpu, cpu["process"] + c1 - c0 - prepack_cpu
         self.process_by_class[type(module).__name__] += t1 - t0 - prepack
         self._processed.add(id(module))
 
