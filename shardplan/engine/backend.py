@@ -133,9 +133,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.consumer: ConsumerSync | None = None
-        self.unpacker = None
-        self.rank: int | None = None
-        self.last_error: str = ""
+        self.unpacker, self.rank, self.last_error = None, None, ""
         self.eplb: EngineEplb | None = None
         self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
         self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
@@ -178,14 +176,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
+        sharded_note = "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks"
         logger.info(
-            "shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s",
-            rank,
-            plan_file.path,
-            layout.tag(),
-            name,
-            init_info.transport,
-            "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks",
+            f"shardplan: worker is plan rank {rank} of {plan_file.path} ({layout.tag()}), joined the sync as {name} "
+            f"over {init_info.transport}{sharded_note}"
         )
 
     def _check_eplb(self, plan_file) -> EngineEplb | None:

@@ -66,6 +66,5 @@ class EngineUpdateInfo:
     """Fault the sync's materialize pool in when it is allocated, in a thread beside the first transfers (Linux
     MADV_POPULATE_WRITE), rather than by the first receive or apply into it."""
     keep_pool: bool = False
-    """Memory for speed, off by default: keep the materialize pool (the most one update's open modules took at once,
-    about one decoder layer) allocated and faulted in between updates, so the next update neither allocates nor
-    faults it in. The engine then holds that much more while it serves (docs/engine.md)."""
+    """Memory for speed, off by default: keep the materialize pool (about one decoder layer) allocated and faulted in
+    between updates, so the next update neither allocates nor faults it in; the engine holds it while serving."""

@@ -147,14 +147,12 @@ class ReloadUnpacker:
         self.undefined = self._undefined_bytes()
         self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
-        self._materialized: set[int] = set()
-        self._processed: set[int] = set()  # ids of the modules processed in this sync
+        self._materialized, self._processed = set(), set()  # ids of the modules materialized, processed in this sync
         self._open: set[int] = set()  # ids of the modules materialized and not processed yet
         self._pool: torch.Tensor | None = None  # CPU storage the open modules are materialized into (one sync)
-        self._pool_uses = 0  # the pool storage's use count with nothing placed in it
-        self._pool_used = 0  # bytes of the pool the open modules take
-        self._pool_bytes = 0  # the most the open modules took at once in this sync: the next sync's pool size
-        self._pool_size = 0  # this sync's pool size (the last sync's _pool_bytes)
+        self._pool_uses = self._pool_used = 0  # its storage's use count with nothing in it; bytes the open modules take
+        # the most the open modules took at once in this sync (the next sync's pool size); this sync's pool size
+        self._pool_bytes = self._pool_size = 0
         self.pools_allocated = 0  # this sync's pools (1 when every module found the pool free; bench/engine_bench.py)
         self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
         self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
@@ -210,11 +208,8 @@ class ReloadUnpacker:
         ranges = unwritten_ranges(self.plan)
         if ranges and self.plan.fallbacks:
             logger.warning(
-                "shardplan: rank %d: %d param(s) hold elements the plan does not write (e.g. %s), which its fallback "
-                "tensors may write: left as vLLM's reload materializes them, not zeroed",
-                self.plan.rank,
-                len(ranges),
-                next(iter(ranges)),
+                f"shardplan: rank {self.plan.rank}: {len(ranges)} param(s) hold elements the plan does not write (e.g. "
+                f"{next(iter(ranges))}), which its fallback tensors may write: left as vLLM's reload materializes them"
             )
             return {}
         out: dict[torch.nn.Module, list[tuple[str, list[tuple[int, int]]]]] = {}
@@ -224,12 +219,9 @@ class ReloadUnpacker:
         self.zero_filled = sum(hi - lo for spans in ranges.values() for lo, hi in spans)
         if ranges:
             logger.info(
-                "shardplan: rank %d: %d element(s) of %d param(s) that no checkpoint tensor defines (e.g. %s) are "
-                "zero-filled at every update (vLLM's own load leaves them uninitialised)",
-                self.plan.rank,
-                self.zero_filled,
-                len(ranges),
-                next(iter(ranges)),
+                f"shardplan: rank {self.plan.rank}: {self.zero_filled} element(s) of {len(ranges)} param(s) that no "
+                f"checkpoint tensor defines (e.g. {next(iter(ranges))}) are zero-filled at every update (vLLM's own "
+                "load leaves them uninitialised)"
             )
         return out
 
