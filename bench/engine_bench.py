@@ -28,6 +28,11 @@ received straight into them, printed per rank, skip it), process (vLLM's
 process_weights_after_loading, per module class below the table), MoE prepack (the re-run vLLM 0.32 skips), copy
 into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
 the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
+
+CPU account, per sync and per gloo-alone round: each process's CPU seconds (user + sys, every thread: this process's
+os.times(), the others' /proc/<pid>/stat), the trainer's pack and checksum CPU (its lane threads), each worker's CPU in
+vLLM's processing (process + MoE prepack + copies into kernel tensors, the worker's main thread); and the floor,
+(the gloo send's CPU s + vLLM's processing) / cores, beside the wall time and the 1.3x bar.
 """
 
 from __future__ import annotations
