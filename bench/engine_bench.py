@@ -28,6 +28,11 @@ received straight into them, printed per rank, skip it), process (vLLM's
 process_weights_after_loading, per module class below the table), MoE prepack (the re-run vLLM 0.32 skips), copy
 into kernel tensors, finalize, readers (modules sharing storage with written params); and the worker's RSS before
 the update and its peak during it (VmHWM, reset at start), next to one decoder layer's bytes on that rank.
+
+CPU account, per sync and per gloo-alone round: each process's CPU seconds (user + sys, every thread: this process's
+os.times(), the others' /proc/<pid>/stat), the trainer's pack and checksum CPU (its lane threads), each worker's CPU in
+vLLM's processing (process + MoE prepack + copies into kernel tensors, the worker's main thread); and the floor,
+(the gloo send's CPU s + vLLM's processing) / cores, beside the wall time and the 1.3x bar.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def _gloo_receiver(port: int, pair: int, nbytes: int, rounds: int) -> None:
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(rounds):
         pg.recv([buf], 0, 0).wait()
+    time.sleep(5)  # alive while the bench reads its CPU seconds after the last round
 
 
 class GlooCeiling:
@@ -140,9 +146,17 @@ class GlooCeiling:
         ]
         whole = torch.ones(max(nbytes_per_peer), dtype=torch.uint8)  # one buffer, read by every peer's send
         self.bufs = [whole[:n] for n in nbytes_per_peer]
-        self.send()
+        self.cpu: list[dict[str, float]] = []  # CPU seconds per process, per timed round
+        self._send()
 
     def send(self) -> float:
+
+        with CpuClock({f"receiver {i}": p.pid for i, p in enumerate(self.procs)}) as clock:
+            seconds = self._send()
+        self.cpu.append(clock.seconds)
+        return seconds
+
+    def _send(self) -> float:
         import threading
 
         t = time.perf_counter()
@@ -161,6 +175,37 @@ class GlooCeiling:
         self.bufs = []
 
 
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + sys, every thread) the process `pid` has used so far (/proc/<pid>/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+class CpuClock:
+    """CPU seconds per process over one timed step: this (trainer) process, and other processes by pid."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+
+    def __enter__(self):
+        t = os.times()
+        self.start = {"trainer (bench process)": t.user + t.system, **{k: proc_cpu_s(p) for k, p in self.pids.items()}}
+        return self
+
+    def __exit__(self, *exc):
+        t = os.times()
+        end = {"trainer (bench process)": t.user + t.system, **{k: proc_cpu_s(p) for k, p in self.pids.items()}}
+        self.seconds = {k: end[k] - self.start[k] for k in end}
+
+
+VLLM_STEPS = ("process", "moe prepack", "copy into kernel tensors")  # vLLM's processing, per worker
 ENGINE_STEPS = (
     "start",
     "materialize",
@@ -232,15 +277,33 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
     pack_s: dict[int, float] = {}
     pack = trainer.packer.pack
 
+    trainer_cpu: dict[str, float] = {}  # this sync's trainer CPU seconds in its pack and its checksums (lane threads)
+
     def timed_pack(consumer, *args, **kwargs):  # the trainer's pack, per consumer lane (lanes run in threads)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         pack(consumer, *args, **kwargs)
         pack_s[consumer] = pack_s.get(consumer, 0.0) + time.perf_counter() - t
+        trainer_cpu["pack"] = trainer_cpu.get("pack", 0.0) + time.thread_time() - c
+
+    import shardplan.sync.trainer as trainer_module
+
+    checksum = trainer_module.checksum_tensor
+
+    def timed_checksum(view):
+        c = time.thread_time()
+        out = checksum(view)
+        trainer_cpu["checksums"] = trainer_cpu.get("checksums", 0.0) + time.thread_time() - c
+        return out
+
+    trainer_module.checksum_tensor = timed_checksum
 
     trainer.packer.pack = timed_pack
     sync.init()  # once per engine: not part of an update
     # untimed, as the gloo ceiling's first round: opens the gloo pairs and sizes the engine's materialize pool
-    sync.sync(trainer=trainer)
+    warm = sync.sync(trainer=trainer)
+    worker_pids = {f"worker {w['rank']}": w["last_update"]["pid"] for w in warm.engines[0].workers}
+    engine_pids = {"engine core": parent_pid(next(iter(worker_pids.values()))), **worker_pids}
+    engine_pids = {k: p for k, p in engine_pids.items() if p != os.getpid()}  # in-process engine core: the trainer's
     nbytes = sum(per_peer)
     full_bytes = sum(t.numel() * t.element_size() for t in tensors_b.values())
     moe = "num_experts" in cfg
@@ -248,6 +311,7 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
     runs = {"vllm": [], "gloo": [], "shardplan_skip_prepack": [], **{k: [] for k in kinds}}
     splits = {k: [] for k in kinds}
     packs = {k: [] for k in kinds}
+    cpus = {k: [] for k in kinds}  # CPU seconds per process, per sync
     loads, phases = [], []
     tokens_by_kind = {}
     tokens_vllm = tokens_skip = None
@@ -257,10 +321,13 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
         order = list(kinds) if i % 2 == 0 else list(reversed(kinds))  # alternating: neither always goes first
         for kind in order:
             pack_s.clear()
+            trainer_cpu.clear()
             options = dict(kinds[kind])
             if options.pop("direct_sends", True) is False:  # the trainer packs every segment into staging
                 trainer.packer.direct_view = lambda *args: None
-            report = sync.sync(trainer=trainer, update_options=options or None)
+            with CpuClock(engine_pids) as clock:
+                report = sync.sync(trainer=trainer, update_options=options or None)
+            cpus[kind].append({**clock.seconds, **{f"trainer: {k}": v for k, v in trainer_cpu.items()}})
             trainer.packer.__dict__.pop("direct_view", None)
             runs[kind].append(report.seconds)
             if kind == "shardplan":
@@ -295,9 +362,14 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
                 k: med(s[r].get("process_by_class", {}).get(k, 0.0) for s in kind_splits)
                 for k in kind_splits[0][r].get("process_by_class", {})
             }
+            cpu = {
+                k: med(s[r].get("cpu_seconds", {}).get(k, 0.0) for s in kind_splits)
+                for k in ("process", "moe prepack", "copy into kernel tensors", "update")
+            }
             ranks.append(
                 dict(
                     rank=r,
+                    cpu_seconds=cpu,
                     trainer_pack_s=med(p.get(r, 0.0) for p in packs[kind]),
                     seconds=steps,
                     process_by_class=by_class,
@@ -310,9 +382,28 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
             )
         return ranks
 
+    def cpu_account(kind: str) -> dict:
+        """Median CPU seconds per process over the kind's syncs; the workers' split into vLLM's processing (process
+        + MoE prepack + copies into kernel tensors, the worker's main thread) and the rest."""
+        procs = {k: med(c[k] for c in cpus[kind]) for k in cpus[kind][0]}
+        vllm = {}
+        for r in range(tp):
+            per_sync = [sum(s[r].get("cpu_seconds", {}).get(k, 0.0) for k in VLLM_STEPS) for s in splits[kind]]
+            vllm[f"worker {r}"] = med(per_sync)
+        parts = {k: v for k, v in procs.items() if k.startswith("trainer: ")}  # within the trainer's
+        procs = {k: v for k, v in procs.items() if k not in parts}
+        total = med(sum(v for k, v in c.items() if not k.startswith("trainer: ")) for c in cpus[kind])
+        return dict(processes=procs, trainer_parts=parts, vllm_processing=vllm, total=total)
+
     return dict(
         case=name,
         tp=tp,
+        cores=os.cpu_count(),
+        cpu=cpu_account("shardplan"),
+        cpu_gloo=dict(
+            processes={k: med(c[k] for c in ceiling.cpu) for k in ceiling.cpu[0]},
+            total=med(sum(c.values()) for c in ceiling.cpu),
+        ),
         layers=cfg["num_hidden_layers"],
         overrides=list(overrides),
         setup_s=setup_s,
@@ -328,6 +419,7 @@ def _run_case(root: Path, name, layers, iters, overrides, skip_prepack, variants
                 seconds=med(runs[k]),
                 ranks=per_rank(k),
                 tokens_equal_shardplan=tokens_by_kind[k] == tokens_by_kind["shardplan"],
+                cpu=cpu_account(k),
             )
             for k in kinds
             if k != "shardplan"
@@ -381,8 +473,67 @@ def print_split(console, r: dict, kind: str, ranks: list[dict]) -> None:
             f"rank {k['rank']} process by module class (median s): "
             + ", ".join(f"{c} {v:.3f}" for c, v in sorted(k["process_by_class"].items(), key=lambda kv: -kv[1]))
             + f"; materialize pools allocated per update: {k['pools']}; received straight into params: "
-            f"{k.get('in_place_bytes', 0) / 2**20:.0f} MiB"
+            f"{k.get('in_place_bytes', 0) / 2**20:.0f} MiB; worker CPU s in the update: "
+            + ", ".join(f"{c} {v:.3f}" for c, v in k["cpu_seconds"].items())
         )
+
+
+def print_cpu(console, r: dict) -> None:
+    """CPU seconds per process in one sync next to the gloo-alone round, and the CPU-seconds floor on this box."""
+    from rich.table import Table
+
+    cores, gloo = r["cores"], r["ceiling_gloo_s"]
+    table = Table(
+        title=f"{r['case']}: CPU seconds (user + sys) per process in one update (median), {cores} cores; "
+        f"floor = CPU seconds / cores (the shortest wall time those CPU seconds allow on this box)"
+    )
+    for col in ("run", "wall s", *r["cpu"]["processes"], "of workers: vLLM processing", "all", "floor s"):
+        table.add_column(col)
+    g = r["cpu_gloo"]
+    gp = {k.replace("receiver", "worker"): v for k, v in g["processes"].items()}  # receiver i stands for worker i
+    table.add_row(
+        "gloo send alone (worker i: its receiver)",
+        f"{gloo:.3f}",
+        *(f"{gp[k]:.2f}" if k in gp else "" for k in r["cpu"]["processes"]),
+        "",
+        f"{g['total']:.2f}",
+        f"{g['total'] / cores:.3f}",
+    )
+    runs = [("shardplan", r["shardplan_s"], r["cpu"])]
+    runs += [(k, v["seconds"], v["cpu"]) for k, v in r["variants"].items()]
+    for kind, wall, cpu in runs:
+        table.add_row(
+            kind,
+            f"{wall:.3f}",
+            *(f"{v:.2f}" for v in cpu["processes"].values()),
+            " / ".join(f"{v:.2f}" for v in cpu["vllm_processing"].values()),
+            f"{cpu['total']:.2f}",
+            f"{cpu['total'] / cores:.3f}",
+        )
+    console.print(table)
+    for kind, _, cpu in runs:
+        console.print(
+            f"{r['case']}, {kind}: of the trainer's CPU s, "
+            + ", ".join(f"{k.removeprefix('trainer: ')} {v:.2f}" for k, v in cpu["trainer_parts"].items())
+            + " (its lane threads); the rest: gloo sends, control, the engine RPCs"
+        )
+    c = r["cpu"]
+    vllm = sum(c["vllm_processing"].values())
+    must = g["total"] + vllm
+    ours = c["total"] - must
+    console.print(
+        f"{r['case']}: the sync's CPU-seconds floor on this box: (the gloo send's {g['total']:.2f} + vLLM's processing "
+        f"{vllm:.2f}) / {cores} cores = {must / cores:.3f} s, against the 1.3x bar {1.3 * gloo:.3f} s "
+        f"({must / cores / gloo:.2f}x the gloo send); the sync spent {c['total']:.2f} CPU s "
+        f"({c['total'] / cores:.3f} s / {cores} cores) in {r['shardplan_s']:.3f} s wall: beyond the floor, "
+        f"{ours:.2f} CPU s are shardplan's (or the engine's RPCs) and {r['shardplan_s'] - c['total'] / cores:.3f} s "
+        f"of wall is cores idle (waiting)"
+    )
+    console.print(
+        f"{r['case']}: the gloo send alone kept {g['total'] / (cores * gloo):.0%} of the {cores} cores busy; where it "
+        f"keeps them all busy (CPU-bound, a quiet box), the floor is 1 + vLLM's processing / the gloo send's CPU s = "
+        f"{1 + vllm / g['total']:.2f}x the gloo send, whatever shardplan does"
+    )
 
 
 def main() -> None:
@@ -453,6 +604,7 @@ def main() -> None:
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         )
         print_split(console, r, "shardplan", r["ranks"])
+        print_cpu(console, r)
         for kind, v in r["variants"].items():
             console.print(
                 f"{r['case']}: shardplan sync with {kind}: {v['seconds']:.3f} s (default {r['shardplan_s']:.3f} s, "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -132,9 +133,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.consumer: ConsumerSync | None = None
-        self.unpacker = None
-        self.rank: int | None = None
-        self.last_error: str = ""
+        self.unpacker, self.rank, self.last_error = None, None, ""
         self.eplb: EngineEplb | None = None
         self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
         self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
@@ -177,14 +176,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
         self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
+        sharded_note = "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks"
         logger.info(
-            "shardplan: worker is plan rank %d of %s (%s), joined the sync as %s over %s%s",
-            rank,
-            plan_file.path,
-            layout.tag(),
-            name,
-            init_info.transport,
-            "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks",
+            f"shardplan: worker is plan rank {rank} of {plan_file.path} ({layout.tag()}), joined the sync as {name} "
+            f"over {init_info.transport}{sharded_note}"
         )
 
     def _check_eplb(self, plan_file) -> EngineEplb | None:
@@ -277,11 +272,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
         if self.consumer is None:
             raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
-        self.unpacker.rerun_moe_prepack = bool(update_info.rerun_moe_prepack)
-        self.unpacker.defer_gemm = bool(update_info.defer_gemm)
-        self.unpacker.receive_in_place = bool(update_info.receive_in_place)
-        self.unpacker.prefault_pool = bool(update_info.prefault_pool)
-        t0 = time.perf_counter()
+        for key in ("rerun_moe_prepack", "defer_gemm", "receive_in_place", "prefault_pool"):
+            setattr(self.unpacker, key, bool(getattr(update_info, key)))
+        self.unpacker.set_keep_pool(bool(update_info.keep_pool))
+        t0, cpu0 = time.perf_counter(), sum(os.times()[:2])  # this process's user + sys CPU, every thread
         try:
             placement = None
             if self.eplb is not None:  # drain an in-flight rebalance, then say which expert each slot holds
@@ -305,6 +299,8 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             self.last_update = {
                 "seconds": seconds,
                 "process_by_class": dict(self.unpacker.process_by_class),
+                "cpu_seconds": {**self.unpacker.cpu_seconds, "update": sum(os.times()[:2]) - cpu0},
+                "pid": os.getpid(),
                 "pools_allocated": self.unpacker.pools_allocated,
                 "in_place_bytes": self.unpacker.in_place_bytes,
                 "rss_before": getattr(self, "_rss_before", None),

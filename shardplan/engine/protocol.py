@@ -65,3 +65,6 @@ class EngineUpdateInfo:
     prefault_pool: bool = True
     """Fault the sync's materialize pool in when it is allocated, in a thread beside the first transfers (Linux
     MADV_POPULATE_WRITE), rather than by the first receive or apply into it."""
+    keep_pool: bool = False
+    """Memory for speed, off by default: keep the materialize pool (about one decoder layer) allocated and faulted in
+    between updates, so the next update neither allocates nor faults it in; the engine holds it while serving."""

@@ -147,23 +147,21 @@ class ReloadUnpacker:
         self.undefined = self._undefined_bytes()
         self.readers = self._modules_reading_written_storage()
         self._pending: dict[torch.nn.Module, set[str]] = {}
-        self._materialized: set[int] = set()
-        self._processed: set[int] = set()  # ids of the modules processed in this sync
+        self._materialized, self._processed = set(), set()  # ids of the modules materialized, processed in this sync
         self._open: set[int] = set()  # ids of the modules materialized and not processed yet
         self._pool: torch.Tensor | None = None  # CPU storage the open modules are materialized into (one sync)
-        self._pool_uses = 0  # the pool storage's use count with nothing placed in it
-        self._pool_used = 0  # bytes of the pool the open modules take
-        self._pool_bytes = 0  # the most the open modules took at once in this sync: the next sync's pool size
-        self._pool_size = 0  # this sync's pool size (the last sync's _pool_bytes)
+        self._pool_uses = self._pool_used = 0  # its storage's use count with nothing in it; bytes the open modules take
+        # the most the open modules took at once in this sync (the next sync's pool size); this sync's pool size
+        self._pool_bytes = self._pool_size = 0
         self.pools_allocated = 0  # this sync's pools (1 when every module found the pool free; bench/engine_bench.py)
         self.seconds: dict[str, float] = defaultdict(float)  # this sync's time per step (bench/engine_bench.py)
         self.process_by_class: dict[str, float] = defaultdict(float)  # this sync's "process" per module class
+        self.cpu_seconds: dict[str, float] = defaultdict(float)  # this thread's CPU in vLLM's steps (engine_bench)
         self.gemm_used: set[int] = set()  # ids of the modules whose DeferredGemm a forward called (logits modules)
         self.active = False
-        self.rerun_moe_prepack = True  # EngineUpdateInfo.rerun_moe_prepack (off only in the regression test)
-        self.defer_gemm = True  # EngineUpdateInfo.defer_gemm
-        self.receive_in_place = True  # EngineUpdateInfo.receive_in_place
-        self.prefault_pool = True  # EngineUpdateInfo.prefault_pool
+        # EngineUpdateInfo's fields, set per sync (rerun_moe_prepack is off only in the regression test)
+        self.rerun_moe_prepack = self.defer_gemm = self.receive_in_place = self.prefault_pool = True
+        self.keep_pool = False  # set_keep_pool
         self._posted: list[str] = []  # this sync's groups whose receives are posted, in order
         self._ahead = 0  # how many of them had their modules materialized when posted (receive_targets)
         self._in_place: dict[str, frozenset[int]] = {}  # group -> buffer offsets of segments received into params
@@ -210,11 +208,8 @@ class ReloadUnpacker:
         ranges = unwritten_ranges(self.plan)
         if ranges and self.plan.fallbacks:
             logger.warning(
-                "shardplan: rank %d: %d param(s) hold elements the plan does not write (e.g. %s), which its fallback "
-                "tensors may write: left as vLLM's reload materializes them, not zeroed",
-                self.plan.rank,
-                len(ranges),
-                next(iter(ranges)),
+                f"shardplan: rank {self.plan.rank}: {len(ranges)} param(s) hold elements the plan does not write (e.g. "
+                f"{next(iter(ranges))}), which its fallback tensors may write: left as vLLM's reload materializes them"
             )
             return {}
         out: dict[torch.nn.Module, list[tuple[str, list[tuple[int, int]]]]] = {}
@@ -224,12 +219,9 @@ class ReloadUnpacker:
         self.zero_filled = sum(hi - lo for spans in ranges.values() for lo, hi in spans)
         if ranges:
             logger.info(
-                "shardplan: rank %d: %d element(s) of %d param(s) that no checkpoint tensor defines (e.g. %s) are "
-                "zero-filled at every update (vLLM's own load leaves them uninitialised)",
-                self.plan.rank,
-                self.zero_filled,
-                len(ranges),
-                next(iter(ranges)),
+                f"shardplan: rank {self.plan.rank}: {self.zero_filled} element(s) of {len(ranges)} param(s) that no "
+                f"checkpoint tensor defines (e.g. {next(iter(ranges))}) are zero-filled at every update (vLLM's own "
+                "load leaves them uninitialised)"
             )
         return out
 
@@ -378,12 +370,15 @@ class ReloadUnpacker:
 
         initialize_layerwise_reload(self.model)
         self._pending = {m: set(gs) for m, gs in self.module_groups.items()}
-        self._materialized = set()
-        self._processed = set()
-        self._open, self._pool, self._pool_used = set(), None, 0
+        self._materialized, self._processed, self._open, self._pool_used = set(), set(), set(), 0
         self._pool_size, self._pool_bytes, self.pools_allocated = self._pool_bytes, 0, 0
-        self.seconds = defaultdict(float)
-        self.process_by_class = defaultdict(float)
+        if self._pool is not None and (not self.keep_pool or self._pool.numel() != self._pool_size):
+            self._pool = None  # the pool kept by the last update (keep_pool), unless unwanted or of another size
+        self.seconds, self.process_by_class, self.cpu_seconds = (
+            defaultdict(float),
+            defaultdict(float),
+            defaultdict(float),
+        )
         self._posted, self._ahead, self._in_place, self._receiving, self.in_place_bytes = [], 0, {}, {}, 0
         self.active = True
 
@@ -395,7 +390,7 @@ class ReloadUnpacker:
         if not self.active:
             return
         self.active = False
-        self._pool = None
+        self._release_pool()
         # a receive posted into a param and never waited for (the sync failed first) may still land: what it writes
         # into stays alive until a later sync has posted its receives (its transport pairs are re-opened by then: a
         # failure changes this rank's epoch), so it never lands in freed memory
@@ -471,10 +466,18 @@ class ReloadUnpacker:
         self._pool_used = 0
         if not self._pool_size:  # the first sync: size the pool by the modules so far, for the rest of it
             self._pool_size = self._pool_bytes
-        if self._pool is not None:
-            uses = torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata)
-            if uses > self._pool_uses:
-                self._pool = None
+        if self._pool is not None and not self._pool_free():
+            self._pool = None
+
+    def set_keep_pool(self, keep: bool) -> None:  # this sync's EngineUpdateInfo.keep_pool; a kept pool goes if off
+        self.keep_pool, self._pool = keep, self._pool if keep or self._open else None
+
+    def _release_pool(self) -> None:  # end of a sync: kept (keep_pool) only where nothing points into it any more
+        keep = self.keep_pool and not self._receiving and not self._open
+        self._pool = self._pool if self._pool is not None and keep and self._pool_free() else None
+
+    def _pool_free(self) -> bool:  # nothing but the unpacker points into the pool (no param, closure or view)
+        return torch._C._storage_Use_Count(self._pool.untyped_storage()._cdata) <= self._pool_uses
 
     def _process(self, module: torch.nn.Module) -> None:
         """What vLLM's _layerwise_process does once a layer's loaders have run (we wrote instead of loading)."""
@@ -486,30 +489,32 @@ class ReloadUnpacker:
         )
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-        clock, t0 = self.seconds, time.perf_counter()
+        clock, t0, c0 = self.seconds, time.perf_counter(), time.thread_time()
         info = LAYERWISE_INFO[module]
         if hasattr(module, "_already_called_process_weights_after_loading"):
             delattr(module, "_already_called_process_weights_after_loading")
         for tensor in get_layer_tensors(module).values():
             tensor.weight_loader = _get_original_loader(tensor)
         quant_method = getattr(module, "quant_method", None)
-        prepack = 0.0
+        prepack = prepack_cpu = 0.0
         if isinstance(quant_method, QuantizeMethodBase):
             _process_or_defer(module, quant_method, self.gemm_used, self.defer_gemm)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             if self.rerun_moe_prepack:
                 _rerun_skipped_moe_prepack(module, quant_method, info)
-            prepack = time.perf_counter() - t1
+            prepack, prepack_cpu = time.perf_counter() - t1, time.thread_time() - c1
             clock["moe prepack"] += prepack
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if info.kernel_tensors is not None:
             _copy_and_restore_kernel_tensors(module, info)
         info.reset()
-        t2 = time.perf_counter()
-        clock["copy into kernel tensors"] += t2 - t1
+        clock["copy into kernel tensors"] += time.perf_counter() - t1
         clock["process"] += t1 - t0 - prepack
+        cpu = self.cpu_seconds  # one OpenMP thread per worker (cpu_llm): vLLM's kernels' CPU time is this thread's
+        cpu["copy into kernel tensors"] += time.thread_time() - c1
+        cpu["moe prepack"], cpu["process"] = cpu["moe prepack"] + prepack_cpu, cpu["process"] + c1 - c0 - prepack_cpu
         self.process_by_class[type(module).__name__] += t1 - t0 - prepack
         self._processed.add(id(module))
 

@@ -66,7 +66,7 @@ def _pool_unpacker(pool_bytes: int) -> ReloadUnpacker:
     unpacker = ReloadUnpacker.__new__(ReloadUnpacker)
     unpacker._open, unpacker._pool, unpacker._pool_used, unpacker._pool_uses = set(), None, 0, 0
     unpacker._pool_size, unpacker._pool_bytes, unpacker.pools_allocated = pool_bytes, 0, 0
-    unpacker.prefault_pool = True
+    unpacker.prefault_pool, unpacker.keep_pool, unpacker._receiving = True, False, {}
     return unpacker
 
 
@@ -114,6 +114,34 @@ def test_a_pool_something_still_points_into_is_given_up():
     unpacker._place_in_pool(again)
     assert again.w0.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
     assert unpacker.pools_allocated == 2
+
+
+def _one_sync(unpacker, keep: bool, *, leave_view: bool = False):
+    """One sync's use of the pool as far as keep_pool goes: a module placed, processed, closed; the end of the sync."""
+    unpacker.pools_allocated = 0
+    unpacker.set_keep_pool(keep)
+    module = _materialized((1024,))
+    unpacker._place_in_pool(module)
+    unpacker._open.add(id(module))
+    view = module.w0[:10] if leave_view else None
+    _processed(module)
+    unpacker._close(module)
+    unpacker._release_pool()
+    return module, view
+
+
+def test_keep_pool_keeps_the_faulted_in_pool_for_the_next_sync_and_only_then():
+    unpacker = _pool_unpacker(16 << 10)
+    _one_sync(unpacker, keep=True)
+    pool = unpacker._pool
+    assert pool is not None and unpacker.pools_allocated == 1
+    module, _ = _one_sync(unpacker, keep=True)  # the next sync places its modules in the same pool, allocating none
+    assert unpacker._pool is pool and unpacker.pools_allocated == 0
+    _one_sync(unpacker, keep=False)  # a sync without keep_pool gives the kept pool back and keeps none
+    assert unpacker._pool is None and unpacker.pools_allocated == 1
+    _one_sync(unpacker, keep=True)
+    _, view = _one_sync(unpacker, keep=True, leave_view=True)  # something still points into it: given back
+    assert unpacker._pool is None and view is not None
 
 
 def test_faulting_the_pool_in_never_changes_bytes_already_received():
