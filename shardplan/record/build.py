@@ -187,6 +187,8 @@ def gpu_kernel_refusals_answered(architectures: list[str]):
         if any(arch.startswith("Qwen4Exp") for arch in architectures):
             # QSA binds the probe when imported; patching its source instead would tell every module imported
             # during the build that FlashAttention exists (they then import its CUDA-only symbols)
+            # (the model module first: imported alone, qsa -> model -> qsa is a circular import)
+            from vllm.models.qwen4_exp.nvidia import model as _qwen4_model  # noqa: F401
             from vllm.models.qwen4_exp.nvidia import qsa
 
             swap(qsa, "is_flash_attn_varlen_func_available", lambda: True)
