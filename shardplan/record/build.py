@@ -185,9 +185,9 @@ def gpu_kernel_refusals_answered(architectures: list[str]):
 
         swap(moe_method, "select_unquantized_moe_backend", select_unquantized_moe_backend)
         if any(arch.startswith("Qwen4Exp") for arch in architectures):
-            # QSA binds the probe when imported (model first: qsa alone is a circular import); patching its source
-            # would tell every module imported during the build that FlashAttention exists (they import CUDA symbols)
-            from vllm.models.qwen4_exp.nvidia import model as _qwen4_model, qsa  # noqa: F401
+            # QSA's bound probe, not its source (others would import FA's CUDA symbols); model first: qsa is circular
+            from vllm.models.qwen4_exp.nvidia import model as _qwen4_model  # noqa: F401
+            from vllm.models.qwen4_exp.nvidia import qsa
 
             swap(qsa, "is_flash_attn_varlen_func_available", lambda: True)
     if not HAS_TRITON:
