@@ -25,6 +25,7 @@ a NIXL agent (~1-6 s on CPU); a driver that `ray.get`s a NIXL object can segfaul
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -213,7 +214,7 @@ def sync_actor():
     return SyncActor
 
 
-_PAIR_WAIT_S = 120.0  # the router holds a pair's next transfer at most this long behind a stalled one
+_TRANSFER_WAIT_S = 120.0  # the router holds an actor's next transfer at most this long behind a stalled one
 
 
 def router_actor():
@@ -226,7 +227,7 @@ def router_actor():
     class Router:
         def __init__(self):
             self.group, self.members, self.backend = None, [], None
-            self._pair_locks: dict[tuple, threading.Lock] = {}
+            self._actor_locks: dict[str, threading.Lock] = {}
             self._locks_lock = threading.Lock()
 
         def regroup(self, actors: list, backend: str) -> float:
@@ -262,17 +263,25 @@ def router_actor():
             return time.monotonic() - start
 
         def route(self, src, key: str, dst, sender: str, tag: Tag, backend: str):
-            """Start one transfer, after the previous one between the same two actors has finished: Ray's collective
-            transport posts a send on `src` and a receive on `dst` per transfer, untagged, so two transfers of one pair
-            in flight together can be matched crosswise (seen: gloo aborting on "16384 vs 896" bytes under load;
-            over NCCL the bytes could land in the other transfer's buffer). Different pairs still overlap."""
-            pair = (sender, dst._actor_id.hex())
+            """Start one transfer once neither of its two actors is in another one, and hold both until it finishes.
+
+            Ray runs each actor's sends and receives on one thread (its `_ray_system` group) in arrival order, and a
+            collective send waits for the matching receive; routes of different pairs arrive at different actors in
+            different orders, so two trainers sending to two consumers can each wait on the other (seen with parts
+            too big for the socket buffers). Holding every actor to one transfer at a time makes such a cycle
+            impossible and costs little: each actor moved one transfer at a time anyway. It also
+            keeps a pair's transfers from matching crosswise (Ray's sends and receives are untagged: gloo aborted on
+            "16384 vs 896" bytes under load). Locks are taken in one global order, so routes never wait on each other
+            in a cycle either."""
+            ids = sorted({src._actor_id.hex(), dst._actor_id.hex()})
             with self._locks_lock:
-                lock = self._pair_locks.setdefault(pair, threading.Lock())
+                locks = [self._actor_locks.setdefault(i, threading.Lock()) for i in ids]
             out = src._out_gloo if backend == "gloo" else src._out_nccl
-            with lock:
+            with contextlib.ExitStack() as held:
+                for lock in locks:
+                    held.enter_context(lock)
                 ref = dst._in.remote(out.remote(key), sender, tag)
-                ray.wait([ref], timeout=_PAIR_WAIT_S)  # ready on success or error; a hang is the lane's to time out
+                ray.wait([ref], timeout=_TRANSFER_WAIT_S)  # ready on success or error; a hang is the lane's to time out
             return ref
 
     _classes["Router"] = Router

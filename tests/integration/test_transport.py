@@ -1,6 +1,7 @@
 """Transport adapters alone: choosing by name, missing optional dependencies, and a trainer/consumer pair per adapter
 (bytes land bitwise at the tag's slot and offset; a stalled or dead peer ends the wait with an error naming it; a
-restarted peer with a new epoch gets a fresh connection). Ray adapters are exercised end to end in test_sync.py."""
+restarted peer with a new epoch gets a fresh connection), and the rdt router's one transfer per actor at a time. Ray
+adapters are exercised end to end in test_sync.py."""
 
 from __future__ import annotations
 
@@ -154,3 +155,54 @@ def test_pair_bytes_land_then_dead_or_stalled_peer_is_named(name):
         for proc in procs:
             proc.kill()
         trainer.close()
+
+
+def test_rdt_router_holds_each_actor_to_one_transfer(ray_session):
+    """Ray moves an actor's collective sends and receives on one thread, in arrival order, and a send waits for its
+    receive: two trainers crossing transfers to two consumers could each wait on the other (a hang seen about once in
+    ten runs of 200 crossing 16 MiB transfers). The router must hold every actor to one transfer at a time: from the
+    trainer's `_out_gloo` to the end of the consumer's `_in`, no two transfers that share an actor overlap."""
+    ray = ray_session
+    from shardplan.transport.rdt import router_actor
+
+    class Rank:
+        def __init__(self):
+            self.part, self.out_at = torch.arange(1024, dtype=torch.float32), {}
+
+        def _out_gloo(self, key):
+            self.out_at[key] = time.monotonic()
+            return [self.part]
+
+        def _in(self, payload, sender, tag):
+            time.sleep(0.02)  # widen each transfer's window: overlaps, if allowed, cannot slip between them
+            return tag, bool(torch.equal(payload[0], torch.arange(1024, dtype=torch.float32))), time.monotonic()
+
+        def out_times(self):
+            return self.out_at
+
+    Rank._out_gloo = ray.method(tensor_transport="gloo")(Rank._out_gloo)
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=32, enable_tensor_transport=True)(Rank)
+    trainers, consumers = [actor_cls.remote() for _ in range(2)], [actor_cls.remote() for _ in range(2)]
+    router = router_actor().remote()
+    try:
+        ray.get(router.regroup.remote(trainers + consumers, "gloo"), timeout=120)
+        jobs = [(t, c, r) for r in range(6) for t in range(2) for c in (r % 2, 1 - r % 2)]  # crossing orders
+        routed = [
+            router.route.remote(trainers[t], f"{c}/{r}", consumers[c], f"trainer{t}", (t, c, r), "gloo")
+            for t, c, r in jobs
+        ]
+        landed = ray.get(ray.get(routed, timeout=120), timeout=120)
+        out_at = [ray.get(t.out_times.remote(), timeout=30) for t in trainers]
+    finally:
+        for actor in [router, *trainers, *consumers]:
+            ray.kill(actor)
+    assert all(ok for _, ok, _ in landed), "bytes differ"
+    windows: dict[str, list] = {}
+    for (t, c, r), _, in_end in landed:
+        span = (out_at[t][f"{c}/{r}"], in_end, (t, c, r))
+        windows.setdefault(f"trainer{t}", []).append(span)
+        windows.setdefault(f"consumer{c}", []).append(span)
+    for actor, spans in windows.items():
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            assert start >= end, f"{actor}: transfers {first} and {second} (trainer, consumer, round) overlap"
