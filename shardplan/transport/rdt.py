@@ -267,10 +267,10 @@ def router_actor():
 
             Ray runs each actor's sends and receives on one thread (its `_ray_system` group) in arrival order, and a
             collective send waits for the matching receive; routes of different pairs arrive at different actors in
-            different orders, so two trainers sending to two consumers can each wait on the other (seen with parts
-            too big for the socket buffers). Holding every actor to one transfer at a time makes such a cycle
-            impossible and costs little: each actor moved one transfer at a time anyway. It also keeps a pair's
-            untagged transfers from matching crosswise (gloo aborted on "16384 vs 896" bytes). Locks: one order."""
+            different orders, so two trainers sending to two consumers can each wait on the other (seen: a hang in
+            about one run in ten of crossing transfers). Holding every actor to one transfer at a time makes such a
+            cycle impossible and costs little: each actor moved one transfer at a time anyway. It also keeps a pair's
+            untagged transfers from matching crosswise (gloo aborted on "16384 vs 896"). Locks go in sorted order."""
             ids = sorted({src._actor_id.hex(), dst._actor_id.hex()})
             with self._locks_lock:
                 locks = [self._actor_locks.setdefault(i, threading.Lock()) for i in ids]
