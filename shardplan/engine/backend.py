@@ -12,9 +12,10 @@ in every vLLM process by the `vllm.general_plugins` entry point (shardplan.engin
                                                   finalized before returning, complete or not
     finish_weight_update()                        nothing left to do (the reload already ended)
 
-A failed update raises (SyncFailed naming the peers); the model is whole again before it does: every layer holds
-either this version (its update completed and was processed) or what it held before. `state()` says which
-(version, complete); the trainer side keeps the engine paused and its weight version "<v>:incomplete" (docs/engine.md).
+A failed update raises (SyncFailed naming the peers), or with errors_in_state (EngineSync's way) returns; the model is
+whole again first: every layer holds either this version (its update completed and was processed) or what it held
+before. `state()` says which (version, complete, error); the trainer side keeps the engine paused and its weight version
+"<v>:incomplete" (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def engine_quantization(model_config) -> str:
     return f"checkpoint {get('quant_method', method)}"
 
 
+def _error_text(e: BaseException) -> str:
+    text = str(e)
+    return text if text.startswith(type(e).__name__) else f"{type(e).__name__}: {text}"
+
+
 def _named(method):
     """vLLM's collective_rpc passes a worker's exception on as its message only: put the error's class name in front
     so the trainer side can raise the same named error (shardplan.engine.errors.raise_named)."""
@@ -133,14 +139,23 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.consumer: ConsumerSync | None = None
-        self.unpacker, self.rank, self.last_error = None, None, ""
+        self.unpacker, self.rank, self.last_error, self.init_error = None, None, "", ""
         self.eplb: EngineEplb | None = None
         self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
         self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
-    @_named
     def init_transfer_engine(self, init_info: ShardplanInitInfo) -> None:
+        self.init_error = ""
+        try:
+            self._join(init_info)
+        except Exception as e:
+            if not init_info.errors_in_state:
+                raise
+            self.init_error = _error_text(e)
+
+    @_named
+    def _join(self, init_info: ShardplanInitInfo) -> None:
         pc = self.parallel_config
         layout = engine_layout(pc)
         plan_file = self._find_plan(init_info, layout)
@@ -288,8 +303,9 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                 self.placement_stale = False
             self.last_error = ""
         except BaseException as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            raise
+            self.last_error = _error_text(e)
+            if not (update_info.errors_in_state and isinstance(e, Exception)):
+                raise
         finally:
             with torch.no_grad():
                 self.unpacker.end(self.model_config)
@@ -319,6 +335,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             "version": st.version,
             "complete": st.complete and not self.placement_stale,
             "error": self.last_error,
+            "init_error": self.init_error,
             "last_update": self.last_update,
             # elements no checkpoint tensor defines, zeroed at every update (docs/configs.md)
             "zero_filled": self.unpacker.zero_filled if self.unpacker is not None else 0,

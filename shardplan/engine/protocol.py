@@ -41,6 +41,9 @@ class EngineInitInfo:
     """Sharded trainers: every trainer rank's box of each checkpoint tensor ({name: [[rank, [start, stop, ...]]]},
     shardplan.engine.sharding.shards_to_json); the workers re-plan their writes against them as the trainers do.
     Empty: the trainers hold whole tensors."""
+    errors_in_state: bool = False
+    """A refusal returns and waits in the worker's state (STATE_RPC, "init_error") instead of raising: see
+    EngineUpdateInfo.errors_in_state."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,3 +71,7 @@ class EngineUpdateInfo:
     keep_pool: bool = False
     """Memory for speed, off by default: keep the materialize pool (about one decoder layer) allocated and faulted in
     between updates, so the next update neither allocates nor faults it in; the engine holds it while serving."""
+    errors_in_state: bool = False
+    """A failed update returns and leaves its error in the worker's state (STATE_RPC) instead of raising. EngineSync
+    sets it: once one worker of vLLM's multiproc executor (TP >= 2) raises, the executor stops reading the later
+    workers' replies and every later call of that engine gets a stale one (docs/engine.md)."""

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardplan.engine.clients import EngineClient, as_client
-from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete
+from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.errors import MissingTensorError
@@ -344,11 +344,15 @@ class EngineSync:
     def init(self) -> None:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
         its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
-        info = self.init_info.to_dict()
+        info = {**self.init_info.to_dict(), "errors_in_state": True}  # why: EngineUpdateInfo.errors_in_state
         served: dict[int, str] = {}
         for engine in self.engines:
             engine.init_weight_transfer_engine(info)
-            for state in engine.worker_states() or ():
+            states = engine.worker_states() or ()
+            refused = [s["init_error"] for s in states if s.get("init_error")]
+            if refused:
+                raise_named(RuntimeError("; ".join(refused)), f"{engine.name}: init_weight_transfer_engine")
+            for state in states:
                 rank = state.get("rank")
                 if rank in served:  # its join replaced the other engine's consumer<rank>
                     raise EnginePlanMismatch(
@@ -402,8 +406,13 @@ class EngineSync:
         trainer_out: list = []
 
         def update(engine):
-            try:
-                engine.update_weights({"version": version, **(update_options or {})})
+            try:  # a worker's failure waits in its state (EngineUpdateInfo.errors_in_state)
+                engine.update_weights({"version": version, "errors_in_state": True, **(update_options or {})})
+                states = engine.worker_states() or ()
+                failed = [s for s in states if (s.get("version"), s.get("complete")) != (version, True)]
+                if failed:
+                    why = "; ".join(f"plan rank {s['rank']}: {s.get('error') or 'incomplete'}" for s in failed)
+                    raise_named(RuntimeError(why), f"{engine.name}: update_weights")
             except BaseException as e:  # noqa: BLE001 - reported per engine
                 errors[engine.name] = e
 
