@@ -90,8 +90,9 @@ def start_cpu_llm(model_dir: str | Path, tp: int, *, shardplan_backend: bool = T
     from vllm.config import WeightTransferConfig
 
     set_cpu_env()
-    if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    workers = tp * int(extra.get("pipeline_parallel_size", 1))  # one core each (vLLM binds per local worker)
+    if workers > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(workers))
     else:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if shardplan_backend:

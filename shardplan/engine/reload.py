@@ -291,8 +291,8 @@ class ReloadUnpacker:
         materialized ahead in the first one), so the update holds no more than it did without receiving in place."""
         out: list[torch.Tensor | None] = [None] * len(spans)
         self._posted.append(group)
-        if not (self.active and self.receive_in_place and not self.sharded and self._pool_size):
-            return out
+        if not (self.active and self.receive_in_place and not self.sharded and self._pool_size and spans):
+            return out  # (no spans: a group of another pipeline stage, posted with nothing to receive)
         candidates = self.appliers[0].for_group(group).in_place_segments()
         if not any(lo in candidates for lo, _ in spans) or not self._materialize_ahead():
             return out

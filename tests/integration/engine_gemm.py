@@ -135,6 +135,18 @@ class GemmPathExtension:
     def moe_paths(self) -> dict[str, dict]:
         return moe_paths(self.model_runner.get_model())
 
+    def allocate_pp_intermediate_tensors(self) -> None:
+        """vLLM 0.32's CPU workers in eager mode never warm up, so a later pipeline stage never allocates the tensors
+        it receives the previous stage's activations into and its first step asserts (GPUModelRunner
+        .sync_and_gather_intermediate_tensors): allocate them as the warm-up's dummy run would."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        runner = self.model_runner
+        if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+            runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+                batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+            )
+
     def shardplan_readers(self) -> list[str]:
         """The modules the shardplan backend re-processes because they share storage with a param it writes."""
         return sorted(name for name, _, _ in self.weight_transfer_engine.unpacker.readers.values())

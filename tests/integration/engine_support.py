@@ -94,16 +94,16 @@ def make_model(root: Path, moe: bool, seed: int = 1, moe_inter: int = MOE_INTER)
     return write_checkpoint(root / ("moe" if moe else "dense"), cfg, random_tensors(moe, seed, moe_inter))
 
 
-def record_plan(model_dir: Path, tp: int, out_dir: Path) -> Path:
+def record_plan(model_dir: Path, tp: int, out_dir: Path, pp: int = 1) -> Path:
     """`shardplan record` for the tiny model (in this process: vLLM on the meta device, nothing left behind)."""
     from shardplan.plan.file.format import write_plan
     from shardplan.plan.file.store import plan_path
     from shardplan.plan.layout import Layout
     from shardplan.record.session import RecordSession
 
-    session = RecordSession(str(model_dir), Layout(tp=tp))
+    session = RecordSession(str(model_dir), Layout(tp=tp, pp=pp))
     path = plan_path(session.spec, session.layout, session.dtype, out_dir=out_dir)
-    write_plan(path, session.encode(session.record_plans(range(tp)).body))
+    write_plan(path, session.encode(session.record_plans(range(tp * pp)).body))
     return path
 
 
@@ -111,24 +111,34 @@ engine_kwargs = cpu_engine_kwargs
 
 
 def start_llm(
-    model_dir: Path, tp: int, *, shardplan_backend: bool = True, gemm: str | None = None, moe: str | None = None
+    model_dir: Path,
+    tp: int,
+    *,
+    shardplan_backend: bool = True,
+    gemm: str | None = None,
+    moe: str | None = None,
+    pp: int = 1,
 ):
     """shardplan.engine.cpu_llm's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES), `moe`:
-    its CPU MoE experts' path (engine_gemm.MOE_MODES); None: what the CPU picks."""
-    extra = {}
+    its CPU MoE experts' path (engine_gemm.MOE_MODES); None: what the CPU picks. `pp`: pipeline stages (with
+    engine_gemm's repair of vLLM 0.32's CPU pipeline parallelism)."""
+    extra = {} if pp == 1 else {"pipeline_parallel_size": pp}
     for env, mode in (("SHARDPLAN_TEST_CPU_GEMM", gemm), ("SHARDPLAN_TEST_CPU_MOE", moe)):
         if mode is None:
             os.environ.pop(env, None)
         else:
             os.environ[env] = mode
-    if gemm is not None or moe is not None:
+    if gemm is not None or moe is not None or pp > 1:
         import engine_gemm
 
         here = str(Path(__file__).parent)  # the workers import engine_gemm
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         extra.update(engine_gemm.ENGINE_KWARGS)
-    return start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, **extra)
+    llm = start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, **extra)
+    if pp > 1:
+        llm.collective_rpc("allocate_pp_intermediate_tensors")
+    return llm
 
 
 stop_llm = stop_cpu_llm
@@ -142,7 +152,7 @@ _FRESH: dict[tuple[str, int], list[list[int]]] = {}
 
 
 def fresh_tokens(
-    model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head", moe: str | None = None
+    model_dir: Path, tp: int, gemm: str | None = None, logits: str = "lm_head", moe: str | None = None, pp: int = 1
 ) -> list[list[int]]:
     """Greedy tokens of a fresh engine of this layout started from `model_dir` (no weight transfer involved); kept
     per (checkpoint bytes, layout) for the session: two tests whose trainers wrote the same bytes share the engine.
@@ -150,9 +160,9 @@ def fresh_tokens(
     path pinned, checked on every MoE layer."""
     import hashlib
 
-    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm, moe)
+    key = (hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest(), tp, gemm, moe, pp)
     if key not in _FRESH:
-        llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm, moe=moe)
+        llm = start_llm(model_dir, tp, shardplan_backend=False, gemm=gemm, moe=moe, pp=pp)
         try:
             if gemm is not None:
                 kinds = llm.collective_rpc("gemm_kinds")

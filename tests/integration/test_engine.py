@@ -1,6 +1,6 @@
 """shardplan inside live vLLM CPU engines, driven by a real trainer (docs/engine.md).
 
-Per layout (tiny Qwen3 dense TP=1 and TP=2, tiny Qwen3-MoE TP=2), once per module: a random checkpoint, its plan
+Per layout (tiny Qwen3 dense TP=1, TP=2 and PP=2, tiny Qwen3-MoE TP=2), once per module: a random checkpoint, its plan
 (recorded here), one engine with the `shardplan` backend (registered by the plugin entry point) and a trainer process
 (transformers, AdamW, no vLLM). Three versions: train a step, save the checkpoint, sync; the engine's greedy tokens
 must change at every step and equal a fresh engine of the same layout started from the saved checkpoint.
@@ -26,14 +26,16 @@ from engine_support import (
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
-# name: (MoE, TP, the MoE experts' path pinned, the experts' intermediate size); the MoE layouts pin the path
+# name: (MoE, TP, PP, the MoE experts' path pinned, the experts' intermediate size); the MoE layouts pin the path
 # (engine_gemm.MOE_MODES) so that every CPU runs both. "moe-tp2-amx" (only where a test asks for it): 96 / TP=2 = 48
 # per partition, padded to 64 by the amx experts, so the prepack re-run takes its generic (padding) branch.
+# "dense-pp2": two pipeline stages, each worker holding groups the other does not.
 LAYOUTS = {
-    "dense-tp1": (False, 1, None, None),
-    "dense-tp2": (False, 2, None, None),
-    "moe-tp2": (True, 2, "vec", MOE_INTER),
-    "moe-tp2-amx": (True, 2, "amx", 96),
+    "dense-tp1": (False, 1, 1, None, None),
+    "dense-tp2": (False, 2, 1, None, None),
+    "dense-pp2": (False, 1, 2, None, None),
+    "moe-tp2": (True, 2, 1, "vec", MOE_INTER),
+    "moe-tp2-amx": (True, 2, 1, "amx", 96),
 }
 
 
@@ -41,15 +43,15 @@ class World:
     pass
 
 
-@pytest.fixture(scope="module", params=["dense-tp1", "dense-tp2", "moe-tp2"])
+@pytest.fixture(scope="module", params=["dense-tp1", "dense-tp2", "dense-pp2", "moe-tp2"])
 def world(request, tmp_path_factory):
-    moe, tp, w_moe, moe_inter = LAYOUTS[request.param]
+    moe, tp, pp, w_moe, moe_inter = LAYOUTS[request.param]
     w = World()
-    w.name, w.tp, w.moe = request.param, tp, w_moe
+    w.name, w.tp, w.pp, w.workers, w.moe = request.param, tp, pp, tp * pp, w_moe
     w.root = tmp_path_factory.mktemp(request.param)
     w.model = make_model(w.root, moe, moe_inter=moe_inter or MOE_INTER)
-    w.plan = record_plan(w.model, tp, w.root / "plans")
-    w.llm = start_llm(w.model, tp, moe=w_moe)
+    w.plan = record_plan(w.model, tp, w.root / "plans", pp=pp)
+    w.llm = start_llm(w.model, tp, moe=w_moe, pp=pp)
     w.driver = EngineSync([w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
     w.trainer = Trainer(w.model, w.plan, w.driver.control, w.root / "ckpt")
     w.version = 0
@@ -76,7 +78,7 @@ def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
         assert report.complete and report.engines[0].complete, str(report)
         assert report.engines[0].weight_version == str(version)
         assert report.engines[0].paused is False
-        assert [s["version"] for s in report.engines[0].workers or ()] == [version] * w.tp, str(report)
+        assert [s["version"] for s in report.engines[0].workers or ()] == [version] * w.workers, str(report)
         assert all(s["complete"] for s in report.engines[0].workers)
         assert sent.nbytes > 0
         new = greedy(w.llm)
@@ -85,7 +87,7 @@ def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
         tokens = new
         w.version = version
     for version, (checkpoint, got) in enumerate(steps, 1):
-        assert fresh_tokens(checkpoint, w.tp, moe=w.moe) == got, (
+        assert fresh_tokens(checkpoint, w.tp, moe=w.moe, pp=w.pp) == got, (
             f"version {version}: engine != fresh engine from {checkpoint}"
         )
     # the trainer side never imported vLLM (nor safetensors: the test's checkpoint writer is imported lazily)
@@ -121,7 +123,7 @@ def test_trainer_killed_mid_sync_leaves_the_engine_paused_and_marked_incomplete(
     assert not engine.complete and "trainer0" in engine.error
     assert engine.weight_version == f"{version}:incomplete"
     assert engine.paused is True
-    assert [(s["version"], s["complete"]) for s in engine.workers] == [(version, False)] * w.tp
+    assert [(s["version"], s["complete"]) for s in engine.workers] == [(version, False)] * w.workers
     assert all("trainer0" in s["error"] for s in engine.workers)
     assert w.llm.get_weight_version() == f"{version}:incomplete"
     with pytest.raises(SyncIncomplete):
@@ -181,7 +183,7 @@ def test_foreign_plans_are_refused_by_name(world, tmp_path):
             other.init()
     assert w.llm.get_weight_version() == before
     report, _ = sync(w, w.version + 1)
-    assert report.complete and [s["version"] for s in report.engines[0].workers] == [w.version + 1] * w.tp, report
+    assert report.complete and [s["version"] for s in report.engines[0].workers] == [w.version + 1] * w.workers, report
     w.version += 1
 
 
