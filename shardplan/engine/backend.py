@@ -75,6 +75,12 @@ def worker_plan_rank(parallel_config, layout: Layout) -> int:
     dp_rank = getattr(parallel_config, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = parallel_config.data_parallel_rank
+    if dp_rank >= layout.dp:  # vLLM runs a dense model's DP ranks as engines of data_parallel_size 1
+        raise EnginePlanMismatch(
+            f"this worker is data-parallel rank {dp_rank} of an engine whose vLLM data_parallel_size is {layout.dp} "
+            f"(a dense model's DP ranks run as independent engines): not supported yet; start each replica as an "
+            f"engine of its own, without --data-parallel-*, and drive each with its own EngineSync (docs/engine.md)"
+        )
     return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
 
 
@@ -143,6 +149,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.eplb: EngineEplb | None = None
         self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
         self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
+
+    def _not_initialized(self) -> EngineNotInitialized:
+        why = f" (it was refused: {self.init_error})" if self.init_error else ""
+        return EngineNotInitialized(f"init_weight_transfer_engine has not run on this worker{why}")
 
     # -- init: find and check the plan, join the sync --------------------------------------------------------------
     def init_transfer_engine(self, init_info: ShardplanInitInfo) -> None:
@@ -277,7 +287,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     @_named
     def start_weight_update(self) -> None:
         if self.consumer is None:
-            raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+            raise self._not_initialized()
         self._rss_before = _reset_peak_rss()
         t0 = time.perf_counter()
         self.unpacker.begin()
@@ -286,7 +296,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
     @_named
     def receive_weights(self, update_info: ShardplanUpdateInfo) -> None:
         if self.consumer is None:
-            raise EngineNotInitialized("init_weight_transfer_engine has not run on this worker")
+            raise self._not_initialized()
         for key in ("rerun_moe_prepack", "defer_gemm", "receive_in_place", "prefault_pool"):
             setattr(self.unpacker, key, bool(getattr(update_info, key)))
         self.unpacker.set_keep_pool(bool(update_info.keep_pool))
