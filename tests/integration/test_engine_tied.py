@@ -10,8 +10,8 @@ once, and a model that only looks embed_tokens up never does; `stale_gemms` chec
 the weight its module holds.
 
 Per case (tiny random Llama / Qwen3 / Command R with tie_word_embeddings, written by transformers' save_pretrained, at
-TP1 / TP2, with the GEMM path pinned: a packed copy or plain F.linear), a trainer process takes two AdamW steps and
-syncs each; the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path) from the trainer's
+TP1 / TP2 (and a Llama at PP=2), with the GEMM path pinned: a packed copy or plain F.linear), a trainer process
+takes two AdamW steps and syncs each; the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path) from the trainer's
 checkpoint. Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right with F.linear or
 where the copy is embed_tokens' own (it loads it), wrong with a tied lm_head's packed copy (vLLM 0.32's bug; the
 assertion fails once vLLM fixes it, and then says so).
@@ -26,15 +26,17 @@ from engine_support import TIMEOUT_S, VOCAB, Trainer, fresh_tokens, greedy, reco
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
-# (architecture, TP, GEMM path, the module computing the logits): each tied-lm_head architecture at TP1 and TP2, each
-# with and without a packed copy (sgl and oneDNN both build one); Command R computes its logits through embed_tokens
-# itself, the module the plan writes (as Gemma 2), so the embedding's handle must follow the update too
+# (architecture, TP, GEMM path, the module computing the logits, PP): each tied-lm_head architecture at TP1 and TP2,
+# each with and without a packed copy (sgl and oneDNN both build one); Command R computes its logits through
+# embed_tokens itself, the module the plan writes (as Gemma 2), so the embedding's handle must follow the update too.
+# At PP=2 the last stage holds an embedding of its own, tied to its lm_head, which the plan writes as well.
 CASES = {
-    "llama-tp1-onednn": ("llama", 1, "onednn", "lm_head"),
-    "llama-tp2-torch": ("llama", 2, "torch", "lm_head"),
-    "qwen3-tp1-torch": ("qwen3", 1, "torch", "lm_head"),
-    "qwen3-tp2-sgl": ("qwen3", 2, "sgl", "lm_head"),
-    "cohere-tp1-onednn": ("cohere", 1, "onednn", "model.embed_tokens"),
+    "llama-tp1-onednn": ("llama", 1, "onednn", "lm_head", 1),
+    "llama-tp2-torch": ("llama", 2, "torch", "lm_head", 1),
+    "llama-pp2-onednn": ("llama", 1, "onednn", "lm_head", 2),
+    "qwen3-tp1-torch": ("qwen3", 1, "torch", "lm_head", 1),
+    "qwen3-tp2-sgl": ("qwen3", 2, "sgl", "lm_head", 1),
+    "cohere-tp1-onednn": ("cohere", 1, "onednn", "model.embed_tokens", 1),
 }
 
 
@@ -68,16 +70,16 @@ def make_tied_model(root, arch: str):
 def test_tied_lm_head_follows_the_update(case, tmp_path):
     from safetensors import safe_open
 
-    arch, tp, gemm, logits = CASES[case]
+    arch, tp, gemm, logits, pp = CASES[case]
     model = make_tied_model(tmp_path, arch)
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())  # tied: the checkpoint holds the embedding only
-    plan = record_plan(model, tp, tmp_path / "plans")
-    llm = start_llm(model, tp, gemm=gemm)
+    plan = record_plan(model, tp, tmp_path / "plans", pp=pp)
+    llm = start_llm(model, tp, gemm=gemm, pp=pp)
     trainer = None
     try:
-        kinds = llm.collective_rpc("gemm_kinds")
-        assert [k[logits] for k in kinds] == [gemm] * tp, kinds  # the path this case is about was taken
+        kinds = llm.collective_rpc("gemm_kinds")  # (per worker; the logits module is on the last stage)
+        assert [k[logits] for k in kinds if logits in k] == [gemm] * tp, kinds  # the path this case is about was taken
         driver = EngineSync([llm], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
         trainer = Trainer(model, plan, driver.control, tmp_path / "ckpt", save_pretrained=True)
         tokens, steps = greedy(llm), []
@@ -92,13 +94,14 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
             steps.append((checkpoint, new))
             tokens = new
         readers = [] if logits == "model.embed_tokens" else ["lm_head"]
-        assert llm.collective_rpc("shardplan_readers") == [readers] * tp  # found through the shared storage
         kinds = llm.collective_rpc("gemm_kinds")
-        assert [k[logits] for k in kinds] == [gemm] * tp, kinds
+        found = llm.collective_rpc("shardplan_readers")  # found through the shared storage
+        assert found == [readers if logits in k else [] for k in kinds], found
+        assert [k[logits] for k in kinds if logits in k] == [gemm] * tp, kinds
         if logits != "model.embed_tokens":  # only looked up: its handle was dropped and never built again
-            assert [k["model.embed_tokens"] for k in kinds] == ["deferred"] * tp, kinds
-        assert llm.collective_rpc("stale_gemms") == [[]] * tp  # every handle, built now if deferred, is current
-        fresh = [fresh_tokens(checkpoint, tp, gemm, logits) for checkpoint, _ in steps]
+            assert [k["model.embed_tokens"] for k in kinds] == ["deferred"] * tp * pp, kinds
+        assert llm.collective_rpc("stale_gemms") == [[]] * tp * pp  # every handle, built now if deferred, is current
+        fresh = [fresh_tokens(checkpoint, tp, gemm, logits, pp=pp) for checkpoint, _ in steps]
         for version, ((checkpoint, got), want) in enumerate(zip(steps, fresh), 1):
             assert got == want, f"version {version}: engine != fresh engine from {checkpoint}"
 
