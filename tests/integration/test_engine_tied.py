@@ -10,11 +10,11 @@ once, and a model that only looks embed_tokens up never does; `stale_gemms` chec
 the weight its module holds.
 
 Per case (tiny random Llama / Qwen3 / Command R with tie_word_embeddings, written by transformers' save_pretrained, at
-TP1 / TP2 (and a Llama at PP=2), with the GEMM path pinned: a packed copy or plain F.linear), a trainer process
-takes two AdamW steps and syncs each; the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path) from the trainer's
-checkpoint. Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right with F.linear or
-where the copy is embed_tokens' own (it loads it), wrong with a tied lm_head's packed copy (vLLM 0.32's bug; the
-assertion fails once vLLM fixes it, and then says so).
+TP1 / TP2 (and a Llama at PP=2), with the GEMM path pinned: a packed copy or plain F.linear), a trainer process takes
+two AdamW steps and syncs each; the engine's greedy tokens must equal a fresh engine's (same layout, same GEMM path)
+from the trainer's checkpoint. Then vLLM's own `reload_weights` of checkpoint 1 into the engine holding version 2: right
+with F.linear or where the copy is embed_tokens' own (it loads it), wrong with a tied lm_head's packed copy (vLLM 0.32's
+bug; the assertion fails once vLLM fixes it, and then says so).
 """
 
 from __future__ import annotations
