@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardplan.engine.clients import EngineClient, as_client
-from shardplan.engine.errors import EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.errors import EngineCallFailed, EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.errors import MissingTensorError
@@ -408,7 +408,9 @@ class EngineSync:
         def update(engine):
             try:  # a worker's failure waits in its state (EngineUpdateInfo.errors_in_state)
                 engine.update_weights({"version": version, "errors_in_state": True, **(update_options or {})})
-                states = engine.worker_states() or ()
+                states = engine.worker_states()
+                if not states:  # the failure would be in them
+                    raise EngineCallFailed(f"{engine.name}: no worker states after update_weights: outcome unknown")
                 failed = [s for s in states if (s.get("version"), s.get("complete")) != (version, True)]
                 if failed:
                     why = "; ".join(f"plan rank {s['rank']}: {s.get('error') or 'incomplete'}" for s in failed)

@@ -42,6 +42,7 @@ class StandInEngine:
     def __init__(self, name, plans, ranks):
         self.name, self.plans, self.ranks = name, plans, ranks
         self.paused, self.version, self.refuse_init = False, "default", None
+        self.errors, self.states_unavailable = {}, False
         self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
         self.consumers = {}
 
@@ -70,15 +71,16 @@ class StandInEngine:
             try:
                 c.sync(update_info["version"])
             except Exception as e:  # noqa: BLE001
-                errors.append(e)
+                errors.append((c, e))
 
         threads = [threading.Thread(target=run, args=(c,)) for c in self.consumers.values()]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if errors:
-            raise_named(errors[0], f"{self.name}: update_weights")
+        self.errors = {c.rank: f"{type(e).__name__}: {e}" for c, e in errors}
+        if errors and not update_info.get("errors_in_state"):  # as the backend: raised, or left in the state
+            raise_named(errors[0][1], f"{self.name}: update_weights")
 
     def finish_weight_update(self, weight_version=None):
         if weight_version is not None:
@@ -100,8 +102,11 @@ class StandInEngine:
         return self.version
 
     def worker_states(self):
+        if self.states_unavailable:
+            return None
         return [
-            {"rank": r, "version": c.state.version, "complete": c.state.complete} for r, c in self.consumers.items()
+            {"rank": r, "version": c.state.version, "complete": c.state.complete, "error": self.errors.get(r, "")}
+            for r, c in self.consumers.items()
         ]
 
 
@@ -146,7 +151,9 @@ def test_complete_syncs_reach_every_engine_and_resume_them(world):
         assert report.complete and report.version == version and report.trainer.nbytes > 0
         for e in engines:
             assert (e.version, e.paused) == (str(version), False)
-            assert e.worker_states() == [{"rank": r, "version": version, "complete": True} for r in e.ranks]
+            assert e.worker_states() == [
+                {"rank": r, "version": version, "complete": True, "error": ""} for r in e.ranks
+            ]
             check_params(e, plans, tensors)
 
 
@@ -213,6 +220,16 @@ def test_a_failed_update_keeps_that_engine_paused_and_incomplete_until_a_complet
     assert report.complete and all(e.weight_version == "3" and e.paused is False for e in report.engines)
     check_params(engines[1], plans, tensors)
     sync.resume()  # nothing incomplete any more: allowed
+
+
+def test_an_update_whose_outcome_cannot_be_read_is_not_reported_complete(world):
+    # the driver asks the workers to leave failures in their state (errors_in_state): no state, no "complete"
+    plans, sources, engines, sync = world
+    engines[1].states_unavailable = True
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    with pytest.raises(SyncIncomplete, match="engine-b: no worker states after update_weights"):
+        sync.sync(trainer=trainer)
+    assert (engines[0].paused, engines[1].paused) == (False, True)
 
 
 def test_a_refused_init_leaves_the_engines_serving_as_they_were(world):
