@@ -129,10 +129,10 @@ def _named(method):
         try:
             return method(*args, **kwargs)
         except EngineError as e:
-            name = type(e).__name__
-            if str(e).startswith(name):
+            text = _error_text(e)
+            if text == str(e):
                 raise
-            raise type(e)(f"{name}: {e}") from None
+            raise type(e)(text) from None
 
     return wrapper
 
