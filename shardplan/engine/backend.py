@@ -30,7 +30,13 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from shardplan.engine.eplb import EngineEplb
-from shardplan.engine.errors import EngineControlUnreachable, EngineError, EngineNotInitialized, EnginePlanMismatch
+from shardplan.engine.errors import (
+    EngineControlUnreachable,
+    EngineError,
+    EngineNotInitialized,
+    EnginePlanMismatch,
+    EngineUnsupported,
+)
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
 from shardplan.engine.reload import ReloadUnpacker
 from shardplan.engine.sharding import sharded_plan, shards_from_json
@@ -40,10 +46,10 @@ from shardplan.plan.file.store import load_plan
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.runtime.shards import ShardError
-from shardplan.sync import ConsumerSync, SyncConfig, SyncState
+from shardplan.sync import ConsumerSync, Replicas, SyncConfig, SyncConfigError, SyncState
 from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
-from shardplan.transport.base import ControlUnreachable
+from shardplan.transport.base import ControlUnreachable, consumer_name
 
 logger = logging.getLogger("shardplan.engine")
 
@@ -79,7 +85,8 @@ def worker_plan_rank(parallel_config, layout: Layout) -> int:
         raise EnginePlanMismatch(
             f"this worker is data-parallel rank {dp_rank} of an engine whose vLLM data_parallel_size is {layout.dp} "
             f"(a dense model's DP ranks run as independent engines): not supported yet; start each replica as an "
-            f"engine of its own, without --data-parallel-*, and drive each with its own EngineSync (docs/engine.md)"
+            f"engine of its own, without --data-parallel-*, and drive them with one EngineSync(engines, plan, "
+            f"replicas=N) (docs/engine.md)"
         )
     return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
 
@@ -146,6 +153,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         super().__init__(config, vllm_config, device, model)
         self.consumer: ConsumerSync | None = None
         self.unpacker, self.rank, self.last_error, self.init_error = None, None, "", ""
+        self.replica = 0
         self.eplb: EngineEplb | None = None
         self.placement_stale = False  # the last update's placement changed under it (EplbPlacementChanged)
         self.last_update: dict = {}  # the last update's seconds per step and memory (bench/engine_bench.py)
@@ -172,6 +180,10 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.eplb = self._check_eplb(plan_file)
         rank = worker_plan_rank(pc, layout)
         plan = plan_file.rank(rank)
+        try:  # one EngineSync feeding several replicas of the layout: this engine's consumer ids (sync.Replicas)
+            consumer_id = Replicas.of(plan_file.ranks, int(init_info.replicas)).consumer(int(init_info.replica), rank)
+        except SyncConfigError as e:
+            raise EngineUnsupported(f"init info: {e}") from None
         sharded = None
         if init_info.trainer_shards:  # sharded trainers: re-plan the writes against their boxes, as they do
             try:
@@ -195,15 +207,17 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         self.unpacker = ReloadUnpacker(
             self.model, plan, plan_file.sources, max_group_bytes=init_info.max_group_bytes, sharded=sharded
         )
-        name = f"consumer{rank}"
+        name = consumer_name(consumer_id)
         options = dict(init_info.transport_options)
         options.setdefault("timeout_s", config.timeout_s)
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
-        self.consumer = ConsumerSync(rank, self.unpacker, transport, control, config, device=self.device)
+        self.consumer = ConsumerSync(consumer_id, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
+        self.replica = int(init_info.replica)
         sharded_note = "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks"
         logger.info(
-            f"shardplan: worker is plan rank {rank} of {plan_file.path} ({layout.tag()}), joined the sync as {name} "
+            f"shardplan: worker is plan rank {rank} of {plan_file.path} ({layout.tag()}), replica {self.replica}, "
+            f"joined the sync as {name} "
             f"over {init_info.transport}{sharded_note}"
         )
 
@@ -342,6 +356,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         st = self.consumer.state if self.consumer is not None else SyncState(0, True)
         return {
             "rank": self.rank,
+            "replica": self.replica,
             "version": st.version,
             "complete": st.complete and not self.placement_stale,
             "error": self.last_error,

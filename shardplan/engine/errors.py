@@ -67,6 +67,11 @@ class EngineCallFailed(EngineError):
     """An engine call (RPC or HTTP route) failed for a reason that is not one of the named errors above."""
 
 
+class EngineUpdateFailed(EngineError):
+    """A worker's update did not complete, as its state says (its sync failed: a dead or slow peer, a checksum
+    mismatch, an apply or processing error), for a reason that is not one of the named errors above."""
+
+
 _NAMED = {
     cls.__name__: cls
     for cls in (
@@ -82,11 +87,14 @@ _NAMED = {
 }
 
 
-def raise_named(error: BaseException, what: str) -> None:
+def raise_named(error: BaseException, what: str, unnamed: type[EngineError] | None = None) -> None:
     """Re-raise an engine call's failure as the named error it carries (collective_rpc and HTTP flatten worker
-    exceptions into text), else as EngineCallFailed; always names the call."""
+    exceptions into text), else as `unnamed` with the text (a failure read from worker states) or EngineCallFailed;
+    always names the call."""
     text = str(error)
     match = re.search(r"\b(" + "|".join(_NAMED) + r")\b:?\s*(.*)", text, re.S)
     if match:
         raise _NAMED[match.group(1)](f"{what}: {match.group(2).strip()[:2000]}") from error
+    if unnamed is not None:
+        raise unnamed(f"{what}: {text[:2000]}") from error
     raise EngineCallFailed(f"{what} failed: {type(error).__name__}: {text[:2000]}") from error

@@ -44,6 +44,11 @@ class EngineInitInfo:
     errors_in_state: bool = False
     """A refusal returns and waits in the worker's state (STATE_RPC, "init_error") instead of raising: see
     EngineUpdateInfo.errors_in_state."""
+    replica: int = 0
+    """Which replica of the plan's layout this engine is, when one EngineSync feeds several (EngineSync(replicas=N));
+    its workers join the sync as consumer `replica * world + plan rank` (shardplan.sync.Replicas)."""
+    replicas: int = 1
+    """How many replicas the sync feeds (EngineSync(replicas=N)); 1: this engine's consumer ids are its plan ranks."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

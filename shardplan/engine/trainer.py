@@ -30,7 +30,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardplan.engine.clients import EngineClient, as_client
-from shardplan.engine.errors import EngineCallFailed, EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.errors import (
+    EngineCallFailed,
+    EngineError,
+    EnginePlanMismatch,
+    EngineUpdateFailed,
+    SyncIncomplete,
+    raise_named,
+)
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.errors import MissingTensorError
@@ -173,7 +180,8 @@ class ModuleSource:
 class TrainerRank:
     """One trainer rank of the sync (shardplan.sync.TrainerSync over a ReplayPacker of every engine rank's plan, or,
     for sharded trainers, a ShardedPacker of the pieces plan_shards gives this rank). `shards`: every trainer rank's
-    boxes (default: the source's own, e.g. from its DTensors); the driver must get the same (EngineSync(shards=))."""
+    boxes (default: the source's own, e.g. from its DTensors); the driver must get the same (EngineSync(shards=)).
+    `replicas`: the driver's (EngineSync(replicas=N)); EngineSync.trainer_rank passes it."""
 
     def __init__(
         self,
@@ -188,6 +196,7 @@ class TrainerRank:
         device: torch.device | str = "cpu",
         max_group_bytes: int = PART_BYTES,
         shards: Sequence[TrainerShard] | None = None,
+        replicas: int = 1,
     ):
         plan_file = _plan_file(plan)
         plans = [plan_file.rank(r) for r in plan_file.ranks]
@@ -205,9 +214,10 @@ class TrainerRank:
                 device=device,
                 max_group_bytes=max_group_bytes,
                 quantizer=plan_file.header.quantizer,
+                replicas=replicas,
             )
         else:  # sharded groups are not cut into parts (max_group_bytes): every trainer's part of a group is whole
-            self.packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device)
+            self.packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device, replicas=replicas)
         options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
         self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)
@@ -257,6 +267,10 @@ class EngineSyncReport:
         return "\n".join(lines)
 
 
+def _of_replica(state: Mapping, replicas: int) -> str:
+    return f" of replica {state.get('replica', 0)}" if replicas > 1 else ""
+
+
 def _quietly(fn, *args) -> None:
     """Best-effort clean-up call whose failure must not hide the error being handled."""
     try:
@@ -284,11 +298,20 @@ class EngineSync:
         max_group_bytes: int = PART_BYTES,
         check_config: bool = True,
         shards: Sequence[TrainerShard] | None = None,
+        replicas: int = 1,
     ):
         """`shards`: the trainer ranks' boxes when they hold shards (sharding.dtensor_shards / placement_shards, or
         TrainerShard lists); None: every trainer rank holds whole tensors. `num_trainers` defaults to the ranks in
-        `shards` (1 without)."""
+        `shards` (1 without). `replicas`: how many independent replicas of the plan's layout `engines` are (in order:
+        the first len(engines) / replicas engines form replica 0, ...); every replica gets every version from the
+        same trainer ranks, each over its own lanes (one engine's failure leaves the others' versions complete)."""
         self.plan_file = _plan_file(plan)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or len(engines) % replicas:
+            raise EngineError(
+                f"replicas={replicas!r}: the engines ({len(engines)}) must split into that many equal replicas of "
+                f"the plan's layout (in order: the first len(engines) / replicas engines form replica 0, ...)"
+            )
+        self.replicas = replicas
         self.config = config or SyncConfig()
         self.shards = None if shards is None else list(shards)
         if num_trainers is None:
@@ -302,9 +325,12 @@ class EngineSync:
                 self.plan_file.header.eplb,
                 max_group_bytes=max_group_bytes,
                 quantizer=self.plan_file.header.quantizer,
+                replicas=replicas,
             )
         else:
-            packer = ShardedPacker(sharded_plan(self.plan_file, self.shards), min(s.rank for s in self.shards))
+            packer = ShardedPacker(
+                sharded_plan(self.plan_file, self.shards), min(s.rank for s in self.shards), replicas=replicas
+            )
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         self.init_info = EngineInitInfo(
@@ -339,28 +365,33 @@ class EngineSync:
             device=device,
             max_group_bytes=self.init_info.max_group_bytes,
             shards=self.shards,
+            replicas=self.replicas,
         )
 
     def init(self) -> None:
         """init_weight_transfer_engine on every engine (once; sync() calls it): each worker checks the plan against
         its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
         info = {**self.init_info.to_dict(), "errors_in_state": True}  # why: EngineUpdateInfo.errors_in_state
-        served: dict[int, str] = {}
-        for engine in self.engines:
-            engine.init_weight_transfer_engine(info)
+        served: dict[tuple[int, int], str] = {}
+        per_replica = len(self.engines) // self.replicas
+        for i, engine in enumerate(self.engines):
+            replica = i // per_replica
+            engine.init_weight_transfer_engine({**info, "replica": replica, "replicas": self.replicas})
             states = engine.worker_states() or ()
             refused = [s["init_error"] for s in states if s.get("init_error")]
             if refused:
                 raise_named(RuntimeError("; ".join(refused)), f"{engine.name}: init_weight_transfer_engine")
             for state in states:
                 rank = state.get("rank")
-                if rank in served:  # its join replaced the other engine's consumer<rank>
+                if (replica, rank) in served:  # its join replaced the other engine's consumer
                     raise EnginePlanMismatch(
-                        f"{engine.name} and {served[rank]} both serve plan rank {rank} of {self.plan_file.path}: one "
-                        f"EngineSync drives engines that together form the plan's layout (e.g. the DP ranks of a "
-                        f"dp=N plan); independent replicas of one layout need one EngineSync each"
+                        f"{engine.name} and {served[replica, rank]} both serve plan rank {rank} of "
+                        f"{self.plan_file.path} in replica {replica}: the engines of one replica together form the "
+                        f"plan's layout (one engine, or the DP ranks of a dp=N plan); independent engines that "
+                        f"each serve the whole layout are replicas: EngineSync(engines, plan, "
+                        f"replicas={len(self.engines) if self.replicas == 1 else '...'})"
                     )
-                served[rank] = engine.name
+                served[replica, rank] = engine.name
         self.initialized = True
 
     def sync(
@@ -413,8 +444,11 @@ class EngineSync:
                     raise EngineCallFailed(f"{engine.name}: no worker states after update_weights: outcome unknown")
                 failed = [s for s in states if (s.get("version"), s.get("complete")) != (version, True)]
                 if failed:
-                    why = "; ".join(f"plan rank {s['rank']}: {s.get('error') or 'incomplete'}" for s in failed)
-                    raise_named(RuntimeError(why), f"{engine.name}: update_weights")
+                    why = "; ".join(
+                        f"plan rank {s['rank']}{_of_replica(s, self.replicas)}: {s.get('error') or 'incomplete'}"
+                        for s in failed
+                    )
+                    raise_named(RuntimeError(why), f"{engine.name}: update_weights", EngineUpdateFailed)
             except BaseException as e:  # noqa: BLE001 - reported per engine
                 errors[engine.name] = e
 

@@ -19,7 +19,7 @@ from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, rea
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer, run_items
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
-from shardplan.sync.stages import Packer, Span
+from shardplan.sync.stages import Packer, Replicas, Span
 
 # Pipeline unit of ReplayPacker / ApplyUnpacker: a decoder layer's group larger than this is moved in parts (see
 # PackLayout.from_plans). The sync's fill (pack the first part) and drain (apply the last) are one part each, so a
@@ -130,7 +130,9 @@ class ReplayPacker:
     `quantizer`: for a block-FP8 plan whose trainer holds high-precision weights, the plan header's `quantizer` id:
     each consumer's bytes are packed by a QuantizingReplayer (fp8 weights and scales made from the trainer's
     bfloat16/float16/float32 `X.weight` at every pack; no scale tensors on the trainer). "" (default): the trainer
-    holds the plan's tensors as they are (an FP8 plan then needs fp8 weights and scales, like a checkpoint)."""
+    holds the plan's tensors as they are (an FP8 plan then needs fp8 weights and scales, like a checkpoint).
+    `replicas`: how many replicas of the plan's layout the sync feeds (sync.stages.Replicas: consumer ids beyond the
+    plan's ranks); each is packed from the same replayers, with bindings of its own."""
 
     def __init__(
         self,
@@ -143,6 +145,7 @@ class ReplayPacker:
         cache_bindings: bool | None = None,
         quantizer: str = "",
         direct_bytes: int | None = DIRECT_BYTES,
+        replicas: int = 1,
     ):
         self.sources = dict(sources)
         # `direct_bytes`: the smallest segment sent straight from a trainer tensor (DIRECT_BYTES); None: none is
@@ -158,39 +161,42 @@ class ReplayPacker:
         self._groups = tuple(sorted(groups, key=group_order))
         self._packs = _Packs(cache_bindings)
         self._plans, self._reads = {p.rank: p for p in plans}, {}
+        self.replicas = Replicas.of(list(self.replayers), replicas)
 
     def consumers(self):
-        return sorted(self.replayers)
+        return self.replicas.consumers(self.replayers)
 
     def stamp(self, consumer: int) -> str:
-        reads = self._reads.get(consumer)
+        rank = self.replicas.plan_rank(consumer)
+        reads = self._reads.get(rank)
         if reads is None:  # what the consumer's writes read, from the plan as given (before any FP8 rebasing)
-            reads = self._reads[consumer] = reads_digest(self._plans[consumer])
-        return layout_stamp((consumer,), self.replayers[consumer].layout.digest, reads, self.fallbacks[consumer])
+            reads = self._reads[rank] = reads_digest(self._plans[rank])
+        return layout_stamp((rank,), self.replayers[rank].layout.digest, reads, self.fallbacks[rank])
 
     def groups(self):
         return self._groups
 
     def spans(self, consumer: int, group: str):
-        rep = self.replayers[consumer]
+        rank = self.replicas.plan_rank(consumer)
+        rep = self.replayers[rank]
         out = []
         if group in rep.layout.group_names:
-            rep_g, direct = rep.for_group(group), self._direct_segments(consumer, group)
+            rep_g, direct = rep.for_group(group), self._direct_segments(rank, group)
             out = [
                 Span(s.offset, s.nbytes, _segment_sources(rep_g, s), direct=i in direct)
                 for i, s in enumerate(rep_g.layout.segments)
             ]
-        out += [Span(f.offset, f.nbytes, (f.name,)) for f in self.fallbacks[consumer].get(group, ())]
+        out += [Span(f.offset, f.nbytes, (f.name,)) for f in self.fallbacks[rank].get(group, ())]
         return tuple(out)
 
-    def _direct_segments(self, consumer: int, group: str) -> dict[int, tuple[str, int, int, torch.dtype]]:
-        """Segment -> (source, first element, elements, dtype) of the group's segments that are one contiguous
-        range of one source in its own dtype (a pure view of collapsed geometry [n], stride 1), of direct_bytes or
-        more."""
-        key = (consumer, group)
+    def _direct_segments(self, rank: int, group: str) -> dict[int, tuple[str, int, int, torch.dtype]]:
+        """Segment -> (source, first element, elements, dtype) of plan rank `rank`'s segments of the group that are
+        one contiguous range of one source in its own dtype (a pure view of collapsed geometry [n], stride 1), of
+        direct_bytes or more."""
+        key = (rank, group)
         if key not in self._direct:
             out = {}
-            rep_g = self.replayers[consumer].for_group(group)
+            rep_g = self.replayers[rank].for_group(group)
             for (src_dtype, dst_dtype, sizes, strides), segs in rep_g._runs if self.direct_bytes is not None else ():
                 dtype = to_dtype(dst_dtype)
                 if src_dtype != dst_dtype or len(sizes) != 1 or tuple(strides) != (1,):
@@ -205,7 +211,7 @@ class ReplayPacker:
     def direct_view(self, consumer: int, group: str, tensors, segment: int) -> torch.Tensor | None:
         """The bytes of a direct segment (see spans) as a uint8 view of the trainer's tensor, or None where that
         tensor is not the contiguous one of the plan's dtype and size (the segment is then packed as usual)."""
-        found = self._direct_segments(consumer, group).get(segment)
+        found = self._direct_segments(self.replicas.plan_rank(consumer), group).get(segment)
         if found is None:  # a schedule made from other spans than this packer's: packed, as any other segment
             return None
         name, offset, numel, dtype = found
@@ -216,12 +222,13 @@ class ReplayPacker:
         return t.reshape(-1)[offset : offset + numel].view(torch.uint8)
 
     def pack(self, consumer, group, tensors, out, segments):
-        rep = self.replayers[consumer]
+        rank = self.replicas.plan_rank(consumer)
+        rep = self.replayers[rank]
         num_replayed = len(rep.for_group(group).layout.segments) if group in rep.layout.group_names else 0
         replayed = [i for i in segments if i < num_replayed]
-        if replayed:
+        if replayed:  # bindings per consumer: each replica's lane packs into its own slots, concurrently
             self._packs.run((consumer, group), rep.for_group(group), replayed, tensors, out)
-        slots = self.fallbacks[consumer].get(group, ())
+        slots = self.fallbacks[rank].get(group, ())
         for i in segments:
             if i >= num_replayed:  # a fallback tensor, whole, as bytes
                 f = slots[i - num_replayed]
@@ -290,7 +297,8 @@ def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout], plans: Mappin
 
 class ShardedPacker:
     """Packer for sharded trainers (shardplan.runtime.shards.ShardedPlan): trainer `rank` packs, for each consumer, the
-    pieces plan_shards gave it, from its local shards; each piece can come from that trainer only."""
+    pieces plan_shards gave it, from its local shards; each piece can come from that trainer only. `replicas`: as
+    ReplayPacker's (every replica gets the same pieces from the same trainers)."""
 
     def __init__(
         self,
@@ -300,6 +308,7 @@ class ShardedPacker:
         alignment: int = 256,
         device: torch.device | str | None = None,
         cache_bindings: bool | None = None,
+        replicas: int = 1,
     ):
         self.sharded, self.rank, self.alignment = sharded, rank, alignment
         self.consumer_ranks = sorted({c for _, c in sharded.plans})
@@ -310,29 +319,32 @@ class ShardedPacker:
             c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device) for c, p in mine.items()
         }
         self._packs = _Packs(cache_bindings)
+        self.replicas = Replicas.of(self.consumer_ranks, replicas)
 
     def consumers(self):
-        return self.consumer_ranks
+        return self.replicas.consumers(self.consumer_ranks)
 
     def stamp(self, consumer: int) -> str:
-        return _sharded_stamp(consumer, self.parts[consumer], self.sharded.for_consumer(consumer))
+        rank = self.replicas.plan_rank(consumer)
+        return _sharded_stamp(rank, self.parts[rank], self.sharded.for_consumer(rank))
 
     def groups(self):
         return self._groups
 
     def spans(self, consumer: int, group: str):
-        parts, out = self.parts[consumer], []
+        parts, out = self.parts[self.replicas.plan_rank(consumer)], []
         for t, base in sharded_bases(parts, group, self.alignment).items():
             out += [Span(base + s.offset, s.nbytes, (), (t,)) for s in parts[t].group(group).segments]
         return tuple(out)
 
     def pack(self, consumer, group, tensors, out, segments):
-        base = sharded_bases(self.parts[consumer], group, self.alignment)[self.rank]
-        rep_g = self.replayers[consumer].for_group(group)
+        parts = self.parts[self.replicas.plan_rank(consumer)]
+        base = sharded_bases(parts, group, self.alignment)[self.rank]
+        rep_g = self.replayers[self.replicas.plan_rank(consumer)].for_group(group)
         first = sum(
-            len(self.parts[consumer][t].group(group).segments)
-            for t in sorted(self.parts[consumer])
-            if t < self.rank and group in self.parts[consumer][t].group_names
+            len(parts[t].group(group).segments)
+            for t in sorted(parts)
+            if t < self.rank and group in parts[t].group_names
         )
         mine = [i - first for i in segments]
         self._packs.run((consumer, group), rep_g, mine, tensors, out[base : base + rep_g.layout.nbytes])

@@ -117,7 +117,7 @@ class EplbPacker:
             PlacementBinder(p, slots)  # refuses slot tensors that are fallbacks
         self.slots, self.control, self.timeout_s = slots, control, timeout_s
         self.inner = ReplayPacker(plans, sources, **packer_options)
-        self.placements: dict[int, Placement] = {p.rank: slots.initial() for p in plans}
+        self.placements: dict[int, Placement] = {c: slots.initial() for c in self.inner.consumers()}
         self._slot_names: dict[tuple[int, str], tuple[str, ...]] = {}
 
     def begin(self, version: int, consumer: int) -> Placement:

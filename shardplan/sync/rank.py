@@ -59,7 +59,15 @@ class Rank:
         out = {}
         for peer, c in pairs:
             mine, theirs = self.stamps.get(c), ann.get("stamps", {}).get(peer, {}).get(str(c))
-            if mine != theirs:
+            if mine != theirs and (mine is None or theirs is None):
+                out[peer] = LayoutMismatch(
+                    peer,
+                    f"{self.name if mine is None else peer} packs or applies no bytes for consumer {c}: the two "
+                    f"sides were built for different consumer sets (trainer ranks and the driver must be given the "
+                    f"same plan and the same number of engine replicas, e.g. EngineSync(replicas=N) and "
+                    f"TrainerRank(replicas=N)); nothing was sent",
+                )
+            elif mine != theirs:
                 out[peer] = LayoutMismatch(
                     peer,
                     f"consumer {c}'s bytes are arranged as {theirs} by {peer} and as "

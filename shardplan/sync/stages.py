@@ -28,6 +28,37 @@ class Span:
     direct: bool = False  # its bytes are one contiguous range of one source: sent from it (Packer.direct_view)
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """Consumer ids when one sync feeds `count` replicas of one plan's layout (independent engines that all serve the
+    plan's ranks): replica r's plan rank p is consumer `r * world + p`, where `world` is the plan's highest rank + 1.
+    Each replica is a consumer set of its own on the wire (own lanes, buffers and results); both sides compute the
+    same ids from the same plan file. One replica (the default) leaves consumer ids equal to plan ranks."""
+
+    world: int
+    count: int = 1
+
+    @classmethod
+    def of(cls, plan_ranks: Sequence[int], count: int = 1) -> "Replicas":
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SyncConfigError(f"replicas must be a positive int, got {count!r} ({type(count).__name__})")
+        return cls(max(plan_ranks, default=0) + 1, count)
+
+    def consumer(self, replica: int, plan_rank: int) -> int:
+        if not 0 <= replica < self.count:
+            raise SyncConfigError(f"replica {replica} is outside 0..{self.count - 1} ({self.count} replicas)")
+        return replica * self.world + plan_rank
+
+    def consumers(self, plan_ranks: Sequence[int]) -> list[int]:
+        return [self.consumer(r, p) for r in range(self.count) for p in sorted(plan_ranks)]
+
+    def plan_rank(self, consumer: int) -> int:
+        return consumer % self.world
+
+    def replica(self, consumer: int) -> int:
+        return consumer // self.world
+
+
 class WeightSource(Protocol):
     """Trainer side: the checkpoint tensors this rank holds (in the spirit of vLLM's WeightSource)."""
 

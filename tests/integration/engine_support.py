@@ -197,6 +197,7 @@ def _trainer_main(
     lr: float,
     seed: int,
     save_pretrained: bool = False,
+    replicas: int = 1,
 ):
     """A separate trainer: a transformers model (fp32 master weights) taking AdamW steps on a fixed random batch,
     one shardplan TrainerRank; commands: ("step", k) -> saves checkpoint k (bf16) and returns its dir;
@@ -223,7 +224,9 @@ def _trainer_main(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(seed))
     source = ModuleSource(checkpoint_state, plan_path)
-    rank = TrainerRank(plan_path, source, Control(host, port), config=SyncConfig(timeout_s=TIMEOUT_S))
+    rank = TrainerRank(
+        plan_path, source, Control(host, port), config=SyncConfig(timeout_s=TIMEOUT_S), replicas=replicas
+    )
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     conn.send(("ready", None))
     while True:
@@ -279,6 +282,7 @@ class Trainer:
         lr: float = 2e-2,
         seed: int = 0,
         save_pretrained: bool = False,
+        replicas: int = 1,
     ):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -295,6 +299,7 @@ class Trainer:
                 lr,
                 seed,
                 save_pretrained,
+                replicas,
             ),
         )
         self.proc.start()

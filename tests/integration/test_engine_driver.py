@@ -12,7 +12,7 @@ import pytest
 import torch
 from sync_worlds import full_tensors, tiny_llama_plans
 
-from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.errors import EngineCallFailed, EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
 from shardplan.engine.sharding import placement_shards, sharded_plan, shards_from_json
 from shardplan.engine.trainer import EngineSync, ModuleSource
 from shardplan.plan.compile.compiler import compile_plans
@@ -21,7 +21,7 @@ from shardplan.plan.interp import apply_reference
 from shardplan.plan.layout import Layout
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.shards import local_tensors
-from shardplan.sync import ApplyUnpacker, ConsumerSync, ShardedUnpacker, SyncConfig
+from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig
 from shardplan.transport import Control, create
 
 TIMEOUT_S = 5.0
@@ -41,7 +41,7 @@ class StandInEngine:
 
     def __init__(self, name, plans, ranks):
         self.name, self.plans, self.ranks = name, plans, ranks
-        self.paused, self.version, self.refuse_init = False, "default", None
+        self.paused, self.version, self.refuse_init, self.timeout_s = False, "default", None, TIMEOUT_S
         self.errors, self.states_unavailable = {}, False
         self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
         self.consumers = {}
@@ -53,13 +53,16 @@ class StandInEngine:
         sharded = None
         if info["trainer_shards"]:  # what the backend does for sharded trainers (engine.backend)
             sharded = sharded_plan(PlanFile.read(info["plan_path"]), shards_from_json(info["trainer_shards"]))
+        # consumer ids as the backend numbers them: replica * world + plan rank
+        self.replica, replicas = info["replica"], Replicas.of(range(len(self.plans)), info["replicas"])
         for r in self.ranks:
             if sharded is not None:
                 unpacker = ShardedUnpacker(sharded, r, self.params[r])
             else:
                 unpacker = FlakyUnpacker(self.plans[r], self.params[r], max_group_bytes=info["max_group_bytes"])
-            transport = create(info["transport"], me=f"consumer{r}", control=control, timeout_s=TIMEOUT_S)
-            self.consumers[r] = ConsumerSync(r, unpacker, transport, control, SyncConfig(timeout_s=TIMEOUT_S))
+            c = replicas.consumer(self.replica, r)
+            transport = create(info["transport"], me=f"consumer{c}", control=control, timeout_s=self.timeout_s)
+            self.consumers[r] = ConsumerSync(c, unpacker, transport, control, SyncConfig(timeout_s=self.timeout_s))
 
     def start_weight_update(self):
         pass
@@ -78,7 +81,8 @@ class StandInEngine:
             t.start()
         for t in threads:
             t.join()
-        self.errors = {c.rank: f"{type(e).__name__}: {e}" for c, e in errors}
+        plan_rank = {c: r for r, c in self.consumers.items()}
+        self.errors = {plan_rank[c]: f"{type(e).__name__}: {e}" for c, e in errors}
         if errors and not update_info.get("errors_in_state"):  # as the backend: raised, or left in the state
             raise_named(errors[0][1], f"{self.name}: update_weights")
 
@@ -105,7 +109,13 @@ class StandInEngine:
         if self.states_unavailable:
             return None
         return [
-            {"rank": r, "version": c.state.version, "complete": c.state.complete, "error": self.errors.get(r, "")}
+            {
+                "rank": r,
+                "replica": self.replica,
+                "version": c.state.version,
+                "complete": c.state.complete,
+                "error": self.errors.get(r, ""),
+            }
             for r, c in self.consumers.items()
         ]
 
@@ -152,7 +162,7 @@ def test_complete_syncs_reach_every_engine_and_resume_them(world):
         for e in engines:
             assert (e.version, e.paused) == (str(version), False)
             assert e.worker_states() == [
-                {"rank": r, "version": version, "complete": True, "error": ""} for r in e.ranks
+                {"rank": r, "replica": 0, "version": version, "complete": True, "error": ""} for r in e.ranks
             ]
             check_params(e, plans, tensors)
 
@@ -277,3 +287,125 @@ def test_a_dead_ranks_wait_does_not_drop_a_live_ranks_result(monkeypatch):
 
     monkeypatch.setattr(control, "get", loaded_get)
     assert coordinator.results(4, 0.2) == {"consumer0": {"ok": False, "epoch": 3, "errors": {}}}
+
+
+@pytest.fixture
+def replicas(world):
+    """Two replicas of the dp=2 x tp=2 layout: engines a, b (replica 0) and c, d (replica 1), one EngineSync."""
+    plans, sources, _, one = world
+    engines = [StandInEngine(f"engine-{n}", plans, ranks) for n, ranks in zip("abcd", ([0, 1], [2, 3]) * 2)]
+    sync = EngineSync(
+        engines, one.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048, replicas=2
+    )
+    return plans, sources, engines, sync
+
+
+def test_one_sync_feeds_every_replica_of_the_layout(replicas):
+    """Every engine of both replicas bitwise equal to the reference, for two versions, from one trainer rank, then
+    from two whole-tensor trainer ranks that spread the replicas' bytes between them."""
+    plans, sources, engines, one = replicas
+    for num_trainers in (1, 2):
+        sync = EngineSync(
+            engines,
+            one.plan_file.path,
+            config=SyncConfig(timeout_s=TIMEOUT_S),
+            max_group_bytes=2048,
+            replicas=2,
+            num_trainers=num_trainers,
+        )
+        for version, seed in ((1, 1), (2, 2)):
+            tensors = full_tensors(sources, seed + 10 * num_trainers)
+            ranks = [sync.trainer_rank(ModuleSource(tensors, sync.plan_file), rank=t) for t in range(num_trainers)]
+            out = []
+            senders = [threading.Thread(target=lambda r=r: out.append(r.sync(version))) for r in ranks[1:]]
+            for t in senders:
+                t.start()
+            report = sync.sync(trainer=ranks[0])
+            for t in senders:
+                t.join()
+            for r in ranks:
+                r.close()
+            assert report.complete and [e.name for e in report.engines] == [f"engine-{n}" for n in "abcd"]
+            served = sorted({c for r in [report.trainer, *out] for c in r.peers})
+            assert served == sorted(f"consumer{c}" for c in range(8))
+            assert all(r.nbytes > 0 for r in [report.trainer, *out])
+            for e in engines:
+                assert (e.version, e.paused) == (str(version), False)
+                assert {s["replica"] for s in e.worker_states()} == {0 if e.name in ("engine-a", "engine-b") else 1}
+                check_params(e, plans, tensors)
+
+
+def test_a_failed_replica_leaves_the_other_replicas_complete(replicas):
+    plans, sources, engines, sync = replicas
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    assert sync.sync(trainer=trainer).complete
+    engines[3].consumers[3].unpacker.fail_at = "layers.1/0"
+    with pytest.raises(SyncIncomplete, match="engine-d") as caught:
+        sync.sync(trainer=trainer)
+    report = caught.value.report
+    assert [e.complete for e in report.engines] == [True, True, True, False]
+    error = report.engines[3].error  # replica 1's plan rank 3 is consumer 7 on the wire
+    assert error.startswith("EngineUpdateFailed: engine-d: update_weights: plan rank 3 of replica 1: SyncFailed")
+    assert "consumer7: RuntimeError: injected failure" in error
+    assert [e.paused for e in engines] == [False, False, False, True]
+    engines[3].consumers[3].unpacker.fail_at = None
+    tensors = full_tensors(sources, 2)
+    trainer = sync.trainer_rank(ModuleSource(tensors, sync.plan_file))
+    assert sync.sync(trainer=trainer).complete
+    for e in engines:
+        check_params(e, plans, tensors)
+
+
+def test_sharded_trainers_feed_every_replica_from_their_local_shards(replicas):
+    from torch.distributed.tensor import Shard
+
+    plans, sources, engines, one = replicas
+    shards = placement_shards(sources, [0, 1], lambda n: [Shard(0)])
+    # 16 gloo pairs (2 trainers x 8 consumers) open at once in this one process: on 2 cores that took up to ~5.6 s
+    for e in engines:
+        e.timeout_s = 30.0
+    sync = EngineSync(engines, one.plan_file.path, config=SyncConfig(timeout_s=30.0), shards=shards, replicas=2)
+    tensors = full_tensors(sources, 7)
+    ranks = [
+        sync.trainer_rank(
+            ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards, rank=t), rank=t
+        )
+        for t in (0, 1)
+    ]
+    out = []
+    sender = threading.Thread(target=lambda: out.append(ranks[1].sync(1)))
+    sender.start()
+    report = sync.sync(trainer=ranks[0])
+    sender.join()
+    for r in ranks:
+        r.close()
+    assert report.complete and out[0].nbytes > 0
+    for e in engines:
+        check_params(e, plans, tensors)
+
+
+def test_a_trainer_built_for_fewer_replicas_is_named_and_the_replica_it_serves_completes(replicas):
+    from shardplan.engine.trainer import TrainerRank
+
+    plans, sources, engines, sync = replicas
+    tensors = full_tensors(sources, 1)
+    trainer = TrainerRank(sync.plan_file, ModuleSource(tensors, sync.plan_file), sync.control, max_group_bytes=2048)
+    with pytest.raises(SyncIncomplete) as caught:
+        sync.sync(trainer=trainer)
+    report = caught.value.report
+    assert "trainer0 packs or applies no bytes for consumer 4" in report.trainer_error
+    assert "replicas=N" in report.trainer_error
+    assert [e.complete for e in report.engines] == [True, True, False, False]
+    for e in engines[:2]:
+        check_params(e, plans, tensors)
+
+
+def test_engines_that_each_serve_the_whole_layout_are_refused_without_replicas(world):
+    plans, sources, _, one = world
+    engines = [StandInEngine(n, plans, [0, 1, 2, 3]) for n in ("engine-x", "engine-y")]
+    sync = EngineSync(engines, one.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S))
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    with pytest.raises(EnginePlanMismatch, match=r"engine-y and engine-x both serve plan rank 0 .* replicas=2\)"):
+        sync.sync(trainer=trainer)
+    with pytest.raises(EngineError, match="must split into that many equal replicas"):
+        EngineSync(engines, one.plan_file.path, replicas=3)

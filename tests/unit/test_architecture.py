@@ -47,15 +47,17 @@ BUDGETS = {
     # scale stores and flag read: issue 25)
     "shardplan.runtime": 4590,  # (+ receive in place: Applier.in_place_segments, apply(skip); issue 28)
     "shardplan.transport": 1000,
-    "shardplan.sync": 1800,  # (direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28)
+    "shardplan.sync": 1860,  # (direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
+    # Replicas: one sync feeding several replicas of a layout)
     "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and
     # the fields SGLang's models read, issue 26; the coverage report's SGLang column, issue 26; build.py's answers to
     # the CPU build's kernel refusals, issue 27; released names where transformers' revert cannot give them, OLMo
     # Hybrid and Step3, and the cited vLLM loader drops, issue 27; the sweep's rule for partly unwritten params and
     # the cited padding tables, coverage.VLLM_PADDING, issue 27; Step-3.5's published per-layer fields)
     "shardplan.simulate": 1550,
-    "shardplan.engine": 2460,  # (+ errors_in_state: failures reported in the workers' state, not raised through
-    # vLLM's multiproc executor, which then answers every later RPC with a stale reply; the dense DP replica refusal)
+    "shardplan.engine": 2520,  # (+ errors_in_state: failures reported in the workers' state, not raised through
+    # vLLM's multiproc executor, which then answers every later RPC with a stale reply; the dense DP replica refusal;
+    # EngineSync(replicas=N))
     "shardplan.record.sglang": 920,  # (the registry coverage sweep against SGLang's loader, issue 26; its
     # rule for unwritten params and SGLANG_PADDING, issue 27; the cited SGLang config gaps and loader drops)
     "shardplan.engine.sglang": 750,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP)

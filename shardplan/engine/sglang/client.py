@@ -28,11 +28,12 @@ import urllib.error
 import urllib.request
 import uuid
 
-from shardplan.engine.errors import EngineCallFailed, EngineControlUnreachable, raise_named
+from shardplan.engine.errors import EngineCallFailed, EngineControlUnreachable, EngineUnsupported, raise_named
 from shardplan.engine.sglang.checks import check_server_info
 from shardplan.engine.sglang.commands import LOAD_FORMAT, PREFIX, command_payload, reply_key, state_key
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.replay import Replayer
+from shardplan.sync import Replicas, SyncConfigError
 from shardplan.transport import Control
 
 
@@ -176,7 +177,8 @@ class SglangClient:
         else:
             self.calls, self.name = _InProcess(engine), name or "sglang-engine"
         self.control: Control | None = None
-        self.world: list[int] = []
+        self.world: list[int] = []  # the workers' consumer ids (plan ranks, shifted by the replica: sync.Replicas)
+        self.offset = 0  # this engine's first consumer id
         self.reply_timeout_s = 30.0
 
     def _call(self, what: str, fn, *args):
@@ -190,7 +192,13 @@ class SglangClient:
         info = self._call("server_info", self.calls.server_info)
         plan_file = PlanFile.read(init_info["plan_path"])
         check_server_info(info, plan_file)  # refused here by name, before anything reaches a worker
-        self.world = list(range(int(info["tp_size"]) * int(info["pp_size"])))
+        ranks = range(int(info["tp_size"]) * int(info["pp_size"]))
+        try:
+            replicas = Replicas.of(ranks, int(init_info.get("replicas", 1)))
+            self.offset = replicas.consumer(int(init_info.get("replica", 0)), 0)
+        except SyncConfigError as e:
+            raise EngineUnsupported(f"{self.name}: init info: {e}") from None
+        self.world = [self.offset + r for r in ranks]
         self.control = Control(
             init_info["control_host"], int(init_info["control_port"]), connect_timeout_s=init_info["timeout_s"]
         )
@@ -228,7 +236,7 @@ class SglangClient:
     def worker_states(self) -> list[dict] | None:
         if self.control is None:
             return None
-        return [json.loads(self.control.try_get(state_key(r)) or "{}") or {"rank": r} for r in self.world]
+        return [json.loads(self.control.try_get(state_key(c)) or "{}") or {"rank": c - self.offset} for c in self.world]
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _ok(self, what: str, fn) -> None:
@@ -250,6 +258,7 @@ class SglangClient:
             "id": uuid.uuid4().hex[:12],
             "control": [self.control.host, self.control.port],
             "timeout_s": self.reply_timeout_s,
+            "offset": self.offset,  # each worker answers as consumer offset + its rank
         }
         self._ok(what, lambda: self.calls.command(command_payload(command, tp_size)))
         # the call returns once every worker ran the command (SGLang barriers its TP group); the replies are there

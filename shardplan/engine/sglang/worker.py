@@ -33,7 +33,7 @@ from shardplan.models import resolve_model
 from shardplan.plan.columns import columns_of
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import to_dtype
-from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig
+from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, SyncConfig, SyncConfigError
 from shardplan.transport import Control, create
 from shardplan.transport.base import consumer_name
 
@@ -63,6 +63,7 @@ def world_rank() -> int:
 def run(model: torch.nn.Module, command: dict) -> None:
     """One command; never raises (see the module doc)."""
     rank = world_rank()
+    consumer_id = int(command.get("offset", 0)) + rank  # the id the client reads replies under (sync.Replicas)
     host, port = command["control"]
     control = _JOINED.consumer.control if _JOINED is not None else None
     outcome: dict = {"rank": rank, "ok": True, "error": ""}
@@ -84,8 +85,8 @@ def run(model: torch.nn.Module, command: dict) -> None:
     if control is None:
         return  # the control channel is unreachable: the trainer side names this rank after its timeout
     try:
-        control.set(state_key(rank), json.dumps(state()))
-        control.set(reply_key(command["id"], rank), json.dumps(outcome))
+        control.set(state_key(consumer_id), json.dumps(state()))
+        control.set(reply_key(command["id"], consumer_id), json.dumps(outcome))
     except Exception as e:  # noqa: BLE001
         logger.error("shardplan: consumer%d cannot reach the control channel %s:%s: %s", rank, host, port, e)
 
@@ -96,6 +97,7 @@ def state() -> dict:
     st = _JOINED.consumer.state
     return {
         "rank": _JOINED.rank,
+        "replica": _JOINED.info.replica,
         "version": st.version,
         "complete": st.complete,
         "joined": True,
@@ -187,10 +189,14 @@ def init(model: torch.nn.Module, info: EngineInitInfo, control: Control) -> None
     device = next(model.parameters()).device
     options = dict(info.transport_options)
     options.setdefault("timeout_s", config.timeout_s)
-    name = consumer_name(rank)
+    try:  # one EngineSync feeding several replicas of the layout: this engine's consumer ids (sync.Replicas)
+        consumer_id = Replicas.of(plan_file.ranks, int(info.replicas)).consumer(int(info.replica), rank)
+    except SyncConfigError as e:
+        raise EngineUnsupported(f"init info: {e}") from None
+    name = consumer_name(consumer_id)
     transport = create(info.transport, me=name, control=control, device=device, **options)
     unpacker = _unpacker(model, plan_file, rank, info.max_group_bytes)
-    consumer = ConsumerSync(rank, unpacker, transport, control, config, device=device)
+    consumer = ConsumerSync(consumer_id, unpacker, transport, control, config, device=device)
     _JOINED = _Joined(plan_file, rank, info, consumer)
     logger.info("shardplan: SGLang worker is plan rank %d of %s, joined the sync as %s", rank, plan_file.path, name)
 
