@@ -260,6 +260,9 @@ def router_actor():
                 list(actors), backend="torch_gloo" if backend == "gloo" else backend, name=name
             )
             self.members, self.backend = list(actors), backend
+            with self._locks_lock:  # restarted actors come back under new ids: keep only the members' locks
+                ids = {a._actor_id.hex() for a in actors}
+                self._actor_locks = {i: lock for i, lock in self._actor_locks.items() if i in ids}
             return time.monotonic() - start
 
         def route(self, src, key: str, dst, sender: str, tag: Tag, backend: str):

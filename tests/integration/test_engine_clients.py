@@ -184,13 +184,13 @@ def test_ray_hosted_llm_takes_two_versions(engines):
 
 
 def test_two_engines_serving_the_same_plan_rank_are_refused_by_name(engines):
-    """Independent engines of one layout are each plan rank 0: one EngineSync cannot drive them (its consumers are the
-    plan's ranks); init says so instead of letting the second join replace the first."""
+    """Independent engines of one layout are each plan rank 0: given without replicas=, init says so (naming
+    EngineSync(..., replicas=2)) instead of letting the second join replace the first."""
     from shardplan.engine.errors import EnginePlanMismatch
 
     root, model, plan, async_engine, actor = engines
     driver = EngineSync([async_engine.engine, actor], plan, config=SyncConfig(timeout_s=TIMEOUT_S))
-    with pytest.raises(EnginePlanMismatch, match="plan rank 0"):
+    with pytest.raises(EnginePlanMismatch, match=r"plan rank 0 .* replicas=2\)"):
         driver.init()
 
 

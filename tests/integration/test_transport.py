@@ -193,6 +193,11 @@ def test_rdt_router_holds_each_actor_to_one_transfer(ray_session):
         ]
         landed = ray.get(ray.get(routed, timeout=120), timeout=120)
         out_at = [ray.get(t.out_times.remote(), timeout=30) for t in trainers]
+        # a new membership (restarted actors come back under new ids) keeps only its members' locks
+        locks = lambda: sorted(ray.get(router.__ray_call__.remote(lambda r: list(r._actor_locks)), timeout=30))  # noqa: E731
+        assert len(locks()) == 4
+        ray.get(router.regroup.remote(trainers[:1] + consumers[:1], "gloo"), timeout=120)
+        assert locks() == sorted(a._actor_id.hex() for a in (trainers[0], consumers[0]))
     finally:
         for actor in [router, *trainers, *consumers]:
             ray.kill(actor)
