@@ -21,6 +21,7 @@ before. `state()` says which (version, complete, error); the trainer side keeps 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -37,7 +38,7 @@ from shardplan.engine.errors import (
     EnginePlanMismatch,
     EngineUnsupported,
 )
-from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo
+from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo, state_key
 from shardplan.engine.reload import ReloadUnpacker
 from shardplan.engine.sharding import sharded_plan, shards_from_json
 from shardplan.models import resolve_model
@@ -73,22 +74,29 @@ def engine_layout(parallel_config) -> Layout:
     )
 
 
-def worker_plan_rank(parallel_config, layout: Layout) -> int:
-    """vLLM's worker (data-parallel index, pipeline stage, tensor-parallel rank) -> the plan's global rank (shardplan
-    numbers ranks as vLLM's world: dp x pp x tp, tp fastest; shardplan.plan.layout)."""
+def worker_plan_rank(parallel_config, layout: Layout, dp_replicas: int = 1) -> tuple[int, int]:
+    """vLLM's worker (data-parallel index, pipeline stage, tensor-parallel rank) -> (replica offset, the plan's global
+    rank): shardplan numbers ranks as vLLM's world (dp x pp x tp, tp fastest; shardplan.plan.layout). vLLM runs a
+    dense model's DP ranks as independent engine cores of data_parallel_size 1 that keep their DP index: such a
+    worker is plan rank (0, pp, tp) of replica offset = its DP index, when the driver said this engine hosts that
+    many replicas (EngineInitInfo.dp_replicas), and refused otherwise."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     dp_rank = getattr(parallel_config, "data_parallel_index", None)
     if dp_rank is None:
         dp_rank = parallel_config.data_parallel_rank
+    offset = 0
     if dp_rank >= layout.dp:  # vLLM runs a dense model's DP ranks as engines of data_parallel_size 1
-        raise EnginePlanMismatch(
-            f"this worker is data-parallel rank {dp_rank} of an engine whose vLLM data_parallel_size is {layout.dp} "
-            f"(a dense model's DP ranks run as independent engines): not supported yet; start each replica as an "
-            f"engine of its own, without --data-parallel-*, and drive them with one EngineSync(engines, plan, "
-            f"replicas=N) (docs/engine.md)"
-        )
-    return layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
+        if layout.dp != 1 or dp_rank >= dp_replicas:
+            raise EnginePlanMismatch(
+                f"this worker is data-parallel rank {dp_rank} of an engine whose vLLM data_parallel_size is "
+                f"{layout.dp} (a dense model's DP ranks run as independent engines), and the driver said this engine "
+                f"hosts {dp_replicas} replica(s): drive it as its DP ranks' replicas, EngineSync([engine, ...], plan, "
+                f"replicas=<DP size x engines>) (docs/engine.md)"
+            )
+        offset, dp_rank = dp_rank, 0
+    rank = layout.rank_of(dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group, tp_rank=get_tp_group().rank_in_group)
+    return offset, rank
 
 
 ONLINE_UNPROVEN = (
@@ -178,10 +186,11 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         layout = engine_layout(pc)
         plan_file = self._find_plan(init_info, layout)
         self.eplb = self._check_eplb(plan_file)
-        rank = worker_plan_rank(pc, layout)
+        offset, rank = worker_plan_rank(pc, layout, int(init_info.dp_replicas))
         plan = plan_file.rank(rank)
-        try:  # one EngineSync feeding several replicas of the layout: this engine's consumer ids (sync.Replicas)
-            consumer_id = Replicas.of(plan_file.ranks, int(init_info.replicas)).consumer(int(init_info.replica), rank)
+        replica = int(init_info.replica) + offset
+        try:  # one EngineSync feeding several replicas of the layout: this worker's consumer id (sync.Replicas)
+            consumer_id = Replicas.of(plan_file.ranks, int(init_info.replicas)).consumer(replica, rank)
         except SyncConfigError as e:
             raise EngineUnsupported(f"init info: {e}") from None
         sharded = None
@@ -213,7 +222,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         transport = create(init_info.transport, me=name, control=control, device=self.device, **options)
         self.consumer = ConsumerSync(consumer_id, self.unpacker, transport, control, config, device=self.device)
         self.rank, self.control, self.placement_stale = rank, control, False
-        self.replica = int(init_info.replica)
+        self.replica = replica
         sharded_note = "" if sharded is None else f", from {len(sharded.trainer_ranks)} sharded trainer ranks"
         logger.info(
             f"shardplan: worker is plan rank {rank} of {plan_file.path} ({layout.tag()}), replica {self.replica}, "
@@ -346,6 +355,16 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
                 "rss_before": getattr(self, "_rss_before", None),
                 "rss_peak": _peak_rss(),
             }
+            self._publish_state()
+
+    def _publish_state(self) -> None:
+        """Leave this worker's state on the control channel (protocol.state_key), where the driver reads every
+        worker's: best effort, since a state that is not there reads as an incomplete update."""
+        try:
+            state = {k: v for k, v in self.state().items() if k != "last_update"}
+            self.control.set(state_key(self.consumer.name), json.dumps(state))
+        except Exception as e:  # noqa: BLE001
+            logger.warning(f"shardplan: {self.consumer.name} could not publish its state: {e}")
 
     def finish_weight_update(self) -> None:
         if self.unpacker is not None:

@@ -13,6 +13,13 @@ BACKEND = "shardplan"  # the name under which the plugin registers the backend (
 STATE_RPC = "shardplan_state"  # the worker RPC method the plugin adds (shardplan.engine.plugin)
 
 
+def state_key(consumer: str) -> str:
+    """Where each worker leaves its state (version, complete, error, ...) on the sync's control channel at the end of
+    every update: the driver reads every consumer's there, since one handle over several engine cores (data
+    parallelism) answers each RPC with the first core's reply only."""
+    return f"engine/state/{consumer}"
+
+
 @dataclass
 class EngineInitInfo:
     """Sent once, to every worker, by init_weight_transfer_engine."""
@@ -49,6 +56,9 @@ class EngineInitInfo:
     its workers join the sync as consumer `replica * world + plan rank` (shardplan.sync.Replicas)."""
     replicas: int = 1
     """How many replicas the sync feeds (EngineSync(replicas=N)); 1: this engine's consumer ids are its plan ranks."""
+    dp_replicas: int = 1
+    """How many replicas this one engine hosts as vLLM data-parallel ranks (a dense model's DP ranks run as
+    independent engine cores, each of data_parallel_size 1): DP index i is replica `replica + i`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,6 +21,7 @@ complete sync repairs it and resumes it; `resume(force=True)` serves the mixed w
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,12 +34,13 @@ from shardplan.engine.clients import EngineClient, as_client
 from shardplan.engine.errors import (
     EngineCallFailed,
     EngineError,
+    EngineNotInitialized,
     EnginePlanMismatch,
     EngineUpdateFailed,
     SyncIncomplete,
     raise_named,
 )
-from shardplan.engine.protocol import EngineInitInfo
+from shardplan.engine.protocol import EngineInitInfo, state_key
 from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
 from shardplan.errors import MissingTensorError
 from shardplan.plan.file.format import PlanFile
@@ -47,9 +49,19 @@ from shardplan.plan.names import group_of
 from shardplan.runtime.quantize import trainer_meta, trainer_name_of
 from shardplan.runtime.shards import ShardLayoutError, TrainerShard
 from shardplan.runtime.tensors import TensorShapeError
-from shardplan.sync import PART_BYTES, Coordinator, ShardedPacker, SyncConfig, SyncReport, TrainerSync, spans_of
+from shardplan.sync import (
+    PART_BYTES,
+    Coordinator,
+    Replicas,
+    ShardedPacker,
+    SyncConfig,
+    SyncReport,
+    TrainerSync,
+    spans_of,
+)
 from shardplan.sync.placement import expert_sources, make_packer
 from shardplan.transport import Control, create, trainer_name
+from shardplan.transport.base import consumer_name
 
 
 def _plan_file(plan) -> PlanFile:
@@ -302,16 +314,28 @@ class EngineSync:
     ):
         """`shards`: the trainer ranks' boxes when they hold shards (sharding.dtensor_shards / placement_shards, or
         TrainerShard lists); None: every trainer rank holds whole tensors. `num_trainers` defaults to the ranks in
-        `shards` (1 without). `replicas`: how many independent replicas of the plan's layout `engines` are (in order:
-        the first len(engines) / replicas engines form replica 0, ...); every replica gets every version from the
-        same trainer ranks, each over its own lanes (one engine's failure leaves the others' versions complete)."""
+        `shards` (1 without). `replicas`: how many independent replicas of the plan's layout `engines` are, in order:
+        the first len(engines) / replicas engines form replica 0, ...; or, with more replicas than engines, each
+        engine hosts replicas / len(engines) of them as its vLLM data-parallel ranks (a dense model's DP ranks run as
+        independent engine cores: `--data-parallel-size 2` is two replicas). Every replica gets every version from
+        the same trainer ranks, each over its own lanes (one engine's failure leaves the others' versions complete)."""
         self.plan_file = _plan_file(plan)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or len(engines) % replicas:
+        n = len(engines)
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, int)
+            or replicas < 1
+            or (n % replicas and replicas % n)
+        ):
             raise EngineError(
-                f"replicas={replicas!r}: the engines ({len(engines)}) must split into that many equal replicas of "
-                f"the plan's layout (in order: the first len(engines) / replicas engines form replica 0, ...)"
+                f"replicas={replicas!r}: the engines ({n}) must split into that many equal replicas of the plan's "
+                f"layout (in order: the first len(engines) / replicas engines form replica 0, ...), or each host "
+                f"replicas / len(engines) of them as its data-parallel ranks"
             )
         self.replicas = replicas
+        # per engine: its first replica and how many it hosts whole (0: it is a part of one replica)
+        hosted = replicas // n if replicas >= n else 0
+        self.hosting = [(i * hosted if hosted else i // (n // replicas), hosted) for i in range(n)]
         self.config = config or SyncConfig()
         self.shards = None if shards is None else list(shards)
         if num_trainers is None:
@@ -373,10 +397,10 @@ class EngineSync:
         its model and joins the sync. Named errors (EnginePlanMismatch, ...) come back here."""
         info = {**self.init_info.to_dict(), "errors_in_state": True}  # why: EngineUpdateInfo.errors_in_state
         served: dict[tuple[int, int], str] = {}
-        per_replica = len(self.engines) // self.replicas
-        for i, engine in enumerate(self.engines):
-            replica = i // per_replica
-            engine.init_weight_transfer_engine({**info, "replica": replica, "replicas": self.replicas})
+        for engine, (replica, hosted) in zip(self.engines, self.hosting):
+            engine.init_weight_transfer_engine(
+                {**info, "replica": replica, "replicas": self.replicas, "dp_replicas": max(hosted, 1)}
+            )
             states = engine.worker_states() or ()
             refused = [s["init_error"] for s in states if s.get("init_error")]
             if refused:
@@ -392,7 +416,44 @@ class EngineSync:
                         f"replicas={len(self.engines) if self.replicas == 1 else '...'})"
                     )
                 served[replica, rank] = engine.name
+        for engine, consumers in zip(self.engines, self._hosted_consumers()):
+            # every worker of the replicas an engine hosts joined: its RPC replies may come from one core only
+            missing = [c for c in consumers if self.control.try_get(f"join/{consumer_name(c)}") is None]
+            if missing:
+                raise EngineNotInitialized(
+                    f"{engine.name}: init_weight_transfer_engine returned, but {self._named_consumers(missing)} did "
+                    f"not join the sync: their workers refused or never got the call (a handle over several engine "
+                    f"cores answers with the first core's reply only: see the engine's log for the refusal)"
+                )
         self.initialized = True
+
+    def _hosted_consumers(self) -> list[list[int]]:
+        """Per engine: the consumer ids of the replicas it hosts whole (none where it is a part of one replica)."""
+        world = Replicas.of(self.plan_file.ranks, self.replicas)
+        ranks = sorted(self.plan_file.ranks)
+        return [
+            [world.consumer(r, p) for r in range(first, first + hosted) for p in ranks]
+            for first, hosted in self.hosting
+        ]
+
+    def _named_consumers(self, consumers: Sequence[int]) -> str:
+        world = Replicas.of(self.plan_file.ranks, self.replicas)
+        return ", ".join(
+            f"plan rank {world.plan_rank(c)}{f' of replica {world.replica(c)}' if self.replicas > 1 else ''}"
+            f" ({consumer_name(c)})"
+            for c in consumers
+        )
+
+    def _published_failures(self, consumers: Sequence[int], version: int) -> list[str]:
+        """What the workers' states on the control channel (protocol.state_key) say is not complete at `version`."""
+        out = []
+        for c in consumers:
+            text = self.control.try_get(state_key(consumer_name(c)))
+            state = json.loads(text) if text else {}
+            if (state.get("version"), state.get("complete")) != (version, True):
+                why = state.get("error") or ("incomplete" if state else "no state published")
+                out.append(f"{self._named_consumers([c])}: {why}")
+        return out
 
     def sync(
         self, version: int | None = None, *, trainer: TrainerRank | None = None, update_options: Mapping | None = None
@@ -449,6 +510,11 @@ class EngineSync:
                         for s in failed
                     )
                     raise_named(RuntimeError(why), f"{engine.name}: update_weights", EngineUpdateFailed)
+                unpublished = self._published_failures(hosted[engine.name], version)
+                if unpublished:  # workers the RPC's replies did not cover (other engine cores)
+                    raise_named(
+                        RuntimeError("; ".join(unpublished)), f"{engine.name}: update_weights", EngineUpdateFailed
+                    )
             except BaseException as e:  # noqa: BLE001 - reported per engine
                 errors[engine.name] = e
 
@@ -458,6 +524,7 @@ class EngineSync:
             except BaseException as e:  # noqa: BLE001 - reported with the engines' outcome
                 trainer_out.append(e)
 
+        hosted = {e.name: consumers for e, consumers in zip(self.engines, self._hosted_consumers())}
         threads = [
             threading.Thread(target=update, args=(e,), daemon=True, name=f"update {e.name}") for e in self.engines
         ]

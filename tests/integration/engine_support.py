@@ -7,10 +7,12 @@ workers, so test modules guard nothing at import time that a spawned process wou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -475,3 +477,63 @@ class _Pipe:
         if not self.conn.poll(timeout_s):
             raise TimeoutError("a trainer process did not answer")
         return self.conn.recv()
+
+
+class AsyncEngine:
+    """An AsyncLLM built and serving on its own event loop thread (as in an async server)."""
+
+    def __init__(self, model_dir, dp: int = 1):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="async-llm loop")
+        self.thread.start()
+        self.engine = self.run(self._start(str(model_dir), dp), 900)
+
+    async def _start(self, model_dir, dp):
+        """`dp`: vLLM data-parallel ranks (engine cores), one CPU core each."""
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if dp > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(dp))
+        else:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        args = AsyncEngineArgs(
+            model=model_dir,
+            weight_transfer_config=WeightTransferConfig(backend="shardplan"),
+            data_parallel_size=dp,
+            **engine_kwargs(1),
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def run(self, coro, timeout_s: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def greedy(self, prompts=PROMPTS) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        async def one(i, prompt):
+            last = None
+            async for out in self.engine.generate(
+                {"prompt_token_ids": prompt}, params, request_id=f"r{i}-{id(params)}"
+            ):
+                last = out
+            return list(last.outputs[0].token_ids)
+
+        async def every():
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+        return self.run(every())
+
+    def stop(self):
+        import gc
+
+        try:
+            self.engine.shutdown()
+            self.engine = None
+            gc.collect()  # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)

@@ -11,69 +11,24 @@ engines' tokens are shared (engine_support.fresh_tokens keys them by checkpoint 
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 
 import pytest
-from engine_support import MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, engine_kwargs, fresh_tokens, make_model, record_plan
+from engine_support import (
+    MAX_TOKENS,
+    PROMPTS,
+    TIMEOUT_S,
+    AsyncEngine,
+    Trainer,
+    engine_kwargs,
+    fresh_tokens,
+    make_model,
+    record_plan,
+)
 
 from shardplan.engine.clients import AsyncLLMClient, RayClient, as_client
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
-
-
-class AsyncEngine:
-    """An AsyncLLM built and serving on its own event loop thread (as in an async server)."""
-
-    def __init__(self, model_dir):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="async-llm loop")
-        self.thread.start()
-        self.engine = self.run(self._start(str(model_dir)), 900)
-
-    async def _start(self, model_dir):
-        from vllm.config import WeightTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        args = AsyncEngineArgs(
-            model=model_dir, weight_transfer_config=WeightTransferConfig(backend="shardplan"), **engine_kwargs(1)
-        )
-        return AsyncLLM.from_engine_args(args)
-
-    def run(self, coro, timeout_s: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def greedy(self) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-        async def one(i, prompt):
-            last = None
-            async for out in self.engine.generate(
-                {"prompt_token_ids": prompt}, params, request_id=f"r{i}-{id(params)}"
-            ):
-                last = out
-            return list(last.outputs[0].token_ids)
-
-        async def every():
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
-
-        return self.run(every())
-
-    def stop(self):
-        import gc
-
-        try:
-            self.engine.shutdown()
-            self.engine = None
-            gc.collect()  # its __del__ runs now, not at interpreter exit (where it fails on torn-down globals)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
 
 
 def _ray_engine(model_dir):

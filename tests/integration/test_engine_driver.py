@@ -6,13 +6,22 @@ a failure before any byte puts the engines back as they were."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 import torch
 from sync_worlds import full_tensors, tiny_llama_plans
 
-from shardplan.engine.errors import EngineCallFailed, EngineError, EnginePlanMismatch, SyncIncomplete, raise_named
+from shardplan.engine.errors import (
+    EngineCallFailed,
+    EngineError,
+    EngineNotInitialized,
+    EnginePlanMismatch,
+    SyncIncomplete,
+    raise_named,
+)
+from shardplan.engine.protocol import state_key
 from shardplan.engine.sharding import placement_shards, sharded_plan, shards_from_json
 from shardplan.engine.trainer import EngineSync, ModuleSource
 from shardplan.plan.compile.compiler import compile_plans
@@ -42,7 +51,7 @@ class StandInEngine:
     def __init__(self, name, plans, ranks):
         self.name, self.plans, self.ranks = name, plans, ranks
         self.paused, self.version, self.refuse_init, self.timeout_s = False, "default", None, TIMEOUT_S
-        self.errors, self.states_unavailable = {}, False
+        self.errors, self.states_unavailable, self.unpublished = {}, False, False
         self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
         self.consumers = {}
 
@@ -83,6 +92,9 @@ class StandInEngine:
             t.join()
         plan_rank = {c: r for r, c in self.consumers.items()}
         self.errors = {plan_rank[c]: f"{type(e).__name__}: {e}" for c, e in errors}
+        for state, c in zip(self._states(), self.consumers.values()):  # as the backend: on the control channel
+            if not self.unpublished:
+                c.control.set(state_key(c.name), json.dumps(state))
         if errors and not update_info.get("errors_in_state"):  # as the backend: raised, or left in the state
             raise_named(errors[0][1], f"{self.name}: update_weights")
 
@@ -106,8 +118,9 @@ class StandInEngine:
         return self.version
 
     def worker_states(self):
-        if self.states_unavailable:
-            return None
+        return None if self.states_unavailable else self._states()
+
+    def _states(self):
         return [
             {
                 "rank": r,
@@ -409,3 +422,82 @@ def test_engines_that_each_serve_the_whole_layout_are_refused_without_replicas(w
         sync.sync(trainer=trainer)
     with pytest.raises(EngineError, match="must split into that many equal replicas"):
         EngineSync(engines, one.plan_file.path, replicas=3)
+
+
+class DataParallelStandIn:
+    """One handle over two engine cores (vLLM's data-parallel ranks of a dense model, each an independent engine of
+    the whole layout): calls go to both cores, replies come from the first only, as vLLM's DP client gives them."""
+
+    def __init__(self, name, plans, ranks):
+        self.name = name
+        self.cores = [StandInEngine(f"{name}/dp{k}", plans, ranks) for k in range(2)]
+        self.refuse_core = None  # a core whose init refusal waits in its state (errors_in_state): it never joins
+
+    def init_weight_transfer_engine(self, info):
+        for k, core in enumerate(self.cores):  # the backend: DP index k is replica `replica + k`
+            if k != self.refuse_core:
+                core.init_weight_transfer_engine({**info, "replica": info["replica"] + k})
+
+    def update_weights(self, update_info):
+        threads = [threading.Thread(target=c.update_weights, args=(update_info,)) for c in self.cores if c.consumers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def worker_states(self):
+        return self.cores[0].worker_states()
+
+    def __getattr__(self, name):  # pause, resume, versions: every core, the first core's answer
+        def call(*args):
+            return [getattr(c, name)(*args) for c in self.cores][0]
+
+        return call
+
+
+@pytest.fixture
+def dp_engine(world):
+    plans, sources, _, one = world
+    engine = DataParallelStandIn("engine-dp", plans, [0, 1, 2, 3])
+    sync = EngineSync(
+        [engine], one.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048, replicas=2
+    )
+    return plans, sources, engine, sync
+
+
+def test_one_handle_over_two_data_parallel_cores_updates_both(dp_engine):
+    plans, sources, engine, sync = dp_engine
+    tensors = full_tensors(sources, 3)
+    report = sync.sync(trainer=sync.trainer_rank(ModuleSource(tensors, sync.plan_file)))
+    assert report.complete and sorted(report.trainer.peers) == [f"consumer{c}" for c in range(8)]
+    for core in engine.cores:
+        check_params(core, plans, tensors)
+
+
+def test_a_failure_on_a_core_the_replies_do_not_cover_is_not_reported_complete(dp_engine):
+    """The second core's update fails; the handle's replies (the first core's) say complete. The workers' states on
+    the control channel say otherwise: the driver reports that engine incomplete, naming the plan rank and replica."""
+    plans, sources, engine, sync = dp_engine
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    assert sync.sync(trainer=trainer).complete
+    engine.cores[1].consumers[2].unpacker.fail_at = "layers.0/0"
+    with pytest.raises(SyncIncomplete) as caught:
+        sync.sync(trainer=trainer)
+    error = caught.value.report.engines[0].error
+    assert all(s["complete"] for s in engine.worker_states())  # what the replies say
+    assert error.startswith("EngineUpdateFailed: engine-dp: update_weights: plan rank 2 of replica 1 (consumer6):")
+    assert "injected failure applying layers.0/0" in error
+    engine.cores[1].consumers[2].unpacker.fail_at = None
+    tensors = full_tensors(sources, 2)
+    assert sync.sync(trainer=sync.trainer_rank(ModuleSource(tensors, sync.plan_file))).complete
+    for core in engine.cores:
+        check_params(core, plans, tensors)
+
+
+def test_a_core_that_never_joined_is_named_at_init(dp_engine):
+    plans, sources, engine, sync = dp_engine
+    engine.refuse_core = 1
+    trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
+    with pytest.raises(EngineNotInitialized, match=r"plan rank 0 of replica 1 \(consumer4\), .* did not join"):
+        sync.sync(trainer=trainer)
+    assert sync.version == 0 and not engine.cores[0].paused

@@ -1,6 +1,7 @@
 """Which plan rank a vLLM worker is (shardplan.engine.backend.worker_plan_rank): vLLM's (DP index, PP stage, TP rank),
 numbered as the plan's world, one plan rank per worker; a dense model's DP replica (vLLM runs it as an engine of
-data_parallel_size 1 that keeps its DP index) is refused by name instead of being mapped past the plan's ranks."""
+data_parallel_size 1 that keeps its DP index) is the plan's rank of replica offset = its DP index when the driver
+said the engine hosts that many replicas, and refused by name otherwise (never mapped past the plan's ranks)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,17 @@ def test_every_worker_is_one_plan_rank(monkeypatch, tp, pp, dp):
                 monkeypatch.setattr(parallel_state, "get_tp_group", lambda t=t: SimpleNamespace(rank_in_group=t))
                 config = _config(tp, pp, dp, d)
                 layout = engine_layout(config)
-                ranks.append(worker_plan_rank(config, layout))
-                assert layout.coords(ranks[-1]) == (d, p, t)
+                offset, rank = worker_plan_rank(config, layout)
+                ranks.append(rank)
+                assert offset == 0 and layout.coords(rank) == (d, p, t)
     assert sorted(ranks) == list(range(tp * pp * dp))
 
 
-def test_a_dense_models_dp_replica_is_refused_by_name():
-    config = _config(
-        dp=1, dp_index=1
-    )  # what vLLM leaves a dense model's DP rank 1 (reconfigure_for_independent_dp_rank)
-    with pytest.raises(EnginePlanMismatch, match=r"data-parallel rank 1 .*independent engines.*own EngineSync"):
+def test_a_dense_models_dp_replica_is_a_replica_or_refused_by_name(monkeypatch):
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=1))
+    # what vLLM leaves a dense model's DP rank 1 (reconfigure_for_independent_dp_rank)
+    config = _config(tp=2, dp=1, dp_index=1)
+    assert worker_plan_rank(config, engine_layout(config), dp_replicas=2) == (1, 1)
+    with pytest.raises(EnginePlanMismatch, match=r"data-parallel rank 1 .*independent engines.*replicas=<DP size"):
         worker_plan_rank(config, engine_layout(config))

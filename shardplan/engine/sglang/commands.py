@@ -21,6 +21,9 @@ import json
 import pickle
 import struct
 
+from shardplan.engine.protocol import state_key as protocol_state_key
+from shardplan.transport.base import consumer_name
+
 LOAD_FORMAT = "shardplan.engine.sglang.loader.load"
 PREFIX = "shardplan:"
 COMMAND = "shardplan-sync:"
@@ -30,8 +33,8 @@ def reply_key(command_id: str, rank: int) -> str:
     return f"sglang/{command_id}/consumer{rank}"
 
 
-def state_key(rank: int) -> str:
-    return f"sglang/state/consumer{rank}"
+def state_key(consumer_id: int) -> str:
+    return protocol_state_key(consumer_name(consumer_id))  # where the driver reads every worker's state
 
 
 def command_payload(command: dict, tp_size: int) -> list[str]:
