@@ -357,6 +357,10 @@ class EngineSync:
             )
         self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
+        names = [e.name for e in self.engines]
+        for i, engine in enumerate(self.engines):  # outcomes are per name: two `LLM`s are both "llm"
+            if names.count(engine.name) > 1:
+                engine.name = f"{names[i]}[{i}]"
         self.init_info = EngineInitInfo(
             control_host=host,
             control_port=self.control.port,

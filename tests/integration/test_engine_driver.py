@@ -34,6 +34,7 @@ from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacke
 from shardplan.transport import Control, create
 
 TIMEOUT_S = 5.0
+REPLICA_TIMEOUT_S = 10.0  # 8-16 gloo pairs open at once in this one process: up to ~5.6 s seen (failures wait 1.5x)
 
 
 class FlakyUnpacker(ApplyUnpacker):
@@ -307,8 +308,10 @@ def replicas(world):
     """Two replicas of the dp=2 x tp=2 layout: engines a, b (replica 0) and c, d (replica 1), one EngineSync."""
     plans, sources, _, one = world
     engines = [StandInEngine(f"engine-{n}", plans, ranks) for n, ranks in zip("abcd", ([0, 1], [2, 3]) * 2)]
+    for e in engines:  # 8 consumers' gloo pairs open at once in this one process: slower than 5 s on a loaded box
+        e.timeout_s = REPLICA_TIMEOUT_S
     sync = EngineSync(
-        engines, one.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048, replicas=2
+        engines, one.plan_file.path, config=SyncConfig(timeout_s=REPLICA_TIMEOUT_S), max_group_bytes=2048, replicas=2
     )
     return plans, sources, engines, sync
 
@@ -321,7 +324,7 @@ def test_one_sync_feeds_every_replica_of_the_layout(replicas):
         sync = EngineSync(
             engines,
             one.plan_file.path,
-            config=SyncConfig(timeout_s=TIMEOUT_S),
+            config=SyncConfig(timeout_s=REPLICA_TIMEOUT_S),
             max_group_bytes=2048,
             replicas=2,
             num_trainers=num_trainers,
@@ -350,15 +353,19 @@ def test_one_sync_feeds_every_replica_of_the_layout(replicas):
 
 def test_a_failed_replica_leaves_the_other_replicas_complete(replicas):
     plans, sources, engines, sync = replicas
+    for e in engines:  # as two vllm.LLM handles are (both "llm"): the driver names them apart
+        e.name = "engine"
+    sync = EngineSync(engines, sync.plan_file.path, config=sync.config, max_group_bytes=2048, replicas=2)
+    assert [e.name for e in engines] == [f"engine[{i}]" for i in range(4)]
     trainer = sync.trainer_rank(ModuleSource(full_tensors(sources, 1), sync.plan_file))
     assert sync.sync(trainer=trainer).complete
     engines[3].consumers[3].unpacker.fail_at = "layers.1/0"
-    with pytest.raises(SyncIncomplete, match="engine-d") as caught:
+    with pytest.raises(SyncIncomplete, match=r"engine\[3\]") as caught:
         sync.sync(trainer=trainer)
     report = caught.value.report
     assert [e.complete for e in report.engines] == [True, True, True, False]
     error = report.engines[3].error  # replica 1's plan rank 3 is consumer 7 on the wire
-    assert error.startswith("EngineUpdateFailed: engine-d: update_weights: plan rank 3 of replica 1: SyncFailed")
+    assert error.startswith("EngineUpdateFailed: engine[3]: update_weights: plan rank 3 of replica 1: SyncFailed")
     assert "consumer7: RuntimeError: injected failure" in error
     assert [e.paused for e in engines] == [False, False, False, True]
     engines[3].consumers[3].unpacker.fail_at = None
@@ -374,10 +381,9 @@ def test_sharded_trainers_feed_every_replica_from_their_local_shards(replicas):
 
     plans, sources, engines, one = replicas
     shards = placement_shards(sources, [0, 1], lambda n: [Shard(0)])
-    # 16 gloo pairs (2 trainers x 8 consumers) open at once in this one process: on 2 cores that took up to ~5.6 s
-    for e in engines:
-        e.timeout_s = 30.0
-    sync = EngineSync(engines, one.plan_file.path, config=SyncConfig(timeout_s=30.0), shards=shards, replicas=2)
+    sync = EngineSync(
+        engines, one.plan_file.path, config=SyncConfig(timeout_s=REPLICA_TIMEOUT_S), shards=shards, replicas=2
+    )
     tensors = full_tensors(sources, 7)
     ranks = [
         sync.trainer_rank(
@@ -459,8 +465,10 @@ class DataParallelStandIn:
 def dp_engine(world):
     plans, sources, _, one = world
     engine = DataParallelStandIn("engine-dp", plans, [0, 1, 2, 3])
+    for core in engine.cores:
+        core.timeout_s = REPLICA_TIMEOUT_S
     sync = EngineSync(
-        [engine], one.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), max_group_bytes=2048, replicas=2
+        [engine], one.plan_file.path, config=SyncConfig(timeout_s=REPLICA_TIMEOUT_S), max_group_bytes=2048, replicas=2
     )
     return plans, sources, engine, sync
 

@@ -40,6 +40,7 @@ def test_one_trainer_send_updates_two_engine_replicas(tmp_path):
             report = driver.sync(version)
             sent = trainer.result()
             assert report.complete, str(report)
+            assert [e.name for e in report.engines] == ["llm[0]", "llm[1]"]  # outcomes per engine, named apart
             assert sorted(sent.peers) == ["consumer0", "consumer1"]  # replica 1's plan rank 0 is consumer 1
             states = [e.workers for e in report.engines]
             assert [[(s["replica"], s["version"], s["complete"]) for s in w] for w in states] == [
