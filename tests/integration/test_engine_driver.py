@@ -344,7 +344,8 @@ def test_one_sync_feeds_every_replica_of_the_layout(replicas):
             assert report.complete and [e.name for e in report.engines] == [f"engine-{n}" for n in "abcd"]
             served = sorted({c for r in [report.trainer, *out] for c in r.peers})
             assert served == sorted(f"consumer{c}" for c in range(8))
-            assert all(r.nbytes > 0 for r in [report.trainer, *out])
+            sent = [r.nbytes for r in [report.trainer, *out]]
+            assert min(sent) > 0.9 * max(sent), sent  # the replicas' bytes spread evenly over the trainer ranks
             for e in engines:
                 assert (e.version, e.paused) == (str(version), False)
                 assert {s["replica"] for s in e.worker_states()} == {0 if e.name in ("engine-a", "engine-b") else 1}
