@@ -271,6 +271,14 @@ def _trainer_main(
             conn.send(("error", e))
 
 
+def step_and_sync(trainer, driver, version: int):
+    """One AdamW step in the trainer process, then its sync: (checkpoint dir, driver's report, trainer's report)."""
+    checkpoint, _ = trainer.call("step", version)
+    trainer.send("sync", version)
+    report = driver.sync(version)
+    return checkpoint, report, trainer.result()
+
+
 class Trainer:
     """The trainer process, driven over a pipe."""
 

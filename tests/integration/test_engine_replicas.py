@@ -17,6 +17,7 @@ from engine_support import (
     make_model,
     record_plan,
     start_llm,
+    step_and_sync,
     stop_llm,
 )
 
@@ -35,10 +36,7 @@ def test_one_trainer_send_updates_two_engine_replicas(tmp_path):
     try:
         before = greedy(engines[0])
         for version in (1, 2):
-            checkpoint, _ = trainer.call("step", version)
-            trainer.send("sync", version)
-            report = driver.sync(version)
-            sent = trainer.result()
+            checkpoint, report, sent = step_and_sync(trainer, driver, version)
             assert report.complete, str(report)
             assert [e.name for e in report.engines] == ["llm[0]", "llm[1]"]  # outcomes per engine, named apart
             assert sorted(sent.peers) == ["consumer0", "consumer1"]  # replica 1's plan rank 0 is consumer 1
@@ -77,10 +75,7 @@ def test_one_handle_over_two_data_parallel_engine_cores_takes_every_version(tmp_
     try:
         before = engine.greedy(prompts)
         for version in (1, 2):
-            checkpoint, _ = trainer.call("step", version)
-            trainer.send("sync", version)
-            report = driver.sync(version)
-            sent = trainer.result()
+            checkpoint, report, sent = step_and_sync(trainer, driver, version)
             assert report.complete, str(report)
             assert sorted(sent.peers) == ["consumer0", "consumer1"]
             states = [json.loads(driver.control.try_get(state_key(f"consumer{c}"))) for c in (0, 1)]
