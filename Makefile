@@ -21,9 +21,10 @@ demo: setup
 	$(PY) -m shardplan.cli record --model kimi-k2 --tp 32 --ep --out out/
 	$(PY) -m shardplan.cli inspect out/kimi-k2--tp32-ep--bfloat16.plan --rank 0 --max-lines 20
 
+# --durations: CI's log names the slowest tests (the suite runs near CI's 90-minute limit)
 test: setup setup-sglang
-	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
-	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 --nbmake tests notebooks
+	$(SGL_PY) -m pytest -q -p no:cacheprovider --durations=10 tests/sglang
 
 # The SGLang tests alone (tests/sglang, in .venv-sglang): recording SGLang's loaders, verify against them.
 test-sglang: setup-sglang

@@ -11,6 +11,7 @@ QuantizingReplayer's build time for the layer and for the whole rank (CPU work).
 
     python bench/quant_bench.py [--iters 20] [--json FILE]   (CUDA events, warm-up, medians of interleaved rounds)
     python bench/quant_bench.py --build-only [--repeat 3]      (any machine: the build alone, wall and CPU time)
+    python bench/quant_bench.py --sharded 2                    (+ trainer rank 0 of 2 whole-block row shards' pack)
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_cases import PlanLayer, _plan_file  # noqa: E402
 
+from shardplan.plan.names import is_scale  # noqa: E402
 from shardplan.runtime import fp8kernel  # noqa: E402
 from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
+from shardplan.runtime.shards import plan_shards, tp_shards  # noqa: E402
+from shardplan.sync import ShardedPacker  # noqa: E402
 
 CASES = [
     ("plans/kimi-k2-fp8--tp16-ep--bfloat16.plan", 0, 3),
@@ -95,6 +99,53 @@ def medians(fns: dict, iters: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def measure(label, replayer, sources, args, dev, build_layer, build_rank) -> dict:
+    """One row: the replayer's pack (fused in a graph, fused without, eager) vs a same-run copy of the same bytes."""
+    tensors = trainer_tensors(replayer, sources, dev)
+    fused = replayer.bind(tensors)
+    assert fused.kernel is not None, fused.fused_error
+    nograph = replayer.bind(tensors, cuda_graph=False)
+    eager = replayer.bind(tensors, fused=False)
+    if not torch.equal(fused.pack(), eager.pack()) or not torch.equal(nograph.pack(), eager.out):
+        raise SystemExit(f"MISMATCH: {label}: the fused kernel's buffer differs from the eager quantizer's")
+    moved = traffic(replayer, tensors)
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    ms = medians(
+        {
+            "copy": lambda d=dst, s=src: d.copy_(s),
+            "fused": fused.pack,
+            "nograph": nograph.pack,
+            "kernel": fused.kernel.launch,
+        },
+        args.iters,
+    )
+    ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
+    row = dict(
+        case=label,
+        gb=moved / 1e9,
+        build_layer_ms=build_layer,
+        build_rank_ms=build_rank,
+        launches=fused.num_launches,
+        programs=fused.kernel.num_programs,
+        **{f"{k}_ms": v for k, v in ms.items()},
+        **{f"{k}_pct": 100 * ms["copy"] / v for k, v in ms.items() if k != "copy"},
+    )
+    print(
+        f"| {label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
+        f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
+        f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |",
+        flush=True,
+    )
+    print(
+        f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
+        f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches"
+    )
+    del fused, nograph, eager, tensors, src, dst
+    torch.cuda.empty_cache()
+    return row
+
+
 def build_only(args) -> None:
     """The device-independent part of a consumer rank's quantizing replay: instantiating the rank's plan from the plan
     file, then building the QuantizingReplayer (plan geometry, rebased plans, the inner Replayer's layout and
@@ -146,6 +197,12 @@ def main() -> None:
         help="time only building one consumer rank's QuantizingReplayer (CPU work; no GPU needed)",
     )
     ap.add_argument("--repeat", type=int, default=3, help="builds per case with --build-only (median reported)")
+    ap.add_argument(
+        "--sharded",
+        type=int,
+        default=0,
+        help="also time trainer rank 0's pack when N trainer ranks hold whole-block row shards (ShardedPacker)",
+    )
     args = ap.parse_args()
     if args.build_only:
         return build_only(args)
@@ -173,49 +230,18 @@ def main() -> None:
         t0 = time.perf_counter()
         QuantizingReplayer(plan_file.rank(rank), plan_file.sources, quantizer=plan_file.header.quantizer)
         build_rank = (time.perf_counter() - t0) * 1e3
-        tensors = trainer_tensors(replayer, case.sources, dev)
-        fused = replayer.bind(tensors)
-        assert fused.kernel is not None, fused.fused_error
-        nograph = replayer.bind(tensors, cuda_graph=False)
-        eager = replayer.bind(tensors, fused=False)
-        if not torch.equal(fused.pack(), eager.pack()) or not torch.equal(nograph.pack(), eager.out):
-            raise SystemExit(f"MISMATCH: {case.label}: the fused kernel's buffer differs from the eager quantizer's")
-        moved = traffic(replayer, tensors)
-        src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
-        dst = torch.empty_like(src)
-        ms = medians(
-            {
-                "copy": lambda d=dst, s=src: d.copy_(s),
-                "fused": fused.pack,
-                "nograph": nograph.pack,
-                "kernel": fused.kernel.launch,
-            },
-            args.iters,
-        )
-        ms.update({"eager": medians({"eager": eager.pack}, args.eager_iters)["eager"]})
-        row = dict(
-            case=case.label,
-            gb=moved / 1e9,
-            build_layer_ms=build_layer,
-            build_rank_ms=build_rank,
-            launches=fused.num_launches,
-            programs=fused.kernel.num_programs,
-            **{f"{k}_ms": v for k, v in ms.items()},
-            **{f"{k}_pct": 100 * ms["copy"] / v for k, v in ms.items() if k != "copy"},
-        )
-        rows.append(row)
-        print(
-            f"| {case.label} | {row['gb']:.3f} | {ms['copy']:.3f} | {ms['fused']:.3f} ({row['fused_pct']:.0f}%) | "
-            f"{ms['nograph']:.3f} ({row['nograph_pct']:.0f}%) | {ms['eager']:.1f} ({row['eager_pct']:.1f}%) | "
-            f"{row['launches']} | {build_layer:.0f} / {build_rank:.0f} |",
-            flush=True,
-        )
-        print(
-            f"#   kernel launches alone (quantize + scale gather, no rest, no host check): {ms['kernel']:.3f} ms = "
-            f"{row['kernel_pct']:.0f}% of copy; {row['programs']} programs in {len(fused.kernel.launches)} launches"
-        )
-        del fused, nograph, eager, tensors, src, dst
-        torch.cuda.empty_cache()
+        rows.append(measure(case.label, replayer, case.sources, args, dev, build_layer, build_rank))
+        if args.sharded:  # what trainer rank 0 of a whole-block TP split packs for this consumer (ShardedPacker)
+            held = {n: m for n, m in case.sources.items() if not is_scale(n)}  # a trainer holds no scales
+            shards = tp_shards(
+                held, args.sharded, lambda n: 0 if len(held[n].shape) == 2 else None, block=lambda n: 128
+            )
+            t0 = time.perf_counter()
+            sharded = plan_shards([case.plan()], case.sources, shards, quantizer=plan_file.header.quantizer)
+            replayer = ShardedPacker(sharded, 0).replayers[rank]
+            build = (time.perf_counter() - t0) * 1e3
+            label = f"{case.label}, trainer 0 of {args.sharded} (whole-block rows)"
+            rows.append(measure(label, replayer, sharded.sources[0], args, dev, build, float("nan")))
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -40,13 +40,12 @@ from shardplan.engine.errors import (
 )
 from shardplan.engine.protocol import EngineInitInfo, EngineUpdateInfo, state_key
 from shardplan.engine.reload import ReloadUnpacker
-from shardplan.engine.sharding import sharded_plan, shards_from_json
+from shardplan.engine.sharding import worker_sharded_plan
 from shardplan.models import resolve_model
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.file.store import load_plan
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
-from shardplan.runtime.shards import ShardError
 from shardplan.sync import ConsumerSync, Replicas, SyncConfig, SyncConfigError, SyncState
 from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
@@ -193,14 +192,7 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             consumer_id = Replicas.of(plan_file.ranks, int(init_info.replicas)).consumer(replica, rank)
         except SyncConfigError as e:
             raise EngineUnsupported(f"init info: {e}") from None
-        sharded = None
-        if init_info.trainer_shards:  # sharded trainers: re-plan the writes against their boxes, as they do
-            try:
-                sharded = sharded_plan(plan_file, shards_from_json(init_info.trainer_shards))
-            except ShardError as e:  # the driver planned the same boxes first, so this is a disagreement
-                raise EnginePlanMismatch(
-                    f"the trainers' shards cannot serve {plan_file.path}: {type(e).__name__}: {e}"
-                ) from None
+        sharded = worker_sharded_plan(plan_file, init_info.trainer_shards)  # sharded trainers: as they plan it
         # every connect below is bounded by timeout_s; the new control channel is reached before the old sync is
         # left, so a wrong control_port is named within timeout_s and the engine keeps the sync it had
         config = SyncConfig(

@@ -25,9 +25,9 @@ from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,
 )
 
-from shardplan.engine.errors import EngineUnsupported
+from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan import ir
-from shardplan.runtime.shards import Box, ShardedPlan, ShardLayoutError, TrainerShard, full_box, plan_shards
+from shardplan.runtime.shards import Box, ShardedPlan, ShardError, ShardLayoutError, TrainerShard, full_box, plan_shards
 
 
 def placement_boxes(shape: Sequence[int], mesh: Sequence, placements: Sequence, name: str = "tensor") -> dict[int, Box]:
@@ -113,18 +113,13 @@ def shards_from_json(obj: Mapping[str, list]) -> list[TrainerShard]:
 
 
 def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
-    """Every engine rank's writes re-planned against the trainer ranks' boxes (the same on both sides of a sync)."""
+    """Every engine rank's writes re-planned against the trainer ranks' boxes (the same on both sides of a sync); a
+    block-FP8 plan's trainers quantize their own boxes (whole blocks, else ShardBlockError)."""
     plans = [plan_file.rank(r) for r in plan_file.ranks]
     if plan_file.header.eplb is not None:
         raise EngineUnsupported(
             f"{plan_file.path} has EPLB slots: sharded trainers are not supported with EPLB "
             f"(any expert may move to any slot); gather the experts (whole tensors)"
-        )
-    if plan_file.header.quantizer:
-        raise EngineUnsupported(
-            f"{plan_file.path} is a block-FP8 plan ({plan_file.header.quantizer}): sharded "
-            f"trainers are not quantized on replay yet (a 128x128 block may span two trainers' "
-            f"shards); send whole BF16 tensors"
         )
     with_fallbacks = [p for p in plans if p.fallbacks]
     if with_fallbacks:
@@ -133,4 +128,17 @@ def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
             f"tensors ({with_fallbacks[0].fallbacks[0].source}, ...), which sharded trainers "
             f"cannot send yet; send whole tensors"
         )
-    return plan_shards(plans, plan_file.sources, shards)
+    return plan_shards(plans, plan_file.sources, shards, quantizer=plan_file.header.quantizer)
+
+
+def worker_sharded_plan(plan_file, trainer_shards: Mapping[str, list] | None) -> ShardedPlan | None:
+    """In an engine worker: the sharded plan of the trainers' boxes that the init info carries (None: whole tensors).
+    The driver planned the same boxes first, so a refusal here is a disagreement: EnginePlanMismatch."""
+    if not trainer_shards:
+        return None
+    try:
+        return sharded_plan(plan_file, shards_from_json(trainer_shards))
+    except ShardError as e:
+        raise EnginePlanMismatch(
+            f"the trainers' shards cannot serve {plan_file.path}: {type(e).__name__}: {e}"
+        ) from None

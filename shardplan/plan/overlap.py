@@ -3,11 +3,12 @@
 A write's destination is a strided region; its element extent [lo, hi) over-approximates it (two interleaved strided
 writes may share an extent and no element). Every user of overlap is conservative in the same direction: the
 compiler keeps overlapping writes in recording order, the pack layout keeps such a group whole, the applier orders
-them, the sharded planner gives them to one trainer. For recorded writes extents are exact enough (the compiler and
-the sharded planner sweep them, `overlapping_pairs`). The pure views the compiler makes of an upsampled block-FP8
-scale (plan/compile/simplify.py) interleave: a rank's column block next to another of the same expert, intersecting
-extents, no shared element. So the pack layout and the applier (`overlapping_writes`, vectorised) compare writes
-whose extents meet as boxes of their param, and only those that share an element count as overlapping.
+them, the sharded planner gives them to one trainer. For recorded writes extents are exact enough (the compiler
+sweeps them, `overlapping_pairs`). The pure views the compiler makes of an upsampled block-FP8 scale
+(plan/compile/simplify.py) interleave: a rank's column block next to another of the same expert, intersecting
+extents, no shared element. So the pack layout, the applier and the sharded planner (`overlapping_writes`,
+vectorised) compare writes whose extents meet as boxes of their param, and only those that share an element count as
+overlapping.
 """
 
 from __future__ import annotations

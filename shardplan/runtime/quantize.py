@@ -155,7 +155,10 @@ class QuantizingReplayer:
     `sources`: that checkpoint's tensor table (as the plan file's). The trainer binds its own tensors under the
     *weight* names (`X.weight`, bfloat16/float16/float32, full shape); it holds no scales. `quantizer`: the id the
     plan file names (`PlanHeader.quantizer`, e.g. "fp8-e4m3-block-amax448-v1/128x128"); any other quantizer, or none,
-    is refused (QuantizerMismatch). Other options go to `Replayer`."""
+    is refused (QuantizerMismatch). `scales_with_reads`: refuse (BlockAlignmentError) a plan whose fp8 reads of
+    partial blocks lie outside the scale blocks that plan reads (a plan of a layout that is not whole blocks); off for
+    a sharded trainer's sub-plans, whose consumer may get those scales from another trainer rank. Other options go to
+    `Replayer`."""
 
     def __init__(
         self,
@@ -163,9 +166,11 @@ class QuantizingReplayer:
         sources: Mapping[str, ir.TensorMeta],
         *,
         quantizer: str,
+        scales_with_reads: bool = True,
         **replayer_options,
     ):
         _, self.block = parse_quantizer(quantizer)
+        self._scales_with_reads = scales_with_reads
         self.quantizer = quantizer
         self.plans = as_plans(plans)
         self.sources = sources
@@ -239,7 +244,8 @@ class QuantizingReplayer:
         box = np.stack([lo_r, np.minimum(hi_r, rows), lo_c, np.minimum(hi_c, cols_)], axis=1)
         box[full] = np.stack([np.zeros(n, np.int64), rows, np.zeros(n, np.int64), cols_], axis=1)[full]
         plan = reads.plan[mine]
-        self._uncovered(ids, weights, rows, cols_, k, plan, ~is_s, is_s, valid & ~full[k], (r0, r1, c0, c1))
+        if self._scales_with_reads:
+            self._uncovered(ids, weights, rows, cols_, k, plan, ~is_s, is_s, valid & ~full[k], (r0, r1, c0, c1))
         # reads to rebase: into the box (a scale's, in blocks), unless the box is the whole tensor; per stacked row
         b_r0 = np.concatenate([box[:, 0], box[:, 0] // bn])
         b_c0 = np.concatenate([box[:, 2], box[:, 2] // bk])

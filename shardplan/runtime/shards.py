@@ -8,9 +8,14 @@ the matching sub-region of the param, and assigns each piece to one holder (leas
 so replicas share the work). The result is, per (trainer rank, consumer rank), an ordinary `ir.RankPlan` that
 `Replayer` and `Applier` take unchanged.
 
+Block-FP8 plans (`quantizer=`, the plan header's): trainers hold high-precision `X.weight` boxes and no scales; each
+quantizes its own boxes (runtime.quantize.QuantizingReplayer over its sub-plans), so `X.weight_scale_inv` is held, in
+block units, by the ranks whose weight boxes make it (`scale_shards`). That needs every box to be whole blocks.
+
 Refused at planning time, with a named error naming the tensor and the box: a needed byte held by no trainer rank;
 a non-view write (Call/Full/Update) whose inputs no single rank holds whole; overlapping writes (last write wins)
-that no single rank can serve together (their order must stay within one buffer).
+that no single rank can serve together (their order must stay within one buffer); a quantized weight's box that cuts
+a block (no rank could make that block's scale alone).
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shardplan.errors import ShardplanError
 from shardplan.plan import ir
+from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
-from shardplan.plan.names import group_layer, group_of
-from shardplan.plan.overlap import overlap_clusters
+from shardplan.plan.names import group_layer, group_of, is_scale, scale_name, weight_of_scale
+from shardplan.plan.overlap import overlap_clusters, overlapping_writes, param_shapes
 from shardplan.runtime.pack import PackLayout
+from shardplan.runtime.quantize import parse_quantizer
 from shardplan.runtime.tensors import broadcast_region
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of the full tensor
@@ -50,6 +58,10 @@ class UnassignableWriteError(ShardError):
 
 class ShardOverlapError(ShardError):
     """Overlapping destination writes (last write wins) can't all be served by one trainer rank."""
+
+
+class ShardBlockError(ShardError):
+    """A trainer box of a block-FP8 weight cuts a quantization block: no trainer rank holds that block whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,16 +94,21 @@ def tp_shards(
     tp: int,
     split_dim: Callable[[str], int | None],
     ranks: Sequence[int] | None = None,
+    block: Callable[[str], int] | None = None,
 ) -> list[TrainerShard]:
-    """Tensor parallel: tensor `name` split into `tp` boxes along `split_dim(name)` (None: replicated on all)."""
+    """Tensor parallel: tensor `name` split into `tp` boxes along `split_dim(name)` (None: replicated on all).
+    `block(name)`: split in units of that many elements of the dim (the last may be short; a rank may get none), e.g.
+    whole 128-blocks of a block-FP8 plan's quantized weights (`scale_shards`); default 1."""
     ranks = list(range(tp)) if ranks is None else list(ranks)
     shards = []
     for name, meta in sources.items():
         dim = split_dim(name)
+        unit = 1 if block is None else block(name)
         for i, rank in enumerate(ranks):
             box = list(full_box(meta.shape))
             if dim is not None:
-                box[dim] = split_range(meta.shape[dim], tp, i)
+                lo, hi = split_range(-(-meta.shape[dim] // unit), tp, i)
+                box[dim] = (min(lo * unit, meta.shape[dim]), min(hi * unit, meta.shape[dim]))
             shards.append(TrainerShard(name, rank, tuple(box)))
     return shards
 
@@ -157,6 +174,7 @@ class ShardedPlan:
     sources: dict[int, dict[str, ir.TensorMeta]]
     bytes_by_trainer: dict[int, int]
     fallbacks: dict[int, tuple[ir.Fallback, ...]] = field(default_factory=dict)
+    quantizer: str = ""  # a block-FP8 plan's: each trainer quantizes its own weight boxes (sources: fp8 + scales)
 
     @property
     def trainer_ranks(self) -> list[int]:
@@ -199,12 +217,53 @@ class _Piece:
     rank: int | None = None
 
 
+def scale_shards(
+    shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta], quantizer: str
+) -> list[TrainerShard]:
+    """The scale boxes of a quantizing sync: each holder of a quantized weight's box makes the scales of the blocks
+    in it (`X.weight_scale_inv`, in block units). Every box of such a weight must be whole blocks: it starts on a
+    block boundary and ends on one or at the tensor's edge (ShardBlockError names the first that does not)."""
+    _, block = parse_quantizer(quantizer)
+    out = []
+    for s in shards:
+        meta, weight = sources.get(s.name), sources.get(weight_of_scale(s.name))
+        if is_scale(s.name) and weight is not None and weight.dtype == "float8_e4m3fn":
+            raise ShardLayoutError(
+                f"trainer rank {s.rank} holds {s.name!r}: in a sync of a block-FP8 plan ({quantizer}) trainers "
+                f"hold the weights in high precision and no scales (each rank makes the scales of its boxes)"
+            )
+        if meta is None or meta.dtype != "float8_e4m3fn" or scale_name(s.name) not in sources:
+            continue
+        if any(a == b for a, b in s.box):
+            continue  # an uneven split left this rank nothing of the tensor
+        for dim, ((a, b), size, bs) in enumerate(zip(s.box, meta.shape, block)):
+            if a % bs or (b % bs and b != size):
+                raise ShardBlockError(
+                    f"trainer rank {s.rank} holds [{a}, {b}) of dim {dim} of {s.name!r} ({list(meta.shape)}), "
+                    f"which cuts its {bs}-wide blocks: a block-FP8 plan ({quantizer}) is quantized by the trainer "
+                    f"rank holding each {list(block)} block whole (a block's scale is its amax). Shard dim {dim} "
+                    f"at multiples of {bs} (a Megatron TP or EP split of whole blocks; FSDP2's Shard(0) is whole "
+                    f"blocks only where the rows per rank are), or send whole tensors (no shards=: the source "
+                    f"hands each group's tensors whole)"
+                )
+        box = tuple((a // bs, -(-b // bs)) for (a, b), bs in zip(s.box, block))
+        out.append(TrainerShard(scale_name(s.name), s.rank, box))
+    return out
+
+
 def plan_shards(
-    plans: ir.RankPlan | Sequence[ir.RankPlan], sources: Mapping[str, ir.TensorMeta], shards: Sequence[TrainerShard]
+    plans: ir.RankPlan | Sequence[ir.RankPlan],
+    sources: Mapping[str, ir.TensorMeta],
+    shards: Sequence[TrainerShard],
+    *,
+    quantizer: str = "",
 ) -> ShardedPlan:
     """Split consumer plans (written against full HF tensors) into per-(trainer rank, consumer rank) plans against
-    trainer-local shards. Deterministic; balances bytes across replicas; refuses impossible layouts up front."""
+    trainer-local shards. Deterministic; balances bytes across replicas; refuses impossible layouts up front.
+    `quantizer`: a block-FP8 plan's (its header's), when the trainers hold high-precision weights (`scale_shards`)."""
     plans = (plans,) if isinstance(plans, ir.RankPlan) else tuple(plans)
+    if quantizer:
+        shards = [*shards, *scale_shards(shards, sources, quantizer)]
     by_name = _index_shards(shards, sources)
     pieces: list[_Piece] = []
     pinned: list[list[_Piece]] = []
@@ -213,7 +272,7 @@ def plan_shards(
         plan_pieces = []
         for index, w in enumerate(plan.writes):
             plan_pieces.append(_write_pieces(plan.rank, index, w, dtypes[w.param], sources, by_name))
-        for cluster in overlap_clusters(plan.writes):
+        for cluster in _sharing_clusters(plan):
             pinned.append([p for i in cluster for p in plan_pieces[i]])
         pieces += [p for ps in plan_pieces for p in ps]
     load = {r: 0 for r in sorted({s.rank for s in shards})}
@@ -222,7 +281,29 @@ def plan_shards(
     for piece in sorted((p for p in pieces if p.rank is None), key=lambda p: (-p.nbytes, p.consumer, p.write, p.sub)):
         piece.rank = min(piece.holders, key=lambda r: (load[r], r))
         load[piece.rank] += piece.nbytes
-    return _collect(plans, pieces, by_name, sources, load)
+    sharded = _collect(plans, pieces, by_name, sources, load)
+    sharded.quantizer = quantizer
+    return sharded
+
+
+def _sharing_clusters(plan: ir.RankPlan) -> list[list[int]]:
+    """Clusters of the plan's writes that may share a param element (last write wins: one trainer rank keeps their
+    order). Extents alone over-approximate: an upsampled block-FP8 scale's views interleave (plan/overlap.py), and
+    pinning them together would refuse every trainer layout that splits that scale; so extents, then boxes."""
+    if len(plan.writes) < 2:
+        return []
+    cols = columns_of(plan)
+    metas = {m.name: m for m in plan.params}
+    may = np.flatnonzero(
+        overlapping_writes(
+            cols.param,
+            cols.dst_offset,
+            cols.dst_sizes,
+            cols.dst_strides,
+            param_shapes(cols.param_names, metas)[cols.param],
+        )
+    )
+    return [[int(may[i]) for i in c] for c in overlap_clusters([plan.writes[i] for i in may.tolist()])]
 
 
 def _index_shards(shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta]) -> dict[str, dict[int, Box]]:

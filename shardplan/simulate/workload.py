@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 from shardplan.plan import ir
 from shardplan.plan.file.format import PlanFile
-from shardplan.plan.names import group_layer, group_of, group_order
+from shardplan.plan.names import group_layer, group_of, group_order, is_scale, weight_of_scale
 from shardplan.runtime.pack import PackLayout, fallback_slots, sharded_bases
 from shardplan.runtime.shards import ShardError, TrainerShard, UncoveredSourceError, plan_shards
 from shardplan.simulate.fleet import CoverageError, FleetError
@@ -159,8 +159,11 @@ def sharded(
     plans = [restrict(base[r], layers, rank=c) for c, r in sorted(plan_rank.items())]
     needed = set().union(*(p.sources_read() for p in plans)) if plans else set()
     sources = {n: plan_file.sources[n] for n in sorted(needed)}  # a dict: plan_shards looks every name up
+    quantizer = plan_file.header.quantizer
+    if quantizer:  # BF16 trainers of a block-FP8 plan hold no scales: each makes its boxes' (runtime.shards)
+        shards = [s for s in shards if not (is_scale(s.name) and weight_of_scale(s.name) in plan_file.sources)]
     try:
-        sharded_plan = plan_shards(plans, sources, shards)
+        sharded_plan = plan_shards(plans, sources, shards, quantizer=quantizer)
     except UncoveredSourceError as e:
         raise CoverageError(f"trainer layout ({description}) does not cover every byte the consumers need: {e}") from e
     except ShardError as e:

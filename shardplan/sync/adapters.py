@@ -298,7 +298,9 @@ def _sharded_stamp(consumer: int, parts: Mapping[int, PackLayout], plans: Mappin
 class ShardedPacker:
     """Packer for sharded trainers (shardplan.runtime.shards.ShardedPlan): trainer `rank` packs, for each consumer, the
     pieces plan_shards gave it, from its local shards; each piece can come from that trainer only. `replicas`: as
-    ReplayPacker's (every replica gets the same pieces from the same trainers)."""
+    ReplayPacker's (every replica gets the same pieces from the same trainers). A quantizing plan (`sharded.quantizer`,
+    a block-FP8 plan over high-precision trainers) packs each consumer's pieces with a QuantizingReplayer over the
+    rank's local weight boxes (whole blocks: plan_shards checked), bitwise the quantization of the whole tensor."""
 
     def __init__(
         self,
@@ -315,8 +317,11 @@ class ShardedPacker:
         self.parts = {c: _sharded_parts(sharded, c, alignment) for c in self.consumer_ranks}
         self._groups = _ordered_groups(lay for parts in self.parts.values() for lay in parts.values())
         mine = {c: p for (t, c), p in sharded.plans.items() if t == rank}
+        make = Replayer
+        if sharded.quantizer:
+            make = functools.partial(QuantizingReplayer, quantizer=sharded.quantizer, scales_with_reads=False)
         self.replayers = {
-            c: Replayer(p, sharded.sources[rank], alignment=alignment, device=device) for c, p in mine.items()
+            c: make(p, sharded.sources[rank], alignment=alignment, device=device) for c, p in mine.items()
         }
         self._packs = _Packs(cache_bindings)
         self.replicas = Replicas.of(self.consumer_ranks, replicas)

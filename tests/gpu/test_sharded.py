@@ -1,6 +1,8 @@
 """Sharded trainers on the GPU: two TP trainer ranks hold halves of every tensor (boxes); each packs its pieces of a
 decoder layer for both consumer ranks with the sync engine's ShardedPacker, each consumer applies both parts with
-ShardedUnpacker: bit for bit the reference interpreter on the full tensors."""
+ShardedUnpacker: bit for bit the reference interpreter on the full tensors. Block-FP8 plans from sharded BF16
+trainers (boxes of whole 128-blocks, two DP replicas): each trainer quantizes its own boxes (the fused kernel over its
+local shards), bitwise the reference quantizer's checkpoint of the full tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ from gpu_cases import DEVICE, LAYER, NAN, PLANS, Layer, assert_bits_equal, gpu_t
 
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import params_from_plan
-from shardplan.runtime.shards import local_tensors, plan_shards, tp_shards
+from shardplan.runtime.shards import (
+    local_tensors,
+    plan_shards,
+    replicate,
+    tp_shards,
+)
 from shardplan.sync import ShardedPacker, ShardedUnpacker
 
 pytestmark = gpu_tier
@@ -21,10 +28,25 @@ def test_sharded_packer_over_boxes(name):
     plan_file = PlanFile.read(PLANS / name)
     layers = [Layer(plan_file, r, LAYER) for r in (0, 1)]
     sources = {n: m for layer in layers for n, m in layer.sources.items()}
-    plans = [layer.plan for layer in layers]
     full = trainer_tensors(sources, None, DEVICE)
     shards = tp_shards(sources, 2, lambda n: 0 if len(sources[n].shape) == 2 else None)
-    sharded = plan_shards(plans, sources, shards)
+    _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, None)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-fp8--tp4--bfloat16.plan", "qwen3-30b-a3b-fp8--tp4-ep--bfloat16.plan"])
+def test_sharded_fp8_trainers_quantize_their_own_boxes(name):
+    plan_file = PlanFile.read(PLANS / name)
+    quantizer = plan_file.header.quantizer
+    layers = [Layer(plan_file, r, LAYER) for r in (1, 2)]
+    sources = {n: m for layer in layers for n, m in layer.sources.items()}
+    full = trainer_tensors(sources, quantizer, DEVICE)  # bf16 weights, no scales
+    held = {n: m for n, m in sources.items() if n in full}
+    shards = replicate(tp_shards(held, 2, lambda n: 0 if len(held[n].shape) == 2 else None, block=lambda n: 128), 2, 2)
+    _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, quantizer)
+
+
+def _sync_and_check(name, plans, sources, shards, full, quantizer):
+    sharded = plan_shards(plans, sources, shards, quantizer=quantizer or "")
     packers = {t: ShardedPacker(sharded, t, device=DEVICE) for t in sharded.trainer_ranks}
     for plan in plans:
         c = plan.rank
@@ -38,4 +60,4 @@ def test_sharded_packer_over_boxes(name):
                 if mine:
                     packer.pack(c, group, local_tensors(shards, t, full), buffer, mine)
             unpacker.apply(group, buffer)
-        assert_bits_equal(params, reference(plan, sources, full, None), f"{name} consumer {c}")
+        assert_bits_equal(params, reference(plan, sources, full, quantizer), f"{name} consumer {c}")

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from standin_engines import TIMEOUT_S, StandInEngine, sync_from_sharded_trainers
 from sync_worlds import full_tensors, tiny_llama_plans
 
 from shardplan.engine.errors import (
@@ -21,8 +22,7 @@ from shardplan.engine.errors import (
     SyncIncomplete,
     raise_named,
 )
-from shardplan.engine.protocol import state_key
-from shardplan.engine.sharding import placement_shards, sharded_plan, shards_from_json
+from shardplan.engine.sharding import placement_shards
 from shardplan.engine.trainer import EngineSync, ModuleSource
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.plan.file.format import PlanFile, encode, write_plan
@@ -30,108 +30,10 @@ from shardplan.plan.interp import apply_reference
 from shardplan.plan.layout import Layout
 from shardplan.runtime.apply import params_from_plan
 from shardplan.runtime.shards import local_tensors
-from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig
-from shardplan.transport import Control, create
+from shardplan.sync import SyncConfig
+from shardplan.transport import Control
 
-TIMEOUT_S = 5.0
 REPLICA_TIMEOUT_S = 10.0  # 8-16 gloo pairs open at once in this one process: up to ~5.6 s seen (failures wait 1.5x)
-
-
-class FlakyUnpacker(ApplyUnpacker):
-    fail_at: str | None = None
-
-    def apply(self, group, buffer):
-        if group == self.fail_at:
-            raise RuntimeError(f"injected failure applying {group}")
-        super().apply(group, buffer)
-
-
-class StandInEngine:
-    """What EngineSync sees of a TP engine whose workers are `ranks` (EngineClient methods)."""
-
-    def __init__(self, name, plans, ranks):
-        self.name, self.plans, self.ranks = name, plans, ranks
-        self.paused, self.version, self.refuse_init, self.timeout_s = False, "default", None, TIMEOUT_S
-        self.errors, self.states_unavailable, self.unpublished = {}, False, False
-        self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
-        self.consumers = {}
-
-    def init_weight_transfer_engine(self, info):
-        if self.refuse_init:
-            raise_named(RuntimeError(f"Worker failed with error 'EnginePlanMismatch: {self.refuse_init}'"), self.name)
-        control = Control(info["control_host"], info["control_port"])
-        sharded = None
-        if info["trainer_shards"]:  # what the backend does for sharded trainers (engine.backend)
-            sharded = sharded_plan(PlanFile.read(info["plan_path"]), shards_from_json(info["trainer_shards"]))
-        # consumer ids as the backend numbers them: replica * world + plan rank
-        self.replica, replicas = info["replica"], Replicas.of(range(len(self.plans)), info["replicas"])
-        for r in self.ranks:
-            if sharded is not None:
-                unpacker = ShardedUnpacker(sharded, r, self.params[r])
-            else:
-                unpacker = FlakyUnpacker(self.plans[r], self.params[r], max_group_bytes=info["max_group_bytes"])
-            c = replicas.consumer(self.replica, r)
-            transport = create(info["transport"], me=f"consumer{c}", control=control, timeout_s=self.timeout_s)
-            self.consumers[r] = ConsumerSync(c, unpacker, transport, control, SyncConfig(timeout_s=self.timeout_s))
-
-    def start_weight_update(self):
-        pass
-
-    def update_weights(self, update_info):
-        errors = []
-
-        def run(c):
-            try:
-                c.sync(update_info["version"])
-            except Exception as e:  # noqa: BLE001
-                errors.append((c, e))
-
-        threads = [threading.Thread(target=run, args=(c,)) for c in self.consumers.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        plan_rank = {c: r for r, c in self.consumers.items()}
-        self.errors = {plan_rank[c]: f"{type(e).__name__}: {e}" for c, e in errors}
-        for state, c in zip(self._states(), self.consumers.values()):  # as the backend: on the control channel
-            if not self.unpublished:
-                c.control.set(state_key(c.name), json.dumps(state))
-        if errors and not update_info.get("errors_in_state"):  # as the backend: raised, or left in the state
-            raise_named(errors[0][1], f"{self.name}: update_weights")
-
-    def finish_weight_update(self, weight_version=None):
-        if weight_version is not None:
-            self.version = weight_version
-
-    def pause(self):
-        self.paused = True
-
-    def resume(self):
-        self.paused = False
-
-    def is_paused(self):
-        return self.paused
-
-    def set_weight_version(self, version):
-        self.version = version
-
-    def get_weight_version(self):
-        return self.version
-
-    def worker_states(self):
-        return None if self.states_unavailable else self._states()
-
-    def _states(self):
-        return [
-            {
-                "rank": r,
-                "replica": self.replica,
-                "version": c.state.version,
-                "complete": c.state.complete,
-                "error": self.errors.get(r, ""),
-            }
-            for r, c in self.consumers.items()
-        ]
 
 
 @pytest.fixture
@@ -201,19 +103,7 @@ def test_sharded_trainers_send_their_local_shards_by_dtensor_placements(world):
     sync = EngineSync(engines, unsharded.plan_file.path, config=SyncConfig(timeout_s=TIMEOUT_S), shards=shards)
     for version, seed in ((1, 4), (2, 5)):
         tensors = full_tensors(sources, seed)
-        ranks = [
-            sync.trainer_rank(
-                ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards, rank=t), rank=t
-            )
-            for t in (0, 1)
-        ]
-        out = []
-        sender = threading.Thread(target=lambda: out.append(ranks[1].sync(version)))
-        sender.start()
-        report = sync.sync(trainer=ranks[0])
-        sender.join()
-        for r in ranks:
-            r.close()
+        report, out = sync_from_sharded_trainers(sync, version, lambda t: local_tensors(shards, t, tensors), shards)
         assert report.complete and report.trainer.nbytes > 0 and out[0].nbytes > 0
         for e in engines:
             assert (e.version, e.paused) == (str(version), False)
@@ -282,7 +172,6 @@ def test_a_dead_ranks_wait_does_not_drop_a_live_ranks_result(monkeypatch):
     """The announcement after a failed version takes the members from their results. A killed trainer (listed first)
     uses up the wait; the live consumer's result, already there, must still count (it was read with the ~0 s left,
     which on a loaded box timed out: the engine then missed the repair version, NotAMember)."""
-    import json
 
     from shardplan.sync import Coordinator
     from shardplan.sync.control import result_key
@@ -386,19 +275,7 @@ def test_sharded_trainers_feed_every_replica_from_their_local_shards(replicas):
         engines, one.plan_file.path, config=SyncConfig(timeout_s=REPLICA_TIMEOUT_S), shards=shards, replicas=2
     )
     tensors = full_tensors(sources, 7)
-    ranks = [
-        sync.trainer_rank(
-            ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards, rank=t), rank=t
-        )
-        for t in (0, 1)
-    ]
-    out = []
-    sender = threading.Thread(target=lambda: out.append(ranks[1].sync(1)))
-    sender.start()
-    report = sync.sync(trainer=ranks[0])
-    sender.join()
-    for r in ranks:
-        r.close()
+    report, out = sync_from_sharded_trainers(sync, 1, lambda t: local_tensors(shards, t, tensors), shards)
     assert report.complete and out[0].nbytes > 0
     for e in engines:
         check_params(e, plans, tensors)

@@ -10,6 +10,11 @@
   NaN-poisoned beforehand.
 * `test_refined_scale_grid_is_recorded_exactly`: Qwen3-MoE FP8 with 96-row expert partitions at TP4 (vLLM's
   refined scale grid, its loader upsampling each checkpoint scale): recorded without fallback, bitwise as above.
+* `test_sharded_trainers_quantize_their_own_boxes` (hypothesis: the three built-ins, TP 2/4, EP on/off, rank, seed,
+  trainer layouts of whole blocks: TP splits along either dim, experts/layers spread whole, compositions, DP
+  replicas): every trainer rank's `ShardedPacker` quantizes its own BF16 boxes, the consumer applies every trainer's
+  part (`ShardedUnpacker`): bitwise the real loader as above. `test_sharded_boxes_that_cut_blocks_are_named`: an
+  FSDP2 Shard(0) layout over 3 ranks cuts 128-row blocks (`ShardBlockError`), and a trainer holding scales is refused.
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
   repeating vLLM's reason; `test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason`: the CLI's one-paragraph error.
 """
@@ -32,6 +37,19 @@ from shardplan.record.session import RecordSession
 from shardplan.runtime.apply import Applier
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
+from shardplan.runtime.shards import (
+    ShardBlockError,
+    ShardLayoutError,
+    TrainerShard,
+    compose,
+    full_box,
+    local_tensors,
+    plan_shards,
+    pp_shards,
+    replicate,
+    tp_shards,
+)
+from shardplan.sync import ShardedPacker, ShardedUnpacker
 
 BLOCK = (128, 128)
 MODELS = ("deepseek-v3-fp8", "kimi-k2-fp8", "qwen3-30b-a3b-fp8")
@@ -117,6 +135,24 @@ def test_quantizing_replay_equals_real_loader(model, tp, ep, data):
     check_rank(model, tp, ep, rank, data.draw(st.integers(0, 2**16), label="seed"))
 
 
+def real_loaded(s: RecordSession, rank: int, checkpoint):
+    """vLLM's real loader fed `checkpoint`, every param NaN-poisoned first."""
+    real = build_model(s.vllm_config, s.layout, rank, "cpu")
+    verify.poison(real)
+    with torch.no_grad(), loading_context(s.vllm_config, s.layout, rank):
+        real.load_weights(iter(list(checkpoint.items())))
+    return real
+
+
+def poisoned(s: RecordSession, rank: int):
+    """A fresh NaN-poisoned model of the rank and its params (and buffers) by name, for a replay to apply into."""
+    model = build_model(s.vllm_config, s.layout, rank, "cpu")
+    verify.poison(model)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    return model, params
+
+
 def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
     """vLLM's real loader fed the reference quantizer's FP8 checkpoint == the quantizing replay of the BF16 tensors,
     every param bitwise (NaN-poisoned first); returns the plan and the replayer."""
@@ -124,16 +160,8 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
     plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, rank)], s.sources))))
     plan = plan_file.rank(rank)
     trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, seed)
-
-    real = build_model(s.vllm_config, s.layout, rank, "cpu")
-    verify.poison(real)
-    with torch.no_grad(), loading_context(s.vllm_config, s.layout, rank):
-        real.load_weights(iter(list(fp8_checkpoint.items())))
-
-    replayed = build_model(s.vllm_config, s.layout, rank, "cpu")
-    verify.poison(replayed)
-    params = dict(replayed.named_parameters())
-    params.update(dict(replayed.named_buffers()))
+    real = real_loaded(s, rank, fp8_checkpoint)
+    replayed, params = poisoned(s, rank)
     replayer = QuantizingReplayer(plan, plan_file.sources, quantizer=plan_file.header.quantizer)
     assert not any(n.endswith("_scale_inv") for n in replayer.sources_read())
     with torch.no_grad():
@@ -148,6 +176,96 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
     for name in fp8_params:  # every fp8 byte the plan covers was written (NaN poison gone)
         assert not torch.isnan(params[name].float()).any(), name
     return plan, replayer
+
+
+@st.composite
+def block_layouts(draw, shapes: dict[str, tuple[int, ...]], quantized: set[str]):
+    """Trainer layouts of whole blocks, as Megatron-style trainers hold them: TP along either dim, whole tensors
+    spread over ranks (EP / PP), their compositions, optionally two DP replicas."""
+    kind = draw(st.sampled_from(["tp", "whole", "whole_tp"]))
+    names = sorted(shapes)
+    dim_of = {n: draw(st.none() | st.integers(0, len(shapes[n]) - 1)) for n in names}
+    tp = draw(st.integers(2, 3))
+    metas = {n: ir.TensorMeta(n, shape, "bfloat16") for n, shape in shapes.items()}
+    tp_layout = tp_shards(metas, tp, lambda n: dim_of[n], block=lambda n: BLOCK[0] if n in quantized else 1)
+    if kind == "tp":
+        shards = tp_layout
+    else:
+        num = draw(st.integers(2, 3))
+        rank_of = {n: draw(st.integers(0, num - 1)) for n in names}
+        whole = pp_shards(metas, num, lambda n: rank_of[n])
+        shards = whole if kind == "whole" else compose(whole, tp_layout, tp)
+    if draw(st.booleans()):
+        shards = replicate(shards, 2, 1 + max(sh.rank for sh in shards))
+    return shards
+
+
+def sharded_sync_into(sharded, rank: int, trainer_tensors, shards, params) -> None:
+    """What one consumer of a sync gets from sharded trainers: every trainer rank packs its pieces of each group
+    into the consumer's group buffer (ShardedPacker), the consumer applies every part (ShardedUnpacker)."""
+    unpacker = ShardedUnpacker(sharded, rank, params)
+    buffers = {g: torch.full((n,), 0xFF, dtype=torch.uint8) for g, n in unpacker.sizes().items()}
+    for t in sharded.trainer_ranks:
+        packer = ShardedPacker(sharded, t)
+        local = local_tensors(shards, t, trainer_tensors)
+        assert not any(n.endswith("_scale_inv") for n in local), "trainers hold no scales"
+        for group in packer.groups():
+            spans = packer.spans(rank, group)
+            mine = [i for i, span in enumerate(spans) if span.only == (t,)]
+            if mine:
+                packer.pack(rank, group, local, buffers[group], mine)
+    with torch.no_grad():
+        for group, buffer in buffers.items():
+            unpacker.apply(group, buffer)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(model=st.sampled_from(MODELS), tp=st.sampled_from([2, 4]), ep=st.booleans(), data=st.data())
+def test_sharded_trainers_quantize_their_own_boxes(model, tp, ep, data):
+    """Trainers holding boxes of whole 128-blocks (no scales) quantize them themselves: the consumer's params ==
+    vLLM's real loader fed the reference quantizer's checkpoint of the whole tensors, bitwise, NaN-poisoned first."""
+    rank = data.draw(st.integers(0, tp - 1), label="rank")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    s = session(model, tp, ep)
+    plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, rank)], s.sources))))
+    trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, seed)
+    quantized = {n for n in trainer if n + "_scale_inv" in fp8_checkpoint}
+    shards = data.draw(block_layouts({n: tuple(t.shape) for n, t in trainer.items()}, quantized), label="shards")
+    sharded = plan_shards([plan_file.rank(rank)], plan_file.sources, shards, quantizer=plan_file.header.quantizer)
+    assert sharded.quantizer == plan_file.header.quantizer
+    replayed, params = poisoned(s, rank)
+    sharded_sync_into(sharded, rank, trainer, shards, params)
+    verdict = verify.RankVerdict(rank)
+    verify.compare_models(real_loaded(s, rank, fp8_checkpoint), replayed, verdict)
+    assert verdict.ok, verdict.mismatched
+    fp8_params = [m.name for m in plan_file.rank(rank).params if m.dtype == "float8_e4m3fn"]
+    for name in fp8_params:  # every fp8 byte the plan covers was written (NaN poison gone)
+        assert not torch.isnan(params[name].float()).any(), name
+
+
+def test_sharded_boxes_that_cut_blocks_are_named():
+    """FSDP2's Shard(0) over 3 ranks gives q_b_proj (1024 rows) 342-row boxes: no rank holds those 128-row blocks
+    whole, so none can make their scales; named before any byte moves. A trainer holding scales is refused too."""
+    from torch.distributed.tensor import Shard
+
+    from shardplan.engine.sharding import placement_shards, sharded_plan
+
+    s = session("kimi-k2-fp8", 2, True)
+    plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, 0)], s.sources))))
+    trainer, _ = bf16_and_fp8_checkpoints(s, 0)
+    fsdp = placement_shards({n: tuple(t.shape) for n, t in trainer.items()}, [0, 1, 2], lambda n: [Shard(0)])
+    with pytest.raises(
+        ShardBlockError,
+        match=r"trainer rank \d holds \[\d+, \d+\) of dim 0 of '.*weight' .*cuts "
+        r"its 128-wide blocks: a block-FP8 plan \(fp8-e4m3-block-amax448-v1/128x128\)",
+    ):
+        sharded_plan(plan_file, fsdp)
+    q = "model.layers.0.self_attn.q_b_proj.weight"
+    whole = [TrainerShard(n, 0, full_box(t.shape)) for n, t in trainer.items()]
+    scale = TrainerShard(q + "_scale_inv", 0, full_box(plan_file.sources[q + "_scale_inv"].shape))
+    with pytest.raises(ShardLayoutError, match=rf"trainer rank 0 holds '{q}_scale_inv': .* no scales"):
+        sharded_plan(plan_file, whole + [scale])
+    assert sharded_plan(plan_file, whole).quantizer == plan_file.header.quantizer
 
 
 def test_refined_scale_grid_is_recorded_exactly():

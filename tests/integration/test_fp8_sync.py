@@ -7,7 +7,10 @@ replicated trainers hold BF16 tensors under the BF16 checkpoint's names (no scal
 `ReplayPacker(..., quantizer=header.quantizer)`; four consumers apply into NaN-poisoned params. Each consumer's params
 == vLLM's real `load_weights` fed the reference quantizer's FP8 checkpoint of the same BF16 tensors, bitwise, over the
 nccl adapter (gloo), Mooncake TCP, Ray RDT over gloo and over NIXL, all on loopback. Then the trainer side's named
-errors: a tensor the quantizer cannot take, an inf/NaN source, a misaligned box.
+errors: a tensor the quantizer cannot take, an inf/NaN source, a misaligned box. And the same plan from two sharded
+trainers (TP2 row shards of whole blocks, fp32 master weights through the engine's ModuleSource and sharded_plan),
+each quantizing its own boxes, over the nccl adapter: bitwise the same real loader; and the user's path for them,
+EngineSync(shards=) with one trainer_rank per trainer, against stand-in engines, two versions.
 """
 
 from __future__ import annotations
@@ -125,6 +128,56 @@ def run_sync(world_factory, transport: str) -> dict:
         cluster.close()
 
 
+@dataclass
+class ShardedFp8World(Fp8World):
+    """The same plan file fed by 2 sharded trainers, as a Megatron-style TP2 trainer holds them: every 2-D tensor
+    split along dim 0 (a quantized weight at 128-row block boundaries), 1-D tensors on both. Each trainer holds fp32
+    master weights as plain local shards (engine.trainer.ModuleSource, shards=) and packs with the engine's path
+    (engine.sharding.sharded_plan -> ShardedPacker, quantizing its own boxes); consumers apply every trainer's part."""
+
+    def __post_init__(self):
+        from shardplan.engine.sharding import sharded_plan
+        from shardplan.plan.file.format import PlanFile
+        from shardplan.runtime.shards import tp_shards
+        from shardplan.sync import ShardedPacker, spans_of
+
+        self.plan_file = PlanFile.read(self.path)
+        self.plans = [self.plan_file.rank(r) for r in range(self.num_consumers)]
+        self.sources = {n: self.plan_file.sources[n] for n in self.plan_file.sources}
+        self.tensors = trainer_tensors(self.sources, self.seed)
+        held = {n: m for n, m in self.sources.items() if n in self.tensors}  # no scales
+        self.shards = tp_shards(
+            held,
+            self.num_trainers,
+            lambda n: 0 if len(held[n].shape) == 2 else None,
+            block=lambda n: 128 if n + "_scale_inv" in self.sources else 1,
+        )
+        self.sharded = sharded_plan(self.plan_file, self.shards)
+        first = ShardedPacker(self.sharded, 0)
+        self.groups, self.spans = list(first.groups()), spans_of(first)
+
+    def packer(self, rank):
+        from shardplan.sync import ShardedPacker
+
+        _one_thread()
+        return ShardedPacker(self.sharded, rank)
+
+    def source(self, rank):
+        from shardplan.engine.trainer import ModuleSource
+        from shardplan.runtime.shards import local_tensors
+
+        master = {n: t.float() for n, t in local_tensors(self.shards, rank, self.tensors).items()}
+        return ModuleSource(master, self.plan_file, shards=self.shards, rank=rank)
+
+    def unpacker(self, rank):
+        from shardplan.runtime.apply import params_from_plan
+        from shardplan.sync import ShardedUnpacker
+
+        _one_thread()
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        return Received(ShardedUnpacker(self.sharded, rank, params), params)
+
+
 _RECORDED: dict = {}
 
 
@@ -169,6 +222,25 @@ def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factor
             assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
         for name in fp8:  # every fp8 byte arrived (no NaN poison left, which both sides would share)
             assert not torch.isnan(got[rank][name].view(torch.float8_e4m3fn).float()).any(), f"rank {rank} {name}"
+
+
+def test_sharded_trainers_quantize_their_own_boxes_over_a_sync(tmp_path_factory):
+    """Sharded BF16 trainers (fp32 master weights, no scales) of a block-FP8 plan, through the sync over the nccl
+    adapter (gloo): every consumer's params == vLLM's real loader fed the reference quantizer's checkpoint of the
+    whole tensors, bitwise; consumer 2's expert rows [192, 288) come from both trainers (blocks 1 and 2)."""
+    session, plans, path = recorded(tmp_path_factory)
+    world = ShardedFp8World(path=str(path), seed=11)
+    pinned = {span.only for s in world.spans.values() for spans in s.values() for span in spans}
+    assert pinned == {(0,), (1,)}, pinned
+    assert any(
+        sum(1 for sp in spans if sp.only == (1,)) and sum(1 for sp in spans if sp.only == (0,))
+        for spans in world.spans[2].values()
+    )
+    got = run_sync(functools.partial(ShardedFp8World, path=str(path), seed=11), "nccl")
+    for rank in range(4):
+        real_params = real_loader_bytes(session, world, rank)
+        for meta in plans[rank].params:
+            assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
 
 
 _REAL: dict = {}
@@ -264,3 +336,51 @@ def test_engine_trainer_side_quantizes_an_fp8_plan_by_itself(tmp_path_factory):
     checkpoint = fp8_checkpoint(world.tensors, world.sources)
     expected = Replayer(plan_file.rank(1), plan_file.sources).pack_group("layers.0", checkpoint)
     assert torch.equal(out, expected)
+
+
+def test_engine_sync_drives_sharded_trainers_of_an_fp8_plan(tmp_path_factory):
+    """The user's path (engine.trainer): `EngineSync(engines, fp8_plan, shards=...)` and one `trainer_rank` per
+    sharded trainer over its fp32 master shards, two versions, against stand-in engines (standin_engines.py: each
+    joins as its consumers, as the backend does, re-planning from the shards in the init info). Every engine param ==
+    the reference interpreter on the reference quantizer's checkpoint of that version's tensors, bitwise."""
+
+    from standin_engines import StandInEngine, sync_from_sharded_trainers
+
+    from shardplan.engine.trainer import EngineSync
+    from shardplan.plan.file.format import PlanFile
+    from shardplan.plan.interp import apply_reference
+    from shardplan.runtime.apply import params_from_plan
+    from shardplan.runtime.shards import local_tensors, tp_shards
+
+    _, _, path = recorded(tmp_path_factory)
+    plan_file = PlanFile.read(path)
+    plans = [plan_file.rank(r) for r in range(4)]
+    sources = dict(plan_file.sources)
+    engines = [StandInEngine("engine-a", plans, [0, 1]), StandInEngine("engine-b", plans, [2, 3])]
+    for e in engines:
+        e.timeout_s = 90.0
+    held = {n: m for n, m in sources.items() if n in trainer_tensors(sources, 0)}
+    shards = tp_shards(
+        held,
+        2,
+        lambda n: 0 if len(held[n].shape) == 2 else None,
+        block=lambda n: 128 if n + "_scale_inv" in sources else 1,
+    )
+    sync = EngineSync(engines, path, config=SyncConfig(timeout_s=90.0, announce_timeout_s=180), shards=shards)
+    try:
+        for version, seed in ((1, 21), (2, 22)):
+            tensors = trainer_tensors(sources, seed)
+            report, out = sync_from_sharded_trainers(
+                sync, version, lambda t: {n: x.float() for n, x in local_tensors(shards, t, tensors).items()}, shards
+            )
+            assert report.complete and out[0].nbytes > 0, report
+            checkpoint = fp8_checkpoint(tensors, sources)
+            for e in engines:
+                assert (e.version, e.paused) == (str(version), False)
+                for r in e.ranks:
+                    want = params_from_plan(plans[r], fill=float("nan"))
+                    apply_reference(plans[r], checkpoint, want)
+                    for name, t in want.items():
+                        assert torch.equal(as_bytes(t), as_bytes(e.params[r][name])), f"v{version} rank {r} {name}"
+    finally:
+        sync.close()

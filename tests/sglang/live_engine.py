@@ -15,7 +15,9 @@ transport (gloo on CPU) and the trainer sends from HF-named tensors. In order:
   * version 1 synced: tokens == the fresh engine's on checkpoint 1;
   * version 2 with a trainer that fails after its first groups: SyncIncomplete, the engine paused with weight version
     "2:incomplete", its workers (2, complete=False);
-  * version 3 (checkpoint 2) repairs it: resumed, "3", tokens == the fresh engine's on checkpoint 2.
+  * version 3 (checkpoint 2) repairs it: resumed, "3", tokens == the fresh engine's on checkpoint 2;
+  * version 4 (checkpoint 1) from two sharded trainer ranks (Megatron TP2 boxes), each sending only its shards
+    (EngineSync(shards=)): tokens == the fresh engine's on checkpoint 1.
 `http`: the same engine as `python -m sglang.launch_server`, driven through its HTTP routes (SglangClient(url)).
 `moe`, `mla`: in process, without the refusals (they are the dense case's; the MoE layers run SGLang's own torch-native
 path on this CPU engine; MLA runs SGLang's `intel_amx` attention backend on the shim's two attention kernels: see
@@ -125,6 +127,44 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def sharded_sync(handle, plan_path, tensors, config, client_of) -> dict:
+    """Version 4 from two sharded trainer ranks, each sending only its boxes (Megatron TP2: column-parallel linears
+    split by rows, row-parallel ones by columns, MLA's down-projections and norms whole on both; rank 1 from a
+    thread): a new EngineSync(shards=), whose init re-joins the workers with the shards."""
+    import threading
+
+    from shardplan.engine.trainer import EngineSync, ModuleSource
+    from shardplan.plan.file.format import PlanFile
+    from shardplan.runtime.shards import local_tensors, tp_shards
+    from shardplan.simulate.trainers import megatron_split_dim
+
+    sources = {n: m for n, m in PlanFile.read(plan_path).sources.items() if n in tensors}
+    shards = tp_shards(sources, 2, lambda n: megatron_split_dim(n, sources[n]))
+    sync = EngineSync([handle], str(plan_path), config=config, shards=shards)
+    ranks = [
+        sync.trainer_rank(
+            ModuleSource(local_tensors(shards, t, tensors), sync.plan_file, shards=shards, rank=t), rank=t
+        )
+        for t in (0, 1)
+    ]
+    sent = []
+    sender = threading.Thread(target=lambda: sent.append(ranks[1].sync(4)))
+    sender.start()
+    report = sync.sync(4, trainer=ranks[0])
+    sender.join()
+    for r in ranks:
+        r.close()
+    client = client_of(sync)
+    out = {
+        "complete": report.complete,
+        "bytes_by_trainer": [report.trainer.nbytes, sent[0].nbytes if sent else 0],
+        "weight_version": client.get_weight_version(),
+        "workers": client.worker_states(),
+    }
+    sync.close()
+    return out
 
 
 def main():
@@ -245,6 +285,8 @@ def main():
             "workers": client.worker_states(),
         }
         sync.close()
+        results["v4"] = sharded_sync(handle, plan_path, versions[1], config, client_of=lambda sync: sync.engines[0])
+        results["v4"]["tokens"] = generate()
     finally:  # never leave an engine behind
         if http:
             server.shutdown()

@@ -1,14 +1,14 @@
 """Live SGLang CPU engines (tiny Qwen3 dense, Qwen3-MoE, Kimi-K2-style MLA + MoE) driven by `EngineSync` as vLLM engines
 are: the TP workers join the sync as consumers (the shardplan loader registered by the `sglang.srt.plugins` entry point,
 no --custom-weight-loader), the trainer sends from HF-named tensors; after each complete version the greedy tokens equal
-a fresh engine's on that checkpoint; a trainer failing mid-sync leaves the engine paused with weight version
-"<v>:incomplete" and its workers incomplete until the next sync repairs it; plans for other server args or another model
-config are refused by name (the second by the workers themselves, through the control channel) with the engine
-unchanged. In-process `sgl.Engine` at TP1 and TP2 (gloo), and the HTTP server at TP1; the MoE at TP2 (MoE-TP: SGLang's
-CPU MoE path has no EP, its moe_forward_native indexes experts by the -1 ids EP gives other ranks' experts), the MLA +
-MoE model at TP1 (its derived w_kc / w_vc follow the update: the worker runs post_load_weights). Each case runs
-tests/sglang/live_engine.py in its own process (SGLANG_USE_CPU_ENGINE=1 at import; sgl-kernel's CPU ops from the test
-shim in cpu_ops/)."""
+a fresh engine's on that checkpoint (also from two sharded trainer ranks, each sending only its boxes); a trainer
+failing mid-sync leaves the engine paused with weight version "<v>:incomplete" and its workers incomplete until the next
+sync repairs it; plans for other server args or another model config are refused by name (the second by the workers
+themselves, through the control channel) with the engine unchanged. In-process `sgl.Engine` at TP1 and TP2 (gloo), and
+the HTTP server at TP1; the MoE at TP2 (MoE-TP: SGLang's CPU MoE path has no EP, its moe_forward_native indexes experts
+by the -1 ids EP gives other ranks' experts), the MLA + MoE model at TP1 (its derived w_kc / w_vc follow the update: the
+worker runs post_load_weights). Each case runs tests/sglang/live_engine.py in its own process (SGLANG_USE_CPU_ENGINE=1
+at import; sgl-kernel's CPU ops from the test shim in cpu_ops/)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def check(result: dict) -> None:
     assert v3["complete"] and not v3["paused"] and v3["weight_version"] == "3", v3
     assert all((w["version"], w["complete"]) == (3, True) for w in v3["workers"]), v3["workers"]
     assert v3["tokens"] == fresh["2"], v3
+    v4 = result["v4"]  # two sharded trainer ranks, each from its own boxes
+    assert v4["complete"] and v4["weight_version"] == "4" and min(v4["bytes_by_trainer"]) > 0, v4
+    assert all((w["version"], w["complete"]) == (4, True) for w in v4["workers"]), v4["workers"]
+    assert v4["tokens"] == fresh["1"], v4
 
 
 @pytest.mark.parametrize("tp", [1, 2])

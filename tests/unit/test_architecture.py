@@ -45,7 +45,7 @@ BUDGETS = {
     "shardplan.plan.compile": 1200,
     # (quantplan.py: the quantizing build on columns; copykernel.py: the box copy; graph stages, the fused pack's
     # scale stores and flag read: issue 25)
-    "shardplan.runtime": 4590,  # (+ receive in place: Applier.in_place_segments, apply(skip); issue 28)
+    "shardplan.runtime": 4690,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
     "shardplan.sync": 1860,  # (direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)

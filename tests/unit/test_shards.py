@@ -283,3 +283,46 @@ def test_layout_errors_and_helpers():
         (2, ((0, 1),)),
         (3, ((1, 2),)),
     ]
+
+
+def test_tp_shards_in_whole_blocks():
+    """block=: split in units of whole blocks (the last one short, a rank may get none); others as tensor_split."""
+    sources = {"w": ir.TensorMeta("w", (320, 64), "bfloat16"), "b": ir.TensorMeta("b", (10,), "bfloat16")}
+    shards = tp_shards(sources, 3, lambda n: 0, block=lambda n: 128 if n == "w" else 1)
+    boxes = {(s.name, s.rank): s.box for s in shards}
+    assert [boxes[("w", r)][0] for r in range(3)] == [(0, 128), (128, 256), (256, 320)]
+    assert [boxes[("b", r)][0] for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    two = tp_shards(sources, 4, lambda n: 0, block=lambda n: 128)
+    assert [s.box[0] for s in two if s.name == "w"] == [(0, 128), (128, 256), (256, 320), (320, 320)]
+
+
+def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
+    """A quantized weight's holders make the scales of the blocks in their boxes (block units, the tensor's edge
+    block included); a box that cuts a block along either dim, or a trainer holding scales, is refused by name."""
+    from shardplan.runtime.shards import ShardBlockError, scale_shards
+
+    q = "fp8-e4m3-block-amax448-v1/128x128"
+    sources = {
+        "w": ir.TensorMeta("w", (320, 200), "float8_e4m3fn"),
+        "w_scale_inv": ir.TensorMeta("w_scale_inv", (3, 2), "float32"),
+        "n": ir.TensorMeta("n", (320,), "bfloat16"),
+    }
+    shards = [
+        TrainerShard("w", 0, ((0, 256), (0, 200))),
+        TrainerShard("w", 1, ((256, 320), (0, 128))),
+        TrainerShard("w", 2, ((256, 320), (128, 200))),
+        TrainerShard("w", 3, ((320, 320), (0, 200))),  # empty: holds nothing
+        TrainerShard("n", 0, ((0, 320),)),
+    ]
+    assert scale_shards(shards, sources, q) == [
+        TrainerShard("w_scale_inv", 0, ((0, 2), (0, 2))),
+        TrainerShard("w_scale_inv", 1, ((2, 3), (0, 1))),
+        TrainerShard("w_scale_inv", 2, ((2, 3), (1, 2))),
+    ]
+    for box, dim in ((((0, 100), (0, 200)), 0), (((128, 320), (64, 200)), 1), (((0, 320), (0, 130)), 1)):
+        with pytest.raises(
+            ShardBlockError, match=rf"trainer rank 5 holds \[{box[dim][0]}, {box[dim][1]}\) of dim {dim}"
+        ):
+            scale_shards([TrainerShard("w", 5, box)], sources, q)
+    with pytest.raises(ShardLayoutError, match="trainer rank 0 holds 'w_scale_inv'"):
+        scale_shards([TrainerShard("w_scale_inv", 0, ((0, 3), (0, 2)))], sources, q)

@@ -86,6 +86,32 @@ def _synthetic(num_groups: int, nbytes: int, num_consumers: int = 1) -> Workload
     return Workload(groups, layouts, (0,), {0: None}, {c: c for c in range(num_consumers)}, "synthetic")
 
 
+def test_block_fp8_plans_are_simulated_from_bf16_trainers_quantizing_their_own_boxes():
+    """A Kimi-K2 FP8 TP8+EP plan from Megatron-style TP8 x EP8 trainers (whole 128-blocks): the spans are
+    ShardedPacker's of the quantizing sharded plan (trainers hold no scales); FSDP over 8 ranks cuts
+    kv_a_proj_with_mqa's 576 rows into 72-row boxes and is named."""
+    plan_file = PlanFile.read(ROOT / "plans" / "kimi-k2-fp8--tp8-ep--bfloat16.plan")
+    sources = dict(plan_file.sources)
+    shards = trainers.megatron(sources, num_layers=workload.num_decoder_layers(plan_file), tp=8, ep=8)
+    assert any(s.name.endswith("_scale_inv") for s in shards)  # the layout covers every source; scales are dropped
+    work = workload.sharded(plan_file, shards, ranks=[0], layers=[3])
+    plans = [restrict(plan_file.rank(0), (3,))]
+    needed = {n: sources[n] for n in sorted(set().union(*(p.sources_read() for p in plans)))}
+    held = [s for s in shards if not s.name.endswith("_scale_inv")]
+    packer = ShardedPacker(plan_shards(plans, needed, held, quantizer=plan_file.header.quantizer), 0)
+    real = build_schedule(
+        spans_of(packer), packer.groups(), {t: frozenset() for t in work.trainers}, work.trainers, work.consumers
+    )
+    assert _pieces(work.schedule()) == _pieces(real)
+    assert len({s.only for lay in work.layouts.values() for spans in lay.values() for s in spans}) == 8
+    with pytest.raises(
+        CoverageError,
+        match=r"FSDP.*cannot serve the consumers: trainer rank \d holds .*cuts its "
+        r"128-wide blocks",
+    ):
+        workload.sharded(plan_file, trainers.fsdp(sources, 8), ranks=[0], layers=[3], description="FSDP")
+
+
 def test_one_group_takes_the_closed_form_time():
     n = 10 << 20
     links = Links(

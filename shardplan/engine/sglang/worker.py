@@ -29,11 +29,13 @@ from shardplan.engine.errors import EngineNotInitialized, EnginePlanMismatch, En
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sglang.checks import plan_problems
 from shardplan.engine.sglang.commands import reply_key, state_key
+from shardplan.engine.sharding import worker_sharded_plan
 from shardplan.models import resolve_model
 from shardplan.plan.columns import columns_of
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import to_dtype
-from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, SyncConfig, SyncConfigError
+from shardplan.runtime.shards import ShardedPlan
+from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig, SyncConfigError
 from shardplan.transport import Control, create
 from shardplan.transport.base import consumer_name
 
@@ -47,6 +49,7 @@ class _Joined:
     info: EngineInitInfo
     consumer: ConsumerSync
     error: str = ""
+    sharded: ShardedPlan | None = None
 
 
 _JOINED: _Joined | None = None  # this process's consumer (one TP worker per scheduler process)
@@ -140,10 +143,8 @@ def check_plan(model: torch.nn.Module, plan_file: PlanFile, info: EngineInitInfo
             f"{where} does not match this SGLang engine (rank {rank}): " + "; ".join(problems) + ". Record the plan "
             "with the engine's model and server args: shardplan record --engine sglang ... (docs/sglang.md)"
         )
-    if plan_file.header.eplb is not None or info.trainer_shards:
-        raise EngineUnsupported(
-            f"{where}: EPLB slots and sharded trainers are not supported on SGLang engines yet (docs/sglang.md)"
-        )
+    if plan_file.header.eplb is not None:
+        raise EngineUnsupported(f"{where}: EPLB slots are not supported on SGLang engines yet (docs/sglang.md)")
     plan = plan_file.rank(rank)
     params = dict(model.named_parameters())
     wrong = []
@@ -163,8 +164,12 @@ def check_plan(model: torch.nn.Module, plan_file: PlanFile, info: EngineInitInfo
         raise EnginePlanMismatch(f"{where} rank {rank} does not fit the live model: " + "; ".join(wrong[:8]))
 
 
-def _unpacker(model: torch.nn.Module, plan_file: PlanFile, rank: int, max_group_bytes: int) -> ApplyUnpacker:
+def _unpacker(
+    model: torch.nn.Module, plan_file: PlanFile, rank: int, max_group_bytes: int, sharded: ShardedPlan | None
+) -> ApplyUnpacker | ShardedUnpacker:
     """Over the params as they are now: begin_weight_update may have swapped packed params for loader-layout ones."""
+    if sharded is not None:  # every trainer's part of each group (sharded_plan refuses fallbacks)
+        return ShardedUnpacker(sharded, rank, dict(model.named_parameters()))
     plan = plan_file.rank(rank)
     return ApplyUnpacker(
         plan,
@@ -182,6 +187,7 @@ def init(model: torch.nn.Module, info: EngineInitInfo, control: Control) -> None
     rank = world_rank()
     plan_file = PlanFile.read(info.plan_path)
     check_plan(model, plan_file, info, rank)
+    sharded = worker_sharded_plan(plan_file, info.trainer_shards)  # refused before the old sync is left
     if _JOINED is not None:  # init again (a new trainer run): leave the old sync
         _JOINED.consumer.transport.close()
         _JOINED = None
@@ -195,9 +201,9 @@ def init(model: torch.nn.Module, info: EngineInitInfo, control: Control) -> None
         raise EngineUnsupported(f"init info: {e}") from None
     name = consumer_name(consumer_id)
     transport = create(info.transport, me=name, control=control, device=device, **options)
-    unpacker = _unpacker(model, plan_file, rank, info.max_group_bytes)
+    unpacker = _unpacker(model, plan_file, rank, info.max_group_bytes, sharded)
     consumer = ConsumerSync(consumer_id, unpacker, transport, control, config, device=device)
-    _JOINED = _Joined(plan_file, rank, info, consumer)
+    _JOINED = _Joined(plan_file, rank, info, consumer, sharded=sharded)
     logger.info("shardplan: SGLang worker is plan rank %d of %s, joined the sync as %s", rank, plan_file.path, name)
 
 
@@ -207,7 +213,7 @@ def update(model: torch.nn.Module, version: int) -> None:
     if _JOINED is None:
         raise EngineNotInitialized("init has not run on this SGLang worker")
     j = _JOINED
-    j.consumer.unpacker = _unpacker(model, j.plan_file, j.rank, j.info.max_group_bytes)
+    j.consumer.unpacker = _unpacker(model, j.plan_file, j.rank, j.info.max_group_bytes, j.sharded)
     try:
         with torch.no_grad():
             j.consumer.sync(version)
