@@ -114,7 +114,7 @@ def shards_from_json(obj: Mapping[str, list]) -> list[TrainerShard]:
 
 def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
     """Every engine rank's writes re-planned against the trainer ranks' boxes (the same on both sides of a sync); a
-    block-FP8 plan's trainers quantize their own boxes (whole blocks, else ShardBlockError)."""
+    block-FP8 plan's trainers quantize their own boxes (holders of a block cut between them exchange its amax)."""
     plans = [plan_file.rank(r) for r in plan_file.ranks]
     if plan_file.header.eplb is not None:
         raise EngineUnsupported(

@@ -10,12 +10,15 @@ so replicas share the work). The result is, per (trainer rank, consumer rank), a
 
 Block-FP8 plans (`quantizer=`, the plan header's): trainers hold high-precision `X.weight` boxes and no scales; each
 quantizes its own boxes (runtime.quantize.QuantizingReplayer over its sub-plans), so `X.weight_scale_inv` is held, in
-block units, by the ranks whose weight boxes make it (`scale_shards`). That needs every box to be whole blocks.
+block units, by the ranks whose weight boxes make it (`scale_shards`). A box that cuts blocks (FSDP2's `Shard(0)` at
+most sizes) is quantized from a staging tensor over the box widened to whole blocks (`CutBox`): zeros outside the
+box, except one element per cut block that holds the block's amax over every holder, exchanged per sync
+(`block_partials` / `combine_partials` / `stage_cut`), so each holder computes the same scale the whole block has.
 
 Refused at planning time, with a named error naming the tensor and the box: a needed byte held by no trainer rank;
 a non-view write (Call/Full/Update) whose inputs no single rank holds whole; overlapping writes (last write wins)
-that no single rank can serve together (their order must stay within one buffer); a quantized weight's box that cuts
-a block (no rank could make that block's scale alone).
+that no single rank can serve together (their order must stay within one buffer); a trainer holding scales of a
+block-FP8 plan.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import MissingTensorError, ShardplanError
 from shardplan.plan import ir
 from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.plan.names import group_layer, group_of, is_scale, scale_name, weight_of_scale
 from shardplan.plan.overlap import overlap_clusters, overlapping_writes, param_shapes
 from shardplan.runtime.pack import PackLayout
-from shardplan.runtime.quantize import parse_quantizer
-from shardplan.runtime.tensors import broadcast_region
+from shardplan.runtime.quantize import NonFiniteBlockError, block_amax, parse_quantizer
+from shardplan.runtime.tensors import TensorShapeError, broadcast_region
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dim of the full tensor
 
@@ -60,8 +63,9 @@ class ShardOverlapError(ShardError):
     """Overlapping destination writes (last write wins) can't all be served by one trainer rank."""
 
 
-class ShardBlockError(ShardError):
-    """A trainer box of a block-FP8 weight cuts a quantization block: no trainer rank holds that block whole."""
+class AmaxExchangeError(ShardError):
+    """A trainer box cuts blocks of a block-FP8 weight, and the blocks' amaxes from the other holders are missing,
+    inconsistent or not exact in the staging dtype: packing would give the block a scale of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,21 @@ class TrainerShard:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.box)
+
+
+@dataclass(frozen=True, slots=True)
+class CutBox:
+    """A trainer rank's box `held` of a block-FP8 weight that cuts blocks: it quantizes from a staging tensor over
+    `padded` (held widened to whole blocks; its local tensor in the sub-plans), whose block grid starts at block
+    `origin` of the whole tensor."""
+
+    held: Box
+    padded: Box
+    block: tuple[int, int]
+
+    @property
+    def origin(self) -> tuple[int, int]:
+        return (self.padded[0][0] // self.block[0], self.padded[1][0] // self.block[1])
 
 
 # ---- common layouts -----------------------------------------------------------------------------------------------
@@ -175,6 +194,16 @@ class ShardedPlan:
     bytes_by_trainer: dict[int, int]
     fallbacks: dict[int, tuple[ir.Fallback, ...]] = field(default_factory=dict)
     quantizer: str = ""  # a block-FP8 plan's: each trainer quantizes its own weight boxes (sources: fp8 + scales)
+    cut: dict[int, dict[str, CutBox]] = field(default_factory=dict)  # trainer rank -> its boxes that cut blocks
+
+    def amax_peers(self, rank: int, name: str) -> list[int]:
+        """The other trainer ranks holding part of a block that trainer `rank`'s box of `name` cuts."""
+        mine = self.cut[rank][name].padded
+        return [
+            r
+            for r, boxes in sorted(self.cut.items())
+            if r != rank and name in boxes and _intersect(boxes[name].held, mine) is not None
+        ]
 
     @property
     def trainer_ranks(self) -> list[int]:
@@ -221,8 +250,8 @@ def scale_shards(
     shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta], quantizer: str
 ) -> list[TrainerShard]:
     """The scale boxes of a quantizing sync: each holder of a quantized weight's box makes the scales of the blocks
-    in it (`X.weight_scale_inv`, in block units). Every box of such a weight must be whole blocks: it starts on a
-    block boundary and ends on one or at the tensor's edge (ShardBlockError names the first that does not)."""
+    its box touches (`X.weight_scale_inv`, in block units; a block cut between holders gets the same scale from each,
+    `cut_boxes`)."""
     _, block = parse_quantizer(quantizer)
     out = []
     for s in shards:
@@ -236,18 +265,36 @@ def scale_shards(
             continue
         if any(a == b for a, b in s.box):
             continue  # an uneven split left this rank nothing of the tensor
-        for dim, ((a, b), size, bs) in enumerate(zip(s.box, meta.shape, block)):
-            if a % bs or (b % bs and b != size):
-                raise ShardBlockError(
-                    f"trainer rank {s.rank} holds [{a}, {b}) of dim {dim} of {s.name!r} ({list(meta.shape)}), "
-                    f"which cuts its {bs}-wide blocks: a block-FP8 plan ({quantizer}) is quantized by the trainer "
-                    f"rank holding each {list(block)} block whole (a block's scale is its amax). Shard dim {dim} "
-                    f"at multiples of {bs} (a Megatron TP or EP split of whole blocks; FSDP2's Shard(0) is whole "
-                    f"blocks only where the rows per rank are), or send whole tensors (no shards=: the source "
-                    f"hands each group's tensors whole)"
-                )
         box = tuple((a // bs, -(-b // bs)) for (a, b), bs in zip(s.box, block))
         out.append(TrainerShard(scale_name(s.name), s.rank, box))
+    return out
+
+
+def cut_boxes(
+    shards: Sequence[TrainerShard], sources: Mapping[str, ir.TensorMeta], quantizer: str
+) -> dict[int, dict[str, CutBox]]:
+    """Trainer rank -> quantized weight -> its box widened to whole blocks, for every holder of a weight that some
+    holder's box cuts (a box that does not start on a block boundary, or ends off one before the tensor's edge):
+    those holders exchange per-block amaxes each sync, even the ones holding their blocks whole."""
+    _, block = parse_quantizer(quantizer)
+    held: dict[str, list[TrainerShard]] = {}
+    for s in shards:
+        meta = sources.get(s.name)
+        if meta is None or meta.dtype != "float8_e4m3fn" or scale_name(s.name) not in sources:
+            continue
+        if not any(a == b for a, b in s.box):
+            held.setdefault(s.name, []).append(s)
+    out: dict[int, dict[str, CutBox]] = {}
+    for name, boxes in sorted(held.items()):
+        shape = sources[name].shape
+        padded = {
+            s.rank: tuple((a - a % bs, min(-(-b // bs) * bs, n)) for (a, b), bs, n in zip(s.box, block, shape))
+            for s in boxes
+        }
+        if len(shape) != 2 or all(padded[s.rank] == s.box for s in boxes):
+            continue
+        for s in boxes:
+            out.setdefault(s.rank, {})[name] = CutBox(s.box, padded[s.rank], block)
     return out
 
 
@@ -262,16 +309,22 @@ def plan_shards(
     trainer-local shards. Deterministic; balances bytes across replicas; refuses impossible layouts up front.
     `quantizer`: a block-FP8 plan's (its header's), when the trainers hold high-precision weights (`scale_shards`)."""
     plans = (plans,) if isinstance(plans, ir.RankPlan) else tuple(plans)
+    cut: dict[int, dict[str, CutBox]] = {}
     if quantizer:
+        cut = cut_boxes(shards, sources, quantizer)
         shards = [*shards, *scale_shards(shards, sources, quantizer)]
     by_name = _index_shards(shards, sources)
+    origins = {n: dict(boxes) for n, boxes in by_name.items()}  # where each rank's local tensor starts
+    for rank, boxes in cut.items():
+        for name, c in boxes.items():
+            origins[name][rank] = c.padded
     pieces: list[_Piece] = []
     pinned: list[list[_Piece]] = []
     for plan in plans:
         dtypes = {p.name: to_dtype(p.dtype).itemsize for p in plan.params}
         plan_pieces = []
         for index, w in enumerate(plan.writes):
-            plan_pieces.append(_write_pieces(plan.rank, index, w, dtypes[w.param], sources, by_name))
+            plan_pieces.append(_write_pieces(plan.rank, index, w, dtypes[w.param], sources, by_name, origins))
         for cluster in _sharing_clusters(plan):
             pinned.append([p for i in cluster for p in plan_pieces[i]])
         pieces += [p for ps in plan_pieces for p in ps]
@@ -281,8 +334,8 @@ def plan_shards(
     for piece in sorted((p for p in pieces if p.rank is None), key=lambda p: (-p.nbytes, p.consumer, p.write, p.sub)):
         piece.rank = min(piece.holders, key=lambda r: (load[r], r))
         load[piece.rank] += piece.nbytes
-    sharded = _collect(plans, pieces, by_name, sources, load)
-    sharded.quantizer = quantizer
+    sharded = _collect(plans, pieces, origins, sources, load)
+    sharded.quantizer, sharded.cut = quantizer, cut
     return sharded
 
 
@@ -385,6 +438,7 @@ def _write_pieces(
     itemsize: int,
     sources: Mapping[str, ir.TensorMeta],
     by_name: dict[str, dict[int, Box]],
+    origins: dict[str, dict[int, Box]],
 ) -> list[_Piece]:
     if not ir.is_pure_view(w):
         return [_whole_piece(consumer, index, w, itemsize, sources, by_name)]
@@ -424,7 +478,7 @@ def _write_pieces(
                 len(pieces),
                 cell_holders,
                 nbytes,
-                lambda r, ranges=ranges: _sub_write(w, name, starts, dims, ranges, holders[r]),
+                lambda r, ranges=ranges: _sub_write(w, name, starts, dims, ranges, origins[name][r]),
             )
         )
     return pieces
@@ -530,7 +584,7 @@ def _assign_cluster(cluster: list[_Piece], load: dict[int, int], plans) -> None:
         load[rank] += p.nbytes
 
 
-def _collect(plans, pieces: list[_Piece], by_name, sources, load) -> ShardedPlan:
+def _collect(plans, pieces: list[_Piece], origins, sources, load) -> ShardedPlan:
     by_pair: dict[tuple[int, int], list[tuple[int, int, ir.Write]]] = {}
     for p in pieces:
         by_pair.setdefault((p.rank, p.consumer), []).append((p.write, p.sub, p.make(p.rank)))
@@ -543,7 +597,120 @@ def _collect(plans, pieces: list[_Piece], by_name, sources, load) -> ShardedPlan
             consumer, tuple(m for m in plan.params if m.name in written), writes
         )
     local: dict[int, dict[str, ir.TensorMeta]] = {}
-    for name, boxes in by_name.items():
+    for name, boxes in origins.items():
         for rank, box in boxes.items():
             local.setdefault(rank, {})[name] = ir.TensorMeta(name, tuple(b - a for a, b in box), sources[name].dtype)
     return ShardedPlan(out_plans, local, dict(load), {p.rank: p.fallbacks for p in plans if p.fallbacks})
+
+
+# ---- blocks cut between trainers: the per-sync amax exchange -----------------------------------------------------
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _block_box(c: CutBox) -> Box:
+    return tuple((a // bs, -(-b // bs)) for (a, b), bs in zip(c.padded, c.block))
+
+
+def stage_cut(name: str, rank: int, c: CutBox, t: torch.Tensor) -> torch.Tensor:
+    """Trainer `rank`'s local tensor `t` of `name` (its `held` box) inside zeros over `padded`."""
+    expect = tuple(b - a for a, b in c.held)
+    if tuple(t.shape) != expect:
+        raise TensorShapeError(
+            f"trainer rank {rank}: tensor {name!r} has shape {list(t.shape)}, expected {list(expect)} (its box "
+            f"{list(c.held)} of the full tensor in the sharded layout)"
+        )
+    out = torch.zeros(tuple(b - a for a, b in c.padded), dtype=t.dtype, device=t.device)
+    out[tuple(slice(h0 - p0, h1 - p0) for (h0, h1), (p0, _) in zip(c.held, c.padded))] = t
+    return out
+
+
+def block_partials(
+    rank: int, cut: Mapping[str, CutBox], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Per weight of `cut` (trainer `rank`'s): the float32 amax of each block of its padded box over the elements
+    this rank holds (on the CPU: they travel on the control channel)."""
+    out = {}
+    for name, c in cut.items():
+        if name not in tensors:
+            raise MissingTensorError(
+                f"trainer rank {rank}: the source handed no {name!r}, whose box {list(c.held)} shares "
+                f"quantization blocks with other trainer ranks (they need its amaxes)"
+            )
+        out[name] = block_amax(stage_cut(name, rank, c, tensors[name]), c.block).cpu()
+    return out
+
+
+def combine_partials(
+    name: str, rank: int, cut: Mapping[int, Mapping[str, CutBox]], partials: Mapping[int, Mapping[str, torch.Tensor]]
+) -> torch.Tensor:
+    """The amax of every block of trainer `rank`'s padded box of `name`, over all holders (`partials`: trainer rank
+    -> its block_partials, this rank's included). NonFiniteBlockError names a block holding inf/NaN and where."""
+    mine = cut[rank][name]
+    lo = _block_box(mine)
+    out = torch.zeros(tuple(b - a for a, b in lo), dtype=torch.float32)
+    needed = [
+        rank,
+        *(r for r in sorted(cut) if r != rank and name in cut[r] and _intersect(cut[r][name].held, mine.padded)),
+    ]
+    for r in needed:
+        if name not in partials.get(r, {}):
+            raise AmaxExchangeError(
+                f"trainer rank {rank}: no block amaxes of {name!r} from trainer rank {r}, which holds part of the "
+                f"blocks [{list(lo)}] this rank's box {list(mine.held)} cuts"
+            )
+        theirs = _block_box(cut[r][name])
+        both = _intersect(lo, theirs)
+        if both is None:
+            continue
+        dst = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, lo))
+        src = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, theirs))
+        out[dst] = torch.maximum(out[dst], partials[r][name][src].float())
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        block = (i + lo[0][0], j + lo[1][0])
+        holders = [r for r in needed if not bool(torch.isfinite(partials[r][name]).all())]
+        raise NonFiniteBlockError(
+            f"block {list(block)} of {list(mine.block)} of trainer tensor {name!r} holds inf or NaN (in the box of "
+            f"trainer rank(s) {holders}): its fp8 scale would not be finite. Fix the weights (or skip this sync) "
+            f"before packing."
+        )
+    return out
+
+
+def plant_amaxes(name: str, rank: int, c: CutBox, staged: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Write each cut block's amax (over all holders) into one element of the block outside this rank's box, so the
+    quantizer's own amax of the staged block is the whole block's. AmaxExchangeError where the staged dtype cannot
+    hold the amax exactly (holders handed different dtypes) or this rank's own elements exceed it (they changed
+    since the exchange)."""
+    (bn, bk), (r0, _), (c0, _) = c.block, c.padded[0], c.padded[1]
+    held_r = (c.held[0][0] - r0, c.held[0][1] - r0)
+    held_c = (c.held[1][0] - c0, c.held[1][1] - c0)
+    rows, cols = staged.shape
+    top = np.arange(amax.shape[0])[:, None] * bn
+    bottom = np.minimum(top + bn, rows)
+    left = np.arange(amax.shape[1])[None, :] * bk
+    right = np.minimum(left + bk, cols)
+    row_out = (top < held_r[0]) | (bottom > held_r[1])
+    col_out = (left < held_c[0]) | (right > held_c[1])
+    # one element outside the box per cut block: a row above or below it, else a column left or right of it
+    pos_r = np.where(row_out, np.where(top < held_r[0], top, bottom - 1), top) + 0 * left
+    pos_c = np.where(row_out, left, np.where(left < held_c[0], left, right - 1))
+    bi, bj = np.nonzero(row_out | col_out)
+    if not len(bi):
+        return staged
+    pos_r, pos_c = pos_r[bi, bj], pos_c[bi, bj]
+    index = (torch.from_numpy(pos_r).to(staged.device), torch.from_numpy(pos_c).to(staged.device))
+    bi, bj = torch.from_numpy(bi), torch.from_numpy(bj)
+    want = amax[bi, bj]
+    staged[index] = want.to(staged.device, staged.dtype)
+    own = block_amax(staged, c.block)[bi, bj].cpu()
+    if not torch.equal(staged[index].float().cpu(), want) or not torch.equal(own, want):
+        raise AmaxExchangeError(
+            f"trainer rank {rank}: the exchanged amaxes of {name!r}'s cut blocks do not stage exactly "
+            f"({staged.dtype}): the holders of a block must hand the same dtype, and a tensor must not change "
+            f"between the amax exchange and its pack"
+        )
+    return staged

@@ -21,6 +21,8 @@ Control channel keys (values are short strings or JSON):
     v<V>/free/<consumer>/<g>         "ok <unix time>" | "abort: ..."        consumer -> its trainers
     v<V>/done/<trainer>/<consumer>/<g>  {"sums": [...]} | "abort: ..."      trainer -> consumer, after the send finished
     v<V>/result/<rank>               {"ok", "epoch", "errors"}
+    v<V>/amax/<trainer>/<group>      {weight: [block grid shape, base64 float32]}  block-FP8 plans whose trainer boxes
+                                     cut blocks: each holder's partial block amaxes, read by the others (docs/fp8.md)
     v<V>/placement/<consumer>        {"digest", "layers", "rows"}  EPLB plans only: the placement the consumer's engine
                                      holds for this version; each trainer lane binds to it first (sync/placement.py)
 

@@ -13,11 +13,12 @@ import torch
 from shardplan.plan.columns import columns_of
 from shardplan.plan.interp import to_dtype
 from shardplan.plan.ir import TensorMeta
-from shardplan.plan.names import group_order
+from shardplan.plan.names import base_group, group_of, group_order
 from shardplan.runtime.apply import Applier, FallbackRequiredError
 from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer, run_items
+from shardplan.runtime.shards import AmaxExchangeError, block_partials, combine_partials, plant_amaxes, stage_cut
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Replicas, Span
 
@@ -300,7 +301,9 @@ class ShardedPacker:
     pieces plan_shards gave it, from its local shards; each piece can come from that trainer only. `replicas`: as
     ReplayPacker's (every replica gets the same pieces from the same trainers). A quantizing plan (`sharded.quantizer`,
     a block-FP8 plan over high-precision trainers) packs each consumer's pieces with a QuantizingReplayer over the
-    rank's local weight boxes (whole blocks: plan_shards checked), bitwise the quantization of the whole tensor."""
+    rank's local weight boxes, bitwise the quantization of the whole tensor. Where boxes cut blocks (`sharded.cut`),
+    the holders exchange block amaxes before packing a group (`partial_amaxes` -> every peer's -> `set_amaxes`; the
+    sync does it on the control channel) and pack from staged tensors (`stage`)."""
 
     def __init__(
         self,
@@ -325,9 +328,54 @@ class ShardedPacker:
         }
         self._packs = _Packs(cache_bindings)
         self.replicas = Replicas.of(self.consumer_ranks, replicas)
+        self.cut = sharded.cut.get(rank, {})
+        self._amaxes: dict[str, torch.Tensor] = {}  # this sync's exchanged amaxes of the cut blocks, per weight
 
     def consumers(self):
         return self.replicas.consumers(self.consumer_ranks)
+
+    # -- blocks cut between trainers (runtime.shards.CutBox) --
+    def _cut_of(self, group: str) -> dict:
+        base = base_group(group)
+        return {n: c for n, c in self.cut.items() if group_of(n) == base}
+
+    def amax_groups(self) -> list[str]:
+        """The source groups whose block amaxes this rank publishes (it holds part of a block cut between trainers)."""
+        return sorted({group_of(n) for n in self.cut}, key=group_order)
+
+    def amax_peers(self, group: str) -> list[int]:
+        """The trainer ranks whose partial amaxes of `group` this rank needs (its boxes there cut blocks)."""
+        cutting = [n for n, c in self._cut_of(group).items() if c.held != c.padded]
+        return sorted({r for n in cutting for r in self.sharded.amax_peers(self.rank, n)})
+
+    def partial_amaxes(self, group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's float32 block amaxes of its part of the cut blocks of `group` (tensors as `pack` takes)."""
+        return block_partials(self.rank, self._cut_of(group), tensors)
+
+    def set_amaxes(self, group: str, partials: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Every holder's partial_amaxes of `group` (trainer rank -> them; this rank's and amax_peers' at least):
+        the amaxes this rank plants when it stages the group's cut weights this sync."""
+        for name, c in self._cut_of(group).items():
+            if c.held != c.padded:
+                self._amaxes[name] = combine_partials(name, self.rank, self.sharded.cut, partials)
+
+    def stage(self, group: str, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The source's tensors of `group` with each cut weight inside its staged box, its blocks' amaxes planted."""
+        cut = {n: c for n, c in self._cut_of(group).items() if c.held != c.padded}
+        if not cut or isinstance(tensors, _Staged):
+            return tensors
+        out = _Staged(tensors)
+        for name, c in cut.items():
+            if name not in self._amaxes:
+                raise AmaxExchangeError(
+                    f"trainer rank {self.rank}: {name!r}'s box {list(c.held)} cuts quantization blocks, and no "
+                    f"amaxes were exchanged for {group!r}: call set_amaxes() with every holder's partial_amaxes() "
+                    f"before packing (the sync engine does it per version)"
+                )
+            if name in tensors:
+                staged = stage_cut(name, self.rank, c, tensors[name])
+                out[name] = plant_amaxes(name, self.rank, c, staged, self._amaxes[name])
+        return out
 
     def stamp(self, consumer: int) -> str:
         rank = self.replicas.plan_rank(consumer)
@@ -343,6 +391,7 @@ class ShardedPacker:
         return tuple(out)
 
     def pack(self, consumer, group, tensors, out, segments):
+        tensors = self.stage(group, tensors) if self.cut else tensors
         parts = self.parts[self.replicas.plan_rank(consumer)]
         base = sharded_bases(parts, group, self.alignment)[self.rank]
         rep_g = self.replayers[self.replicas.plan_rank(consumer)].for_group(group)
@@ -353,6 +402,10 @@ class ShardedPacker:
         )
         mine = [i - first for i in segments]
         self._packs.run((consumer, group), rep_g, mine, tensors, out[base : base + rep_g.layout.nbytes])
+
+
+class _Staged(dict):
+    """A group's source tensors with the cut weights staged (ShardedPacker.stage): packed as they are."""
 
 
 class ShardedUnpacker:

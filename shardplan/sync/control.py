@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Mapping
+
+import numpy as np
+import torch
 
 from shardplan.sync.stages import ChecksumMismatch
 from shardplan.transport.base import Control, Peer
@@ -23,6 +27,27 @@ def done_key(v: int, trainer: Peer, consumer: Peer, g: int) -> str:
 
 def result_key(v: int, rank: Peer) -> str:
     return f"v{v}/result/{rank}"
+
+
+def amax_key(v: int, trainer: Peer, group: str) -> str:
+    return f"v{v}/amax/{trainer}/{group}"
+
+
+def encode_amaxes(partials: Mapping[str, torch.Tensor]) -> str:
+    """A trainer's partial block amaxes of one group (ShardedPacker.partial_amaxes) as control-channel text."""
+    return json.dumps(
+        {
+            n: [list(t.shape), base64.b64encode(t.float().contiguous().numpy().tobytes()).decode()]
+            for n, t in partials.items()
+        }
+    )
+
+
+def decode_amaxes(text: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (shape, data) in json.loads(text).items():
+        out[name] = torch.from_numpy(np.frombuffer(base64.b64decode(data), dtype=np.float32).copy()).view(shape)
+    return out
 
 
 def join(

@@ -108,10 +108,11 @@ class Rank:
 
 class GroupTensors:
     """The source's tensors of a group, fetched once per sync for all lanes (and all parts of a split group: the
-    source knows decoder-layer groups, not parts), dropped when the last lane packed its last part."""
+    source knows decoder-layer groups, not parts), dropped when the last lane packed its last part. `stage`: the
+    packer's (ShardedPacker.stage: weights whose boxes cut quantization blocks, staged once for every lane)."""
 
-    def __init__(self, source: WeightSource, uses: Mapping[str, int]):
-        self.source, self.uses = source, {}
+    def __init__(self, source: WeightSource, uses: Mapping[str, int], stage=None):
+        self.source, self.uses, self.stage = source, {}, stage
         for group, n in uses.items():
             self.uses[base_group(group)] = self.uses.get(base_group(group), 0) + n
         self.cache: dict[str, Mapping[str, torch.Tensor]] = {}
@@ -121,7 +122,8 @@ class GroupTensors:
         base = base_group(group)
         with self.lock:
             if base not in self.cache:
-                self.cache[base] = self.source.group(base)
+                tensors = self.source.group(base)
+                self.cache[base] = tensors if self.stage is None else self.stage(base, tensors)
             return self.cache[base]
 
     def release(self, group: str) -> None:

@@ -10,7 +10,7 @@ import time
 import torch
 
 from shardplan.runtime.tensors import align_up
-from shardplan.sync.control import abort_mark, done_key, free_key, join
+from shardplan.sync.control import abort_mark, amax_key, decode_amaxes, done_key, encode_amaxes, free_key, join
 from shardplan.sync.rank import GroupTensors, Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor, held_whole
 from shardplan.sync.stages import Packer, SyncConfig, SyncReport, WeightSource, event
@@ -84,10 +84,18 @@ class TrainerSync(Rank):
         start = time.monotonic()
         event("trainer sync")
         schedule, lanes, uses, mismatched = self._take_prepared(version)
-        tensors = GroupTensors(self.source, uses)
+        tensors = GroupTensors(self.source, uses, getattr(self.packer, "stage", None))
         failures: dict[Peer, BaseException] = dict(mismatched)
         for peer, error in mismatched.items():  # the consumer ends at once instead of waiting for its bytes
             self._abort(version, peer, [gi for gi, *_ in self._steps(schedule, int(peer[8:]))], error)
+        try:
+            self._exchange_amaxes(version)
+        except BaseException as e:  # noqa: BLE001 - nothing was packed: every lane ends with this reason
+            for c in lanes:
+                if consumer_name(c) not in mismatched:
+                    self._abort(version, consumer_name(c), [gi for gi, *_ in self._steps(schedule, c)], e)
+            failures[e.peer if isinstance(e, PeerError) else self.name] = e
+            self._finish(version, failures)
         sent = {c: 0 for c in lanes}
         self._direct_sent = {c: 0 for c in lanes}
         lane = self._lane
@@ -120,6 +128,25 @@ class TrainerSync(Rank):
             tuple(consumer_name(c) for c in lanes),
             sum(self._direct_sent.values()),
         )
+
+    def _exchange_amaxes(self, version: int) -> None:
+        """Blocks cut between trainer ranks (ShardedPacker.amax_groups): publish this rank's partial block amaxes of
+        each such group, then take its peers' (a dead or stalled peer is named after the timeout), before any lane
+        packs: each holder then gives a cut block the scale of the whole block."""
+        groups = getattr(self.packer, "amax_groups", lambda: [])()
+        own = {}
+        for g in groups:
+            own[g] = self.packer.partial_amaxes(g, self.source.group(g))
+            self.control.set(amax_key(version, self.name, g), encode_amaxes(own[g]))
+        for g in groups:
+            partials = {self.rank: own[g]}
+            for r in self.packer.amax_peers(g):
+                peer = trainer_name(r)
+                text = self.control.get(amax_key(version, peer, g), self.config.timeout_s, peer, f"block amaxes of {g}")
+                partials[r] = decode_amaxes(text)
+            self.packer.set_amaxes(g, partials)
+        if groups:
+            event("amaxes exchanged")
 
     def _lane(
         self,

@@ -2,7 +2,8 @@
 decoder layer for both consumer ranks with the sync engine's ShardedPacker, each consumer applies both parts with
 ShardedUnpacker: bit for bit the reference interpreter on the full tensors. Block-FP8 plans from sharded BF16
 trainers (boxes of whole 128-blocks, two DP replicas): each trainer quantizes its own boxes (the fused kernel over its
-local shards), bitwise the reference quantizer's checkpoint of the full tensors."""
+local shards), bitwise the reference quantizer's checkpoint of the full tensors; and from three trainers whose even
+row splits cut 128-blocks (the holders exchange block amaxes, then quantize staged boxes on the GPU)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,33 @@ def test_sharded_fp8_trainers_quantize_their_own_boxes(name):
     _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, quantizer)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-fp8--tp4--bfloat16.plan", "qwen3-30b-a3b-fp8--tp4-ep--bfloat16.plan"])
+def test_fp8_trainers_whose_boxes_cut_blocks(name):
+    plan_file = PlanFile.read(PLANS / name)
+    quantizer = plan_file.header.quantizer
+    layers = [Layer(plan_file, r, LAYER) for r in (0, 1)]
+    sources = {n: m for layer in layers for n, m in layer.sources.items()}
+    full = trainer_tensors(sources, quantizer, DEVICE)
+    held = {n: m for n, m in sources.items() if n in full}
+    shards = tp_shards(held, 5, lambda n: 0 if len(held[n].shape) == 2 else None)  # 768 expert rows -> 154: cut
+    assert any(
+        c.held != c.padded
+        for boxes in plan_shards([], sources, shards, quantizer=quantizer).cut.values()
+        for c in boxes.values()
+    )
+    _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, quantizer)
+
+
 def _sync_and_check(name, plans, sources, shards, full, quantizer):
     sharded = plan_shards(plans, sources, shards, quantizer=quantizer or "")
-    packers = {t: ShardedPacker(sharded, t, device=DEVICE) for t in sharded.trainer_ranks}
+    packers = {t: ShardedPacker(sharded, t, device=DEVICE) for t in sorted({s.rank for s in shards})}
+    partials = {}  # blocks cut between trainers: what the sync exchanges on the control channel
+    for t, packer in packers.items():
+        for group in packer.amax_groups():
+            partials.setdefault(group, {})[t] = packer.partial_amaxes(group, local_tensors(shards, t, full))
+    for t, packer in packers.items():
+        for group in packer.amax_groups():
+            packer.set_amaxes(group, partials[group])
     for plan in plans:
         c = plan.rank
         params = params_from_plan(plan, DEVICE, fill=NAN)

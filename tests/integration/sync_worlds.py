@@ -445,6 +445,11 @@ def arm_stall(engine, group: str) -> None:
     engine.packer.stall_at = group
 
 
+def arm_amax_stall(engine) -> None:
+    """Fault: a trainer whose boxes cut quantization blocks stalls before publishing its block amaxes."""
+    engine.packer.partial_amaxes = lambda group, tensors: time.sleep(3600)
+
+
 def arm_failure(engine, group: str) -> None:
     engine.packer.fail_at = group
 

@@ -11,10 +11,12 @@
 * `test_refined_scale_grid_is_recorded_exactly`: Qwen3-MoE FP8 with 96-row expert partitions at TP4 (vLLM's
   refined scale grid, its loader upsampling each checkpoint scale): recorded without fallback, bitwise as above.
 * `test_sharded_trainers_quantize_their_own_boxes` (hypothesis: the three built-ins, TP 2/4, EP on/off, rank, seed,
-  trainer layouts of whole blocks: TP splits along either dim, experts/layers spread whole, compositions, DP
-  replicas): every trainer rank's `ShardedPacker` quantizes its own BF16 boxes, the consumer applies every trainer's
-  part (`ShardedUnpacker`): bitwise the real loader as above. `test_sharded_boxes_that_cut_blocks_are_named`: an
-  FSDP2 Shard(0) layout over 3 ranks cuts 128-row blocks (`ShardBlockError`), and a trainer holding scales is refused.
+  trainer layouts: TP splits of whole blocks along either dim, FSDP-style splits that cut blocks along either dim,
+  experts/layers spread whole, compositions, DP replicas): every trainer rank's `ShardedPacker` quantizes its own
+  BF16 boxes (where boxes cut blocks, after the holders exchanged block amaxes), the consumer applies every trainer's
+  part (`ShardedUnpacker`): bitwise the real loader as above. `test_fsdp2_boxes_that_cut_blocks`: FSDP2's Shard(0)
+  over 3 ranks (342-row boxes of 128-row blocks) bitwise; packing before the exchange, a non-finite element in a cut
+  block and a trainer holding scales are named.
 * `test_misaligned_layout_is_named`: a layout whose TP partitions are not whole blocks is `Fp8BlockMisaligned`,
   repeating vLLM's reason; `test_cli_refuses_kimi_k2_fp8_tp32_with_vllms_reason`: the CLI's one-paragraph error.
 """
@@ -38,7 +40,7 @@ from shardplan.runtime.apply import Applier
 from shardplan.runtime.pack import PackLayout
 from shardplan.runtime.quantize import QuantizingReplayer, quantize_blocks
 from shardplan.runtime.shards import (
-    ShardBlockError,
+    AmaxExchangeError,
     ShardLayoutError,
     TrainerShard,
     compose,
@@ -180,14 +182,18 @@ def check_rank(model: str, tp: int, ep: bool, rank: int, seed: int):
 
 @st.composite
 def block_layouts(draw, shapes: dict[str, tuple[int, ...]], quantized: set[str]):
-    """Trainer layouts of whole blocks, as Megatron-style trainers hold them: TP along either dim, whole tensors
-    spread over ranks (EP / PP), their compositions, optionally two DP replicas."""
-    kind = draw(st.sampled_from(["tp", "whole", "whole_tp"]))
+    """Trainer layouts: Megatron-style TP along either dim in whole blocks, or FSDP-style even splits that cut
+    blocks ("cut"); whole tensors spread over ranks (EP / PP), their compositions, optionally two DP replicas."""
+    kind = draw(st.sampled_from(["tp", "cut", "whole", "whole_tp"]))
     names = sorted(shapes)
     dim_of = {n: draw(st.none() | st.integers(0, len(shapes[n]) - 1)) for n in names}
-    tp = draw(st.integers(2, 3))
+    tp = draw(st.integers(2, 4 if kind == "cut" else 3))
+    cut = kind == "cut" or draw(st.booleans())
     metas = {n: ir.TensorMeta(n, shape, "bfloat16") for n, shape in shapes.items()}
-    tp_layout = tp_shards(metas, tp, lambda n: dim_of[n], block=lambda n: BLOCK[0] if n in quantized else 1)
+    unit = (lambda n: 1) if cut else (lambda n: BLOCK[0] if n in quantized else 1)
+    tp_layout = tp_shards(metas, tp, lambda n: dim_of[n], block=unit)
+    if kind == "cut":
+        kind = "tp"
     if kind == "tp":
         shards = tp_layout
     else:
@@ -200,13 +206,29 @@ def block_layouts(draw, shapes: dict[str, tuple[int, ...]], quantized: set[str])
     return shards
 
 
+def exchange_amaxes(packers, shards, trainer_tensors) -> None:
+    """What the sync does on the control channel before packing: every holder of a block cut between trainers
+    publishes its partial amaxes per group, each rank takes its peers'."""
+    partials = {}
+    for t, packer in packers.items():
+        local = local_tensors(shards, t, trainer_tensors)
+        for group in packer.amax_groups():
+            partials.setdefault(group, {})[t] = packer.partial_amaxes(group, local)
+    for t, packer in packers.items():
+        for group in packer.amax_groups():
+            assert set(packer.amax_peers(group)) <= set(partials[group])
+            packer.set_amaxes(group, {r: partials[group][r] for r in [t, *packer.amax_peers(group)]})
+
+
 def sharded_sync_into(sharded, rank: int, trainer_tensors, shards, params) -> None:
     """What one consumer of a sync gets from sharded trainers: every trainer rank packs its pieces of each group
     into the consumer's group buffer (ShardedPacker), the consumer applies every part (ShardedUnpacker)."""
     unpacker = ShardedUnpacker(sharded, rank, params)
     buffers = {g: torch.full((n,), 0xFF, dtype=torch.uint8) for g, n in unpacker.sizes().items()}
+    packers = {t: ShardedPacker(sharded, t) for t in sorted({s.rank for s in shards})}
+    exchange_amaxes(packers, shards, trainer_tensors)
     for t in sharded.trainer_ranks:
-        packer = ShardedPacker(sharded, t)
+        packer = packers[t]
         local = local_tensors(shards, t, trainer_tensors)
         assert not any(n.endswith("_scale_inv") for n in local), "trainers hold no scales"
         for group in packer.groups():
@@ -243,24 +265,44 @@ def test_sharded_trainers_quantize_their_own_boxes(model, tp, ep, data):
         assert not torch.isnan(params[name].float()).any(), name
 
 
-def test_sharded_boxes_that_cut_blocks_are_named():
+def test_fsdp2_boxes_that_cut_blocks():
     """FSDP2's Shard(0) over 3 ranks gives q_b_proj (1024 rows) 342-row boxes: no rank holds those 128-row blocks
-    whole, so none can make their scales; named before any byte moves. A trainer holding scales is refused too."""
+    whole; the holders exchange block amaxes and each quantizes its rows with the whole block's scale, bitwise the
+    real loader. Packing before the exchange, a non-finite element in a cut block (named with the rank holding it)
+    and a trainer holding scales are refused by name."""
     from torch.distributed.tensor import Shard
 
     from shardplan.engine.sharding import placement_shards, sharded_plan
+    from shardplan.runtime.quantize import NonFiniteBlockError
 
     s = session("kimi-k2-fp8", 2, True)
     plan_file = PlanFile(*decode(s.encode(compile_plans([plan_of(s, 0)], s.sources))))
-    trainer, _ = bf16_and_fp8_checkpoints(s, 0)
+    trainer, fp8_checkpoint = bf16_and_fp8_checkpoints(s, 0)
     fsdp = placement_shards({n: tuple(t.shape) for n, t in trainer.items()}, [0, 1, 2], lambda n: [Shard(0)])
-    with pytest.raises(
-        ShardBlockError,
-        match=r"trainer rank \d holds \[\d+, \d+\) of dim 0 of '.*weight' .*cuts "
-        r"its 128-wide blocks: a block-FP8 plan \(fp8-e4m3-block-amax448-v1/128x128\)",
-    ):
-        sharded_plan(plan_file, fsdp)
+    sharded = sharded_plan(plan_file, fsdp)
     q = "model.layers.0.self_attn.q_b_proj.weight"
+    assert [sharded.cut[r][q].held[0] for r in range(3)] == [(0, 342), (342, 684), (684, 1024)]
+    assert [sharded.cut[r][q].padded[0] for r in range(3)] == [(0, 384), (256, 768), (640, 1024)]
+    replayed, params = poisoned(s, 0)
+    sharded_sync_into(sharded, 0, trainer, fsdp, params)
+    verdict = verify.RankVerdict(0)
+    verify.compare_models(real_loaded(s, 0, fp8_checkpoint), replayed, verdict)
+    assert verdict.ok, verdict.mismatched
+
+    packer = ShardedPacker(sharded, 1)
+    local = local_tensors(fsdp, 1, trainer)
+    group = "layers.0"
+    consumer = packer.consumers()[0]
+    spans = packer.spans(consumer, group)
+    mine = [i for i, span in enumerate(spans) if span.only == (1,)]
+    out = torch.zeros(max(sp.offset + sp.nbytes for sp in spans), dtype=torch.uint8)
+    with pytest.raises(AmaxExchangeError, match=r"trainer rank 1: .* cuts quantization blocks, .* set_amaxes\(\)"):
+        packer.pack(consumer, group, local, out, mine)
+    bad = {n: t.clone() for n, t in trainer.items()}
+    bad[q][300, 5] = float("nan")  # rank 0's row 300: block [2, 0], cut between ranks 0 and 1
+    packers = {t: ShardedPacker(sharded, t) for t in range(3)}
+    with pytest.raises(NonFiniteBlockError, match=rf"block \[2, 0\] .* of trainer tensor '{q}' .* rank\(s\) \[0\]"):
+        exchange_amaxes(packers, fsdp, bad)
     whole = [TrainerShard(n, 0, full_box(t.shape)) for n, t in trainer.items()]
     scale = TrainerShard(q + "_scale_inv", 0, full_box(plan_file.sources[q + "_scale_inv"].shape))
     with pytest.raises(ShardLayoutError, match=rf"trainer rank 0 holds '{q}_scale_inv': .* no scales"):

@@ -133,7 +133,11 @@ class ShardedFp8World(Fp8World):
     """The same plan file fed by 2 sharded trainers, as a Megatron-style TP2 trainer holds them: every 2-D tensor
     split along dim 0 (a quantized weight at 128-row block boundaries), 1-D tensors on both. Each trainer holds fp32
     master weights as plain local shards (engine.trainer.ModuleSource, shards=) and packs with the engine's path
-    (engine.sharding.sharded_plan -> ShardedPacker, quantizing its own boxes); consumers apply every trainer's part."""
+    (engine.sharding.sharded_plan -> ShardedPacker, quantizing its own boxes); consumers apply every trainer's part.
+    `cut`: FSDP2-style even row splits instead, which cut 128-row blocks (the holders exchange block amaxes on the
+    control channel before packing)."""
+
+    cut: bool = False
 
     def __post_init__(self):
         from shardplan.engine.sharding import sharded_plan
@@ -150,7 +154,7 @@ class ShardedFp8World(Fp8World):
             held,
             self.num_trainers,
             lambda n: 0 if len(held[n].shape) == 2 else None,
-            block=lambda n: 128 if n + "_scale_inv" in self.sources else 1,
+            block=lambda n: 1 if self.cut or n + "_scale_inv" not in self.sources else 128,
         )
         self.sharded = sharded_plan(self.plan_file, self.shards)
         first = ShardedPacker(self.sharded, 0)
@@ -241,6 +245,43 @@ def test_sharded_trainers_quantize_their_own_boxes_over_a_sync(tmp_path_factory)
         real_params = real_loader_bytes(session, world, rank)
         for meta in plans[rank].params:
             assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
+
+
+def test_trainers_whose_boxes_cut_blocks_exchange_amaxes_over_a_sync(tmp_path_factory):
+    """Three FSDP2-style trainers (every 2-D tensor split evenly by rows: 768-row experts as 256-row boxes, others
+    cut mid-block) of the same plan, fp32 master weights: the holders of each cut block exchange its amax on the
+    control channel, then each quantizes its rows with the whole block's scale; every consumer's params == the real
+    loader on the reference checkpoint, bitwise."""
+    session, plans, path = recorded(tmp_path_factory)
+    world = ShardedFp8World(path=str(path), seed=11, num_trainers=3, cut=True)
+    cutting = {r: [n for n, c in boxes.items() if c.held != c.padded] for r, boxes in world.sharded.cut.items()}
+    assert all(cutting[r] for r in range(3)), cutting
+    got = run_sync(functools.partial(ShardedFp8World, path=str(path), seed=11, num_trainers=3, cut=True), "nccl")
+    for rank in range(4):
+        real_params = real_loader_bytes(session, world, rank)
+        for meta in plans[rank].params:
+            assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
+
+
+def test_a_stalled_holder_of_cut_blocks_is_named_and_nothing_is_packed(tmp_path_factory):
+    """The same three trainers with trainer 2 stalled before it publishes its block amaxes: trainer 1, which shares
+    cut blocks with it, waits for them, names it after the deadline and packs nothing (a cut block's scale needs every
+    holder's part); every consumer ends with an error, none hangs (trainer 0 shares blocks with trainer 1 only)."""
+    from sync_worlds import LocalCluster, arm_amax_stall
+
+    _, _, path = recorded(tmp_path_factory)
+    config = SyncConfig(timeout_s=6.0, announce_timeout_s=60)
+    world = functools.partial(ShardedFp8World, path=str(path), seed=11, num_trainers=3, cut=True)
+    cluster = LocalCluster("nccl", world, config)
+    try:
+        cluster.call("trainer2", arm_amax_stall)
+        results = cluster.sync(1, wait_s=45)
+    finally:
+        cluster.close()
+    assert results["trainer2"][0] == "hung"
+    status, error = results["trainer1"]
+    assert status == "error" and "trainer2" in str(error) and "block amaxes of layers." in str(error), error
+    assert all(results[consumer_name(c)][0] == "error" for c in range(4)), results
 
 
 _REAL: dict = {}

@@ -45,9 +45,11 @@ BUDGETS = {
     "shardplan.plan.compile": 1200,
     # (quantplan.py: the quantizing build on columns; copykernel.py: the box copy; graph stages, the fused pack's
     # scale stores and flag read: issue 25)
-    "shardplan.runtime": 4690,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards)
+    "shardplan.runtime": 4860,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards; + blocks
+    # cut between trainers: CutBox, the amax partials, combine and plant)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 1860,  # (direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
+    "shardplan.sync": 1970,  # (+ the per-sync amax exchange of blocks cut between trainers; direct sends from the
+    # trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)
     "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and
     # the fields SGLang's models read, issue 26; the coverage report's SGLang column, issue 26; build.py's answers to

@@ -297,9 +297,11 @@ def test_tp_shards_in_whole_blocks():
 
 
 def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
-    """A quantized weight's holders make the scales of the blocks in their boxes (block units, the tensor's edge
-    block included); a box that cuts a block along either dim, or a trainer holding scales, is refused by name."""
-    from shardplan.runtime.shards import ShardBlockError, scale_shards
+    """A quantized weight's holders make the scales of the blocks their boxes touch (block units, the tensor's edge
+    block included); where a box cuts blocks along either dim, every holder of that weight gets its box widened to
+    whole blocks (`cut_boxes`: the staged tensor's extent) and the ranks sharing its blocks are its amax peers. A
+    trainer holding scales is refused by name."""
+    from shardplan.runtime.shards import CutBox, cut_boxes, scale_shards
 
     q = "fp8-e4m3-block-amax448-v1/128x128"
     sources = {
@@ -319,10 +321,19 @@ def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
         TrainerShard("w_scale_inv", 1, ((2, 3), (0, 1))),
         TrainerShard("w_scale_inv", 2, ((2, 3), (1, 2))),
     ]
-    for box, dim in ((((0, 100), (0, 200)), 0), (((128, 320), (64, 200)), 1), (((0, 320), (0, 130)), 1)):
-        with pytest.raises(
-            ShardBlockError, match=rf"trainer rank 5 holds \[{box[dim][0]}, {box[dim][1]}\) of dim {dim}"
-        ):
-            scale_shards([TrainerShard("w", 5, box)], sources, q)
+    assert cut_boxes(shards, sources, q) == {}  # whole blocks everywhere: nothing to exchange
+    fsdp = [TrainerShard("w", 0, ((0, 100), (0, 200))), TrainerShard("w", 1, ((100, 320), (0, 200)))]
+    cols = [TrainerShard("w", 0, ((0, 320), (0, 130))), TrainerShard("w", 1, ((0, 320), (130, 200)))]
+    assert scale_shards(fsdp, sources, q) == [
+        TrainerShard("w_scale_inv", 0, ((0, 1), (0, 2))),
+        TrainerShard("w_scale_inv", 1, ((0, 3), (0, 2))),
+    ]
+    assert cut_boxes(fsdp, sources, q) == {
+        0: {"w": CutBox(((0, 100), (0, 200)), ((0, 128), (0, 200)), (128, 128))},
+        1: {"w": CutBox(((100, 320), (0, 200)), ((0, 320), (0, 200)), (128, 128))},
+    }
+    assert cut_boxes(cols, sources, q)[1]["w"].padded == ((0, 320), (128, 200))
+    sharded = plan_shards([], sources, fsdp, quantizer=q)
+    assert sharded.amax_peers(0, "w") == [1] and sharded.amax_peers(1, "w") == [0]
     with pytest.raises(ShardLayoutError, match="trainer rank 0 holds 'w_scale_inv'"):
         scale_shards([TrainerShard("w_scale_inv", 0, ((0, 3), (0, 2)))], sources, q)

@@ -89,7 +89,8 @@ def _synthetic(num_groups: int, nbytes: int, num_consumers: int = 1) -> Workload
 def test_block_fp8_plans_are_simulated_from_bf16_trainers_quantizing_their_own_boxes():
     """A Kimi-K2 FP8 TP8+EP plan from Megatron-style TP8 x EP8 trainers (whole 128-blocks): the spans are
     ShardedPacker's of the quantizing sharded plan (trainers hold no scales); FSDP over 8 ranks cuts
-    kv_a_proj_with_mqa's 576 rows into 72-row boxes and is named."""
+    kv_a_proj_with_mqa's 576 rows into 72-row boxes (its holders exchange block amaxes) and is simulated: its spans
+    are ShardedPacker's too, pinned to all 8 trainers."""
     plan_file = PlanFile.read(ROOT / "plans" / "kimi-k2-fp8--tp8-ep--bfloat16.plan")
     sources = dict(plan_file.sources)
     shards = trainers.megatron(sources, num_layers=workload.num_decoder_layers(plan_file), tp=8, ep=8)
@@ -104,12 +105,16 @@ def test_block_fp8_plans_are_simulated_from_bf16_trainers_quantizing_their_own_b
     )
     assert _pieces(work.schedule()) == _pieces(real)
     assert len({s.only for lay in work.layouts.values() for spans in lay.values() for s in spans}) == 8
-    with pytest.raises(
-        CoverageError,
-        match=r"FSDP.*cannot serve the consumers: trainer rank \d holds .*cuts its "
-        r"128-wide blocks",
-    ):
-        workload.sharded(plan_file, trainers.fsdp(sources, 8), ranks=[0], layers=[3], description="FSDP")
+    fsdp = [s for s in trainers.fsdp(sources, 8) if not s.name.endswith("_scale_inv")]
+    cut = workload.sharded(plan_file, fsdp, ranks=[0], layers=[3], description="FSDP")
+    packer = ShardedPacker(plan_shards(plans, needed, fsdp, quantizer=plan_file.header.quantizer), 0)
+    kv_a = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
+    assert [packer.sharded.cut[r][kv_a].held[0] for r in range(8)] == [(72 * r, 72 * r + 72) for r in range(8)]
+    real = build_schedule(
+        spans_of(packer), packer.groups(), {t: frozenset() for t in cut.trainers}, cut.trainers, cut.consumers
+    )
+    assert _pieces(cut.schedule()) == _pieces(real)
+    assert len({s.only for lay in cut.layouts.values() for spans in lay.values() for s in spans}) == 8
 
 
 def test_one_group_takes_the_closed_form_time():
