@@ -12,6 +12,8 @@ QuantizingReplayer's build time for the layer and for the whole rank (CPU work).
     python bench/quant_bench.py [--iters 20] [--json FILE]   (CUDA events, warm-up, medians of interleaved rounds)
     python bench/quant_bench.py --build-only [--repeat 3]      (any machine: the build alone, wall and CPU time)
     python bench/quant_bench.py --sharded 2                    (+ trainer rank 0 of 2 whole-block row shards' pack)
+    python bench/quant_bench.py --cut 3                        (+ trainer rank 0 of 3 even row shards, which cut
+                                                                blocks: the amax exchange's steps, staging, pack)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from plan_cases import PlanLayer, _plan_file  # noqa: E402
 from shardplan.plan.names import is_scale  # noqa: E402
 from shardplan.runtime import fp8kernel  # noqa: E402
 from shardplan.runtime.quantize import SCALE_SUFFIX, QuantizingReplayer  # noqa: E402
-from shardplan.runtime.shards import plan_shards, tp_shards  # noqa: E402
+from shardplan.runtime.shards import local_tensors, plan_shards, tp_shards  # noqa: E402
 from shardplan.sync import ShardedPacker  # noqa: E402
 
 CASES = [
@@ -146,6 +148,51 @@ def measure(label, replayer, sources, args, dev, build_layer, build_rank) -> dic
     return row
 
 
+def measure_cut(label, case, layer, quantizer, trainers, args, dev) -> dict:
+    """Trainer rank 0 of `trainers` even row splits (FSDP2's Shard(0), cutting 128-blocks) packing one layer for one
+    consumer, as a sync does it each version: its partial block amaxes (staged copy + amax + host read), combining
+    every holder's (host), staging its tensors with the amaxes planted (copy + plant + check), then the quantizing
+    pack of the staged tensors, bound once (what one-shot binds per sync add is not in it). Next to a same-run copy of
+    the pack's bytes."""
+    held = {n: m for n, m in case.sources.items() if not is_scale(n)}
+    shards = tp_shards(held, trainers, lambda n: 0 if len(held[n].shape) == 2 else None)
+    sharded = plan_shards([case.plan()], case.sources, shards, quantizer=quantizer)
+    packers = {t: ShardedPacker(sharded, t, device=dev) for t in sorted({s.rank for s in shards})}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    full = {n: torch.randn(m.shape, generator=gen, device=dev).to(torch.bfloat16) for n, m in held.items()}
+    group = f"layers.{layer}"
+    local = {t: local_tensors(shards, t, full) for t in packers}
+    partials = {t: p.partial_amaxes(group, local[t]) for t, p in packers.items()}
+    me = packers[0]
+    me.set_amaxes(group, partials)
+    staged = me.stage(group, local[0])
+    replayer = me.replayers[case.rank]
+    bound = replayer.bind({n: staged[n] for n in replayer.sources_read()})
+    moved = traffic(replayer, staged)
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    ms = medians(
+        {
+            "copy": lambda: dst.copy_(src),
+            "partial": lambda: me.partial_amaxes(group, local[0]),
+            "combine": lambda: me.set_amaxes(group, partials),
+            "stage": lambda: me.stage(group, local[0]),
+            "pack": bound.pack,
+        },
+        args.iters,
+    )
+    total = ms["partial"] + ms["combine"] + ms["stage"] + ms["pack"]
+    cut = sum(c.held != c.padded for c in sharded.cut.get(0, {}).values())
+    row = dict(case=label, gb=moved / 1e9, cut_weights=cut, total_ms=total, **{f"{k}_ms": v for k, v in ms.items()})
+    print(
+        f"| {label} | {row['gb']:.3f} | {cut} | {ms['copy']:.3f} | {ms['partial']:.3f} | {ms['combine']:.3f} | "
+        f"{ms['stage']:.3f} | {ms['pack']:.3f} ({100 * ms['copy'] / ms['pack']:.0f}%) | {total:.3f} "
+        f"({100 * ms['copy'] / total:.0f}%) |",
+        flush=True,
+    )
+    return row  # (its tensors go with this frame; main() empties the cache after)
+
+
 def build_only(args) -> None:
     """The device-independent part of a consumer rank's quantizing replay: instantiating the rank's plan from the plan
     file, then building the QuantizingReplayer (plan geometry, rebased plans, the inner Replayer's layout and
@@ -203,6 +250,12 @@ def main() -> None:
         default=0,
         help="also time trainer rank 0's pack when N trainer ranks hold whole-block row shards (ShardedPacker)",
     )
+    ap.add_argument(
+        "--cut",
+        type=int,
+        default=0,
+        help="also time trainer rank 0 of N even row shards that cut blocks (amax exchange steps, staging, pack)",
+    )
     args = ap.parse_args()
     if args.build_only:
         return build_only(args)
@@ -242,6 +295,19 @@ def main() -> None:
             build = (time.perf_counter() - t0) * 1e3
             label = f"{case.label}, trainer 0 of {args.sharded} (whole-block rows)"
             rows.append(measure(label, replayer, sharded.sources[0], args, dev, build, float("nan")))
+    if args.cut:
+        print(
+            f"\n# trainer rank 0 of {args.cut} even row shards (blocks cut between trainers), per sync: partial "
+            f"amaxes, combine (host), stage + plant, pack of the staged tensors (fused, graph); % = copy / that"
+        )
+        print("| case | GB moved | cut weights | copy ms | partial ms | combine ms | stage ms | pack ms | total ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for path, rank, layer in CASES:
+            case = PlanLayer(path, rank, layer)
+            quantizer = _plan_file(path).header.quantizer
+            label = f"{case.label}, trainer 0 of {args.cut}"
+            rows.append(measure_cut(label, case, layer, quantizer, args.cut, args, dev))
+            torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(
             json.dumps(
