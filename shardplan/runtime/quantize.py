@@ -106,27 +106,30 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
         raise QuantizerDTypeError(f"the block quantizer takes bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() != 2:
         raise QuantizeError(f"the block quantizer takes a 2-D tensor, got shape {list(x.shape)}")
-    padded, blocks = _blocks(x, block)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
-    scale = exact_div(amax, E4M3_MAX)
-    fp8 = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    rows, cols = x.shape
-    return fp8.view_as(padded)[:rows, :cols].contiguous(), scale.view(blocks.shape[0], blocks.shape[2])
-
-
-def _blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x zero-padded to whole blocks, and that as [row blocks, bn, column blocks, bk]."""
     rows, cols = x.shape
     bn, bk = block
     padded = torch.zeros((math.ceil(rows / bn) * bn, math.ceil(cols / bk) * bk), dtype=x.dtype, device=x.device)
     padded[:rows, :cols] = x
-    return padded, padded.view(-1, bn, padded.shape[1] // bk, bk)
+    blocks = padded.view(-1, bn, padded.shape[1] // bk, bk)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
+    scale = exact_div(amax, E4M3_MAX)
+    fp8 = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return fp8.view_as(padded)[:rows, :cols].contiguous(), scale.view(blocks.shape[0], blocks.shape[2])
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """max |x| of each block of 2-D `x` in float32 ([row blocks, column blocks]; NaN where a block holds NaN), before
-    the quantizer's floor: what holders of a block cut between trainers exchange (runtime.shards.CutBox)."""
-    return _blocks(x, block)[1].abs().float().amax(dim=(1, 3))
+    """max |x| of each block of the last two dims of `x` in float32 ([..., row blocks, column blocks]; NaN where a
+    block holds NaN; zero-padded at the edge), before the quantizer's floor: what the holders of a block cut between
+    trainers exchange (runtime.shards.CutGroup). A max is exact in x's dtype, so it is taken there."""
+    *lead, rows, cols = x.shape
+    bn, bk = block
+    padded_rows, padded_cols = math.ceil(rows / bn) * bn, math.ceil(cols / bk) * bk
+    if (padded_rows, padded_cols) != (rows, cols):
+        padded = torch.zeros((*lead, padded_rows, padded_cols), dtype=x.dtype, device=x.device)
+        padded[..., :rows, :cols] = x
+        x = padded
+    blocks = x.reshape(*lead, padded_rows // bn, bn, padded_cols // bk, bk)
+    return blocks.abs().amax(dim=(-3, -1)).float()
 
 
 def check_finite(name: str, x: torch.Tensor, box: tuple[tuple[int, int], ...], block: tuple[int, int]) -> None:

@@ -196,15 +196,6 @@ class ShardedPlan:
     quantizer: str = ""  # a block-FP8 plan's: each trainer quantizes its own weight boxes (sources: fp8 + scales)
     cut: dict[int, dict[str, CutBox]] = field(default_factory=dict)  # trainer rank -> its boxes that cut blocks
 
-    def amax_peers(self, rank: int, name: str) -> list[int]:
-        """The other trainer ranks holding part of a block that trainer `rank`'s box of `name` cuts."""
-        mine = self.cut[rank][name].padded
-        return [
-            r
-            for r, boxes in sorted(self.cut.items())
-            if r != rank and name in boxes and _intersect(boxes[name].held, mine) is not None
-        ]
-
     @property
     def trainer_ranks(self) -> list[int]:
         return sorted({t for t, _ in self.plans})
@@ -613,104 +604,165 @@ def _block_box(c: CutBox) -> Box:
     return tuple((a // bs, -(-b // bs)) for (a, b), bs in zip(c.padded, c.block))
 
 
-def stage_cut(name: str, rank: int, c: CutBox, t: torch.Tensor) -> torch.Tensor:
-    """Trainer `rank`'s local tensor `t` of `name` (its `held` box) inside zeros over `padded`."""
-    expect = tuple(b - a for a, b in c.held)
-    if tuple(t.shape) != expect:
-        raise TensorShapeError(
-            f"trainer rank {rank}: tensor {name!r} has shape {list(t.shape)}, expected {list(expect)} (its box "
-            f"{list(c.held)} of the full tensor in the sharded layout)"
-        )
-    out = torch.zeros(tuple(b - a for a, b in c.padded), dtype=t.dtype, device=t.device)
-    out[tuple(slice(h0 - p0, h1 - p0) for (h0, h1), (p0, _) in zip(c.held, c.padded))] = t
-    return out
+@dataclass
+class _Geometry:
+    """Weights of one CutGroup with the same held box inside the same padded extent: staged as one batch, their cut
+    blocks planted at the same elements."""
+
+    names: list[str]
+    cut: CutBox
+    plant: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # rows, cols, block rows, block cols
+    _index: dict = field(default_factory=dict)  # device -> (rows, cols, block rows, block cols) on it
+
+    def index(self, device: torch.device):
+        if device not in self._index:
+            self._index[device] = tuple(torch.from_numpy(a).to(device) for a in self.plant)
+        return self._index[device]
 
 
-def block_partials(
-    rank: int, cut: Mapping[str, CutBox], tensors: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Per weight of `cut` (trainer `rank`'s): the float32 amax of each block of its padded box over the elements
-    this rank holds (on the CPU: they travel on the control channel)."""
-    out = {}
-    for name, c in cut.items():
-        if name not in tensors:
-            raise MissingTensorError(
-                f"trainer rank {rank}: the source handed no {name!r}, whose box {list(c.held)} shares "
-                f"quantization blocks with other trainer ranks (they need its amaxes)"
-            )
-        out[name] = block_amax(stage_cut(name, rank, c, tensors[name]), c.block).cpu()
-    return out
+class CutGroup:
+    """Trainer `rank`'s weights of one source group in `cut` (ShardedPlan.cut): the partial block amaxes it publishes,
+    the amaxes it combines from its peers', and its tensors staged with them planted. Batched by geometry (a layer's
+    experts share one), so a group costs a few launches and one device-to-host read, not a few per weight."""
 
+    def __init__(self, rank: int, names: Sequence[str], cut: Mapping[int, Mapping[str, CutBox]]):
+        self.rank = rank
+        by_geometry: dict[tuple, list[str]] = {}
+        for name in sorted(names):
+            c = cut[rank][name]
+            by_geometry.setdefault((c.held, c.padded, c.block), []).append(name)
+        self.geometries = [
+            _Geometry(ns, cut[rank][ns[0]], _plant_elements(cut[rank][ns[0]])) for ns in by_geometry.values()
+        ]
+        self.cutting = [n for g in self.geometries if g.plant is not None for n in g.names]
+        # per cutting weight: (peer rank, its slice of the peer's grid, the slice of this rank's grid), this rank first
+        self.sources: dict[str, list[tuple[int, tuple, tuple]]] = {}
+        for name in self.cutting:
+            mine = cut[rank][name]
+            lo = _block_box(mine)
+            self.sources[name] = []
+            for r in [rank, *(r for r in sorted(cut) if r != rank and name in cut[r])]:
+                if r != rank and _intersect(cut[r][name].held, mine.padded) is None:
+                    continue
+                theirs = _block_box(cut[r][name])
+                both = _intersect(lo, theirs)
+                if both is not None:
+                    dst = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, lo))
+                    src = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, theirs))
+                    self.sources[name].append((r, src, dst))
 
-def combine_partials(
-    name: str, rank: int, cut: Mapping[int, Mapping[str, CutBox]], partials: Mapping[int, Mapping[str, torch.Tensor]]
-) -> torch.Tensor:
-    """The amax of every block of trainer `rank`'s padded box of `name`, over all holders (`partials`: trainer rank
-    -> its block_partials, this rank's included). NonFiniteBlockError names a block holding inf/NaN and where."""
-    mine = cut[rank][name]
-    lo = _block_box(mine)
-    out = torch.zeros(tuple(b - a for a, b in lo), dtype=torch.float32)
-    needed = [
-        rank,
-        *(r for r in sorted(cut) if r != rank and name in cut[r] and _intersect(cut[r][name].held, mine.padded)),
-    ]
-    for r in needed:
-        if name not in partials.get(r, {}):
+    @property
+    def peers(self) -> list[int]:
+        return sorted({r for srcs in self.sources.values() for r, _, _ in srcs} - {self.rank})
+
+    def _staged(self, g: _Geometry, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[len(g.names), *padded] zeros holding each weight's tensor in its held box."""
+        expect = tuple(b - a for a, b in g.cut.held)
+        for name in g.names:
+            if name not in tensors:
+                raise MissingTensorError(
+                    f"trainer rank {self.rank}: the source handed no {name!r}, whose box {list(g.cut.held)} shares "
+                    f"quantization blocks with other trainer ranks (they need its amaxes)"
+                )
+            if tuple(tensors[name].shape) != expect:
+                raise TensorShapeError(
+                    f"trainer rank {self.rank}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "
+                    f"{list(expect)} (its box {list(g.cut.held)} of the full tensor in the sharded layout)"
+                )
+        first = tensors[g.names[0]]
+        out = torch.zeros((len(g.names), *(b - a for a, b in g.cut.padded)), dtype=first.dtype, device=first.device)
+        inner = tuple(slice(h0 - p0, h1 - p0) for (h0, h1), (p0, _) in zip(g.cut.held, g.cut.padded))
+        out[(slice(None), *inner)] = torch.stack([tensors[n] for n in g.names])
+        return out
+
+    def partials(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Per weight: the float32 amax of each block of its padded box over the elements this rank holds."""
+        grids = [block_amax(self._staged(g, tensors), g.cut.block) for g in self.geometries]
+        if not grids:
+            return {}
+        host = torch.cat([x.reshape(-1) for x in grids]).cpu().numpy()  # one device-to-host read per group
+        out, at = {}, 0
+        for g, x in zip(self.geometries, grids):
+            shape = tuple(x.shape[1:])
+            for name in g.names:
+                out[name] = host[at : at + math.prod(shape)].reshape(shape)
+                at += math.prod(shape)
+        return out
+
+    def combine(self, partials: Mapping[int, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Per cutting weight: the amax of every block of this rank's padded box over all holders (`partials`: trainer
+        rank -> its partials, this rank's included). NonFiniteBlockError names a block holding inf/NaN and where."""
+        out = {}
+        for name in self.cutting:
+            grid = None
+            for r, src, dst in self.sources[name]:
+                theirs = partials.get(r, {}).get(name)
+                if theirs is None:
+                    raise AmaxExchangeError(
+                        f"trainer rank {self.rank}: no block amaxes of {name!r} from trainer rank {r}, which holds "
+                        f"part of the blocks this rank's box cuts"
+                    )
+                if grid is None:
+                    grid = np.zeros(_grid_shape(self.geometries, name), dtype=np.float32)
+                np.maximum(grid[dst], theirs[src], out=grid[dst])
+            if not np.isfinite(grid).all():
+                i, j = (int(v) for v in np.argwhere(~np.isfinite(grid))[0])
+                lo = _block_box(next(g.cut for g in self.geometries if name in g.names))
+                holders = [r for r, _, _ in self.sources[name] if not np.isfinite(partials[r][name]).all()]
+                raise NonFiniteBlockError(
+                    f"block {[i + lo[0][0], j + lo[1][0]]} of trainer tensor {name!r} holds inf or NaN (in the box "
+                    f"of trainer rank(s) {holders}): its fp8 scale would not be finite. Fix the weights (or skip "
+                    f"this sync) before packing."
+                )
+            out[name] = grid
+        return out
+
+    def stage(self, tensors: Mapping[str, torch.Tensor], amaxes: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Each cutting weight inside zeros over its padded box, each cut block's amax (over all holders) planted in
+        one element outside this rank's box, so the quantizer's own amax of the staged block is the whole block's.
+        AmaxExchangeError where the staged dtype cannot hold an amax exactly (holders handed different dtypes) or this
+        rank's own elements exceed it (they changed since the exchange)."""
+        out, checks = {}, []
+        for g in self.geometries:
+            if g.plant is None:
+                continue
+            staged = self._staged(g, tensors)
+            rows, cols, bi, bj = g.index(staged.device)
+            want = torch.from_numpy(np.stack([amaxes[n][g.plant[2], g.plant[3]] for n in g.names])).to(staged.device)
+            staged[:, rows, cols] = want.to(staged.dtype)
+            checks.append((g, block_amax(staged, g.cut.block)[:, bi, bj] != want))
+            out.update(zip(g.names, staged.unbind(0)))
+        if checks and bool(torch.stack([bad.any() for _, bad in checks]).any()):  # one host read per group
+            g, bad = next((g, bad) for g, bad in checks if bool(bad.any()))
+            name = g.names[int(bad.any(dim=1).nonzero()[0])]
             raise AmaxExchangeError(
-                f"trainer rank {rank}: no block amaxes of {name!r} from trainer rank {r}, which holds part of the "
-                f"blocks [{list(lo)}] this rank's box {list(mine.held)} cuts"
+                f"trainer rank {self.rank}: the exchanged amaxes of {name!r}'s cut blocks do not stage exactly "
+                f"({tensors[name].dtype}): the holders of a block must hand the same dtype, and a tensor must not "
+                f"change between the amax exchange and its pack"
             )
-        theirs = _block_box(cut[r][name])
-        both = _intersect(lo, theirs)
-        if both is None:
-            continue
-        dst = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, lo))
-        src = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(both, theirs))
-        out[dst] = torch.maximum(out[dst], partials[r][name][src].float())
-    bad = ~torch.isfinite(out)
-    if bool(bad.any()):
-        i, j = (int(v) for v in bad.nonzero()[0])
-        block = (i + lo[0][0], j + lo[1][0])
-        holders = [r for r in needed if not bool(torch.isfinite(partials[r][name]).all())]
-        raise NonFiniteBlockError(
-            f"block {list(block)} of {list(mine.block)} of trainer tensor {name!r} holds inf or NaN (in the box of "
-            f"trainer rank(s) {holders}): its fp8 scale would not be finite. Fix the weights (or skip this sync) "
-            f"before packing."
-        )
-    return out
+        return out
 
 
-def plant_amaxes(name: str, rank: int, c: CutBox, staged: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """Write each cut block's amax (over all holders) into one element of the block outside this rank's box, so the
-    quantizer's own amax of the staged block is the whole block's. AmaxExchangeError where the staged dtype cannot
-    hold the amax exactly (holders handed different dtypes) or this rank's own elements exceed it (they changed
-    since the exchange)."""
-    (bn, bk), (r0, _), (c0, _) = c.block, c.padded[0], c.padded[1]
+def _grid_shape(geometries: Sequence[_Geometry], name: str) -> tuple[int, int]:
+    lo = _block_box(next(g.cut for g in geometries if name in g.names))
+    return tuple(b - a for a, b in lo)
+
+
+def _plant_elements(c: CutBox) -> tuple[np.ndarray, ...] | None:
+    """Per cut block of the padded box (one not inside `held`): an element of it outside `held` (a row above or below
+    the box, else a column left or right of it) and the block's index; None when the box cuts no block."""
+    (bn, bk), (r0, r1), (c0, c1) = c.block, c.padded[0], c.padded[1]
     held_r = (c.held[0][0] - r0, c.held[0][1] - r0)
     held_c = (c.held[1][0] - c0, c.held[1][1] - c0)
-    rows, cols = staged.shape
-    top = np.arange(amax.shape[0])[:, None] * bn
-    bottom = np.minimum(top + bn, rows)
-    left = np.arange(amax.shape[1])[None, :] * bk
-    right = np.minimum(left + bk, cols)
+    top = np.arange(-(-(r1 - r0) // bn))[:, None] * bn
+    bottom = np.minimum(top + bn, r1 - r0)
+    left = np.arange(-(-(c1 - c0) // bk))[None, :] * bk
+    right = np.minimum(left + bk, c1 - c0)
     row_out = (top < held_r[0]) | (bottom > held_r[1])
     col_out = (left < held_c[0]) | (right > held_c[1])
-    # one element outside the box per cut block: a row above or below it, else a column left or right of it
-    pos_r = np.where(row_out, np.where(top < held_r[0], top, bottom - 1), top) + 0 * left
-    pos_c = np.where(row_out, left, np.where(left < held_c[0], left, right - 1))
+    rows = np.where(row_out, np.where(top < held_r[0], top, bottom - 1), top) + 0 * left
+    cols = np.where(row_out, left, np.where(left < held_c[0], left, right - 1))
     bi, bj = np.nonzero(row_out | col_out)
     if not len(bi):
-        return staged
-    pos_r, pos_c = pos_r[bi, bj], pos_c[bi, bj]
-    index = (torch.from_numpy(pos_r).to(staged.device), torch.from_numpy(pos_c).to(staged.device))
-    bi, bj = torch.from_numpy(bi), torch.from_numpy(bj)
-    want = amax[bi, bj]
-    staged[index] = want.to(staged.device, staged.dtype)
-    own = block_amax(staged, c.block)[bi, bj].cpu()
-    if not torch.equal(staged[index].float().cpu(), want) or not torch.equal(own, want):
-        raise AmaxExchangeError(
-            f"trainer rank {rank}: the exchanged amaxes of {name!r}'s cut blocks do not stage exactly "
-            f"({staged.dtype}): the holders of a block must hand the same dtype, and a tensor must not change "
-            f"between the amax exchange and its pack"
-        )
-    return staged
+        return None
+    return rows[bi, bj], cols[bi, bj], bi, bj

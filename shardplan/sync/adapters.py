@@ -8,6 +8,7 @@ import hashlib
 import operator
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shardplan.plan.columns import columns_of
@@ -18,7 +19,7 @@ from shardplan.runtime.apply import Applier, FallbackRequiredError
 from shardplan.runtime.pack import FallbackSlot, PackLayout, fallback_slots, reads_digest, sharded_bases
 from shardplan.runtime.quantize import QuantizingReplayer
 from shardplan.runtime.replay import Replayer, run_items
-from shardplan.runtime.shards import AmaxExchangeError, block_partials, combine_partials, plant_amaxes, stage_cut
+from shardplan.runtime.shards import AmaxExchangeError, CutGroup
 from shardplan.runtime.tensors import StaleBindingError, check_tensor
 from shardplan.sync.stages import Packer, Replicas, Span
 
@@ -329,15 +330,19 @@ class ShardedPacker:
         self._packs = _Packs(cache_bindings)
         self.replicas = Replicas.of(self.consumer_ranks, replicas)
         self.cut = sharded.cut.get(rank, {})
-        self._amaxes: dict[str, torch.Tensor] = {}  # this sync's exchanged amaxes of the cut blocks, per weight
+        self._cut_groups: dict[str, CutGroup | None] = {}
+        self._amaxes: dict[str, dict] = {}  # source group -> this sync's exchanged amaxes of its cut blocks
 
     def consumers(self):
         return self.replicas.consumers(self.consumer_ranks)
 
     # -- blocks cut between trainers (runtime.shards.CutBox) --
-    def _cut_of(self, group: str) -> dict:
+    def _cut_group(self, group: str) -> CutGroup | None:
         base = base_group(group)
-        return {n: c for n, c in self.cut.items() if group_of(n) == base}
+        if base not in self._cut_groups:
+            names = [n for n in self.cut if group_of(n) == base]
+            self._cut_groups[base] = CutGroup(self.rank, names, self.sharded.cut) if names else None
+        return self._cut_groups[base]
 
     def amax_groups(self) -> list[str]:
         """The source groups whose block amaxes this rank publishes (it holds part of a block cut between trainers)."""
@@ -345,36 +350,36 @@ class ShardedPacker:
 
     def amax_peers(self, group: str) -> list[int]:
         """The trainer ranks whose partial amaxes of `group` this rank needs (its boxes there cut blocks)."""
-        cutting = [n for n, c in self._cut_of(group).items() if c.held != c.padded]
-        return sorted({r for n in cutting for r in self.sharded.amax_peers(self.rank, n)})
+        cut = self._cut_group(group)
+        return [] if cut is None else cut.peers
 
-    def partial_amaxes(self, group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def partial_amaxes(self, group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """This rank's float32 block amaxes of its part of the cut blocks of `group` (tensors as `pack` takes)."""
-        return block_partials(self.rank, self._cut_of(group), tensors)
+        cut = self._cut_group(group)
+        return {} if cut is None else cut.partials(tensors)
 
-    def set_amaxes(self, group: str, partials: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+    def set_amaxes(self, group: str, partials: Mapping[int, Mapping[str, np.ndarray]]) -> None:
         """Every holder's partial_amaxes of `group` (trainer rank -> them; this rank's and amax_peers' at least):
         the amaxes this rank plants when it stages the group's cut weights this sync."""
-        for name, c in self._cut_of(group).items():
-            if c.held != c.padded:
-                self._amaxes[name] = combine_partials(name, self.rank, self.sharded.cut, partials)
+        cut = self._cut_group(group)
+        if cut is not None:
+            self._amaxes[base_group(group)] = cut.combine(partials)
 
     def stage(self, group: str, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The source's tensors of `group` with each cut weight inside its staged box, its blocks' amaxes planted."""
-        cut = {n: c for n, c in self._cut_of(group).items() if c.held != c.padded}
-        if not cut or isinstance(tensors, _Staged):
+        cut = self._cut_group(group)
+        if cut is None or not cut.cutting or isinstance(tensors, _Staged):
             return tensors
+        amaxes = self._amaxes.get(base_group(group))
+        if amaxes is None:
+            raise AmaxExchangeError(
+                f"trainer rank {self.rank}: its boxes of {cut.cutting[0]!r} and {len(cut.cutting) - 1} other "
+                f"weight(s) of {group!r} cut quantization blocks, and no amaxes were exchanged for them: call "
+                f"set_amaxes() with every holder's partial_amaxes() before packing (the sync engine does it per "
+                f"version)"
+            )
         out = _Staged(tensors)
-        for name, c in cut.items():
-            if name not in self._amaxes:
-                raise AmaxExchangeError(
-                    f"trainer rank {self.rank}: {name!r}'s box {list(c.held)} cuts quantization blocks, and no "
-                    f"amaxes were exchanged for {group!r}: call set_amaxes() with every holder's partial_amaxes() "
-                    f"before packing (the sync engine does it per version)"
-                )
-            if name in tensors:
-                staged = stage_cut(name, self.rank, c, tensors[name])
-                out[name] = plant_amaxes(name, self.rank, c, staged, self._amaxes[name])
+        out.update(cut.stage(tensors, amaxes))
         return out
 
     def stamp(self, consumer: int) -> str:

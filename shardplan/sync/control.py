@@ -7,7 +7,6 @@ import json
 from typing import Mapping
 
 import numpy as np
-import torch
 
 from shardplan.sync.stages import ChecksumMismatch
 from shardplan.transport.base import Control, Peer
@@ -33,21 +32,20 @@ def amax_key(v: int, trainer: Peer, group: str) -> str:
     return f"v{v}/amax/{trainer}/{group}"
 
 
-def encode_amaxes(partials: Mapping[str, torch.Tensor]) -> str:
+def encode_amaxes(partials: Mapping[str, np.ndarray]) -> str:
     """A trainer's partial block amaxes of one group (ShardedPacker.partial_amaxes) as control-channel text."""
-    return json.dumps(
-        {
-            n: [list(t.shape), base64.b64encode(t.float().contiguous().numpy().tobytes()).decode()]
-            for n, t in partials.items()
-        }
-    )
-
-
-def decode_amaxes(text: str) -> dict[str, torch.Tensor]:
     out = {}
-    for name, (shape, data) in json.loads(text).items():
-        out[name] = torch.from_numpy(np.frombuffer(base64.b64decode(data), dtype=np.float32).copy()).view(shape)
-    return out
+    for name, grid in partials.items():
+        grid = np.ascontiguousarray(grid, dtype=np.float32)
+        out[name] = [list(grid.shape), base64.b64encode(grid.tobytes()).decode()]
+    return json.dumps(out)
+
+
+def decode_amaxes(text: str) -> dict[str, np.ndarray]:
+    return {
+        name: np.frombuffer(base64.b64decode(data), dtype=np.float32).reshape(shape)
+        for name, (shape, data) in json.loads(text).items()
+    }
 
 
 def join(

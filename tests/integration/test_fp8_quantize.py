@@ -296,12 +296,12 @@ def test_fsdp2_boxes_that_cut_blocks():
     spans = packer.spans(consumer, group)
     mine = [i for i, span in enumerate(spans) if span.only == (1,)]
     out = torch.zeros(max(sp.offset + sp.nbytes for sp in spans), dtype=torch.uint8)
-    with pytest.raises(AmaxExchangeError, match=r"trainer rank 1: .* cuts quantization blocks, .* set_amaxes\(\)"):
+    with pytest.raises(AmaxExchangeError, match=r"trainer rank 1: .* cut quantization blocks, .* set_amaxes\(\)"):
         packer.pack(consumer, group, local, out, mine)
     bad = {n: t.clone() for n, t in trainer.items()}
     bad[q][300, 5] = float("nan")  # rank 0's row 300: block [2, 0], cut between ranks 0 and 1
     packers = {t: ShardedPacker(sharded, t) for t in range(3)}
-    with pytest.raises(NonFiniteBlockError, match=rf"block \[2, 0\] .* of trainer tensor '{q}' .* rank\(s\) \[0\]"):
+    with pytest.raises(NonFiniteBlockError, match=rf"block \[2, 0\] of trainer tensor '{q}' .* rank\(s\) \[0\]"):
         exchange_amaxes(packers, fsdp, bad)
     whole = [TrainerShard(n, 0, full_box(t.shape)) for n, t in trainer.items()]
     scale = TrainerShard(q + "_scale_inv", 0, full_box(plan_file.sources[q + "_scale_inv"].shape))

@@ -301,7 +301,7 @@ def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
     block included); where a box cuts blocks along either dim, every holder of that weight gets its box widened to
     whole blocks (`cut_boxes`: the staged tensor's extent) and the ranks sharing its blocks are its amax peers. A
     trainer holding scales is refused by name."""
-    from shardplan.runtime.shards import CutBox, cut_boxes, scale_shards
+    from shardplan.runtime.shards import CutBox, CutGroup, cut_boxes, scale_shards
 
     q = "fp8-e4m3-block-amax448-v1/128x128"
     sources = {
@@ -334,6 +334,6 @@ def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
     }
     assert cut_boxes(cols, sources, q)[1]["w"].padded == ((0, 320), (128, 200))
     sharded = plan_shards([], sources, fsdp, quantizer=q)
-    assert sharded.amax_peers(0, "w") == [1] and sharded.amax_peers(1, "w") == [0]
+    assert CutGroup(0, ["w"], sharded.cut).peers == [1] and CutGroup(1, ["w"], sharded.cut).peers == [0]
     with pytest.raises(ShardLayoutError, match="trainer rank 0 holds 'w_scale_inv'"):
         scale_shards([TrainerShard("w_scale_inv", 0, ((0, 3), (0, 2)))], sources, q)
