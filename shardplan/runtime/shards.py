@@ -13,7 +13,7 @@ quantizes its own boxes (runtime.quantize.QuantizingReplayer over its sub-plans)
 block units, by the ranks whose weight boxes make it (`scale_shards`). A box that cuts blocks (FSDP2's `Shard(0)` at
 most sizes) is quantized from a staging tensor over the box widened to whole blocks (`CutBox`): zeros outside the
 box, except one element per cut block that holds the block's amax over every holder, exchanged per sync
-(`block_partials` / `combine_partials` / `stage_cut`), so each holder computes the same scale the whole block has.
+(`CutGroup`: partials, combine, stage), so each holder computes the same scale the whole block has.
 
 Refused at planning time, with a named error naming the tensor and the box: a needed byte held by no trainer rank;
 a non-view write (Call/Full/Update) whose inputs no single rank holds whole; overlapping writes (last write wins)
