@@ -83,17 +83,13 @@ class TrainerShard:
 
 @dataclass(frozen=True, slots=True)
 class CutBox:
-    """A trainer rank's box `held` of a block-FP8 weight that cuts blocks: it quantizes from a staging tensor over
-    `padded` (held widened to whole blocks; its local tensor in the sub-plans), whose block grid starts at block
-    `origin` of the whole tensor."""
+    """A trainer rank's box `held` of a block-FP8 weight whose blocks some holder's box cuts, and `padded`: held
+    widened to whole blocks (the rank's local tensor in the sub-plans). Where they differ the rank quantizes from a
+    staging tensor over `padded`; where they do not, it only contributes its amaxes to the holders that do."""
 
     held: Box
     padded: Box
     block: tuple[int, int]
-
-    @property
-    def origin(self) -> tuple[int, int]:
-        return (self.padded[0][0] // self.block[0], self.padded[1][0] // self.block[1])
 
 
 # ---- common layouts -----------------------------------------------------------------------------------------------
@@ -194,7 +190,7 @@ class ShardedPlan:
     bytes_by_trainer: dict[int, int]
     fallbacks: dict[int, tuple[ir.Fallback, ...]] = field(default_factory=dict)
     quantizer: str = ""  # a block-FP8 plan's: each trainer quantizes its own weight boxes (sources: fp8 + scales)
-    cut: dict[int, dict[str, CutBox]] = field(default_factory=dict)  # trainer rank -> its boxes that cut blocks
+    cut: dict[int, dict[str, CutBox]] = field(default_factory=dict)  # trainer rank -> holders of cut blocks (cut_boxes)
 
     @property
     def trainer_ranks(self) -> list[int]:
@@ -670,6 +666,13 @@ class CutGroup:
                     f"{list(expect)} (its box {list(g.cut.held)} of the full tensor in the sharded layout)"
                 )
         first = tensors[g.names[0]]
+        odd = next((n for n in g.names if (tensors[n].dtype, tensors[n].device) != (first.dtype, first.device)), None)
+        if odd is not None:  # they are staged as one batch
+            raise AmaxExchangeError(
+                f"trainer rank {self.rank}: {odd!r} is {tensors[odd].dtype} on {tensors[odd].device} and "
+                f"{g.names[0]!r} {first.dtype} on {first.device}: hand the quantized weights of a group whose boxes "
+                f"cut blocks in one dtype, on one device"
+            )
         out = torch.zeros((len(g.names), *(b - a for a, b in g.cut.padded)), dtype=first.dtype, device=first.device)
         inner = tuple(slice(h0 - p0, h1 - p0) for (h0, h1), (p0, _) in zip(g.cut.held, g.cut.padded))
         out[(slice(None), *inner)] = torch.stack([tensors[n] for n in g.names])

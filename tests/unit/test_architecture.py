@@ -45,8 +45,8 @@ BUDGETS = {
     "shardplan.plan.compile": 1200,
     # (quantplan.py: the quantizing build on columns; copykernel.py: the box copy; graph stages, the fused pack's
     # scale stores and flag read: issue 25)
-    "shardplan.runtime": 4860,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards; + blocks
-    # cut between trainers: CutBox, the amax partials, combine and plant)
+    "shardplan.runtime": 4920,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards; + blocks
+    # cut between trainers: CutBox, cut_boxes, CutGroup's partials, combine and batched staging per geometry)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
     "shardplan.sync": 1970,  # (+ the per-sync amax exchange of blocks cut between trainers; direct sends from the
     # trainer's tensors: Piece.messages, direct_view; issue 28;

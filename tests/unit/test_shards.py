@@ -337,3 +337,47 @@ def test_scale_shards_of_whole_block_boxes_and_the_boxes_that_cut_blocks():
     assert CutGroup(0, ["w"], sharded.cut).peers == [1] and CutGroup(1, ["w"], sharded.cut).peers == [0]
     with pytest.raises(ShardLayoutError, match="trainer rank 0 holds 'w_scale_inv'"):
         scale_shards([TrainerShard("w_scale_inv", 0, ((0, 3), (0, 2)))], sources, q)
+
+
+def test_cut_group_stages_each_holder_to_the_whole_blocks_quantization():
+    """Three holders of a 320 x 200 weight split at rows 100 and 250 (both cut 128-blocks) exchange block amaxes;
+    each one's staged tensor, quantized by the reference quantizer, gives its rows the whole tensor's fp8 bytes and
+    its blocks the whole tensor's scales, bitwise. Holders handing another dtype, or a tensor grown after the
+    exchange, are named instead of giving a block a scale of its own."""
+    from shardplan.runtime.quantize import NonFiniteBlockError, quantize_blocks
+    from shardplan.runtime.shards import AmaxExchangeError, CutGroup, cut_boxes
+
+    q = "fp8-e4m3-block-amax448-v1/128x128"
+    sources = {
+        "w": ir.TensorMeta("w", (320, 200), "float8_e4m3fn"),
+        "w_scale_inv": ir.TensorMeta("w_scale_inv", (3, 2), "float32"),
+    }
+    rows = [(0, 100), (100, 250), (250, 320)]
+    shards = [TrainerShard("w", r, (rows[r], (0, 200))) for r in range(3)]
+    cut = cut_boxes(shards, sources, q)
+    gen = torch.Generator().manual_seed(0)
+    full = (torch.randn(320, 200, generator=gen) * torch.rand(320, 1, generator=gen) * 4).to(torch.bfloat16)
+    fp8, scale = quantize_blocks(full)
+    local = {r: {"w": full[slice(*rows[r])].clone()} for r in range(3)}
+    groups = {r: CutGroup(r, ["w"], cut) for r in range(3)}
+    assert [groups[r].peers for r in range(3)] == [[1], [0, 2], [1]]
+    partials = {r: groups[r].partials(local[r]) for r in range(3)}
+    for r in range(3):
+        amaxes = groups[r].combine(partials)
+        staged = groups[r].stage(local[r], amaxes)["w"]
+        (p0, p1), _ = cut[r]["w"].padded
+        got_fp8, got_scale = quantize_blocks(staged)
+        h0, h1 = rows[r]
+        assert torch.equal(got_fp8[h0 - p0 : h1 - p0].view(torch.uint8), fp8[h0:h1].view(torch.uint8)), r
+        assert torch.equal(got_scale, scale[p0 // 128 : -(-p1 // 128)]), r
+    with pytest.raises(AmaxExchangeError, match=r"trainer rank 1: the exchanged amaxes of 'w'.*same dtype"):
+        groups[1].stage({"w": local[1]["w"] * 2}, groups[1].combine(partials))  # grew since the exchange
+    fp32 = {**partials, 0: groups[0].partials({"w": full[0:100].float() * 1.001})}  # amaxes bf16 cannot hold
+    with pytest.raises(AmaxExchangeError, match="do not stage exactly"):
+        groups[1].stage(local[1], groups[1].combine(fp32))
+    bad = full[100:250].clone()
+    bad[10, 3] = float("inf")
+    with pytest.raises(NonFiniteBlockError, match=r"block \[0, 0\] of trainer tensor 'w' .* rank\(s\) \[1\]"):
+        groups[0].combine({**partials, 1: groups[1].partials({"w": bad})})
+    with pytest.raises(AmaxExchangeError, match="no block amaxes of 'w' from trainer rank 2"):
+        groups[1].combine({r: partials[r] for r in (0, 1)})
