@@ -36,24 +36,14 @@ def test_sharded_packer_over_boxes(name):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-fp8--tp4--bfloat16.plan", "qwen3-30b-a3b-fp8--tp4-ep--bfloat16.plan"])
 def test_sharded_fp8_trainers_quantize_their_own_boxes(name):
-    plan_file = PlanFile.read(PLANS / name)
-    quantizer = plan_file.header.quantizer
-    layers = [Layer(plan_file, r, LAYER) for r in (1, 2)]
-    sources = {n: m for layer in layers for n, m in layer.sources.items()}
-    full = trainer_tensors(sources, quantizer, DEVICE)  # bf16 weights, no scales
-    held = {n: m for n, m in sources.items() if n in full}
+    quantizer, layers, sources, full, held = _fp8_layers(name, (1, 2))
     shards = replicate(tp_shards(held, 2, lambda n: 0 if len(held[n].shape) == 2 else None, block=lambda n: 128), 2, 2)
     _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, quantizer)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-fp8--tp4--bfloat16.plan", "qwen3-30b-a3b-fp8--tp4-ep--bfloat16.plan"])
 def test_fp8_trainers_whose_boxes_cut_blocks(name):
-    plan_file = PlanFile.read(PLANS / name)
-    quantizer = plan_file.header.quantizer
-    layers = [Layer(plan_file, r, LAYER) for r in (0, 1)]
-    sources = {n: m for layer in layers for n, m in layer.sources.items()}
-    full = trainer_tensors(sources, quantizer, DEVICE)
-    held = {n: m for n, m in sources.items() if n in full}
+    quantizer, layers, sources, full, held = _fp8_layers(name, (0, 1))
     shards = tp_shards(held, 5, lambda n: 0 if len(held[n].shape) == 2 else None)  # 768 expert rows -> 154: cut
     assert any(
         c.held != c.padded
@@ -61,6 +51,17 @@ def test_fp8_trainers_whose_boxes_cut_blocks(name):
         for c in boxes.values()
     )
     _sync_and_check(name, [layer.plan for layer in layers], sources, shards, full, quantizer)
+
+
+def _fp8_layers(name, ranks):
+    """A block-FP8 plan's decoder layer for `ranks`: its quantizer, layers, sources, the full trainer tensors (bf16
+    weights, no scales) and the sources a trainer holds."""
+    plan_file = PlanFile.read(PLANS / name)
+    quantizer = plan_file.header.quantizer
+    layers = [Layer(plan_file, r, LAYER) for r in ranks]
+    sources = {n: m for layer in layers for n, m in layer.sources.items()}
+    full = trainer_tensors(sources, quantizer, DEVICE)
+    return quantizer, layers, sources, full, {n: m for n, m in sources.items() if n in full}
 
 
 def _sync_and_check(name, plans, sources, shards, full, quantizer):
