@@ -109,10 +109,11 @@ class Rank:
 class GroupTensors:
     """The source's tensors of a group, fetched once per sync for all lanes (and all parts of a split group: the
     source knows decoder-layer groups, not parts), dropped when the last lane packed its last part. `stage`: the
-    packer's (ShardedPacker.stage: weights whose boxes cut quantization blocks, staged once for every lane)."""
+    packer's (ShardedPacker.stage: weights whose boxes cut quantization blocks, staged once for every lane); `ready`:
+    called with the group before it is fetched, outside the lock (the sync's amax exchange: wait for that group's)."""
 
     def __init__(self, source: WeightSource, uses: Mapping[str, int], stage=None):
-        self.source, self.uses, self.stage = source, {}, stage
+        self.source, self.uses, self.stage, self.ready = source, {}, stage, None
         for group, n in uses.items():
             self.uses[base_group(group)] = self.uses.get(base_group(group), 0) + n
         self.cache: dict[str, Mapping[str, torch.Tensor]] = {}
@@ -120,6 +121,8 @@ class GroupTensors:
 
     def get(self, group: str) -> Mapping[str, torch.Tensor]:
         base = base_group(group)
+        if self.ready is not None:
+            self.ready(base)
         with self.lock:
             if base not in self.cache:
                 tensors = self.source.group(base)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from shardplan.runtime.shards import AmaxExchangeError
 from shardplan.runtime.tensors import align_up
 from shardplan.sync.control import abort_mark, amax_key, decode_amaxes, done_key, encode_amaxes, free_key, join
 from shardplan.sync.rank import GroupTensors, Rank
@@ -84,18 +85,11 @@ class TrainerSync(Rank):
         start = time.monotonic()
         event("trainer sync")
         schedule, lanes, uses, mismatched = self._take_prepared(version)
-        tensors = GroupTensors(self.source, uses, getattr(self.packer, "stage", None))
         failures: dict[Peer, BaseException] = dict(mismatched)
         for peer, error in mismatched.items():  # the consumer ends at once instead of waiting for its bytes
             self._abort(version, peer, [gi for gi, *_ in self._steps(schedule, int(peer[8:]))], error)
-        try:
-            self._exchange_amaxes(version)
-        except BaseException as e:  # noqa: BLE001 - nothing was packed: every lane ends with this reason
-            for c in lanes:
-                if consumer_name(c) not in mismatched:
-                    self._abort(version, consumer_name(c), [gi for gi, *_ in self._steps(schedule, c)], e)
-            failures[e.peer if isinstance(e, PeerError) else self.name] = e
-            self._finish(version, failures)
+        tensors = GroupTensors(self.source, uses, getattr(self.packer, "stage", None))
+        exchange = _AmaxExchange(self, version, tensors)
         sent = {c: 0 for c in lanes}
         self._direct_sent = {c: 0 for c in lanes}
         lane = self._lane
@@ -118,6 +112,9 @@ class TrainerSync(Rank):
         for t in threads:
             t.join()  # every wait in a lane has a deadline; only this rank's own pack/source can stall it
         event("lanes joined")
+        error = exchange.join()  # its peers need this rank's partials even where no lane of it is left
+        if error is not None:
+            failures[error.peer if isinstance(error, PeerError) else self.name] = error
         self._finish(version, failures)
         event("result set")
         return SyncReport(
@@ -128,25 +125,6 @@ class TrainerSync(Rank):
             tuple(consumer_name(c) for c in lanes),
             sum(self._direct_sent.values()),
         )
-
-    def _exchange_amaxes(self, version: int) -> None:
-        """Blocks cut between trainer ranks (ShardedPacker.amax_groups): publish this rank's partial block amaxes of
-        each such group, then take its peers' (a dead or stalled peer is named after the timeout), before any lane
-        packs: each holder then gives a cut block the scale of the whole block."""
-        groups = getattr(self.packer, "amax_groups", lambda: [])()
-        own = {}
-        for g in groups:
-            own[g] = self.packer.partial_amaxes(g, self.source.group(g))
-            self.control.set(amax_key(version, self.name, g), encode_amaxes(own[g]))
-        for g in groups:
-            partials = {self.rank: own[g]}
-            for r in self.packer.amax_peers(g):
-                peer = trainer_name(r)
-                text = self.control.get(amax_key(version, peer, g), self.config.timeout_s, peer, f"block amaxes of {g}")
-                partials[r] = decode_amaxes(text)
-            self.packer.set_amaxes(g, partials)
-        if groups:
-            event("amaxes exchanged")
 
     def _lane(
         self,
@@ -296,3 +274,69 @@ class TrainerSync(Rank):
                     steps.append((gi, group, pieces, sorted({i for p in pieces for i in p.segments})))
             self._step_cache[key] = (schedule, steps)  # (the schedule kept alive: its id stays its own)
         return self._step_cache[key][1]
+
+
+class _AmaxExchange:
+    """Blocks cut between trainer ranks (ShardedPacker.amax_groups), in a thread beside the lanes: group by group in
+    the sync's order, publish this rank's partial block amaxes on the control channel, then take its peers' (a dead or
+    stalled peer is named after the timeout). A lane waits only for the group it is about to stage (GroupTensors
+    `ready`), so the exchange of later groups overlaps the sends of earlier ones instead of delaying the first byte
+    by the whole model's exchange. A failed exchange fails every lane at the first group it leaves without amaxes."""
+
+    def __init__(self, sync: TrainerSync, version: int, tensors: GroupTensors):
+        self.sync, self.version, self.tensors = sync, version, tensors
+        groups = getattr(sync.packer, "amax_groups", lambda: [])()
+        self.events = {g: threading.Event() for g in groups}
+        self.exchanged: set[str] = set()
+        self.error: BaseException | None = None
+        self.thread = None
+        if groups:
+            tensors.ready = self.wait
+            self.thread = threading.Thread(target=self._run, args=(groups,), name=f"{sync.name}-amaxes", daemon=True)
+            self.thread.start()
+
+    def _run(self, groups: list[str]) -> None:
+        sync = self.sync
+        try:
+            device = next(iter(sync.staging.values())).device if sync.staging else None
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on GPU 0
+            for g in groups:
+                with self.tensors.lock:  # the source is called by one thread at a time
+                    fetched = sync.source.group(g)
+                own = sync.packer.partial_amaxes(g, fetched)
+                del fetched
+                sync.control.set(amax_key(self.version, sync.name, g), encode_amaxes(own))
+                partials = {sync.rank: own}
+                for r in sync.packer.amax_peers(g):
+                    peer = trainer_name(r)
+                    wait_s = sync.config.timeout_s
+                    text = sync.control.get(amax_key(self.version, peer, g), wait_s, peer, f"block amaxes of {g}")
+                    partials[r] = decode_amaxes(text)
+                sync.packer.set_amaxes(g, partials)
+                self.exchanged.add(g)
+                self.events[g].set()
+            event("amaxes exchanged")
+        except BaseException as e:  # noqa: BLE001 - raised by the lanes that need it, and reported by sync()
+            self.error = e
+        finally:
+            for e in self.events.values():
+                e.set()
+
+    def wait(self, group: str) -> None:
+        """Before a lane stages `group` (a base group): its amaxes exchanged, or this rank's exchange error."""
+        done = self.events.get(group)
+        if done is None:
+            return
+        done.wait()
+        if group not in self.exchanged:
+            error = self.error
+            raise AmaxExchangeError(
+                f"{self.sync.name}: the block amaxes of {group} were not exchanged, so its cut blocks cannot be "
+                f"quantized: {type(error).__name__}: {error}"
+            )
+
+    def join(self) -> BaseException | None:
+        if self.thread is not None:
+            self.thread.join()  # every wait in it has a deadline; only this rank's own source can stall it
+        return self.error

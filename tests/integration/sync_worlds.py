@@ -450,6 +450,30 @@ def arm_amax_stall(engine) -> None:
     engine.packer.partial_amaxes = lambda group, tensors: time.sleep(3600)
 
 
+def arm_amax_delay(engine, group: str, seconds: float) -> None:
+    """Slow: a trainer's partial block amaxes of `group` come `seconds` late (a holder behind by one layer)."""
+    partial = engine.packer.partial_amaxes
+
+    def late(g, tensors):
+        if g == group:
+            time.sleep(seconds)
+        return partial(g, tensors)
+
+    engine.packer.partial_amaxes = late
+
+
+def record_events(engine) -> None:
+    """Keep this rank process's sync events (sync.stages.event: "send 3 posted", ...) with their times."""
+    from shardplan.sync import set_event_listener
+
+    engine.events = []
+    set_event_listener(lambda name: engine.events.append((time.monotonic(), name)))
+
+
+def recorded_events(engine) -> list[tuple[float, str]]:
+    return list(engine.events)
+
+
 def arm_failure(engine, group: str) -> None:
     engine.packer.fail_at = group
 

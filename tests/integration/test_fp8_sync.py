@@ -263,10 +263,43 @@ def test_trainers_whose_boxes_cut_blocks_exchange_amaxes_over_a_sync(tmp_path_fa
             assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
 
 
-def test_a_stalled_holder_of_cut_blocks_is_named_and_nothing_is_packed(tmp_path_factory):
+def test_the_amax_exchange_of_later_layers_overlaps_the_sends_of_earlier_ones(tmp_path_factory):
+    """The same three trainers with trainer 2's partial amaxes of the last layer 4 s late: trainer 1, which shares cut
+    blocks with it, sends the earlier layers meanwhile (the exchange runs beside the lanes, a lane waits only for the
+    layer it stages) and the sync completes, every consumer bitwise the real loader."""
+    from sync_worlds import LocalCluster, arm_amax_delay, record_events, recorded_events
+
+    session, plans, path = recorded(tmp_path_factory)
+    world = functools.partial(ShardedFp8World, path=str(path), seed=11, num_trainers=3, cut=True)
+    cluster = LocalCluster("nccl", world, SyncConfig(timeout_s=90.0, announce_timeout_s=180))
+    try:
+        last = cluster.world.groups[-1].split("/")[0]
+        layers = sorted({g.split("/")[0] for g in cluster.world.groups if g.startswith("layers.")})
+        assert len(layers) >= 2 and last != layers[0], cluster.world.groups
+        late = layers[-1]
+        cluster.call("trainer2", arm_amax_delay, late, 4.0)
+        cluster.call("trainer1", record_events)
+        results = cluster.sync(1, wait_s=120)
+        assert all(r[0] == "ok" for r in results.values()), results
+        events = cluster.call("trainer1", recorded_events)
+        got = {c: cluster.call(consumer_name(c), received_bytes) for c in range(4)}
+    finally:
+        cluster.close()
+    first = min(i for i, g in enumerate(cluster.world.groups) if g.startswith(layers[0]))
+    sent_first = min(t for t, name in events if name == f"send {first} posted")
+    exchanged = next(t for t, name in events if name == "amaxes exchanged")
+    assert exchanged - sent_first > 2.0, (sent_first, exchanged, events)
+    for rank in range(4):
+        real_params = real_loader_bytes(session, ShardedFp8World(path=str(path), seed=11), rank)
+        for meta in plans[rank].params:
+            assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
+
+
+def test_a_stalled_holder_of_cut_blocks_is_named_and_its_layers_are_not_packed(tmp_path_factory):
     """The same three trainers with trainer 2 stalled before it publishes its block amaxes: trainer 1, which shares
-    cut blocks with it, waits for them, names it after the deadline and packs nothing (a cut block's scale needs every
-    holder's part); every consumer ends with an error, none hangs (trainer 0 shares blocks with trainer 1 only)."""
+    cut blocks with it, waits for them, names it after the deadline and packs none of the layers they cut (a cut
+    block's scale needs every holder's part); every consumer ends with an error, none hangs (trainer 0 shares blocks
+    with trainer 1 only)."""
     from sync_worlds import LocalCluster, arm_amax_stall
 
     _, _, path = recorded(tmp_path_factory)

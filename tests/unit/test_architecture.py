@@ -48,7 +48,8 @@ BUDGETS = {
     "shardplan.runtime": 4920,  # (+ receive in place, issue 28; + sharded block-FP8 trainers: scale_shards; + blocks
     # cut between trainers: CutBox, cut_boxes, CutGroup's partials, combine and batched staging per geometry)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 1970,  # (+ the per-sync amax exchange of blocks cut between trainers; direct sends from the
+    "shardplan.sync": 2020,  # (+ the per-sync amax exchange of blocks cut between trainers, in a thread beside the
+    # lanes so later layers' exchange overlaps earlier layers' sends; direct sends from the
     # trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)
     "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and
