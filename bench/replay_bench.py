@@ -398,7 +398,20 @@ def bench_case(label: str, builder: PlanBuilder, args, stacked: bool = False) ->
         del want
         fns["apply+box"] = lambda: box_applier.apply(bound.out)  # noqa: F821
     fns["apply-naive"] = naive_apply(plan, replayer.layout, params, bound.out)
+    # a source handing new tensors every sync (gathered per layer, full_tensor()): the sync binds them per pack
+    # (into a given buffer, as the sync's staging slot)
+    fns["oneshot"] = lambda t=tensors, o=torch.empty_like(reference_buffer): replayer.bind(t, o).pack()
+    if device == "cuda":
+        fns["oneshot-nograph"] = lambda t=tensors, o=torch.empty_like(reference_buffer): replayer.bind(
+            t, o, cuda_graph=False
+        ).pack()
     seconds = interleaved_medians(fns, device, args.iters)
+    print(
+        f"# {label}: bound again per pack (bind + pack, the default options) {seconds['oneshot'] * 1e3:.3f} ms"
+        + (f", without the graph {seconds['oneshot-nograph'] * 1e3:.3f} ms" if "oneshot-nograph" in seconds else "")
+        + f"; a same-size copy {seconds['copy-pack'] * 1e3:.3f} ms",
+        flush=True,
+    )
     ceiling = 2 * src.numel() / seconds["ceiling"]
     del src, dst, same, same_dst
     check_us = statistics.median(_timed(bound.check) for _ in range(200)) * 1e6
