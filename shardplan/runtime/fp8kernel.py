@@ -212,6 +212,21 @@ class FusedQuantPlan:
             gather,
         )
 
+    def tables(self, tensors: list[torch.Tensor], ptrs: list[int], out: torch.Tensor) -> "_Tables":
+        """The launches' tables for tensors of this geometry, each program's source offset taken from its own tensor's
+        start (a bind adds the tensor's distance from the launch's base), on out's device; cached per geometry."""
+        key = (
+            out.device,
+            out.data_ptr() % 16,
+            tuple((t.dtype, tuple(t.shape), t.stride(0), p % 16) for t, p in zip(tensors, ptrs)),
+        )
+        cache = self.__dict__.setdefault("_tables", {})
+        if key not in cache:
+            if len(cache) >= 8:
+                cache.pop(next(iter(cache)))
+            cache[key] = _Tables.build(self, tensors, ptrs, out)
+        return cache[key]
+
     def staged_scales(self, scales: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each kernel-quantized weight's staged scale tensor (a view of the staging vector `scales`)."""
         bn, bk = self.block
@@ -245,19 +260,18 @@ class FusedQuantPlan:
         return FusedQuantBinding(self, tensors, out, scales)
 
 
-class FusedQuantBinding:
-    """The plan's programs with the bound tensors' addresses: one table (and launch) per source dtype and kind: whole
-    blocks wholly in their segment (no masks), other 16-byte aligned rows (the kernel is told so and moves 16-byte
-    vectors), the rest. `flag` turns 1 when a block held inf or NaN."""
+@dataclass
+class _Tables:
+    """A geometry's launch tables (FusedQuantPlan.tables), on the host: per launch the table (TABLE_COLUMNS, `src`
+    relative to the program's own tensor), each row's weight index (for its tensor's address), the dtype, vector
+    widths and FULL; the scale gather's index pairs (on the device: read-only, shared by the bindings)."""
 
-    def __init__(
-        self, plan: FusedQuantPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
-    ):
-        self.plan, self.out, self.scales = plan, out, scales
-        self.tensors = [tensors[name] for name in plan.weights]
-        # the launches address these storages (raw pointers, in a CUDA graph too): kept alive, so that a tensor
-        # re-bound by `t.data = x` is read from its old bytes, never from freed memory, until the check names it
-        self._storages = [t.untyped_storage() for t in self.tensors]
+    launches: list
+    scale_outs: int
+    gather: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def build(cls, plan: FusedQuantPlan, tensors: list[torch.Tensor], ptrs: list[int], out: torch.Tensor) -> "_Tables":
         # each block's scale is stored by its program at the buffer places the scale segments read (the gather's
         # pairs, by staging index); a fan-out above MAX_SCALE_OUTS keeps the gather kernels instead
         g_src, g_dst = plan.gather
@@ -265,24 +279,22 @@ class FusedQuantBinding:
         g_src, g_dst = g_src[order], g_dst[order]
         lo = np.searchsorted(g_src, plan.programs[:, 9], "left")
         fan = np.searchsorted(g_src, plan.programs[:, 9], "right") - lo
-        self.scale_outs = int(fan.max(initial=0))
-        direct = self.scale_outs <= MAX_SCALE_OUTS
+        scale_outs = int(fan.max(initial=0))
+        direct = scale_outs <= MAX_SCALE_OUTS
         if not direct:
-            self.scale_outs = 0
-        dests = np.full((len(plan.programs), self.scale_outs), -1, dtype=np.int64)
-        for k in range(self.scale_outs):
+            scale_outs = 0
+        dests = np.full((len(plan.programs), scale_outs), -1, dtype=np.int64)
+        for k in range(scale_outs):
             has = fan > k
             dests[has, k] = g_dst[lo[has] + k]
-        self.flag = torch.zeros(1, dtype=torch.int32, device=out.device)
         bn, bk = plan.block
         progs = plan.programs
         wid = progs[:, 0]
-        ptr = np.asarray([t.data_ptr() for t in self.tensors] + [0], dtype=np.int64)
-        row_stride = np.asarray([t.stride(0) for t in self.tensors] + [0], dtype=np.int64)
-        shape = np.asarray([t.shape for t in self.tensors] + [(0, 0)], dtype=np.int64).reshape(-1, 2)
-        dtypes = [t.dtype for t in self.tensors]
-        self.launches = []
-        out_fp8 = out.view(torch.float8_e4m3fn)
+        misaligned = np.asarray([p % 16 for p in ptrs] + [0], dtype=np.int64)  # (the key: the same for the geometry)
+        row_stride = np.asarray([t.stride(0) for t in tensors] + [0], dtype=np.int64)
+        shape = np.asarray([t.shape for t in tensors] + [(0, 0)], dtype=np.int64).reshape(-1, 2)
+        dtypes = [t.dtype for t in tensors]
+        launches = []
         for dtype in sorted(set(dtypes), key=str):
             mine = np.asarray([d == dtype for d in dtypes] + [False])[wid]
             if not mine.any():
@@ -290,8 +302,7 @@ class FusedQuantBinding:
             p = progs[mine]
             w = p[:, 0]
             itemsize = dtype.itemsize
-            base = min(t for t, d in zip(ptr.tolist(), dtypes) if d == dtype)
-            src = (ptr[w] - base) // itemsize + p[:, 1] * bn * row_stride[w] + p[:, 2] * bk
+            src = p[:, 1] * bn * row_stride[w] + p[:, 2] * bk
             rows = np.minimum(bn, shape[w, 0] - p[:, 1] * bn)
             cols = np.minimum(bk, shape[w, 1] - p[:, 2] * bk)
             if (row_stride[w] * bn >= 1 << 31).any() or (p[:, 4] * bn >= 1 << 31).any():
@@ -310,7 +321,8 @@ class FusedQuantBinding:
                 & (p[:, 7] % 16 == 0)
                 & (p[:, 8] % 16 == 0)
             )
-            if base % 16 or out.data_ptr() % 16:
+            # 16-byte aligned tensors (torch's allocations are): each one's distance from the base is whole vectors
+            if any(m for m, d in zip(misaligned.tolist(), dtypes) if d == dtype) or out.data_ptr() % 16:
                 aligned[:] = False
             full = (
                 aligned
@@ -321,27 +333,60 @@ class FusedQuantBinding:
                 & (p[:, 7] == 0)
                 & (p[:, 8] == bk)
             )
-            base_tensor = next(t for t in self.tensors if t.dtype == dtype and t.data_ptr() == base)
             for kind, is_aligned, is_full in (
                 (full, True, True),
                 (aligned & ~full, True, False),
                 (~aligned, False, False),
             ):  # whole blocks, aligned others, the rest
                 if kind.any():
-                    self.launches.append(
+                    launches.append(
                         (
-                            torch.from_numpy(np.ascontiguousarray(table[kind])).to(out.device),
-                            base_tensor,
+                            np.ascontiguousarray(table[kind]),
+                            np.ascontiguousarray(w[kind]),
+                            dtype,
                             vec if is_aligned else 1,
                             16 if is_aligned else 1,
                             is_full,
                         )
                     )
-        self._out_fp8 = out_fp8
-        self._out_f32 = out.view(torch.float32)
         gather = plan.gather if not direct else (np.zeros(0, dtype=np.int64),) * 2
-        self._gather_src, self._gather_dst = (torch.from_numpy(a).to(out.device) for a in gather)
-        self._gathered = torch.empty(len(gather[0]), dtype=torch.float32, device=out.device)
+        return cls(launches, scale_outs, tuple(torch.from_numpy(a).to(out.device) for a in gather))
+
+
+class FusedQuantBinding:
+    """The plan's programs with the bound tensors' addresses: one table (and launch) per source dtype and kind: whole
+    blocks wholly in their segment (no masks), other 16-byte aligned rows (the kernel is told so and moves 16-byte
+    vectors), the rest. `flag` turns 1 when a block held inf or NaN.
+
+    Everything but the source addresses depends only on the plan and the tensors' geometry (shapes, strides, dtypes,
+    16-byte alignment): built once per geometry (`FusedQuantPlan.tables`, host memory); a bind copies those tables,
+    adds each program's tensor address and uploads them. So binding new tensors every sync (a source that gathers or
+    converts per layer, cut-block staging) costs one numpy add and one upload per launch, not the table build."""
+
+    def __init__(
+        self, plan: FusedQuantPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, scales: torch.Tensor
+    ):
+        self.plan, self.out, self.scales = plan, out, scales
+        self.tensors = [tensors[name] for name in plan.weights]
+        # the launches address these storages (raw pointers, in a CUDA graph too): kept alive, so that a tensor
+        # re-bound by `t.data = x` is read from its old bytes, never from freed memory, until the check names it
+        self._storages = [t.untyped_storage() for t in self.tensors]
+        ptrs = [t.data_ptr() for t in self.tensors]
+        static = plan.tables(self.tensors, ptrs, out)
+        self.scale_outs = static.scale_outs
+        self.flag = torch.zeros(1, dtype=torch.int32, device=out.device)
+        ptr = np.asarray(ptrs, dtype=np.int64)
+        self.launches = []
+        for table, weight, dtype, vec_src, vec_out, full in static.launches:
+            base = min(p for p, t in zip(ptrs, self.tensors) if t.dtype == dtype)
+            table = table.copy()
+            table[:, 0] += (ptr[weight] - base) // dtype.itemsize
+            base_tensor = next(t for p, t in zip(ptrs, self.tensors) if t.dtype == dtype and p == base)
+            self.launches.append((torch.from_numpy(table).to(out.device), base_tensor, vec_src, vec_out, full))
+        self._out_fp8 = out.view(torch.float8_e4m3fn)
+        self._out_f32 = out.view(torch.float32)
+        self._gather_src, self._gather_dst = static.gather
+        self._gathered = torch.empty(len(self._gather_src), dtype=torch.float32, device=out.device)
 
     @property
     def num_programs(self) -> int:

@@ -85,10 +85,14 @@ class _Packs:
                     pass
             by_buffer.pop(out.data_ptr())
             entry[4] = volatile = True  # this source hands new tensors: bind per sync from now on
-        fresh = sub.bind({n: tensors.get(n) for n in names}, out[: sub.layout.nbytes])
+        keep = self.cache or (self.cache is None and not volatile)
+        # a binding packed once is not worth a CUDA graph: capturing one cost more than the pack it saves
+        # (docs/benchmarks.md, "bound again per sync")
+        options = {} if keep else {"cuda_graph": False}
+        fresh = sub.bind({n: tensors.get(n) for n in names}, out[: sub.layout.nbytes], **options)
         fresh.pack(check=False)
         fresh.given = tuple(fresh.tensors[n] for n in names)  # in `names` order, for _same_tensors' identity pass
-        if self.cache or (self.cache is None and not volatile):
+        if keep:
             if len(by_buffer) >= 4:
                 by_buffer.pop(next(iter(by_buffer)))
             by_buffer[out.data_ptr()] = fresh

@@ -65,6 +65,27 @@ def test_scale_segments_are_stored_by_the_kernel(qwen_tp4):
     )
 
 
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "no-graph"])
+def test_tensors_bound_again_at_new_addresses_pack_from_the_cached_tables(qwen_tp4, cuda_graph):
+    """A source handing new tensors every sync: each bind takes the launch tables built once for the geometry and
+    adds the new addresses; three rounds of fresh tensors (other allocations, other values), each bitwise the CPU
+    reference, the tables built once."""
+    layer = qwen_tp4
+    replayer = QuantizingReplayer(layer.plan, layer.sources, quantizer=layer.quantizer, device=DEVICE)
+    keep = []  # the earlier rounds' tensors stay allocated: each round's land elsewhere
+    for seed in (5, 6, 7):
+        tensors = trainer_tensors(layer.sources, layer.quantizer, DEVICE, seed=seed)
+        keep.append(tensors)
+        bound = replayer.bind(tensors, cuda_graph=cuda_graph)
+        assert bound.kernel is not None, bound.fused_error
+        assert_bits_equal(
+            _applied(layer, replayer.layout, bound.pack()),
+            reference(layer.plan, layer.sources, tensors, layer.quantizer),
+            f"round {seed}",
+        )
+    assert len(replayer.fused_plan()._tables) == 1
+
+
 def test_graph_stages_run_in_order_and_a_stage_overlaps():
     n = 1 << 22
     a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)

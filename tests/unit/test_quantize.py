@@ -219,6 +219,87 @@ def test_fused_programs_pack_the_eager_bytes(seed, data):
         monkeypatch.undo()
 
 
+def _run_tables(self) -> None:
+    """The kernel's launch tables (fp8kernel.TABLE_COLUMNS) interpreted with torch: each row's block read at its
+    `src` element offset from the launch's base tensor (masked to rows x cols, zero-padded), quantized by the
+    reference, its window stored, its scale staged and stored at its buffer places."""
+    bn, bk = self.plan.block
+    fp8, f32 = self.out.view(torch.float8_e4m3fn), self.out.view(torch.float32)
+    for table, base, *_ in self.launches:
+        storage = base.untyped_storage()  # the test's tensors of one dtype share one storage
+        flat = torch.empty(0, dtype=base.dtype).set_(storage, 0, (storage.nbytes() // base.element_size(),))
+        start = (base.data_ptr() - storage.data_ptr()) // base.element_size()
+        for src, stride, rows, cols, at, out_stride, r0, r1, c0, c1, scale, *dests in table.tolist():
+            x = torch.zeros(BLOCK, dtype=base.dtype)
+            for r in range(rows):
+                x[r, :cols] = flat[start + src + r * stride : start + src + r * stride + cols]
+            q, sc = quantize_blocks(x, BLOCK)
+            self.scales[scale] = sc[0, 0]
+            for r in range(r0, r1):
+                fp8[at + r * out_stride + c0 : at + r * out_stride + c1] = q[r, c0:c1]
+            for d in dests:
+                if d >= 0:
+                    f32[d] = sc[0, 0]
+    if len(self._gathered):
+        self._out_f32.index_copy_(0, self._gather_dst, self.scales.index_select(0, self._gather_src))
+
+
+def _two_weights_plan() -> tuple[ir.RankPlan, dict]:
+    """A rank reading rows [64, 256) of one quantized weight (blocks cut by its box) and all of another."""
+    v, vs = "layer.up.weight", "layer.up.weight_scale_inv"
+    sources = dict(
+        SOURCES, **{v: ir.TensorMeta(v, (384, 256), "float8_e4m3fn"), vs: ir.TensorMeta(vs, (3, 2), "float32")}
+    )
+    plan = rows_plan(0, 64, 256)
+    params = plan.params + (ir.TensorMeta("v", (384, 256), "float8_e4m3fn"), ir.TensorMeta("vs", (3, 2), "float32"))
+    writes = plan.writes + (
+        ir.Write("v", ir.full_region((384, 256)), ir.View(ir.Source(v), ir.full_region((384, 256)))),
+        ir.Write("vs", ir.full_region((3, 2)), ir.View(ir.Source(vs), ir.full_region((3, 2)))),
+    )
+    return ir.RankPlan(0, params, writes), sources
+
+
+def _in_one_storage(tensors: dict, gap: int) -> dict:
+    """The tensors copied into one flat buffer per dtype, `gap` elements apart (16-byte aligned or not)."""
+    out = {}
+    for dtype in {t.dtype for t in tensors.values()}:
+        names = [n for n, t in tensors.items() if t.dtype == dtype]
+        flat = torch.empty(sum(tensors[n].numel() + gap for n in names) + gap, dtype=dtype)
+        at = gap
+        for n in names:
+            out[n] = flat[at : at + tensors[n].numel()].view(tensors[n].shape)
+            out[n].copy_(tensors[n])
+            at += tensors[n].numel() + gap
+    return out
+
+
+@pytest.mark.parametrize("gap", [64, 3])
+def test_fused_tables_rebind_to_new_tensors(monkeypatch, gap):
+    """The launch tables (built once per tensor geometry, FusedQuantPlan.tables) take each bind's addresses: tensors
+    bound again at other addresses (a source handing new tensors every sync) pack the eager bytes, bit for bit, from
+    the cached tables; 16-byte aligned and misaligned layouts (gap 3 elements: the unaligned launch kind)."""
+    monkeypatch.setattr(fp8kernel, "available", lambda device, block: None)
+    monkeypatch.setattr(fp8kernel.FusedQuantBinding, "launch", _run_tables)
+    plan, sources = _two_weights_plan()
+    replayer = QuantizingReplayer(plan, sources, quantizer=QID)
+    gen = torch.Generator().manual_seed(gap)
+    for round in range(3):
+        tensors = _in_one_storage(
+            {
+                W: (torch.randn(SHAPE, generator=gen) * 3).bfloat16(),
+                "layer.up.weight": torch.randn((384, 256), generator=gen).bfloat16(),
+                "norm": torch.randn(384, generator=gen).bfloat16(),
+            },
+            gap,
+        )
+        bound = replayer.bind(tensors, torch.zeros(replayer.layout.nbytes, dtype=torch.uint8))  # (padding: 0)
+        assert bound.kernel is not None and len(replayer.fused_plan().weights) == 2
+        kinds = {(vec, full) for _, _, vec, _, full in bound.kernel.launches}
+        assert (1, False) in kinds if gap == 3 else (8, True) in kinds, kinds
+        assert torch.equal(bound.pack(), replayer.bind(tensors, fused=False).pack()), round
+    assert len(replayer.fused_plan()._tables) == 1  # one geometry: built once, bound three times
+
+
 def test_fused_path_names_a_non_finite_block_and_a_stale_tensor(monkeypatch):
     _fused_on_cpu(monkeypatch)
     monkeypatch.setattr(
