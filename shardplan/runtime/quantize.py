@@ -403,9 +403,12 @@ class QuantizingReplayer:
         weight = name.removesuffix(SCALE_SUFFIX)
         return weight if name != weight and weight in self.boxes else name
 
-    def sources_read(self) -> set[str]:
-        """Trainer tensors a pack reads (weight names for quantized tensors; no scales)."""
-        return {self.trainer_name(n) for n in self.inner.sources_read()}
+    def sources_read(self) -> frozenset[str]:
+        """Trainer tensors a pack reads (weight names for quantized tensors; no scales). Plan-only: kept (every bind
+        reads it; a sync binds again each version for sources that hand new tensors)."""
+        if "_sources_read" not in self.__dict__:
+            self._sources_read = frozenset(self.trainer_name(n) for n in self.inner.sources_read())
+        return self._sources_read
 
     def bind(
         self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None, **options
