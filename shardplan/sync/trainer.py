@@ -320,8 +320,8 @@ class _AmaxExchange:
         except BaseException as e:  # noqa: BLE001 - raised by the lanes that need it, and reported by sync()
             self.error = e
         finally:
-            for e in self.events.values():
-                e.set()
+            for done in self.events.values():
+                done.set()
 
     def wait(self, group: str) -> None:
         """Before a lane stages `group` (a base group): its amaxes exchanged, or this rank's exchange error."""
