@@ -16,6 +16,7 @@ import itertools
 import multiprocessing as mp
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -646,6 +647,7 @@ class RayCluster:
         self.actors = {n: self._new_actor(n) for n in self.names}
         ray.get([a.start.remote(self.actors, self.router) for a in self.actors.values()], timeout=120)
         self.grouped: list | None = None
+        self.stacks = ""  # thread stacks of every actor after a sync that did not come back ok
         self.failed_last = False
 
     def _new_actor(self, name):
@@ -696,7 +698,22 @@ class RayCluster:
                 self.seconds[name] = time.monotonic() - start
         out.update({name: ("hung", None) for name in pending})
         self.failed_last = any(r[0] != "ok" for r in out.values())
+        self.stacks = self.thread_stacks() if self.failed_last else ""
         return out
+
+    def thread_stacks(self) -> str:
+        """Every thread's stack in every rank actor and the router, Ray's `_ray_system` transfer thread included: a
+        sync that did not come back ok says where each side waits (a CI hang is otherwise a bare timeout)."""
+        handles = {**self.actors, **({"router": self.router} if self.router is not None else {})}
+        refs = {n: a.__ray_call__.remote(_stacks_here) for n, a in handles.items()}
+        ready, _ = self.ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        out = []
+        for name, ref in refs.items():
+            try:
+                out.append(f"==== {name}\n{self.ray.get(ref, timeout=0) if ref in ready else 'no answer in 10 s'}")
+            except Exception as e:  # noqa: BLE001 - a dead actor: say so and go on
+                out.append(f"==== {name}: no stacks ({type(e).__name__})")
+        return "\n".join(out)
 
     def close(self):
         for actor in self.actors.values():
@@ -708,6 +725,16 @@ class RayCluster:
             self.ray.kill(self.router)
 
 
+def _stacks_here(actor) -> str:
+    import sys
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames().items()
+    return "\n".join(f"-- {names.get(i, i)}\n{''.join(traceback.format_stack(f)[-8:])}" for i, f in frames)
+
+
 def _set_handle(engine, name, handle):
     engine.transport.handles[name] = handle
 
@@ -717,18 +744,41 @@ EQUALITY_TIMEOUT_S = 20.0  # run_sync proves bytes, not fault timing: a loaded C
 
 def run_sync(world_factory, transport: str, version: int = 1) -> dict:
     """One whole sync of `world_factory()` over `transport`; {consumer rank: {group: {offset: bytes}}}.
-    rdt:* transports need ray.init() first. Timeouts are EQUALITY_TIMEOUT_S (the fault scenarios keep TIMEOUT_S)."""
+    rdt:* transports need ray.init() first. Timeouts are EQUALITY_TIMEOUT_S (the fault scenarios keep TIMEOUT_S).
+
+    Ray RDT's gloo path once left one transfer unfinished in CI (every other rank done; the trainer's lock on the
+    router held; not reproduced in a dozen runs here, alone or under load, docs/transports.md): on rdt:* a sync that failed by timeouts alone is
+    run once more on fresh actors, after a warning that carries every actor's thread stacks. Bytes are still proven
+    bitwise by the second sync; any other failure, and a second timeout, fail the test."""
     config = SyncConfig(timeout_s=EQUALITY_TIMEOUT_S, announce_timeout_s=60)
-    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory, config)
-    try:
-        results = cluster.sync(version)
-        bad = {n: r for n, r in results.items() if r[0] != "ok"}
-        if bad:
-            raise AssertionError(f"sync failed: {bad}")
-        world = cluster.world
-        return {c: cluster.call(consumer_name(c), received) for c in range(world.num_consumers)}
-    finally:
-        cluster.close()
+    ray_rdt = transport.startswith("rdt:")
+    for attempt in (1, 2) if ray_rdt else (1,):
+        cluster = (RayCluster if ray_rdt else LocalCluster)(transport, world_factory, config)
+        try:
+            results = cluster.sync(version)
+            bad = {n: r for n, r in results.items() if r[0] != "ok"}
+            if bad and attempt == 1 and ray_rdt and all(_timed_out(r) for r in bad.values()):
+                warnings.warn(f"{transport}: sync timed out, run again on fresh actors: {bad}\n{cluster.stacks}")
+                continue
+            if bad:
+                raise AssertionError(f"sync failed: {bad}\n{getattr(cluster, 'stacks', '')}")
+            world = cluster.world
+            return {c: cluster.call(consumer_name(c), received) for c in range(world.num_consumers)}
+        finally:
+            cluster.close()
+    raise AssertionError("unreachable")
+
+
+def _timed_out(result) -> bool:
+    """A rank's sync result that is a timeout and nothing else ('hung', or every failed peer a PeerTimeout/abort)."""
+    kind, err = result
+    if kind == "hung":
+        return True
+    return (
+        kind == "error"
+        and isinstance(err, SyncFailed)
+        and all(isinstance(e, (PeerTimeout, PeerAborted)) for e in err.failures.values())
+    )
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------
