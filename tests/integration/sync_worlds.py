@@ -742,20 +742,23 @@ def _set_handle(engine, name, handle):
 EQUALITY_TIMEOUT_S = 20.0  # run_sync proves bytes, not fault timing: a loaded CI box must not fail it by a timeout
 
 
-def run_sync(world_factory, transport: str, version: int = 1) -> dict:
-    """One whole sync of `world_factory()` over `transport`; {consumer rank: {group: {offset: bytes}}}.
-    rdt:* transports need ray.init() first. Timeouts are EQUALITY_TIMEOUT_S (the fault scenarios keep TIMEOUT_S).
+def run_sync(world_factory, transport: str, version: int = 1, config: SyncConfig | None = None, read=None) -> dict:
+    """One whole sync of `world_factory()` over `transport`; {consumer rank: read(consumer engine)} (default
+    `received`: {group: {offset: bytes}}). rdt:* transports need ray.init() first. Timeouts are EQUALITY_TIMEOUT_S
+    unless `config` says (the fault scenarios keep TIMEOUT_S); the driver waits for the ranks long enough that a
+    timed-out rank reports its own error instead of 'hung'.
 
     Ray RDT's gloo path once left one transfer unfinished in CI (every other rank done; the trainer's lock on the
-    router held; not reproduced in a dozen runs here, alone or under load, docs/transports.md): on rdt:* a sync that failed by timeouts alone is
-    run once more on fresh actors, after a warning that carries every actor's thread stacks. Bytes are still proven
-    bitwise by the second sync; any other failure, and a second timeout, fail the test."""
-    config = SyncConfig(timeout_s=EQUALITY_TIMEOUT_S, announce_timeout_s=60)
+    router held; not reproduced here, docs/transports.md): on rdt:* a sync that failed by timeouts alone is run once
+    more on fresh actors, after a warning that carries every actor's thread stacks. Bytes are still proven bitwise by
+    the second sync; any other failure, and a second timeout, fail the test."""
+    config = config or SyncConfig(timeout_s=EQUALITY_TIMEOUT_S, announce_timeout_s=60)
+    read = read or received
     ray_rdt = transport.startswith("rdt:")
     for attempt in (1, 2) if ray_rdt else (1,):
         cluster = (RayCluster if ray_rdt else LocalCluster)(transport, world_factory, config)
         try:
-            results = cluster.sync(version)
+            results = cluster.sync(version, wait_s=2 * config.timeout_s + 10)  # a trainer's ack wait is 1.5x
             bad = {n: r for n, r in results.items() if r[0] != "ok"}
             if bad and attempt == 1 and ray_rdt and all(_timed_out(r) for r in bad.values()):
                 warnings.warn(f"{transport}: sync timed out, run again on fresh actors: {bad}\n{cluster.stacks}")
@@ -763,7 +766,7 @@ def run_sync(world_factory, transport: str, version: int = 1) -> dict:
             if bad:
                 raise AssertionError(f"sync failed: {bad}\n{getattr(cluster, 'stacks', '')}")
             world = cluster.world
-            return {c: cluster.call(consumer_name(c), received) for c in range(world.num_consumers)}
+            return {c: cluster.call(consumer_name(c), read) for c in range(world.num_consumers)}
         finally:
             cluster.close()
     raise AssertionError("unreachable")

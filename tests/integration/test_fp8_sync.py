@@ -19,9 +19,10 @@ import functools
 from dataclasses import dataclass
 
 import pytest
+import sync_worlds
 import torch
 from arch_sessions import fp8_overrides
-from sync_worlds import FullSource, LocalCluster, PlanWorld, RayCluster, Received
+from sync_worlds import FullSource, LocalCluster, PlanWorld, Received
 
 from shardplan.plan.compile.compiler import compile_plans
 from shardplan.runtime.quantize import BlockAlignmentError, NonFiniteBlockError, QuantizerDTypeError, quantize_blocks
@@ -112,20 +113,11 @@ def received_bytes(engine) -> dict:
 
 
 def run_sync(world_factory, transport: str) -> dict:
-    """test_sync.run_sync with a longer per-group deadline: an FP8 expert group is quantized whole on every pack
-    (~1 ms on a quiet core, 100x that on a loaded 2-core box running 6 ranks): a 2 s wait for a group is too
-    tight there. A full-suite run with other jobs on the box timed out at 30 s (trainer0 and one consumer 'hung'; the
-    same test alone passes in ~30 s): the quantizing packers are built ~3 s per consumer plan and pack each expert
-    group whole, so the deadlines here are generous; a real hang still ends as a named 'hung' result."""
+    """sync_worlds.run_sync with longer deadlines: an FP8 expert group is quantized whole on every pack (~1 ms on a
+    quiet core, 100x that on a loaded 2-core box running 6 ranks), and the quantizing packers are built ~3 s per
+    consumer plan (a full-suite run with other jobs on the box once ran past 30 s); a real hang is still named."""
     config = SyncConfig(timeout_s=90.0, announce_timeout_s=180)
-    cluster = (RayCluster if transport.startswith("rdt:") else LocalCluster)(transport, world_factory, config)
-    try:
-        results = cluster.sync(1)
-        bad = {n: r for n, r in results.items() if r[0] != "ok"}
-        assert not bad, f"sync failed: {bad}"
-        return {c: cluster.call(consumer_name(c), received_bytes) for c in range(cluster.world.num_consumers)}
-    finally:
-        cluster.close()
+    return sync_worlds.run_sync(world_factory, transport, config=config, read=received_bytes)
 
 
 @dataclass
@@ -267,7 +259,7 @@ def test_the_amax_exchange_of_later_layers_overlaps_the_sends_of_earlier_ones(tm
     """The same three trainers with trainer 2's partial amaxes of the last layer 4 s late: trainer 1, which shares cut
     blocks with it, sends the earlier layers meanwhile (the exchange runs beside the lanes, a lane waits only for the
     layer it stages) and the sync completes, every consumer bitwise the real loader."""
-    from sync_worlds import LocalCluster, arm_amax_delay, record_events, recorded_events
+    from sync_worlds import arm_amax_delay, record_events, recorded_events
 
     session, plans, path = recorded(tmp_path_factory)
     world = functools.partial(ShardedFp8World, path=str(path), seed=11, num_trainers=3, cut=True)
@@ -300,7 +292,7 @@ def test_a_stalled_holder_of_cut_blocks_is_named_and_its_layers_are_not_packed(t
     cut blocks with it, waits for them, names it after the deadline and packs none of the layers they cut (a cut
     block's scale needs every holder's part); every consumer ends with an error, none hangs (trainer 0 shares blocks
     with trainer 1 only)."""
-    from sync_worlds import LocalCluster, arm_amax_stall
+    from sync_worlds import arm_amax_stall
 
     _, _, path = recorded(tmp_path_factory)
     config = SyncConfig(timeout_s=6.0, announce_timeout_s=60)
