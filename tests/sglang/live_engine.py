@@ -2,7 +2,7 @@
 CPU engine is chosen at import by SGLANG_USE_CPU_ENGINE=1, and sgl-kernel's CPU ops come from the test shim in
 cpu_ops/).
 
-    python tests/sglang/live_engine.py WORKDIR TP [http|moe|mla]
+    python tests/sglang/live_engine.py WORKDIR TP [http|moe|mla|replicas]
 
 Writes tiny Qwen3 checkpoints (versions 0, 1, 2; `moe`: tiny Qwen3-MoE, 8 experts, top-2; `mla`: tiny Kimi-K2, i.e.
 DeepSeek-V3's MLA + MoE with a shared expert and sigmoid routing with a correction bias, one dense layer), records their
@@ -19,6 +19,8 @@ transport (gloo on CPU) and the trainer sends from HF-named tensors. In order:
   * version 4 (checkpoint 1) from two sharded trainer ranks (Megatron TP2 boxes), each sending only its shards
     (EngineSync(shards=)): tokens == the fresh engine's on checkpoint 1.
 `http`: the same engine as `python -m sglang.launch_server`, driven through its HTTP routes (SglangClient(url)).
+`replicas` (TP1): two replicas of the layout from one trainer, an in-process engine and an HTTP server; the second is
+killed mid-sync in version 2 (replicas_run).
 `moe`, `mla`: in process, without the refusals (they are the dense case's; the MoE layers run SGLang's own torch-native
 path on this CPU engine; MLA runs SGLang's `intel_amx` attention backend on the shim's two attention kernels: see
 cpu_ops/). kimi-k2-tiny/config.json is shardplan/configs/kimi-k2.json under the tests' shrink overrides
@@ -31,6 +33,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,7 +73,13 @@ def checkpoint(path: pathlib.Path, model: pathlib.Path, seed: int, names) -> dic
     return tensors
 
 
-MODELS = {"": "qwen3-tiny", "http": "qwen3-tiny", "moe": "qwen3-moe-tiny", "mla": "kimi-k2-tiny"}
+MODELS = {
+    "": "qwen3-tiny",
+    "http": "qwen3-tiny",
+    "replicas": "qwen3-tiny",
+    "moe": "qwen3-moe-tiny",
+    "mla": "kimi-k2-tiny",
+}
 ATTENTION = {"mla": "intel_amx"}  # SGLang's torch_native backend cannot serve MLA's prefill
 
 
@@ -99,7 +108,8 @@ class Server:
             flag = "--" + k.replace("_", "-")
             args += [flag] if v is True else [flag, str(v)]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(args, env=os.environ.copy())
+        # its own process group: the scheduler (TP worker) processes go with the server on shutdown() and kill()
+        self.proc = subprocess.Popen(args, env=os.environ.copy(), start_new_session=True)
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -122,11 +132,21 @@ class Server:
             return json.loads(r.read())["output_ids"]
 
     def shutdown(self):
-        self.proc.terminate()
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
+
+    def kill(self):
+        """The server and its TP workers die at once, as a crashed node's would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(60)
 
 
 def sharded_sync(handle, plan_path, tensors, config, client_of) -> dict:
@@ -167,6 +187,63 @@ def sharded_sync(handle, plan_path, tensors, config, client_of) -> dict:
     return out
 
 
+def replicas_run(work, plan_path, versions, config) -> dict:
+    """Two replicas of the TP1 layout from one trainer (EngineSync(replicas=2)): an in-process engine (replica 0) and
+    an HTTP server (replica 1), both on checkpoint 0. Version 1 reaches both. Version 2: the server and its worker are
+    killed after the trainer's first groups (a node lost mid-sync): SyncIncomplete names that replica, the in-process
+    one completes, resumes and generates version 2's tokens."""
+    from shardplan.engine.errors import SyncIncomplete
+    from shardplan.engine.sglang.client import SglangClient
+    from shardplan.engine.trainer import EngineSync, ModuleSource
+
+    live, server = engine(work / "v0", 1, ""), Server(work / "v0", 1)
+    out = {}
+    try:
+        out["v0"] = [greedy(live), server.generate()]
+        sync = EngineSync([live, SglangClient(server.url)], str(plan_path), config=config, replicas=2)
+        clients = sync.engines
+        trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+        report = sync.sync(1, trainer=trainer)
+        trainer.close()
+        out["v1"] = {
+            "complete": report.complete,
+            "peers": sorted(report.trainer.peers),
+            "tokens": [greedy(live), server.generate()],
+            "weight_versions": [c.get_weight_version() for c in clients],
+            "workers": [[(w["replica"], w["version"], w["complete"]) for w in c.worker_states()] for c in clients],
+        }
+
+        class KillsReplica1(ModuleSource):
+            calls = 0
+
+            def group(self, group):
+                KillsReplica1.calls += 1
+                if KillsReplica1.calls == 3:
+                    server.kill()
+                return super().group(group)
+
+        trainer = sync.trainer_rank(KillsReplica1(versions[2], sync.plan_file))
+        try:
+            sync.sync(2, trainer=trainer)
+            out["v2"] = {"raised": False}
+        except SyncIncomplete as e:
+            outcomes = {o.name: o for o in e.report.engines}
+            out["v2"] = {
+                "raised": True,
+                "message": str(e)[:3000],
+                "complete": {name: o.complete for name, o in outcomes.items()},
+                "tokens": greedy(live),
+                "paused": clients[0].is_paused(),
+                "weight_version": clients[0].get_weight_version(),
+            }
+        trainer.close()
+        sync.close()
+    finally:  # never leave an engine behind
+        server.shutdown()
+        live.shutdown()
+    return out
+
+
 def main():
     work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -200,6 +277,10 @@ def main():
     cached.write_text(json.dumps(fresh))
     results["fresh"] = fresh
     config = SyncConfig(timeout_s=20)  # the consumer notices a failed trainer after it (gloo)
+    if mode == "replicas":
+        results.update(replicas_run(work, plan_path, versions, config))
+        print("RESULT " + json.dumps(results), flush=True)
+        return
     if http:
         server = Server(work / "v0", tp)
         handle, generate = SglangClient(server.url), server.generate

@@ -93,3 +93,19 @@ def test_engine_sync_drives_the_http_server(work):
 @pytest.mark.parametrize("tp, mode", [(2, "moe"), (1, "mla")])  # two engine cases: CI time
 def test_engine_sync_drives_a_moe_engine(work, tp, mode):
     check(run(work, tp, mode))
+
+
+def test_engine_sync_feeds_two_replicas_and_a_lost_one_leaves_the_other_complete(work):
+    """EngineSync([in-process engine, HTTP server], plan, replicas=2): version 1 reaches both replicas (consumer ids 0
+    and 1, each worker's state says its replica); version 2 loses the HTTP replica mid-sync (server and worker killed):
+    SyncIncomplete names it, and the in-process replica completes, resumes and generates the fresh engine's tokens."""
+    result = run(work, 1, "replicas")
+    fresh = result["fresh"]
+    v1 = result["v1"]
+    assert v1["complete"] and v1["peers"] == ["consumer0", "consumer1"], v1
+    assert v1["tokens"] == [fresh["1"], fresh["1"]] and result["v0"][0] != fresh["1"], result
+    assert v1["weight_versions"] == ["1", "1"], v1
+    assert v1["workers"] == [[[0, 1, True]], [[1, 1, True]]], v1
+    v2 = result["v2"]
+    assert v2["raised"] and list(v2["complete"].values()) == [True, False], v2
+    assert v2["tokens"] == fresh["2"] and not v2["paused"] and v2["weight_version"] == "2", v2
