@@ -27,6 +27,7 @@ from torch.distributed.tensor._utils import (
 
 from shardplan.engine.errors import EnginePlanMismatch, EngineUnsupported
 from shardplan.plan import ir
+from shardplan.plan.names import expert_of, layer_of, slot_name, with_expert
 from shardplan.runtime.shards import Box, ShardedPlan, ShardError, ShardLayoutError, TrainerShard, full_box, plan_shards
 
 
@@ -117,10 +118,12 @@ def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
     block-FP8 plan's trainers quantize their own boxes (holders of a block cut between them exchange its amax)."""
     plans = [plan_file.rank(r) for r in plan_file.ranks]
     if plan_file.header.eplb is not None:
-        raise EngineUnsupported(
-            f"{plan_file.path} has EPLB slots: sharded trainers are not supported with EPLB "
-            f"(any expert may move to any slot); gather the experts (whole tensors)"
-        )
+        if plan_file.header.quantizer:
+            raise EngineUnsupported(
+                f"{plan_file.path} is a block-FP8 plan with EPLB slots: sharded trainers quantizing their own "
+                f"boxes are not built with EPLB; gather the experts (whole tensors)"
+            )
+        shards = [*shards, *eplb_slot_shards(shards, plan_file)]
     with_fallbacks = [p for p in plans if p.fallbacks]
     if with_fallbacks:
         raise EngineUnsupported(
@@ -129,6 +132,33 @@ def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
             f"cannot send yet; send whole tensors"
         )
     return plan_shards(plans, plan_file.sources, shards, quantizer=plan_file.header.quantizer)
+
+
+def eplb_slot_shards(shards: Sequence[TrainerShard], plan_file) -> list[TrainerShard]:
+    """Every trainer rank's box of each EPLB slot tensor (`experts.slot.<p>`) the plan reads. Any expert may fill any
+    slot, so a rank must hold the same box of every expert of a MoE tensor (each expert whole, or each split alike as
+    FSDP's Shard(0) splits it): that box is its box of every slot, and the sub-plans do not depend on the placement
+    (the packer aliases each slot to the local shard of the expert the consumer's placement puts there). Trainers
+    holding different experts (EP-sharded, as Megatron's expert parallelism holds them) are refused by name."""
+    slots = plan_file.header.eplb
+    held: dict[tuple[str, int], dict[int, Box]] = {}  # (expert-name template, trainer rank) -> expert -> box
+    for s in shards:
+        expert = expert_of(s.name)
+        if expert is not None and layer_of(s.name) in slots.moe_layers:
+            held.setdefault((with_expert(s.name, "{}"), s.rank), {})[expert] = s.box
+    out = []
+    for (template, rank), boxes in sorted(held.items()):
+        if len(boxes) != slots.num_logical_experts or len(set(boxes.values())) != 1:
+            lacking = [e for e in range(slots.num_logical_experts) if e not in boxes]
+            what = f"lacks experts {lacking[:8]}" if lacking else f"holds them in {len(set(boxes.values()))} boxes"
+            raise EngineUnsupported(
+                f"{plan_file.path} has EPLB slots, and trainer rank {rank} {what} of {template.format('<e>')}: with "
+                f"EPLB any expert may move to any slot, so every trainer rank must hold the same box of every "
+                f"expert (whole, or split alike as FSDP's Shard(0)); EP-sharded trainers must gather the experts"
+            )
+        box = next(iter(boxes.values()))
+        out += [TrainerShard(slot_name(template.format(0), p), rank, box) for p in range(slots.num_physical_experts)]
+    return out
 
 
 def worker_sharded_plan(plan_file, trainer_shards: Mapping[str, list] | None) -> ShardedPlan | None:

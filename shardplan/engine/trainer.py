@@ -59,7 +59,7 @@ from shardplan.sync import (
     TrainerSync,
     spans_of,
 )
-from shardplan.sync.placement import expert_sources, make_packer
+from shardplan.sync.placement import EplbPacker, expert_sources, make_packer
 from shardplan.transport import Control, create, trainer_name
 from shardplan.transport.base import consumer_name
 
@@ -189,6 +189,16 @@ class ModuleSource:
         return out
 
 
+def sharded_packer(plan_file, shards, rank: int, control=None, *, timeout_s=60.0, device="cpu", replicas=1):
+    """Trainer `rank`'s packer of the pieces plan_shards gives it (sync.ShardedPacker); with EPLB slots inside an
+    EplbPacker that aliases each slot to this rank's shard of the expert the consumer's placement puts there."""
+    packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device, replicas=replicas)
+    if plan_file.header.eplb is None:
+        return packer
+    plans = [plan_file.rank(r) for r in plan_file.ranks]
+    return EplbPacker(plans, plan_file.sources, plan_file.header.eplb, control, timeout_s=timeout_s, inner=packer)
+
+
 class TrainerRank:
     """One trainer rank of the sync (shardplan.sync.TrainerSync over a ReplayPacker of every engine rank's plan, or,
     for sharded trainers, a ShardedPacker of the pieces plan_shards gives this rank). `shards`: every trainer rank's
@@ -229,7 +239,9 @@ class TrainerRank:
                 replicas=replicas,
             )
         else:  # sharded groups are not cut into parts (max_group_bytes): every trainer's part of a group is whole
-            self.packer = ShardedPacker(sharded_plan(plan_file, shards), rank, device=device, replicas=replicas)
+            self.packer = sharded_packer(
+                plan_file, shards, rank, control, timeout_s=config.timeout_s, device=device, replicas=replicas
+            )
         options = dict(transport_options or {})
         options.setdefault("timeout_s", config.timeout_s)
         self.transport = create(transport, me=trainer_name(rank), control=control, device=device, **options)

@@ -16,11 +16,12 @@ consumer and read by the trainer; the consumer checks after the update that its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Mapping, Sequence
 
 from shardplan.plan import ir
-from shardplan.plan.names import slot_of
+from shardplan.plan.names import base_group, group_of, is_scale, slot_of
 from shardplan.plan.placement import (
     EplbSlots,
     Placement,
@@ -31,7 +32,6 @@ from shardplan.plan.placement import (
     with_slot_aliases,
 )
 from shardplan.sync.adapters import ReplayPacker
-from shardplan.sync.stages import Span
 from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name
 
 
@@ -100,8 +100,9 @@ class EplbPacker:
     """A Packer (sync.stages) for plans with EPLB slots: one ReplayPacker of the *unbound* plans (so each consumer's
     pack layout and stamp are the ones its Unpacker builds from the same file, whatever the placement), fed at every
     pack with each slot's name aliased to the tensor of the expert that consumer's published placement puts there
-    (plan/placement.with_slot_aliases). Trainers must hold the expert tensors whole (ModuleSource, or a source that
-    gathers each layer); EP-sharded trainers (ShardedPacker) are not supported with EPLB."""
+    (plan/placement.with_slot_aliases). `inner`: a ShardedPacker of the unbound plans instead, for sharded trainers
+    holding the same box of every expert (engine.sharding.eplb_slot_shards): a slot is then aliased to the local
+    shard of its expert. EP-sharded trainers (each a subset of the experts) are not supported with EPLB."""
 
     def __init__(
         self,
@@ -111,14 +112,21 @@ class EplbPacker:
         control: Control | None = None,
         *,
         timeout_s: float = 60.0,
+        inner=None,
         **packer_options,
     ):
         for p in plans:
             PlacementBinder(p, slots)  # refuses slot tensors that are fallbacks
         self.slots, self.control, self.timeout_s = slots, control, timeout_s
-        self.inner = ReplayPacker(plans, sources, **packer_options)
+        self.inner = ReplayPacker(plans, sources, **packer_options) if inner is None else inner
         self.placements: dict[int, Placement] = {c: slots.initial() for c in self.inner.consumers()}
-        self._slot_names: dict[tuple[int, str], tuple[str, ...]] = {}
+        self._slot_names: dict[tuple[int, str], tuple[str, ...]] = {}  # (plan rank, group) -> slot tensors it reads
+        made = bool(packer_options.get("quantizer"))  # a quantizing pack makes the scales: trainers hold none
+        for p in plans:
+            for n in sorted(p.sources_read()):
+                if slot_of(n) is not None and not (made and is_scale(n)):
+                    self._slot_names.setdefault((p.rank, group_of(n)), ())
+                    self._slot_names[p.rank, group_of(n)] += (n,)
 
     def begin(self, version: int, consumer: int) -> Placement:
         """Before packing `consumer`'s groups of `version`: read the placement it published."""
@@ -146,19 +154,15 @@ class EplbPacker:
         schedule checks trainers hold; every expert, for whole-tensor trainers)."""
         placement = self.placements[consumer]
         return tuple(
-            Span(s.offset, s.nbytes, tuple(bound_name(n, placement) for n in s.sources))
+            # keeps `only` (a sharded inner's holder); no direct sends: a slot's tensor changes with the placement
+            dataclasses.replace(s, sources=tuple(bound_name(n, placement) for n in s.sources), direct=False)
             for s in self.inner.spans(consumer, group)
         )
 
     def pack(self, consumer, group, tensors, out, segments):
-        key = (consumer, group)
-        if key not in self._slot_names:
-            self._slot_names[key] = tuple(
-                sorted({n for s in self.inner.spans(consumer, group) for n in s.sources if slot_of(n) is not None})
-            )
         aliased = with_slot_aliases(
             tensors,
-            self._slot_names[key],
+            self._slot_names.get((self.inner.replicas.plan_rank(consumer), base_group(group)), ()),
             self.placements[consumer],
             f"the trainer packing {group} for consumer {consumer}",
         )

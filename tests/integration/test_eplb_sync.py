@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import pytest
 import torch
 from sync_worlds import (
     TIMEOUT_S,
@@ -23,7 +24,7 @@ from shardplan.plan.placement import make_placement
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
 from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
 from shardplan.transport import consumer_name
-from tests.unit.eplb_helpers import eplb_plan_file, expected_slots
+from tests.unit.eplb_helpers import eplb_plan_file, expected_slots, random_placement
 
 MOE = (1, 2)
 
@@ -39,8 +40,12 @@ class EplbWorld:
         self.plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
         g = torch.Generator().manual_seed(5)
         self.tensors = {m.name: torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in real}
+        self.shard()
         packer = self.packer(None)
         self.groups, self.spans = list(packer.groups()), spans_of(packer)
+
+    def shard(self):
+        pass  # whole tensors
 
     def packer(self, control, timeout_s: float = 60.0):
         return EplbPacker(self.plans, self.plan_file.sources, self.slots, control, timeout_s=timeout_s)
@@ -55,14 +60,50 @@ class EplbWorld:
         return Received(ApplyUnpacker(self.plans[rank], params), params)
 
 
+@dataclass
+class ShardedEplbWorld(EplbWorld):
+    """The same plan fed by FSDP-style sharded trainers: every tensor split by rows over the trainer ranks (each expert
+    alike, so each rank holds the same box of every expert), through the engine's path (engine.sharding.sharded_plan
+    -> ShardedPacker inside an EplbPacker; ModuleSource over each rank's local shards; consumers apply every
+    trainer's part). `uneven`: 3 trainers over 4 rows of some tensors, so a rank holds an empty box of them."""
+
+    num_trainers: int = 2
+
+    def shard(self):
+        from shardplan.engine.sharding import sharded_plan
+        from shardplan.runtime.shards import tp_shards
+
+        held = {n: m for n, m in self.plan_file.sources.items() if n in self.tensors}
+        self.shards = tp_shards(held, self.num_trainers, lambda n: 0)
+        self.sharded = sharded_plan(self.plan_file, self.shards)  # the consumers' side
+
+    def packer(self, control, timeout_s: float = 60.0, rank: int = 0):
+        from shardplan.engine.trainer import sharded_packer  # what TrainerRank builds for sharded trainers
+
+        return sharded_packer(self.plan_file, self.shards, rank, control, timeout_s=timeout_s)
+
+    def source(self, rank):
+        from shardplan.engine.trainer import ModuleSource
+        from shardplan.runtime.shards import local_tensors
+
+        local = local_tensors(self.shards, rank, self.tensors)
+        return ModuleSource(local, self.plan_file, shards=self.shards, rank=rank)
+
+    def unpacker(self, rank):
+        from shardplan.runtime.apply import params_from_plan
+        from shardplan.sync import ShardedUnpacker
+
+        params = params_from_plan(self.plans[rank], fill=float("nan"))
+        return Received(ShardedUnpacker(self.sharded, rank, params), params)
+
+
 def build_eplb_rank(world_factory, name, transport, control, config=None):
     world = world_factory()
     config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
     if name.startswith("trainer"):
         rank = int(name[7:])
-        return TrainerSync(
-            rank, world.packer(control, config.timeout_s), world.source(rank), transport, control, config
-        )
+        packer = world.packer(control, config.timeout_s, **({"rank": rank} if hasattr(world, "sharded") else {}))
+        return TrainerSync(rank, packer, world.source(rank), transport, control, config)
     return ConsumerSync(int(name[8:]), world.unpacker(int(name[8:])), transport, control, config)
 
 
@@ -115,3 +156,43 @@ def test_each_version_fills_slots_from_the_placement_its_consumer_published():
         assert results["consumer1"][0] == "error", results["consumer1"]
     finally:
         cluster.close()
+
+
+def test_sharded_trainers_fill_each_slot_from_their_shards_of_the_placed_expert():
+    """FSDP-style trainers (every expert split by rows alike over 2 ranks, each rank packing only its rows) feed EPLB
+    consumers over three placements, rebalances between them: every consumer slot holds, bitwise, the expert its
+    published placement puts there, nothing left NaN, and each trainer sent bytes."""
+    cluster = EplbCluster("nccl", ShardedEplbWorld)
+    world = cluster.world
+    try:
+        for version, seed in ((1, 0), (2, 3), (3, 7)):
+            placement = random_placement(world.slots, seed)
+            for c in range(world.num_consumers):
+                publish_placement(cluster.control, version, consumer_name(c), placement)
+            results = cluster.sync(version)
+            assert all(r[0] == "ok" for r in results.values()), results
+            assert all(results[f"trainer{t}"][1].nbytes > 0 for t in (0, 1)), results
+            for c in range(world.num_consumers):
+                params = cluster.call(consumer_name(c), received)
+                expected_slots(params, placement, world.slots, c, world.tensors)
+                for name, t in params.items():
+                    assert not torch.isnan(t.float()).any(), (version, c, name)
+    finally:
+        cluster.close()
+
+
+def test_ep_sharded_trainers_are_refused_with_eplb_by_name():
+    """Trainers holding different experts (Megatron-style EP) cannot serve EPLB slots, which any expert may fill:
+    refused before any byte moves, naming the rank, the tensor and what to do."""
+    from shardplan.engine.errors import EngineUnsupported
+    from shardplan.engine.sharding import sharded_plan
+    from shardplan.plan.names import expert_of
+    from shardplan.runtime.shards import ep_shards
+
+    world = EplbWorld()
+    held = {n: m for n, m in world.plan_file.sources.items() if n in world.tensors}
+    shards = ep_shards(held, 2, expert_of, world.slots.num_logical_experts)
+    with pytest.raises(
+        EngineUnsupported, match=r"trainer rank 0 lacks experts \[2, 3\] of .*experts\.<e>\..*EP-sharded"
+    ):
+        sharded_plan(world.plan_file, shards)

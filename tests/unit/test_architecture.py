@@ -59,10 +59,11 @@ BUDGETS = {
     # Hybrid and Step3, and the cited vLLM loader drops, issue 27; the sweep's rule for partly unwritten params and
     # the cited padding tables, coverage.VLLM_PADDING, issue 27; Step-3.5's published per-layer fields)
     "shardplan.simulate": 1550,
-    "shardplan.engine": 2620,  # (+ errors_in_state: failures reported in the workers' state, not raised through
+    "shardplan.engine": 2660,  # (+ errors_in_state: failures reported in the workers' state, not raised through
     # vLLM's multiproc executor, which then answers every later RPC with a stale reply; the dense DP replica refusal;
     # EngineSync(replicas=N), a dense engine's DP ranks as replicas, worker states and joins read on the control
-    # channel since a handle over several engine cores answers with the first core's reply only)
+    # channel since a handle over several engine cores answers with the first core's reply only; EPLB with sharded
+    # trainers holding every expert alike: eplb_slot_shards, sharded_packer)
     "shardplan.record.sglang": 920,  # (the registry coverage sweep against SGLang's loader, issue 26; its
     # rule for unwritten params and SGLANG_PADDING, issue 27; the cited SGLang config gaps and loader drops)
     "shardplan.engine.sglang": 750,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP)
