@@ -378,7 +378,12 @@ class QuantizingReplayer:
     def _derived(self, inner: Replayer) -> "QuantizingReplayer":
         sub = object.__new__(QuantizingReplayer)
         sub.__dict__.update(
-            {k: v for k, v in self.__dict__.items() if k not in ("_groups", "_quantized", "_fused_plan")}
+            # plan-only caches of this layout stay here: a group or subset reads and quantizes less
+            {
+                k: v
+                for k, v in self.__dict__.items()
+                if k not in ("_groups", "_quantized", "_fused_plan", "_sources_read")
+            }
         )
         sub.inner, sub._groups = inner, {}
         sub._finish()
@@ -401,7 +406,11 @@ class QuantizingReplayer:
     def trainer_name(self, name: str) -> str:
         """The trainer tensor a checkpoint tensor of the plan comes from: a quantized weight's scale from the weight."""
         weight = name.removesuffix(SCALE_SUFFIX)
-        return weight if name != weight and weight in self.boxes else name
+        if name == weight:
+            return name
+        if "_box_names" not in self.__dict__:  # one name set: a box lookup by name is ~90 us, spans ask per segment
+            self._box_names = frozenset(self.boxes)
+        return weight if weight in self._box_names else name
 
     def sources_read(self) -> frozenset[str]:
         """Trainer tensors a pack reads (weight names for quantized tensors; no scales). Plan-only: kept (every bind

@@ -423,3 +423,17 @@ def test_a_plan_with_nothing_to_quantize_builds_as_a_plain_replay():
     plain = Replayer(plan, plan_file.sources)
     assert replayer.boxes == {} and all(not replayer.for_group(g.name).quantized for g in replayer.layout.groups)
     assert [(g.name, g.nbytes) for g in replayer.layout.groups] == [(g.name, g.nbytes) for g in plain.layout.groups]
+
+
+def test_a_subset_reads_its_own_sources_after_the_whole_layout_was_asked():
+    """sources_read is kept per replayer (plan-only); a subset or group derived afterwards must not inherit the whole
+    layout's set: the sync binds and checks exactly the names a subset reads (it got all of them before)."""
+    plan, sources = _two_weights_plan()
+    cold = QuantizingReplayer(plan, sources, quantizer=QID)
+    warm = QuantizingReplayer(plan, sources, quantizer=QID)
+    whole = warm.sources_read()
+    subsets = [
+        (cold.subset([i]).sources_read(), warm.subset([i]).sources_read()) for i in range(len(warm.layout.segments))
+    ]
+    assert all(own == got for own, got in subsets), subsets
+    assert any(own < whole for own, _ in subsets), (whole, subsets)
