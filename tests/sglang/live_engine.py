@@ -191,7 +191,8 @@ def replicas_run(work, plan_path, versions, config) -> dict:
     """Two replicas of the TP1 layout from one trainer (EngineSync(replicas=2)): an in-process engine (replica 0) and
     an HTTP server (replica 1), both on checkpoint 0. Version 1 reaches both. Version 2: the server and its worker are
     killed after the trainer's first groups (a node lost mid-sync): SyncIncomplete names that replica, the in-process
-    one completes, resumes and generates version 2's tokens."""
+    one completes, resumes and generates version 2's tokens. Version 3: the server restarted on checkpoint 0 and a new
+    EngineSync over both; it completes on both."""
     from shardplan.engine.errors import SyncIncomplete
     from shardplan.engine.sglang.client import SglangClient
     from shardplan.engine.trainer import EngineSync, ModuleSource
@@ -237,6 +238,18 @@ def replicas_run(work, plan_path, versions, config) -> dict:
                 "weight_version": clients[0].get_weight_version(),
             }
         trainer.close()
+        sync.close()
+        # the lost replica restarted (on checkpoint 0) and joined by a new EngineSync: version 3 completes on both
+        server = Server(work / "v0", 1)
+        sync = EngineSync([live, SglangClient(server.url)], str(plan_path), config=config, replicas=2)
+        trainer = sync.trainer_rank(ModuleSource(versions[1], sync.plan_file))
+        report = sync.sync(3, trainer=trainer)
+        trainer.close()
+        out["v3"] = {
+            "complete": report.complete,
+            "tokens": [greedy(live), server.generate()],
+            "weight_versions": [c.get_weight_version() for c in sync.engines],
+        }
         sync.close()
     finally:  # never leave an engine behind
         server.shutdown()

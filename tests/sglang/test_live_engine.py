@@ -98,7 +98,8 @@ def test_engine_sync_drives_a_moe_engine(work, tp, mode):
 def test_engine_sync_feeds_two_replicas_and_a_lost_one_leaves_the_other_complete(work):
     """EngineSync([in-process engine, HTTP server], plan, replicas=2): version 1 reaches both replicas (consumer ids 0
     and 1, each worker's state says its replica); version 2 loses the HTTP replica mid-sync (server and worker killed):
-    SyncIncomplete names it, and the in-process replica completes, resumes and generates the fresh engine's tokens."""
+    SyncIncomplete names it, and the in-process replica completes, resumes and generates the fresh engine's tokens;
+    version 3 reaches both after the server is restarted and joined by a new EngineSync."""
     result = run(work, 1, "replicas")
     fresh = result["fresh"]
     v1 = result["v1"]
@@ -109,3 +110,5 @@ def test_engine_sync_feeds_two_replicas_and_a_lost_one_leaves_the_other_complete
     v2 = result["v2"]
     assert v2["raised"] and list(v2["complete"].values()) == [True, False], v2
     assert v2["tokens"] == fresh["2"] and not v2["paused"] and v2["weight_version"] == "2", v2
+    v3 = result["v3"]  # the lost replica restarted and joined by a new EngineSync: both take the next version
+    assert v3["complete"] and v3["tokens"] == [fresh["1"], fresh["1"]] and v3["weight_versions"] == ["3", "3"], v3
