@@ -187,6 +187,22 @@ def sharded_sync(handle, plan_path, tensors, config, client_of) -> dict:
     return out
 
 
+def acting_at_group(n: int, act, tensors, plan_file):
+    """The trainer's source of `tensors`, calling act() when the sync fetches its n-th group (a failure mid-sync)."""
+    from shardplan.engine.trainer import ModuleSource
+
+    class Source(ModuleSource):
+        calls = 0
+
+        def group(self, group):
+            Source.calls += 1
+            if Source.calls == n:
+                act()
+            return super().group(group)
+
+    return Source(tensors, plan_file)
+
+
 def replicas_run(work, plan_path, versions, config) -> dict:
     """Two replicas of the TP1 layout from one trainer (EngineSync(replicas=2)): an in-process engine (replica 0) and
     an HTTP server (replica 1), both on checkpoint 0. Version 1 reaches both. Version 2: the server and its worker are
@@ -214,16 +230,7 @@ def replicas_run(work, plan_path, versions, config) -> dict:
             "workers": [[(w["replica"], w["version"], w["complete"]) for w in c.worker_states()] for c in clients],
         }
 
-        class KillsReplica1(ModuleSource):
-            calls = 0
-
-            def group(self, group):
-                KillsReplica1.calls += 1
-                if KillsReplica1.calls == 3:
-                    server.kill()
-                return super().group(group)
-
-        trainer = sync.trainer_rank(KillsReplica1(versions[2], sync.plan_file))
+        trainer = sync.trainer_rank(acting_at_group(3, server.kill, versions[2], sync.plan_file))
         try:
             sync.sync(2, trainer=trainer)
             out["v2"] = {"raised": False}
@@ -341,16 +348,10 @@ def main():
             "weight_version": client.get_weight_version(),
         }
 
-        class Failing(ModuleSource):
-            calls = 0
+        def fail():
+            raise RuntimeError("trainer failed mid-sync (test)")
 
-            def group(self, group):
-                Failing.calls += 1
-                if Failing.calls == 3:
-                    raise RuntimeError("trainer failed mid-sync (test)")
-                return super().group(group)
-
-        failing = sync.trainer_rank(Failing(versions[2], sync.plan_file))
+        failing = sync.trainer_rank(acting_at_group(3, fail, versions[2], sync.plan_file))
         try:
             sync.sync(2, trainer=failing)
             results["v2"] = {"raised": False}
