@@ -120,13 +120,9 @@ class EplbPacker:
         self.slots, self.control, self.timeout_s = slots, control, timeout_s
         self.inner = ReplayPacker(plans, sources, **packer_options) if inner is None else inner
         self.placements: dict[int, Placement] = {c: slots.initial() for c in self.inner.consumers()}
-        self._slot_names: dict[tuple[int, str], tuple[str, ...]] = {}  # (plan rank, group) -> slot tensors it reads
-        made = bool(packer_options.get("quantizer"))  # a quantizing pack makes the scales: trainers hold none
-        for p in plans:
-            for n in sorted(p.sources_read()):
-                if slot_of(n) is not None and not (made and is_scale(n)):
-                    self._slot_names.setdefault((p.rank, group_of(n)), ())
-                    self._slot_names[p.rank, group_of(n)] += (n,)
+        self._plans = {p.rank: p for p in plans}
+        self._made_scales = bool(packer_options.get("quantizer"))  # a quantizing pack makes them: trainers hold none
+        self._slot_names: dict[int, dict[str, tuple[str, ...]]] = {}  # plan rank -> group -> slot tensors it reads
 
     def begin(self, version: int, consumer: int) -> Placement:
         """Before packing `consumer`'s groups of `version`: read the placement it published."""
@@ -159,10 +155,20 @@ class EplbPacker:
             for s in self.inner.spans(consumer, group)
         )
 
+    def _slot_names_of(self, rank: int) -> dict[str, tuple[str, ...]]:
+        """Group -> the slot tensors plan rank `rank` reads there (at its first pack: a rank's names cost time)."""
+        if rank not in self._slot_names:
+            by_group: dict[str, tuple[str, ...]] = {}
+            for n in sorted(self._plans[rank].sources_read()):
+                if slot_of(n) is not None and not (self._made_scales and is_scale(n)):
+                    by_group[group_of(n)] = by_group.get(group_of(n), ()) + (n,)
+            self._slot_names[rank] = by_group
+        return self._slot_names[rank]
+
     def pack(self, consumer, group, tensors, out, segments):
         aliased = with_slot_aliases(
             tensors,
-            self._slot_names.get((self.inner.replicas.plan_rank(consumer), base_group(group)), ()),
+            self._slot_names_of(self.inner.replicas.plan_rank(consumer)).get(base_group(group), ()),
             self.placements[consumer],
             f"the trainer packing {group} for consumer {consumer}",
         )

@@ -50,9 +50,9 @@ BUDGETS = {
     # fused FP8 kernel's tables cached per geometry, so binding new tensors every sync is cheap; trainer_name's
     # box-name set: spans of FP8 plans at init 2x faster)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 2025,  # (+ the per-sync amax exchange of blocks cut between trainers, in a thread beside the
-    # lanes so later layers' exchange overlaps earlier layers' sends; direct sends from the
-    # trainer's tensors: Piece.messages, direct_view; issue 28;
+    "shardplan.sync": 2035,  # (+ EplbPacker over a sharded inner, its slot names per rank at first pack; + the
+    # per-sync amax exchange of blocks cut between trainers, in a thread beside the lanes so later layers' exchange
+    # overlaps earlier layers' sends; direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)
     "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and
     # the fields SGLang's models read, issue 26; the coverage report's SGLang column, issue 26; build.py's answers to
