@@ -134,12 +134,24 @@ def sharded_plan(plan_file, shards: Sequence[TrainerShard]) -> ShardedPlan:
     return plan_shards(plans, plan_file.sources, shards, quantizer=plan_file.header.quantizer)
 
 
+def whole_expert_holders(plan_file, shards: Sequence[TrainerShard] | None) -> bool:
+    """Whether `shards` are an EPLB plan's trainers that each hold some tensors whole (expert parallel: each rank its
+    experts, as Megatron's expert parallelism holds them; the rest whole on any ranks). They are served as whole-tensor
+    trainers holding subsets (sync.ReplayPacker): each version's schedule gives every slot's bytes to a holder of the
+    expert the consumer's published placement puts there (sync.placement.SlotSpans), so no sharded plan is made.
+    Block-FP8 EPLB plans are not (sharded_plan refuses them by name)."""
+    if shards is None or plan_file.header.eplb is None or plan_file.header.quantizer:
+        return False
+    return all(s.box == full_box(plan_file.sources[s.name].shape) for s in shards if s.name in plan_file.sources)
+
+
 def eplb_slot_shards(shards: Sequence[TrainerShard], plan_file) -> list[TrainerShard]:
     """Every trainer rank's box of each EPLB slot tensor (`experts.slot.<p>`) the plan reads. Any expert may fill any
     slot, so a rank must hold the same box of every expert of a MoE tensor (each expert whole, or each split alike as
     FSDP's Shard(0) splits it): that box is its box of every slot, and the sub-plans do not depend on the placement
     (the packer aliases each slot to the local shard of the expert the consumer's placement puts there). Trainers
-    holding different experts (EP-sharded, as Megatron's expert parallelism holds them) are refused by name."""
+    holding different experts (EP-sharded, as Megatron's expert parallelism holds them) are served only where every
+    box is whole (whole_expert_holders); here, with other tensors cut into boxes, they are refused by name."""
     slots = plan_file.header.eplb
     held: dict[tuple[str, int], dict[int, Box]] = {}  # (expert-name template, trainer rank) -> expert -> box
     for s in shards:
@@ -154,7 +166,8 @@ def eplb_slot_shards(shards: Sequence[TrainerShard], plan_file) -> list[TrainerS
             raise EngineUnsupported(
                 f"{plan_file.path} has EPLB slots, and trainer rank {rank} {what} of {template.format('<e>')}: with "
                 f"EPLB any expert may move to any slot, so every trainer rank must hold the same box of every "
-                f"expert (whole, or split alike as FSDP's Shard(0)); EP-sharded trainers must gather the experts"
+                f"expert (whole, or split alike as FSDP's Shard(0)), or every box must be whole (expert "
+                f"parallel: each rank holds its experts whole and the other tensors whole, e.g. gathered)"
             )
         box = next(iter(boxes.values()))
         out += [TrainerShard(slot_name(template.format(0), p), rank, box) for p in range(slots.num_physical_experts)]

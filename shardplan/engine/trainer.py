@@ -41,7 +41,7 @@ from shardplan.engine.errors import (
     raise_named,
 )
 from shardplan.engine.protocol import EngineInitInfo, state_key
-from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json
+from shardplan.engine.sharding import dtensor_shards, local_box, sharded_plan, shards_to_json, whole_expert_holders
 from shardplan.errors import MissingTensorError
 from shardplan.plan.file.format import PlanFile
 from shardplan.plan.interp import to_dtype
@@ -59,7 +59,7 @@ from shardplan.sync import (
     TrainerSync,
     spans_of,
 )
-from shardplan.sync.placement import EplbPacker, expert_sources, make_packer
+from shardplan.sync.placement import EplbPacker, expert_sources, make_packer, slot_spans
 from shardplan.transport import Control, create, trainer_name
 from shardplan.transport.base import consumer_name
 
@@ -226,7 +226,7 @@ class TrainerRank:
         shards = getattr(source, "shards", None) if shards is None else shards
         if shards is not None and getattr(source, "rank", rank) not in (None, rank):
             raise ShardLayoutError(f"TrainerRank rank={rank} is given the source of trainer rank {source.rank}")
-        if shards is None:
+        if shards is None or whole_expert_holders(plan_file, shards):  # the latter: each rank holds a subset whole
             self.packer = make_packer(
                 plans,
                 plan_file.sources,
@@ -354,7 +354,9 @@ class EngineSync:
             num_trainers = 1 if self.shards is None else len({s.rank for s in self.shards})
         self.control = Control.serve(host, port)
         plans = [self.plan_file.rank(r) for r in self.plan_file.ranks]
-        if self.shards is None:
+        # trainers holding an EPLB plan's tensors whole, a subset each, are whole-tensor trainers to the engines
+        routed_whole = self.shards is None or whole_expert_holders(self.plan_file, self.shards)
+        if routed_whole:
             packer = make_packer(
                 plans,
                 self.plan_file.sources,
@@ -367,7 +369,9 @@ class EngineSync:
             packer = ShardedPacker(
                 sharded_plan(self.plan_file, self.shards), min(s.rank for s in self.shards), replicas=replicas
             )
-        self.coordinator = Coordinator(self.control, spans_of(packer), packer.groups(), num_trainers, self.config)
+        self.coordinator = Coordinator(
+            self.control, spans_of(packer), packer.groups(), num_trainers, self.config, eplb=slot_spans(packer)
+        )
         self.engines: list[EngineClient] = [as_client(e) for e in engines]
         names = [e.name for e in self.engines]
         for i, engine in enumerate(self.engines):  # outcomes are per name: two `LLM`s are both "llm"
@@ -385,7 +389,7 @@ class EngineSync:
             verify=self.config.verify,
             max_group_bytes=max_group_bytes,
             check_config=check_config,
-            trainer_shards=shards_to_json(self.shards) if self.shards is not None else {},
+            trainer_shards={} if routed_whole else shards_to_json(self.shards),
         )
         self.transport, self.transport_options = transport, dict(transport_options or {})
         self.initialized = False
@@ -498,7 +502,11 @@ class EngineSync:
             for engine in self.engines:
                 engine.start_weight_update()
                 started.append(engine)
-            self.coordinator.announce(version)
+            # an EPLB plan's schedule may follow the placements the workers publish as their update begins: announced
+            # beside the updates (the workers wait for it), not before
+            announce_later = self.coordinator.eplb is not None
+            if not announce_later:
+                self.coordinator.announce(version)
         except BaseException:
             for engine in started:
                 _quietly(engine.finish_weight_update, None)  # the backend puts the kernel tensors back
@@ -540,16 +548,33 @@ class EngineSync:
             except BaseException as e:  # noqa: BLE001 - reported with the engines' outcome
                 trainer_out.append(e)
 
+        announce_error: list[BaseException] = []
+
+        def announce():
+            try:
+                self.coordinator.announce(version)
+            except BaseException as e:  # noqa: BLE001 - every engine's update fails waiting for it: said below
+                announce_error.append(e)
+
         hosted = {e.name: consumers for e, consumers in zip(self.engines, self._hosted_consumers())}
         threads = [
             threading.Thread(target=update, args=(e,), daemon=True, name=f"update {e.name}") for e in self.engines
         ]
         if trainer is not None:
             threads.append(threading.Thread(target=send, daemon=True, name="trainer send"))
+        if announce_later:
+            threads.append(threading.Thread(target=announce, daemon=True, name="announce"))
         for th in threads:
             th.start()
         for th in threads:
             th.join()
+        if announce_error:
+            why = f"{type(announce_error[0]).__name__}: {announce_error[0]}"
+            for engine in self.engines:
+                errors[engine.name] = EngineUpdateFailed(
+                    f"{engine.name}: version {version} could not be announced ({why}); the update: "
+                    f"{errors.get(engine.name, 'no error')}"
+                )
         t = phase("update", t)
         report = EngineSyncReport(version, not errors, 0.0, phases=phases)
         if trainer_out:

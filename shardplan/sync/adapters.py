@@ -63,6 +63,7 @@ class _Packs:
     def __init__(self, cache: bool | None = None):
         self.cache = cache
         self.bound: dict[tuple, list] = {}  # sub key -> [replayer, subset, names read, {out address: bound}, volatile]
+        self._subsets: dict[tuple, list[tuple]] = {}  # key -> its subsets' sub keys, oldest first
 
     def run(
         self, key, replayer: Replayer, segments: Sequence[int], tensors: Mapping[str, torch.Tensor], out: torch.Tensor
@@ -73,7 +74,13 @@ class _Packs:
         entry = self.bound.get(sub_key)
         if entry is None or entry[0] is not replayer:
             sub = replayer if whole else replayer.subset(segments)
+            new = entry is None
             entry = self.bound[sub_key] = [replayer, sub, sorted(sub.sources_read()), {}, False]
+            if new and not whole:  # schedules following EPLB placements ask other subsets over time: keep a few
+                subsets = self._subsets.setdefault(key, [])
+                subsets.append(sub_key)
+                if len(subsets) > 4:
+                    self.bound.pop(subsets.pop(0), None)
         _, sub, names, by_buffer, volatile = entry
         bound = by_buffer.get(out.data_ptr())
         if bound is not None:

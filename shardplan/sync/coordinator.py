@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 from shardplan.sync.control import announce_key, result_key
 from shardplan.sync.schedule import build_schedule
-from shardplan.sync.stages import Span, SyncConfig
+from shardplan.sync.stages import ScheduleError, Span, SyncConfig
 from shardplan.transport.base import Control, PeerError, consumer_name, deadline_after, left, trainer_name
 
 
@@ -24,7 +24,10 @@ class Announcement:
 class Coordinator:
     """Decides, per version, who takes part, and publishes the schedule. Runs in the driver (or the launcher).
 
-    `spans[c][group]`: consumer c's spans per group (what the trainers' Packer reports; `spans_of(packer)`)."""
+    `spans[c][group]`: consumer c's spans per group (what the trainers' Packer reports; `spans_of(packer)`).
+    `eplb`: an EPLB plan's SlotSpans (sync.placement.slot_spans(packer)): where some trainer holds only some of the
+    experts, each version is scheduled for the placements its consumers published (`v<V>/placement/<consumer>`,
+    which must then be set before the announcement: announce() waits for them, at most timeout_s)."""
 
     def __init__(
         self,
@@ -33,8 +36,10 @@ class Coordinator:
         groups: Sequence[str],
         num_trainers: int,
         config: SyncConfig | None = None,
+        *,
+        eplb=None,
     ):
-        self.control, self.spans, self.groups = control, spans, tuple(groups)
+        self.control, self.spans, self.groups, self.eplb = control, spans, tuple(groups), eplb
         self.trainers, self.consumers = tuple(range(num_trainers)), tuple(sorted(spans))
         self.config = config or SyncConfig()
         self.members: dict[str, int] = {}
@@ -102,14 +107,24 @@ class Coordinator:
         trainers = tuple(t for t in self.trainers if trainer_name(t) in members)
         consumers = tuple(c for c in self.consumers if consumer_name(c) in members)
         held = {t: self._held.get(t) for t in trainers}
+        placements, placed = None, ()
+        if self.eplb is not None and self.eplb.placement_matters(held):
+            placements = self.eplb.placements(self.control, version, consumers, self.config.timeout_s)
+            placed = tuple(placements[c].digest for c in consumers)
         key = (
             trainers,
             consumers,
             tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())),
+            placed,
         )
         schedule_id = self._schedules.get(key)
         if schedule_id is None:
-            schedule = build_schedule({c: self.spans[c] for c in consumers}, self.groups, held, trainers, consumers)
+            spans = {c: self.spans[c] if placements is None else self.eplb.bound(c, placements[c]) for c in consumers}
+            try:
+                schedule = build_schedule(spans, self.groups, held, trainers, consumers)
+            except ScheduleError as e:  # ranks already waiting for the announcement (EPLB) end now, told why
+                self.control.set(announce_key(version), json.dumps({"refused": str(e)}))
+                raise
             schedule_id = f"s{version}"
             self.control.set(f"schedule/{schedule_id}", schedule.to_json())
             self._schedules[key] = schedule_id

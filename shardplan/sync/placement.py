@@ -17,11 +17,22 @@ consumer and read by the trainer; the consumer checks after the update that its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardplan.plan import ir
-from shardplan.plan.names import base_group, group_of, is_scale, slot_of
+from shardplan.plan.names import (
+    base_group,
+    expert_of,
+    group_of,
+    is_scale,
+    layer_of,
+    slot_of,
+    slot_to_expert,
+    with_expert,
+)
 from shardplan.plan.placement import (
     EplbSlots,
     Placement,
@@ -31,8 +42,9 @@ from shardplan.plan.placement import (
     make_placement,
     with_slot_aliases,
 )
-from shardplan.sync.adapters import ReplayPacker
-from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name
+from shardplan.sync.adapters import ReplayPacker, spans_of
+from shardplan.sync.stages import Span
+from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name, deadline_after, left
 
 
 class PlacementNotPublished(PeerTimeout, PlacementError):
@@ -76,6 +88,74 @@ def read_placement(control: Control, version: int, consumer: Peer, slots: EplbSl
     if record.get("digest") != placement.digest:
         raise PlacementError(f"{consumer}'s placement for version {version} does not match its digest")
     return placement
+
+
+def bind_spans(spans: Sequence[Span], placement: Placement) -> tuple[Span, ...]:
+    """Spans of the unbound plan with each slot name read as the expert `placement` puts there. Keeps `only` (a
+    sharded packer's holder); no direct sends: a slot's tensor changes with the placement."""
+    return tuple(
+        dataclasses.replace(s, sources=tuple(bound_name(n, placement) for n in s.sources), direct=False) for s in spans
+    )
+
+
+@dataclass(frozen=True)
+class SlotSpans:
+    """What the Coordinator needs to schedule an EPLB plan per placement: every consumer's spans per group with slot
+    names unbound, and the plan's slots. Trainers holding every expert (or their boxes of every expert alike) can
+    serve a slot whatever the placement, and one schedule serves all versions; trainers holding a subset of the
+    experts whole (expert parallel) serve a slot only while its placed expert is theirs, so each version's schedule
+    follows the placements the consumers published for it."""
+
+    slots: EplbSlots
+    spans: Mapping[int, Mapping[str, tuple[Span, ...]]]
+
+    @functools.cached_property
+    def experts(self) -> frozenset[str]:
+        """Every expert tensor some slot the spans read may hold (what a trainer must report holding, or not)."""
+        names = {n for by_group in self.spans.values() for ss in by_group.values() for s in ss for n in s.sources}
+        return frozenset(any_expert(names, self.slots))
+
+    def placement_matters(self, held: Mapping[int, frozenset[str] | None]) -> bool:
+        """Whether some trainer holds a subset of the experts the slots may hold (only it may serve a slot's bytes,
+        and only while the placement puts one of its experts there)."""
+        return any(h is not None and not self.experts <= h for h in held.values())
+
+    def bound(self, consumer: int, placement: Placement) -> dict[str, tuple[Span, ...]]:
+        return {g: bind_spans(ss, placement) for g, ss in self.spans[consumer].items()}
+
+    def placements(self, control: Control, version: int, consumers: Sequence[int], timeout_s: float) -> dict:
+        """consumer -> the placement it published for `version` (waiting at most `timeout_s` in all), or the slots'
+        initial one where none (or none valid) came: that consumer's trainer lanes then fail by name when they read it
+        (PlacementNotPublished, PlacementError), and a trainer lacking a placed expert refuses to pack it."""
+        deadline, out = deadline_after(timeout_s), {}
+        for c in consumers:
+            try:
+                out[c] = read_placement(control, version, consumer_name(c), self.slots, left(deadline))
+            except PlacementError:
+                out[c] = self.slots.initial()
+        return out
+
+
+def any_expert(names, slots: EplbSlots) -> set[str]:
+    """Each slot name in `names`, and each expert name of a MoE layer with slots, as the tensor of every logical
+    expert: what those slots may read under some placement."""
+    out: set[str] = set()
+    for n in names:
+        if slot_of(n) is not None:
+            template = slot_to_expert(n, "{}")
+        elif expert_of(n) is not None and layer_of(n) in slots.moe_layers:
+            template = with_expert(n, "{}")
+        else:
+            continue
+        out.update(template.format(e) for e in range(slots.num_logical_experts))
+    return out
+
+
+def slot_spans(packer) -> SlotSpans | None:
+    """An EplbPacker's SlotSpans (for the Coordinator); None for other packers."""
+    if not isinstance(packer, EplbPacker):
+        return None
+    return SlotSpans(packer.slots, spans_of(packer.inner))
 
 
 def expert_sources(plans: Sequence[ir.RankPlan], slots: EplbSlots, sources: Mapping[str, ir.TensorMeta]) -> set[str]:
@@ -123,6 +203,7 @@ class EplbPacker:
         self._plans = {p.rank: p for p in plans}
         self._made_scales = bool(packer_options.get("quantizer"))  # a quantizing pack makes them: trainers hold none
         self._slot_names: dict[int, dict[str, tuple[str, ...]]] = {}  # plan rank -> group -> slot tensors it reads
+        self._subset_names: dict[tuple, tuple[str, ...]] = {}  # (plan rank, group, segments) -> slot tensors read
 
     def begin(self, version: int, consumer: int) -> Placement:
         """Before packing `consumer`'s groups of `version`: read the placement it published."""
@@ -148,12 +229,7 @@ class EplbPacker:
     def spans(self, consumer: int, group: str):
         """The inner spans with slot names read as the experts of the consumer's current placement (what the
         schedule checks trainers hold; every expert, for whole-tensor trainers)."""
-        placement = self.placements[consumer]
-        return tuple(
-            # keeps `only` (a sharded inner's holder); no direct sends: a slot's tensor changes with the placement
-            dataclasses.replace(s, sources=tuple(bound_name(n, placement) for n in s.sources), direct=False)
-            for s in self.inner.spans(consumer, group)
-        )
+        return bind_spans(self.inner.spans(consumer, group), self.placements[consumer])
 
     def _slot_names_of(self, rank: int) -> dict[str, tuple[str, ...]]:
         """Group -> the slot tensors plan rank `rank` reads there (at its first pack: a rank's names cost time)."""
@@ -165,10 +241,31 @@ class EplbPacker:
             self._slot_names[rank] = by_group
         return self._slot_names[rank]
 
+    def _packed_slot_names(self, consumer: int, group: str, segments) -> tuple[str, ...]:
+        """The slot tensors `segments` of the consumer's group read: all the group's, unless this whole-tensor trainer
+        packs part of it (holding some of the experts, it packs the slots whose placed expert it holds). A sharded
+        inner's trainers hold their box of every expert: all."""
+        rank = self.inner.replicas.plan_rank(consumer)
+        names = self._slot_names_of(rank).get(base_group(group), ())
+        if not names or not isinstance(self.inner, ReplayPacker):
+            return names
+        key = (rank, group, tuple(segments))
+        picked = self._subset_names.get(key)
+        if picked is None:
+            spans = self.inner.spans(consumer, group)
+            if len(segments) == len(spans):
+                return names
+            read = {n for i in segments for n in spans[i].sources}
+            picked = tuple(n for n in names if n in read)
+            if len(self._subset_names) >= 1024:  # schedules follow placements: keep the recent ones
+                self._subset_names.clear()
+            self._subset_names[key] = picked
+        return picked
+
     def pack(self, consumer, group, tensors, out, segments):
         aliased = with_slot_aliases(
             tensors,
-            self._slot_names_of(self.inner.replicas.plan_rank(consumer)).get(base_group(group), ()),
+            self._packed_slot_names(consumer, group, segments),
             self.placements[consumer],
             f"the trainer packing {group} for consumer {consumer}",
         )

@@ -12,7 +12,7 @@ import torch
 from shardplan.plan.names import base_group
 from shardplan.sync.control import announce_key, join, result_key
 from shardplan.sync.schedule import Schedule
-from shardplan.sync.stages import LayoutMismatch, NotAMember, SyncConfig, SyncFailed, WeightSource, event
+from shardplan.sync.stages import LayoutMismatch, NotAMember, ScheduleError, SyncConfig, SyncFailed, WeightSource, event
 from shardplan.transport.base import Control, Peer, Transport
 
 
@@ -39,6 +39,9 @@ class Rank:
                 f"announcement of version {version}",
             )
         )
+        if "refused" in ann:  # the result keeps this rank a member of the next version
+            refused = ScheduleError(f"version {version} has no schedule: {ann['refused']}")
+            self._finish(version, {"coordinator": refused})
         if ann["members"].get(self.name) != self.epoch:
             why = "failed or stalled in the last version" if self.name not in ann["members"] else "restarted"
             self._rejoin()

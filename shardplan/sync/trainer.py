@@ -12,6 +12,7 @@ import torch
 from shardplan.runtime.shards import AmaxExchangeError
 from shardplan.runtime.tensors import align_up
 from shardplan.sync.control import abort_mark, amax_key, decode_amaxes, done_key, encode_amaxes, free_key, join
+from shardplan.sync.placement import any_expert
 from shardplan.sync.rank import GroupTensors, Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor, held_whole
 from shardplan.sync.stages import Packer, SyncConfig, SyncReport, WeightSource, event
@@ -60,6 +61,9 @@ class TrainerSync(Rank):
         transport.register(list(self.staging.values()))
         control.prewarm(len(self.consumers) + 2)  # one per lane (or pair rendezvous), opened now rather than mid-sync
         needed = {n for c in self.consumers for g in self.groups for s in packer.spans(c, g) for n in s.sources}
+        slots = getattr(packer, "slots", None)
+        if slots is not None:  # EPLB: any expert may fill a slot: say which of them this rank holds (Coordinator)
+            needed |= any_expert(needed, slots)
         self.held = held_whole(source, needed)
         self.stamps = {c: packer.stamp(c) for c in self.consumers}
         self._step_cache: dict[tuple[int, int], tuple[Schedule, list]] = {}

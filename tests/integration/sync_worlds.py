@@ -542,7 +542,14 @@ def cluster_setup(cluster, transport: str, world_factory, config: SyncConfig | N
     cluster.config = config or SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=60)
     cluster.control = Control.serve("127.0.0.1")
     cluster.build = functools.partial(build_rank, world_factory, config=cluster.config)
-    cluster.coordinator = Coordinator(cluster.control, world.spans, world.groups, world.num_trainers, cluster.config)
+    cluster.coordinator = Coordinator(
+        cluster.control,
+        world.spans,
+        world.groups,
+        world.num_trainers,
+        cluster.config,
+        eplb=getattr(world, "eplb", None),
+    )
     cluster.names = [trainer_name(t) for t in range(world.num_trainers)] + [
         consumer_name(c) for c in range(world.num_consumers)
     ]

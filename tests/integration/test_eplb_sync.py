@@ -22,7 +22,7 @@ from sync_worlds import (
 
 from shardplan.plan.placement import make_placement
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
-from shardplan.sync.placement import EplbPacker, placement_key, publish_placement
+from shardplan.sync.placement import EplbPacker, placement_key, publish_placement, slot_spans
 from shardplan.transport import consumer_name
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots, random_placement
 
@@ -42,7 +42,7 @@ class EplbWorld:
         self.tensors = {m.name: torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in real}
         self.shard()
         packer = self.packer(None)
-        self.groups, self.spans = list(packer.groups()), spans_of(packer)
+        self.groups, self.spans, self.eplb = list(packer.groups()), spans_of(packer), slot_spans(packer)
 
     def shard(self):
         pass  # whole tensors
@@ -95,6 +95,31 @@ class ShardedEplbWorld(EplbWorld):
 
         params = params_from_plan(self.plans[rank], fill=float("nan"))
         return Received(ShardedUnpacker(self.sharded, rank, params), params)
+
+
+@dataclass
+class ExpertHeldEplbWorld(EplbWorld):
+    """The same plan fed by expert-parallel trainers, as Megatron holds a MoE: trainer t holds experts [2t, 2t + 1] of
+    every MoE layer whole and every other tensor whole, through the engine's path for such boxes
+    (engine.sharding.whole_expert_holders: whole-tensor trainers holding subsets; ModuleSource over each rank's tensors
+    with shards=). Only a slot's expert's holder can send it, so each version is scheduled for the placements the
+    consumers published (Coordinator(eplb=))."""
+
+    def shard(self):
+        from shardplan.engine.sharding import whole_expert_holders
+        from shardplan.plan.names import expert_of
+        from shardplan.runtime.shards import ep_shards
+
+        held = {n: m for n, m in self.plan_file.sources.items() if n in self.tensors}
+        self.shards = ep_shards(held, self.num_trainers, expert_of, self.slots.num_logical_experts)
+        assert whole_expert_holders(self.plan_file, self.shards)
+
+    def source(self, rank):
+        from shardplan.engine.trainer import ModuleSource
+        from shardplan.runtime.shards import local_tensors
+
+        local = local_tensors(self.shards, rank, self.tensors)
+        return ModuleSource(local, self.plan_file, shards=self.shards, rank=rank)
 
 
 def build_eplb_rank(world_factory, name, transport, control, config=None):
@@ -181,18 +206,50 @@ def test_sharded_trainers_fill_each_slot_from_their_shards_of_the_placed_expert(
         cluster.close()
 
 
-def test_ep_sharded_trainers_are_refused_with_eplb_by_name():
-    """Trainers holding different experts (Megatron-style EP) cannot serve EPLB slots, which any expert may fill:
-    refused before any byte moves, naming the rank, the tensor and what to do."""
+def test_expert_parallel_trainers_send_each_slot_from_the_holder_of_its_placed_expert():
+    """Trainers each holding half the experts whole feed EPLB consumers over four placements (rebalances between them,
+    one putting only trainer 0's experts on consumer 0): every version is scheduled for the placements its consumers
+    published, so each slot's bytes come from the trainer holding the expert placed there. Every consumer slot holds,
+    bitwise, that expert; nothing is left NaN; both trainers send bytes in every version."""
+    cluster = EplbCluster("nccl", ExpertHeldEplbWorld)
+    world = cluster.world
+    held = {t: {n for n in world.source(t).boxes() if ".experts." in n} for t in (0, 1)}
+    assert held[0] and held[1] and not held[0] & held[1]
+    try:
+        placements = [random_placement(world.slots, seed) for seed in (0, 3, 7)]
+        placements.append(make_placement([[0, 1, 0, 2, 3, 1]] * len(world.slots.moe_layers), world.slots))
+        for version, placement in enumerate(placements, start=1):
+            for c in range(world.num_consumers):
+                publish_placement(cluster.control, version, consumer_name(c), placement)
+            results = cluster.sync(version)
+            assert all(r[0] == "ok" for r in results.values()), (version, results)
+            assert all(results[f"trainer{t}"][1].nbytes > 0 for t in (0, 1)), results
+            for c in range(world.num_consumers):
+                params = cluster.call(consumer_name(c), received)
+                expected_slots(params, placement, world.slots, c, world.tensors)
+                for name, t in params.items():
+                    assert not torch.isnan(t.float()).any(), (version, c, name)
+    finally:
+        cluster.close()
+
+
+def test_ep_sharded_trainers_with_other_tensors_cut_are_refused_with_eplb_by_name():
+    """Trainers holding different experts can serve EPLB slots only as whole-tensor holders (above); with some other
+    tensor cut into boxes (a TP-split dense layer) they would need a sharded plan per placement: refused before any
+    byte moves, naming the rank, the tensor and what to do."""
     from shardplan.engine.errors import EngineUnsupported
-    from shardplan.engine.sharding import sharded_plan
+    from shardplan.engine.sharding import sharded_plan, whole_expert_holders
     from shardplan.plan.names import expert_of
-    from shardplan.runtime.shards import ep_shards
+    from shardplan.runtime.shards import ep_shards, tp_shards
 
     world = EplbWorld()
     held = {n: m for n, m in world.plan_file.sources.items() if n in world.tensors}
-    shards = ep_shards(held, 2, expert_of, world.slots.num_logical_experts)
+    dense = "model.layers.0.mlp.down_proj.weight"
+    shards = [s for s in ep_shards(held, 2, expert_of, world.slots.num_logical_experts) if s.name != dense]
+    shards += tp_shards({dense: held[dense]}, 2, lambda n: 0)
+    assert not whole_expert_holders(world.plan_file, shards)
     with pytest.raises(
-        EngineUnsupported, match=r"trainer rank 0 lacks experts \[2, 3\] of .*experts\.<e>\..*EP-sharded"
+        EngineUnsupported,
+        match=r"trainer rank 0 lacks experts \[2, 3\] of .*experts\.<e>\..*or every box must be whole",
     ):
         sharded_plan(world.plan_file, shards)

@@ -50,7 +50,9 @@ BUDGETS = {
     # fused FP8 kernel's tables cached per geometry, so binding new tensors every sync is cheap; trainer_name's
     # box-name set: spans of FP8 plans at init 2x faster)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 2035,  # (+ EplbPacker over a sharded inner, its slot names per rank at first pack; + the
+    "shardplan.sync": 2160,  # (+ expert-parallel trainers with EPLB: schedules per published placement, SlotSpans,
+    # refused announcements end the waiting ranks; + EplbPacker over a sharded inner, its slot names per rank at
+    # first pack; + the
     # per-sync amax exchange of blocks cut between trainers, in a thread beside the lanes so later layers' exchange
     # overlaps earlier layers' sends; direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)
@@ -60,7 +62,8 @@ BUDGETS = {
     # Hybrid and Step3, and the cited vLLM loader drops, issue 27; the sweep's rule for partly unwritten params and
     # the cited padding tables, coverage.VLLM_PADDING, issue 27; Step-3.5's published per-layer fields)
     "shardplan.simulate": 1550,
-    "shardplan.engine": 2660,  # (+ errors_in_state: failures reported in the workers' state, not raised through
+    "shardplan.engine": 2690,  # (+ whole_expert_holders routing and the EPLB announce beside the updates;
+    # + errors_in_state: failures reported in the workers' state, not raised through
     # vLLM's multiproc executor, which then answers every later RPC with a stale reply; the dense DP replica refusal;
     # EngineSync(replicas=N), a dense engine's DP ranks as replicas, worker states and joins read on the control
     # channel since a handle over several engine cores answers with the first core's reply only; EPLB with sharded
