@@ -552,8 +552,8 @@ class EngineSync:
 
         def announce():
             try:
-                self.coordinator.announce(version)
-            except BaseException as e:  # noqa: BLE001 - every engine's update fails waiting for it: said below
+                self.coordinator.announce(version, waiting=True)
+            except BaseException as e:  # noqa: BLE001 - every engine's update fails without it: said below
                 announce_error.append(e)
 
         hosted = {e.name: consumers for e, consumers in zip(self.engines, self._hosted_consumers())}

@@ -74,9 +74,11 @@ class Coordinator:
                     out[name] = json.loads(text)
         return out
 
-    def announce(self, version: int, wait_for_joins_s: float | None = None) -> Announcement:
+    def announce(self, version: int, wait_for_joins_s: float | None = None, *, waiting: bool = False) -> Announcement:
         """Announce `version`: members are the ranks that reported a result for the last version (with the epoch they
-        reported), plus ranks that (re-)joined since; ranks silent since the last version are excluded."""
+        reported), plus ranks that (re-)joined since; ranks silent since the last version are excluded. `waiting`:
+        the ranks already wait for this announcement (an EPLB plan's, announced beside the engines' updates), so a
+        version no schedule can serve (ScheduleError) is announced to them as refused before the error is raised."""
         # a trainer's in-flight transfers may run up to 1.5x timeout after a consumer gave up: wait them out so no
         # write of the last version can land in a buffer of this one
         results = self.results(self.last_version, 2 * self.config.timeout_s) if self.last_version is not None else {}
@@ -122,8 +124,10 @@ class Coordinator:
             spans = {c: self.spans[c] if placements is None else self.eplb.bound(c, placements[c]) for c in consumers}
             try:
                 schedule = build_schedule(spans, self.groups, held, trainers, consumers)
-            except ScheduleError as e:  # ranks already waiting for the announcement (EPLB) end now, told why
-                self.control.set(announce_key(version), json.dumps({"refused": str(e)}))
+            except ScheduleError as e:
+                if waiting:  # the ranks end now, told why, and leave results that the next version reads
+                    self.control.set(announce_key(version), json.dumps({"refused": str(e)}))
+                    self.members, self.last_version = members, version
                 raise
             schedule_id = f"s{version}"
             self.control.set(f"schedule/{schedule_id}", schedule.to_json())

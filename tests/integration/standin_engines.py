@@ -15,6 +15,7 @@ from shardplan.engine.trainer import ModuleSource
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import params_from_plan
 from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig
+from shardplan.sync.placement import publish_placement
 from shardplan.transport import Control, create
 
 TIMEOUT_S = 5.0
@@ -36,6 +37,7 @@ class StandInEngine:
         self.name, self.plans, self.ranks = name, plans, ranks
         self.paused, self.version, self.refuse_init, self.timeout_s = False, "default", None, TIMEOUT_S
         self.errors, self.states_unavailable, self.unpublished = {}, False, False
+        self.placements = None  # EPLB: (version, consumer id) -> the Placement its workers hold, published per update
         self.params = {r: params_from_plan(plans[r], fill=float("nan")) for r in ranks}
         self.consumers = {}
 
@@ -62,6 +64,9 @@ class StandInEngine:
 
     def update_weights(self, update_info):
         errors = []
+        for c in self.consumers.values() if self.placements is not None else ():  # as the backend does for EPLB
+            placement = self.placements(update_info["version"], int(c.name[8:]))
+            publish_placement(c.control, update_info["version"], c.name, placement)
 
         def run(c):
             try:

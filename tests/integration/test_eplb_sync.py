@@ -6,6 +6,7 @@ publishes nothing fails only its own lanes, named (PlacementNotPublished), and t
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -253,3 +254,74 @@ def test_ep_sharded_trainers_with_other_tensors_cut_are_refused_with_eplb_by_nam
         match=r"trainer rank 0 lacks experts \[2, 3\] of .*experts\.<e>\..*or every box must be whole",
     ):
         sharded_plan(world.plan_file, shards)
+
+
+def test_engine_sync_feeds_eplb_replicas_from_expert_parallel_trainers(tmp_path):
+    """Through the driver: EngineSync over two replicas of the EP=2 EPLB layout (stand-in engines whose workers publish
+    their placement as the backend does, each replica its own), given the expert-parallel trainers' boxes
+    (ep_shards: every box whole, so the whole-tensor route); two TrainerRanks, each sending only what it holds. Three
+    versions with a rebalance on each replica between them: every slot of every replica holds, bitwise, the expert
+    its own placement puts there, and nothing is left NaN."""
+    from standin_engines import StandInEngine, sync_from_sharded_trainers
+
+    from shardplan.engine.trainer import EngineSync
+    from shardplan.plan.names import expert_of
+    from shardplan.runtime.shards import ep_shards, local_tensors
+
+    plan_file, real = eplb_plan_file(tmp_path / "toy-moe.plan")
+    slots = plan_file.header.eplb
+    plans = [plan_file.rank(r) for r in plan_file.ranks]
+    engines = [StandInEngine(f"engine-{n}", plans, [0, 1]) for n in "ab"]
+    placements = {(v, replica): random_placement(slots, 10 * v + replica) for v in (1, 2, 3) for replica in (0, 1)}
+    for e in engines:
+        e.timeout_s = 10.0
+        e.placements = lambda version, consumer: placements[version, consumer // 2]  # world = 2 plan ranks
+    g = torch.Generator().manual_seed(3)
+    shards = ep_shards({m.name: m for m in real}, 2, expert_of, slots.num_logical_experts)
+    sync = EngineSync(engines, plan_file.path, config=SyncConfig(timeout_s=10.0), shards=shards, replicas=2)
+    for version in (1, 2, 3):
+        tensors = {m.name: torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in real}
+        report, out = sync_from_sharded_trainers(sync, version, lambda t: local_tensors(shards, t, tensors), shards)
+        assert report.complete, report
+        assert report.trainer.nbytes > 0 and out[0].nbytes > 0
+        for replica, engine in enumerate(engines):
+            assert (engine.version, engine.paused) == (str(version), False)
+            for rank in (0, 1):
+                expected_slots(engine.params[rank], placements[version, replica], slots, rank, tensors)
+                for name, t in engine.params[rank].items():
+                    assert not torch.isnan(t.float()).any(), (version, engine.name, rank, name)
+
+
+def test_a_version_no_live_trainer_can_serve_is_refused_to_the_waiting_engines_and_the_next_repairs(tmp_path):
+    """Only trainer 0 of two expert-parallel trainers comes: no schedule can give trainer 1's experts' slots a sender.
+    The driver announces the refusal instead of a schedule, so the engines' workers, already waiting for it, end at
+    once (no hang, no timeout of theirs) with the reason; the engines stay paused and incomplete, and the next version
+    with both trainers completes and repairs them."""
+    from standin_engines import StandInEngine, sync_from_sharded_trainers
+
+    from shardplan.engine.errors import SyncIncomplete
+    from shardplan.engine.trainer import EngineSync, ModuleSource
+    from shardplan.plan.names import expert_of
+    from shardplan.runtime.shards import ep_shards, local_tensors
+
+    plan_file, real = eplb_plan_file(tmp_path / "toy-moe.plan")
+    slots = plan_file.header.eplb
+    engine = StandInEngine("engine", [plan_file.rank(r) for r in plan_file.ranks], [0, 1])
+    engine.timeout_s = 30.0  # the workers' own waits: the refusal must end them long before
+    engine.placements = lambda version, consumer: random_placement(slots, version)
+    g = torch.Generator().manual_seed(4)
+    tensors = {m.name: torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in real}
+    shards = ep_shards({m.name: m for m in real}, 2, expert_of, slots.num_logical_experts)
+    sync = EngineSync([engine], plan_file.path, config=SyncConfig(timeout_s=2.0), shards=shards)
+    trainer = sync.trainer_rank(ModuleSource(local_tensors(shards, 0, tensors), sync.plan_file, shards=shards, rank=0))
+    start = time.monotonic()
+    with pytest.raises(SyncIncomplete, match=r"could not be announced \(ScheduleError: .*no live trainer holds") as e:
+        sync.sync(1, trainer=trainer)
+    trainer.close()
+    assert time.monotonic() - start < 20, e.value  # the first version's wait for joins (2 s), not the workers' 30 s
+    assert (engine.version, engine.paused) == ("1:incomplete", True)
+    assert all("has no schedule" in s["error"] for s in engine.worker_states()), engine.worker_states()
+    report, _ = sync_from_sharded_trainers(sync, 2, lambda t: local_tensors(shards, t, tensors), shards)
+    assert report.complete, report
+    for rank in (0, 1):
+        expected_slots(engine.params[rank], random_placement(slots, 2), slots, rank, tensors)

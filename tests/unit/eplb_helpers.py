@@ -10,7 +10,7 @@ import torch
 
 from shardplan.plan import ir
 from shardplan.plan.compile.compiler import compile_plans
-from shardplan.plan.file.format import PlanFile, decode, encode
+from shardplan.plan.file.format import PlanFile, decode, encode, write_plan
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbSlots, make_placement, slot_sources
 
@@ -60,7 +60,8 @@ def eplb_plans(num_experts: int = 4, num_redundant: int = 2, num_ep: int = 2):
     return plans, sources, real, slots
 
 
-def eplb_plan_file(**kwargs) -> tuple[PlanFile, list[ir.TensorMeta]]:
+def eplb_plan_file(path=None, **kwargs) -> tuple[PlanFile, list[ir.TensorMeta]]:
+    """The plan file (written to `path` and read back, when given: what a driver and its engines open)."""
     plans, sources, real, slots = eplb_plans(**kwargs)
     data = encode(
         compile_plans(plans, sources),
@@ -72,6 +73,9 @@ def eplb_plan_file(**kwargs) -> tuple[PlanFile, list[ir.TensorMeta]]:
         vllm_version="0.32.0",
         eplb=slots,
     )
+    if path is not None:
+        write_plan(path, data)
+        return PlanFile.read(path), real
     return PlanFile(*decode(data)), real
 
 
