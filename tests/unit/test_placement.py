@@ -203,3 +203,80 @@ def test_trainer_lacking_a_placed_expert_is_named():
         r"model.layers.2.mlp.experts.slot.4.down_proj.weight holds",
     ):
         with_slot_aliases(tensors, ["model.layers.2.mlp.experts.slot.4.down_proj.weight"], placement)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_experts=st.sampled_from([2, 4, 6]),
+    num_redundant=st.integers(0, 6),
+    num_ep=st.sampled_from([1, 2, 4]),
+    num_trainers=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_per_placement_schedule_gives_each_slot_to_a_holder_of_its_placed_expert(
+    num_experts, num_redundant, num_ep, num_trainers, seed
+):
+    """Trainers holding random subsets of the tensors whole (every tensor by at least one), the Coordinator given the
+    plan's SlotSpans: for each version's published placement, every piece of the schedule goes to a trainer holding
+    every tensor its segments read under that placement; packing each piece with only that trainer's tensors and
+    applying the consumer's buffer fills every slot with its placed expert, bitwise, nothing left NaN. A version whose
+    placements repeat reuses its schedule."""
+    import json
+    import random
+
+    from shardplan.sync import ApplyUnpacker, Coordinator, SyncConfig, spans_of
+    from shardplan.sync.control import join, result_key
+    from shardplan.sync.placement import EplbPacker, publish_placement, slot_spans
+    from shardplan.sync.schedule import Schedule
+    from shardplan.transport import Control, consumer_name, trainer_name
+
+    if (num_experts + num_redundant) % num_ep:
+        num_redundant += num_ep - (num_experts + num_redundant) % num_ep
+    plan_file, real = eplb_plan_file(num_experts=num_experts, num_redundant=num_redundant, num_ep=num_ep)
+    slots, plans = plan_file.header.eplb, [plan_file.rank(r) for r in plan_file.ranks]
+    tensors, rng = _tensors(real, seed), random.Random(seed)
+    held: dict[int, set[str]] = {t: set() for t in range(num_trainers)}
+    for m in real:
+        for t in rng.sample(range(num_trainers), rng.randint(1, num_trainers)):
+            held[t].add(m.name)
+    control = Control.serve("127.0.0.1")
+    packers = {t: EplbPacker(plans, plan_file.sources, slots, control, timeout_s=5) for t in held}
+    coordinator = Coordinator(
+        control, spans_of(packers[0]), packers[0].groups(), num_trainers, SyncConfig(timeout_s=5),
+        eplb=slot_spans(packers[0]),
+    )  # fmt: skip
+    for t, names in held.items():
+        join(control, trainer_name(t), None if len(names) == len(real) else frozenset(names))
+    for c in plan_file.ranks:
+        join(control, consumer_name(c))
+    schedules = []
+    for version, placement_seed in ((1, seed), (2, seed + 1), (3, seed + 1)):
+        placement = random_placement(slots, placement_seed)
+        for c in plan_file.ranks:
+            publish_placement(control, version, consumer_name(c), placement)
+        ann = coordinator.announce(version)
+        assert set(ann.members) == {trainer_name(t) for t in held} | {consumer_name(c) for c in plan_file.ranks}
+        for name in ann.members:  # every rank reports the version done, as a sync would
+            control.set(result_key(version, name), json.dumps({"ok": True, "epoch": ann.members[name], "errors": {}}))
+        schedules.append(ann.schedule_id)
+        schedule = Schedule.from_json(control.get(f"schedule/{ann.schedule_id}", 5, "coordinator"))
+        for c in plan_file.ranks:
+            for t in held:
+                packers[t].begin(version, c)
+            params = params_from_plan(plans[c], fill=float("nan"))
+            unpacker = ApplyUnpacker(plans[c], params)
+            for gi, group in enumerate(schedule.groups):
+                spans = packers[0].spans(c, group)
+                buffer = torch.zeros(unpacker.sizes()[group], dtype=torch.uint8)
+                for piece in schedule.of(c, gi):
+                    for i in piece.segments:
+                        assert set(spans[i].sources) <= held[piece.trainer], (group, i, piece.trainer)
+                    own = torch.zeros_like(buffer)
+                    mine = {n: tensors[n] for n in held[piece.trainer]}
+                    packers[piece.trainer].pack(c, group, mine, own, list(piece.segments))
+                    buffer[piece.lo : piece.hi] = own[piece.lo : piece.hi]
+                unpacker.apply(group, buffer)
+            expected_slots(params, placement, slots, c, tensors)
+            for name, t in params.items():
+                assert not torch.isnan(t.float()).any(), (version, c, name)
+    assert schedules[2] == schedules[1]  # the same placements: the cached schedule
