@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardplan.sync.control import announce_key, result_key
-from shardplan.sync.schedule import build_schedule
+from shardplan.sync.schedule import KEPT_SCHEDULES, build_schedule
 from shardplan.sync.stages import ScheduleError, Span, SyncConfig
 from shardplan.transport.base import Control, PeerError, consumer_name, deadline_after, left, trainer_name
 
@@ -119,8 +119,10 @@ class Coordinator:
             tuple(sorted((t, None if h is None else tuple(sorted(h))) for t, h in held.items())),
             placed,
         )
-        schedule_id = self._schedules.get(key)
-        if schedule_id is None:
+        schedule_id = self._schedules.pop(key, None)
+        if schedule_id is not None:
+            self._schedules[key] = schedule_id  # the most recently used last: evicted last
+        else:
             spans = {c: self.spans[c] if placements is None else self.eplb.bound(c, placements[c]) for c in consumers}
             try:
                 schedule = build_schedule(spans, self.groups, held, trainers, consumers)
@@ -132,6 +134,8 @@ class Coordinator:
             schedule_id = f"s{version}"
             self.control.set(f"schedule/{schedule_id}", schedule.to_json())
             self._schedules[key] = schedule_id
+            while len(self._schedules) > KEPT_SCHEDULES:  # EPLB: one per set of placements; each MiBs in the store
+                self.control.delete(f"schedule/{self._schedules.pop(next(iter(self._schedules)))}")
         excluded = tuple(n for n in self.names() if n not in members)
         # every member's stamps travel with the announcement: each rank compares its own with its peers' before
         # any byte moves (Rank._mismatches)

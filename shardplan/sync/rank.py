@@ -11,7 +11,7 @@ import torch
 
 from shardplan.plan.names import base_group
 from shardplan.sync.control import announce_key, join, result_key
-from shardplan.sync.schedule import Schedule
+from shardplan.sync.schedule import KEPT_SCHEDULES, Schedule
 from shardplan.sync.stages import LayoutMismatch, NotAMember, ScheduleError, SyncConfig, SyncFailed, WeightSource, event
 from shardplan.transport.base import Control, Peer, Transport
 
@@ -51,6 +51,8 @@ class Rank:
             )
         sid = ann["schedule"]
         if sid not in self._schedules:
+            while len(self._schedules) >= KEPT_SCHEDULES:  # per placement with EPLB: keep the recent ones
+                self._schedules.pop(next(iter(self._schedules)))
             self._schedules[sid] = Schedule.from_json(
                 self.control.get(f"schedule/{sid}", self.config.timeout_s, "coordinator", "schedule")
             )

@@ -13,6 +13,10 @@ import torch
 from shardplan.sync.stages import ScheduleError, Span, WeightSource
 from shardplan.transport.base import consumer_name
 
+# Schedules the coordinator keeps published and each rank keeps parsed: the last few (a version's is the newest; with
+# EPLB a new one comes with each new set of placements, and a Kimi-K2 TP32 schedule is ~2 MiB of JSON).
+KEPT_SCHEDULES = 4
+
 
 @dataclass(frozen=True, slots=True)
 class Piece:

@@ -66,7 +66,7 @@ class TrainerSync(Rank):
             needed |= any_expert(needed, slots)
         self.held = held_whole(source, needed)
         self.stamps = {c: packer.stamp(c) for c in self.consumers}
-        self._step_cache: dict[tuple[int, int], tuple[Schedule, list]] = {}
+        self._steps_of: tuple[Schedule | None, dict[int, list]] = (None, {})
         self.epoch = join(control, self.name, self.held, self.stamps)
 
     def prepare(self, version: int) -> None:
@@ -267,17 +267,18 @@ class TrainerSync(Rank):
     def _steps(self, schedule: Schedule, c: int) -> list[tuple[int, str, tuple[Piece, ...], list[int]]]:
         """(group index, group, this trainer's pieces, their segments) per group of consumer c it serves: a pure
         function of the schedule, computed once per schedule (thousands of segments per group in a no-EP MoE)."""
-        key = (id(schedule), c)
-        if key not in self._step_cache:
-            if len(self._step_cache) > 64:
-                self._step_cache.clear()
+        of = self._steps_of
+        if of[0] is not schedule:  # only the current schedule's are kept (EPLB schedules change with placements)
+            of = self._steps_of = (schedule, {})
+        steps = of[1].get(c)
+        if steps is None:
             steps = []
             for gi, group in enumerate(schedule.groups):
                 pieces = schedule.of(c, gi, self.rank)
                 if pieces:
                     steps.append((gi, group, pieces, sorted({i for p in pieces for i in p.segments})))
-            self._step_cache[key] = (schedule, steps)  # (the schedule kept alive: its id stays its own)
-        return self._step_cache[key][1]
+            of[1][c] = steps
+        return steps
 
 
 class _AmaxExchange:

@@ -246,6 +246,9 @@ class Control:
     def add(self, key: str, amount: int) -> int:
         return self._call(lambda s: s.add(key, amount))
 
+    def delete(self, key: str) -> None:
+        self._call(lambda s: s.delete_key(key))
+
     def try_get(self, key: str) -> str | None:
         return self._call(lambda s: s.get(key).decode() if s.check([key]) else None)
 

@@ -50,8 +50,9 @@ BUDGETS = {
     # fused FP8 kernel's tables cached per geometry, so binding new tensors every sync is cheap; trainer_name's
     # box-name set: spans of FP8 plans at init 2x faster)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 2165,  # (+ expert-parallel trainers with EPLB: schedules per published placement, SlotSpans,
-    # refused announcements end the waiting ranks; + EplbPacker over a sharded inner, its slot names per rank at
+    "shardplan.sync": 2225,  # (+ expert-parallel trainers with EPLB: schedules per published placement, SlotSpans
+    # with slot names parsed once, holders as bit masks, the last KEPT_SCHEDULES kept, refused announcements end the
+    # waiting ranks; + EplbPacker over a sharded inner, its slot names per rank at
     # first pack; + the
     # per-sync amax exchange of blocks cut between trainers, in a thread beside the lanes so later layers' exchange
     # overlaps earlier layers' sends; direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;

@@ -280,3 +280,43 @@ def test_per_placement_schedule_gives_each_slot_to_a_holder_of_its_placed_expert
             for name, t in params.items():
                 assert not torch.isnan(t.float()).any(), (version, c, name)
     assert schedules[2] == schedules[1]  # the same placements: the cached schedule
+
+
+def test_per_placement_schedules_do_not_pile_up_in_the_control_store():
+    """Each new set of placements makes a schedule (MiBs of JSON for a big model): over many rebalances the
+    Coordinator keeps only the last KEPT_SCHEDULES published, and a placement seen again recently reuses its own."""
+    import json
+
+    from shardplan.plan.names import expert_of
+    from shardplan.runtime.shards import ep_shards
+    from shardplan.sync import Coordinator, SyncConfig, spans_of
+    from shardplan.sync.control import join, result_key
+    from shardplan.sync.placement import EplbPacker, publish_placement, slot_spans
+    from shardplan.sync.schedule import KEPT_SCHEDULES
+    from shardplan.transport import Control, consumer_name, trainer_name
+
+    plan_file, real = eplb_plan_file()
+    slots, plans = plan_file.header.eplb, [plan_file.rank(r) for r in plan_file.ranks]
+    control = Control.serve("127.0.0.1")
+    packer = EplbPacker(plans, plan_file.sources, slots, control, timeout_s=5)
+    coordinator = Coordinator(
+        control, spans_of(packer), packer.groups(), 2, SyncConfig(timeout_s=5), eplb=slot_spans(packer)
+    )
+    held = {t: set() for t in (0, 1)}
+    for s in ep_shards({m.name: m for m in real}, 2, expert_of, slots.num_logical_experts):
+        held[s.rank].add(s.name)
+    for t in (0, 1):
+        join(control, trainer_name(t), frozenset(held[t]))
+    for c in plan_file.ranks:
+        join(control, consumer_name(c))
+    ids = []
+    for version, seed in enumerate([*range(2 * KEPT_SCHEDULES), 2 * KEPT_SCHEDULES - 2], start=1):
+        for c in plan_file.ranks:
+            publish_placement(control, version, consumer_name(c), random_placement(slots, seed))
+        ann = coordinator.announce(version)
+        for name, epoch in ann.members.items():
+            control.set(result_key(version, name), json.dumps({"ok": True, "epoch": epoch, "errors": {}}))
+        ids.append(ann.schedule_id)
+        published = [sid for sid in dict.fromkeys(ids) if control.try_get(f"schedule/{sid}") is not None]
+        assert ann.schedule_id in published and len(published) <= KEPT_SCHEDULES, (version, published)
+    assert ids[-1] == ids[-3]  # the placement of two versions ago: its schedule, still kept
