@@ -16,7 +16,8 @@ slots free), waits for N's done marks, verifies, applies N while N+1 is in fligh
 Control channel keys (values are short strings or JSON):
     join/<rank>                      {"epoch", "held", "stamps"}  a rank (re)starting; trainers say which tensors they
                                      hold whole; both sides the stamp of each consumer's bytes (plan rank + digest)
-    schedule/<id>                    the Schedule (JSON)  written once per membership
+    schedule/<id>                    the Schedule (JSON)  written once per membership (and, for EPLB plans whose
+                                     trainers hold subsets of the experts, per set of placements); the last 4 kept
     v<V>/announce                    {"schedule", "members": {rank: epoch}, "stamps": {rank: {consumer: stamp}}}
     v<V>/free/<consumer>/<g>         "ok <unix time>" | "abort: ..."        consumer -> its trainers
     v<V>/done/<trainer>/<consumer>/<g>  {"sums": [...]} | "abort: ..."      trainer -> consumer, after the send finished
@@ -25,6 +26,8 @@ Control channel keys (values are short strings or JSON):
                                      cut blocks: each holder's partial block amaxes, read by the others (docs/fp8.md)
     v<V>/placement/<consumer>        {"digest", "layers", "rows"}  EPLB plans only: the placement the consumer's engine
                                      holds for this version; each trainer lane binds to it first (sync/placement.py)
+The coordinator deletes a version's v<V>/ keys two versions later (control.version_keys), so a long job's store does
+not grow by every version.
 
 Failure model
 -------------

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from shardplan.plan.names import base_group
 from shardplan.sync.stages import ChecksumMismatch
-from shardplan.transport.base import Control, Peer
+from shardplan.transport.base import Control, Peer, consumer_name, trainer_name
 
 
 def announce_key(v: int) -> str:
@@ -30,6 +31,27 @@ def result_key(v: int, rank: Peer) -> str:
 
 def amax_key(v: int, trainer: Peer, group: str) -> str:
     return f"v{v}/amax/{trainer}/{group}"
+
+
+def placement_key(v: int, consumer: Peer) -> str:
+    return f"v{v}/placement/{consumer}"
+
+
+def version_keys(v: int, members: Iterable[Peer], schedule) -> Iterator[str]:
+    """Every key version `v` may have left in the store (its members, its Schedule): what the coordinator deletes two
+    versions later, or the store would grow by every version's marks (MiBs per version with EPLB placements)."""
+    yield announce_key(v)
+    for name in members:
+        yield result_key(v, name)
+    groups = {base_group(g) for g in schedule.groups}
+    for t in schedule.trainers:
+        yield from (amax_key(v, trainer_name(t), g) for g in groups)
+    for c in schedule.consumers:
+        yield placement_key(v, consumer_name(c))
+        for gi in range(len(schedule.groups)):
+            yield free_key(v, consumer_name(c), gi)
+            for t in sorted({p.trainer for p in schedule.of(c, gi)}):
+                yield done_key(v, trainer_name(t), consumer_name(c), gi)
 
 
 def encode_amaxes(partials: Mapping[str, np.ndarray]) -> str:

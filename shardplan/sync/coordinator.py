@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardplan.sync.control import announce_key, result_key
-from shardplan.sync.schedule import KEPT_SCHEDULES, build_schedule
+from shardplan.sync.control import announce_key, result_key, version_keys
+from shardplan.sync.schedule import KEPT_SCHEDULES, Schedule, build_schedule
 from shardplan.sync.stages import ScheduleError, Span, SyncConfig
 from shardplan.transport.base import Control, PeerError, consumer_name, deadline_after, left, trainer_name
 
@@ -45,6 +46,9 @@ class Coordinator:
         self.members: dict[str, int] = {}
         self.last_version: int | None = None
         self._schedules: dict[tuple, str] = {}
+        self._parsed: dict[str, Schedule] = {}  # schedule id -> the schedule (for the keys its versions leave)
+        self._announced: dict[int, tuple[tuple[str, ...], str]] = {}  # version -> (members, schedule id)
+        self._forgetting: threading.Thread | None = None
         self._held: dict[int, frozenset[str] | None] = {}
         self._known: dict[str, int] = {}  # highest epoch seen per rank
         self._stamps: dict[str, dict[str, str]] = {}  # rank -> its stamps of consumers' bytes (see control.join)
@@ -133,7 +137,7 @@ class Coordinator:
                 raise
             schedule_id = f"s{version}"
             self.control.set(f"schedule/{schedule_id}", schedule.to_json())
-            self._schedules[key] = schedule_id
+            self._schedules[key], self._parsed[schedule_id] = schedule_id, schedule
             while len(self._schedules) > KEPT_SCHEDULES:  # EPLB: one per set of placements; each MiBs in the store
                 self.control.delete(f"schedule/{self._schedules.pop(next(iter(self._schedules)))}")
         excluded = tuple(n for n in self.names() if n not in members)
@@ -144,4 +148,35 @@ class Coordinator:
             announce_key(version), json.dumps({"schedule": schedule_id, "members": members, "stamps": stamps})
         )
         self.members, self.last_version = members, version
+        self._announced[version] = (tuple(members), schedule_id)
+        self._forget(version)
         return Announcement(version, schedule_id, members, excluded)
+
+    def _forget(self, version: int) -> None:
+        """Delete, in a thread, the keys of versions before the last one (every rank is done with them: announcing
+        `version` waited for the last one's results), so a long job's store does not grow by every version."""
+        jobs = [
+            (v, members, self._parsed[sid])
+            for v, (members, sid) in sorted(self._announced.items())
+            if v < version - 1 and sid in self._parsed
+        ]
+        for v in [v for v in self._announced if v < version - 1]:
+            del self._announced[v]
+        live = {sid for _, sid in self._announced.values()} | set(self._schedules.values())
+        self._parsed = {sid: s for sid, s in self._parsed.items() if sid in live}
+        if not jobs:
+            return
+        before = self._forgetting
+
+        def run():
+            if before is not None:
+                before.join()
+            try:
+                for v, members, schedule in jobs:
+                    for key in version_keys(v, members, schedule):
+                        self.control.delete(key)
+            except Exception:  # noqa: BLE001 - the store is gone (the driver is closing): nothing left to keep small
+                pass
+
+        self._forgetting = threading.Thread(target=run, daemon=True, name="forget old versions")
+        self._forgetting.start()

@@ -42,16 +42,13 @@ from shardplan.plan.placement import (
     with_slot_aliases,
 )
 from shardplan.sync.adapters import ReplayPacker, spans_of
+from shardplan.sync.control import placement_key
 from shardplan.sync.stages import Span
 from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name, deadline_after, left
 
 
 class PlacementNotPublished(PeerTimeout, PlacementError):
     """A consumer did not publish its engine's EPLB placement for this version in time."""
-
-
-def placement_key(version: int, consumer: Peer) -> str:
-    return f"v{version}/placement/{consumer}"
 
 
 def publish_placement(control: Control, version: int, consumer: Peer, placement: Placement) -> None:

@@ -23,6 +23,7 @@ from sync_worlds import (
 
 from shardplan.plan.placement import make_placement
 from shardplan.sync import ApplyUnpacker, ConsumerSync, SyncConfig, TrainerSync, spans_of
+from shardplan.sync.control import done_key
 from shardplan.sync.placement import EplbPacker, placement_key, publish_placement, slot_spans
 from shardplan.transport import consumer_name
 from tests.unit.eplb_helpers import eplb_plan_file, expected_slots, random_placement
@@ -230,6 +231,10 @@ def test_expert_parallel_trainers_send_each_slot_from_the_holder_of_its_placed_e
                 expected_slots(params, placement, world.slots, c, world.tensors)
                 for name, t in params.items():
                     assert not torch.isnan(t.float()).any(), (version, c, name)
+        cluster.coordinator._forgetting.join(10)  # the marks of versions before the last are deleted
+        marks = {v: [done_key(v, f"trainer{t}", "consumer0", 0) for t in (0, 1)] for v in (1, 4)}
+        assert all(cluster.control.try_get(k) is None for k in marks[1])
+        assert any(cluster.control.try_get(k) is not None for k in marks[4])
     finally:
         cluster.close()
 

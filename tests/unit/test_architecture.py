@@ -50,7 +50,8 @@ BUDGETS = {
     # fused FP8 kernel's tables cached per geometry, so binding new tensors every sync is cheap; trainer_name's
     # box-name set: spans of FP8 plans at init 2x faster)
     "shardplan.transport": 1010,  # (the rdt Router keeps locks of current members only)
-    "shardplan.sync": 2225,  # (+ expert-parallel trainers with EPLB: schedules per published placement, SlotSpans
+    "shardplan.sync": 2280,  # (+ old versions' keys deleted two versions later; + expert-parallel trainers with
+    # EPLB: schedules per published placement, SlotSpans
     # with slot names parsed once, holders as bit masks, the last KEPT_SCHEDULES kept, refused announcements end the
     # waiting ranks; + EplbPacker over a sharded inner, its slot names per rank at
     # first pack; + the

@@ -282,15 +282,16 @@ def test_per_placement_schedule_gives_each_slot_to_a_holder_of_its_placed_expert
     assert schedules[2] == schedules[1]  # the same placements: the cached schedule
 
 
-def test_per_placement_schedules_do_not_pile_up_in_the_control_store():
+def test_per_placement_schedules_and_old_versions_do_not_pile_up_in_the_control_store():
     """Each new set of placements makes a schedule (MiBs of JSON for a big model): over many rebalances the
-    Coordinator keeps only the last KEPT_SCHEDULES published, and a placement seen again recently reuses its own."""
+    Coordinator keeps only the last KEPT_SCHEDULES published, and a placement seen again recently reuses its own. The
+    keys every version leaves (announcement, results, placements, marks) are deleted two versions later."""
     import json
 
     from shardplan.plan.names import expert_of
     from shardplan.runtime.shards import ep_shards
     from shardplan.sync import Coordinator, SyncConfig, spans_of
-    from shardplan.sync.control import join, result_key
+    from shardplan.sync.control import announce_key, join, placement_key, result_key
     from shardplan.sync.placement import EplbPacker, publish_placement, slot_spans
     from shardplan.sync.schedule import KEPT_SCHEDULES
     from shardplan.transport import Control, consumer_name, trainer_name
@@ -320,3 +321,9 @@ def test_per_placement_schedules_do_not_pile_up_in_the_control_store():
         published = [sid for sid in dict.fromkeys(ids) if control.try_get(f"schedule/{sid}") is not None]
         assert ann.schedule_id in published and len(published) <= KEPT_SCHEDULES, (version, published)
     assert ids[-1] == ids[-3]  # the placement of two versions ago: its schedule, still kept
+    coordinator._forgetting.join(10)
+    last = len(ids)
+    for version in range(1, last + 1):
+        keys = [announce_key(version), placement_key(version, "consumer0"), result_key(version, "trainer1")]
+        present = [k for k in keys if control.try_get(k) is not None]
+        assert present == (keys if version >= last - 1 else []), (version, present)
