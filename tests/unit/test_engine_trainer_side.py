@@ -102,3 +102,33 @@ def test_trainer_shards_travel_as_json():
     assert shards_from_json(json.loads(json.dumps(shards_to_json(shards)))) == shards
     with pytest.raises(ShardLayoutError, match="trainer_shards is not"):
         shards_from_json({"a.weight": [[0]]})
+
+
+def test_sglang_client_deletes_each_workers_reply_once_read():
+    """A SGLang engine's workers answer every command (init, every update) under a key of its own in the sync's
+    control store: read once, so the client deletes it (the store would keep one per command and worker otherwise)."""
+    import base64
+    import json
+    import pickle
+
+    from shardplan.engine.sglang.client import SglangClient
+    from shardplan.engine.sglang.commands import parse, reply_key
+    from shardplan.transport import Control
+
+    control = Control.serve("127.0.0.1")
+    ids = []
+
+    class Calls:  # what the workers' loader does with a command: answer each under its reply key
+        def command(self, payload):
+            command = parse(pickle.loads(base64.b64decode(payload[0]))[0][0])
+            ids.append(command["id"])
+            for r in client.world:
+                control.set(reply_key(command["id"], r), json.dumps({"ok": True}))
+            return True, ""
+
+    client = SglangClient(object(), name="fake")
+    client.calls, client.control, client.world, client.reply_timeout_s = Calls(), control, [0, 1], 5.0
+    client.update_weights({"version": 1})
+    client.update_weights({"version": 2})
+    assert len(set(ids)) == 2
+    assert all(control.try_get(reply_key(i, r)) is None for i in ids for r in (0, 1))
