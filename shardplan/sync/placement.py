@@ -183,15 +183,9 @@ def slot_spans(packer) -> SlotSpans | None:
 def expert_sources(plans: Sequence[ir.RankPlan], slots: EplbSlots, sources: Mapping[str, ir.TensorMeta]) -> set[str]:
     """Every checkpoint tensor the plans may read under some placement: what they read outside the slots, plus every
     logical expert of each slot tensor they read (a trainer must hold all of them)."""
-    out: set[str] = set()
-    for plan in plans:
-        for name in plan.sources_read() | {f.source for f in plan.fallbacks}:
-            slot = slot_of(name)
-            if slot is None:
-                out.add(name)
-                continue
-            head, _, tail = name.partition(f".experts.slot.{slot}.")
-            out.update(f"{head}.experts.{e}.{tail}" for e in range(slots.num_logical_experts))
+    read = set().union(*(p.sources_read() | {f.source for f in p.fallbacks} for p in plans))
+    out = {n for n in read if slot_of(n) is None}
+    out |= any_expert(read - out, slots)
     missing = [n for n in out if n not in sources]
     if missing:
         raise PlacementError(f"the plan's slots read {missing[:4]}..., which its checkpoint table lacks")

@@ -146,6 +146,23 @@ class EplbCluster(LocalCluster):
             self._ready(name)
 
 
+def sync_placements(cluster, placements) -> None:
+    """Versions 1, 2, ... each with its placement published for every consumer: all ranks ok, both trainers sending,
+    every consumer slot bitwise the expert its placement puts there, nothing left NaN."""
+    world = cluster.world
+    for version, placement in enumerate(placements, start=1):
+        for c in range(world.num_consumers):
+            publish_placement(cluster.control, version, consumer_name(c), placement)
+        results = cluster.sync(version)
+        assert all(r[0] == "ok" for r in results.values()), (version, results)
+        assert all(results[f"trainer{t}"][1].nbytes > 0 for t in (0, 1)), results
+        for c in range(world.num_consumers):
+            params = cluster.call(consumer_name(c), received)
+            expected_slots(params, placement, world.slots, c, world.tensors)
+            for name, t in params.items():
+                assert not torch.isnan(t.float()).any(), (version, c, name)
+
+
 def test_each_version_fills_slots_from_the_placement_its_consumer_published():
     cluster = EplbCluster("nccl", EplbWorld)
     world = cluster.world
@@ -192,18 +209,7 @@ def test_sharded_trainers_fill_each_slot_from_their_shards_of_the_placed_expert(
     cluster = EplbCluster("nccl", ShardedEplbWorld)
     world = cluster.world
     try:
-        for version, seed in ((1, 0), (2, 3), (3, 7)):
-            placement = random_placement(world.slots, seed)
-            for c in range(world.num_consumers):
-                publish_placement(cluster.control, version, consumer_name(c), placement)
-            results = cluster.sync(version)
-            assert all(r[0] == "ok" for r in results.values()), results
-            assert all(results[f"trainer{t}"][1].nbytes > 0 for t in (0, 1)), results
-            for c in range(world.num_consumers):
-                params = cluster.call(consumer_name(c), received)
-                expected_slots(params, placement, world.slots, c, world.tensors)
-                for name, t in params.items():
-                    assert not torch.isnan(t.float()).any(), (version, c, name)
+        sync_placements(cluster, [random_placement(world.slots, seed) for seed in (0, 3, 7)])
     finally:
         cluster.close()
 
@@ -220,17 +226,7 @@ def test_expert_parallel_trainers_send_each_slot_from_the_holder_of_its_placed_e
     try:
         placements = [random_placement(world.slots, seed) for seed in (0, 3, 7)]
         placements.append(make_placement([[0, 1, 0, 2, 3, 1]] * len(world.slots.moe_layers), world.slots))
-        for version, placement in enumerate(placements, start=1):
-            for c in range(world.num_consumers):
-                publish_placement(cluster.control, version, consumer_name(c), placement)
-            results = cluster.sync(version)
-            assert all(r[0] == "ok" for r in results.values()), (version, results)
-            assert all(results[f"trainer{t}"][1].nbytes > 0 for t in (0, 1)), results
-            for c in range(world.num_consumers):
-                params = cluster.call(consumer_name(c), received)
-                expected_slots(params, placement, world.slots, c, world.tensors)
-                for name, t in params.items():
-                    assert not torch.isnan(t.float()).any(), (version, c, name)
+        sync_placements(cluster, placements)
         cluster.coordinator._forgetting.join(10)  # the marks of versions before the last are deleted
         marks = {v: [done_key(v, f"trainer{t}", "consumer0", 0) for t in (0, 1)] for v in (1, 4)}
         assert all(cluster.control.try_get(k) is None for k in marks[1])

@@ -273,7 +273,7 @@ class SglangClient:
             if text is None:
                 silent.append(r)
                 continue
-            self.control.delete(reply_key(command["id"], r))  # read once: the store does not keep every command's
+            self.control.delete(reply_key(command["id"], r))  # read once: not kept (one key per command and worker)
             reply = json.loads(text)
             if not reply["ok"]:
                 errors.append(f"{reply['error']} [consumer{r}]")  # the error's class first: raise_named finds it
