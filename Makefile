@@ -7,13 +7,19 @@ export GLOO_SOCKET_IFNAME := lo
 export UCX_NET_DEVICES := lo
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: setup setup-sglang demo test test-fast test-unit test-sglang test-gpu lint plans bench-record bench-compile
+# the trainer side's own venv (torch + the [test] extra, no vLLM): scripts/setup-light.sh
+LIGHT_PY := .venv-light/bin/python
+
+.PHONY: setup setup-sglang setup-light demo test test-fast test-unit test-sglang test-gpu lint plans bench-record bench-compile
 
 setup:
 	@bash scripts/setup.sh
 
 setup-sglang:
 	@bash scripts/setup-sglang.sh
+
+setup-light:
+	@bash scripts/setup-light.sh
 
 # The main job on a built-in default: record Kimi-K2 (real dims, meta device) for all 32 ranks of TP32+EP,
 # then inspect the plan.
@@ -30,11 +36,11 @@ test: setup setup-sglang
 test-sglang: setup-sglang
 	$(SGL_PY) -m pytest -q -p no:cacheprovider tests/sglang
 
-# The development loop (< 3 min on a 2-core box): tests/unit (CPU, no vLLM engines) without the `slow` cases
+# The development loop (< 3 min on a 2-core box), in the light venv (no vLLM): tests/unit without the `slow` cases
 # (subprocesses, whole shipped plans), every hypothesis test at a small budget (tests/conftest.py's `fast` profile),
 # the plan-reader fuzz at 200 cases per family.
-test-fast: setup
-	HYPOTHESIS_PROFILE=fast SHARDPLAN_FUZZ_CASES=200 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 tests/unit
+test-fast: setup-light
+	HYPOTHESIS_PROFILE=fast SHARDPLAN_FUZZ_CASES=200 $(LIGHT_PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 tests/unit
 
 # The CPU unit tests alone, at their full budgets: tests/unit.
 test-unit: setup

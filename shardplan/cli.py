@@ -1,8 +1,10 @@
-"""`shardplan record | verify | inspect | models`: a thin layer over session / store / inspect."""
+"""`shardplan record | verify | inspect | models | coverage | simulate` and `--version`: a thin layer over session,
+store and inspect."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import os
@@ -10,13 +12,14 @@ import sys
 import tempfile
 import time
 
+from shardplan import __version__
 from shardplan.errors import ShardplanError
 from shardplan.models import list_models, resolve_model
 from shardplan.plan.file import store
 from shardplan.plan.file.format import write_plan
 from shardplan.plan.inspect import human_bytes, inspect_plan
 from shardplan.plan.layout import Layout, parse_ranks
-from shardplan.record import coverage
+from shardplan.record import coverage, remote
 from shardplan.record.session import RecordSession
 from shardplan.record.sglang.args import add_sglang_arguments, sglang_options
 from shardplan.record.sglang.session import SglangRecordSession
@@ -59,8 +62,42 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Version(argparse.Action):
+    """--version: computed when asked (it reads the shipped plans' headers), not at every parse."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """The package's version, the engine versions the shipped plans were recorded with, and those installed here."""
+    shipped = store.shipped_versions()
+    recorded = "; ".join(
+        f"{engine} " + ", ".join(f"{v} ({n})" for v, n in sorted(counts.items()))
+        for engine, counts in sorted(shipped.items())
+    )
+    installed = "; ".join(
+        f"{engine} {store.installed_engine_version(engine) or 'not installed'}" for engine in ("vllm", "sglang")
+    )
+    total = sum(n for counts in shipped.values() for n in counts.values())
+    return (
+        f"shardplan {__version__}\n"
+        f"shipped plans: {total} in {store.SHIPPED_DIR}, recorded with {recorded or '(none)'}\n"
+        f"installed: {installed}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=__doc__)
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        help="print the version and the engine versions the shipped plans were recorded with",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     rec = sub.add_parser("record", help="record vLLM's loaders for a model and layout into a plan file")
@@ -109,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # --trust-remote-code: the hub stays off for the whole command, verify's builds included (record/remote.py)
+    offline = remote.hub_offline() if getattr(args, "trust_remote_code", False) else contextlib.nullcontext()
     try:
-        return _COMMANDS[args.command](args)
+        with offline:
+            return _COMMANDS[args.command](args)
     except ShardplanError as e:
         print(f"shardplan {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ OPTIONAL = (
 # lines of Python per package (its own modules, not its sub-packages): a package that outgrows its budget is split
 # into rooms (sub-packages by concept, as plan/file/ and plan/compile/) or cut; raise a budget only with a reason
 BUDGETS = {
-    "shardplan": 900,
+    "shardplan": 940,  # (+ the front: names imported on first use; `shardplan --version`)
     "shardplan.plan": 3000,
     "shardplan.plan.file": 2250,
     "shardplan.plan.compile": 1200,

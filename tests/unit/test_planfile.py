@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -262,6 +263,43 @@ def test_load_plan_by_fingerprint(isolated_store, monkeypatch):
     # another config (overridden) does not match the fingerprint
     with pytest.raises(store.PlanNotFound):
         store.load_plan("llama-3.1-8b", tp=2, overrides=["num_hidden_layers=2"])
+
+
+def test_load_plan_searches_shipped_then_cache_then_named_dirs(tmp_path, monkeypatch):
+    """The order users are told (store.py, README): the package's shipped plans, the per-user cache, then
+    $SHARDPLAN_PLAN_PATH; the first usable match wins, and a directory without one is passed over."""
+    from shardplan.models import resolve_model
+    from shardplan.plan.file import store
+
+    spec = resolve_model("llama-3.1-8b")
+    dirs = {"shipped": tmp_path / "shipped", "cache": tmp_path / "cache" / "shardplan" / "plans"}
+    dirs |= {"named": tmp_path / "named", "named2": tmp_path / "named2"}
+    monkeypatch.setattr(store, "SHIPPED_DIR", dirs["shipped"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDPLAN_PLAN_PATH", os.pathsep.join([str(dirs["named"]), str(dirs["named2"])]))
+    assert store.search_dirs() == [dirs["shipped"], dirs["cache"], dirs["named"], dirs["named2"]]
+
+    def put(where: str) -> None:
+        data = encode(
+            compile_plans([_plan(0), _plan(1)], SOURCES),
+            model=where,  # not part of the fingerprint: tells the copies apart
+            architecture=spec.architecture,
+            config_sha256=spec.config_sha256,
+            layout=Layout(tp=2),
+            dtype="bfloat16",
+            vllm_version=store.installed_vllm_version() or "0.32.0",
+        )
+        dirs[where].mkdir(parents=True, exist_ok=True)
+        planfile.write_plan(dirs[where] / store.plan_filename("llama-3.1-8b", Layout(tp=2), "bfloat16"), data)
+
+    put("named2")
+    assert store.load_plan("llama-3.1-8b", tp=2).header.model == "named2"
+    put("named")
+    assert store.load_plan("llama-3.1-8b", tp=2).header.model == "named"
+    put("cache")
+    assert store.load_plan("llama-3.1-8b", tp=2).header.model == "cache"
+    put("shipped")
+    assert store.load_plan("llama-3.1-8b", tp=2).header.model == "shipped"
 
 
 def test_load_plan_returns_the_bytes_whose_fingerprint_it_checked(isolated_store, monkeypatch):

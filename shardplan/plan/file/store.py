@@ -1,10 +1,11 @@
 """Where plans live and how a trainer finds the right one.
 
-Search order: directories in $SHARDPLAN_PLAN_PATH (os.pathsep-separated), the `plans/` shipped beside the package,
-then the per-user cache ($XDG_CACHE_HOME/shardplan/plans, default ~/.cache/shardplan/plans), which is where
-`shardplan record` writes unless given --out. A plan is chosen by fingerprint (model config sha256, layout, dtype)
-read from headers only, and refused when it was recorded with another vLLM than the one installed here (checked by
-package metadata: the trainer never imports vLLM).
+Search order: the plans shipped inside the package (shardplan/plans/, package data of the wheel; the repository's
+top-level plans/ points there), then the per-user cache ($XDG_CACHE_HOME/shardplan/plans, default
+~/.cache/shardplan/plans), which is where `shardplan record` writes unless given --out, then the directories named in
+$SHARDPLAN_PLAN_PATH (os.pathsep-separated); the first usable match wins. A plan is chosen by fingerprint (model
+config sha256, layout, dtype) read from headers only, and refused when it was recorded with another vLLM than the one
+installed here (checked by package metadata: the trainer never imports vLLM).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shardplan.plan.file.format import PlanFile, PlanFileError, PlanHeader, read
 from shardplan.plan.layout import Layout
 
 SUFFIX = ".plan"
-SHIPPED_DIR = Path(__file__).resolve().parents[3] / "plans"  # the repository's plans/, beside the package
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "plans"  # shardplan/plans: package data, installed with the wheel
 
 
 class PlanNotFound(ShardplanError):
@@ -39,8 +40,8 @@ def cache_dir() -> Path:
 
 
 def search_dirs() -> list[Path]:
-    dirs = [Path(p) for p in os.environ.get("SHARDPLAN_PLAN_PATH", "").split(os.pathsep) if p]
-    return dirs + [SHIPPED_DIR, cache_dir()]
+    named = [Path(p) for p in os.environ.get("SHARDPLAN_PLAN_PATH", "").split(os.pathsep) if p]
+    return [SHIPPED_DIR, cache_dir(), *named]
 
 
 def plan_filename(stem: str, layout: Layout, dtype: str, ranks=None) -> str:
@@ -107,6 +108,16 @@ def _scan(dirs: Iterable[Path] | None = None) -> Iterator[tuple[Path, bytes | No
                 yield path, data, read_header(data, str(path)), ""
             except PlanFileError as e:
                 yield path, None, None, str(e)
+
+
+def shipped_versions() -> dict[str, dict[str, int]]:
+    """Engine -> {the version its shipped plans were recorded with: how many plans} (`shardplan --version`)."""
+    versions: dict[str, dict[str, int]] = {}
+    for _, header, _ in scan([SHIPPED_DIR]):
+        if header is not None:
+            counts = versions.setdefault(engine_name(header), {})
+            counts[engine_version(header)] = counts.get(engine_version(header), 0) + 1
+    return versions
 
 
 def load_plan(
