@@ -67,27 +67,34 @@ class RecordSession:
         self.spec = models.resolve_model(model, list(overrides))
         self.layout, self.dtype, self.strict, self.tier = layout, dtype, strict, tier
         self.trust_remote_code = trust_remote_code
-        if trust_remote_code:  # the checkpoint directory's own code runs from here on (record/remote.py)
+        if trust_remote_code:  # the checkpoint directory's own code runs from here on, and only it (record/remote.py)
             remote.trust(self.spec)
-        view = hf_view(self.spec)  # the config as vLLM's config class reads it: unknown override keys, sizes, named
-        check_architecture(self.spec)
-        config_dir = self.spec.materialize(config=view.config)
-        remote.copy_code(self.spec, config_dir)
-        self.vllm_config = make_vllm_config(config_dir, layout, dtype, self.spec.name, trust_remote_code)
-        from vllm.config import set_current_vllm_config
+        with self._hub_off():
+            # the config as vLLM's config class reads it: unknown override keys, sizes, named
+            view = hf_view(self.spec)
+            check_architecture(self.spec)
+            config_dir = self.spec.materialize(config=view.config)
+            remote.copy_code(self.spec, config_dir)
+            self.vllm_config = make_vllm_config(config_dir, layout, dtype, self.spec.name, trust_remote_code)
+            from vllm.config import set_current_vllm_config
 
-        # Once vLLM's Transformers backend has built a model, it has decorated that transformers class in place with
-        # @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another config of
-        # the same class (a transformers meta build) would fail later in this process without one.
-        with set_current_vllm_config(self.vllm_config):
-            self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
-        self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
-        self.eplb = None  # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
-        if eplb_redundant is not None:
-            self.eplb = eplb.eplb_slots(self.tensors, layout, eplb_redundant, self.spec.config, self.spec.name)
-            eplb.enable_eplb(self.vllm_config, eplb_redundant)
-            self.sources += slot_sources(self.sources, self.eplb)
-            self.tensors = eplb.recording_tensors(self.tensors, self.eplb)
+            # Once vLLM's Transformers backend has built a model, it has decorated that transformers class in place
+            # with @support_torch_compile, whose __init__ needs a current vLLM config: listing the tensors of another
+            # config of the same class (a transformers meta build) would fail later in this process without one.
+            with set_current_vllm_config(self.vllm_config):
+                self.tensors = fp8.fp8_checkpoint_tensors(checkpoint_tensors(self.spec, dtype), self.spec.config)
+            self.sources = [ir.TensorMeta(n, tuple(s), d) for n, s, d in self.tensors]
+            self.eplb = None  # EPLB redundant slots (record/eplb.py): recorded tensors gain one per slot
+            if eplb_redundant is not None:
+                self.eplb = eplb.eplb_slots(self.tensors, layout, eplb_redundant, self.spec.config, self.spec.name)
+                eplb.enable_eplb(self.vllm_config, eplb_redundant)
+                self.sources += slot_sources(self.sources, self.eplb)
+                self.tensors = eplb.recording_tensors(self.tensors, self.eplb)
+
+    def _hub_off(self):
+        """With --trust-remote-code, the hub switched off while vLLM and transformers read the config and build the
+        model (remote.hub_offline): the directory's code is all that runs, and nothing is fetched."""
+        return remote.hub_offline() if self.trust_remote_code else contextlib.nullcontext()
 
     def with_overrides(self, overrides: Sequence[str]) -> "RecordSession":
         """The same recording on the config with `overrides` (the cut model of a sampled recording)."""
@@ -120,7 +127,8 @@ class RecordSession:
 
     def record_rank(self, rank: int) -> tuple[ir.RankPlan, RankStats]:
         t0 = time.perf_counter()
-        recording, device = self._record_loader(rank)
+        with self._hub_off():
+            recording, device = self._record_loader(rank)
         plan = recording.to_plan() if self.eplb is None else eplb.slot_plan(recording.to_plan(), self.eplb)
         stats = RankStats(
             rank,
