@@ -20,11 +20,6 @@ class EnginePlanMismatch(EngineError):
     message names the field, both values and how to get a matching plan."""
 
 
-class EplbNotSupported(EngineError):
-    """Kept for callers that catch it; no longer raised: an engine with EPLB needs a plan recorded with
-    `--eplb-redundant` (docs/eplb.md), and a plan without is EnginePlanMismatch ("EplbPlanMismatch: ...")."""
-
-
 class EplbRebalanceInFlight(EngineError):
     """An asynchronous EPLB rebalance may be in flight and cannot be drained: writing now could be undone by it."""
 
@@ -76,7 +71,6 @@ _NAMED = {
     cls.__name__: cls
     for cls in (
         EnginePlanMismatch,
-        EplbNotSupported,
         EplbRebalanceInFlight,
         EplbPlacementChanged,
         EplbPlacementUnavailable,

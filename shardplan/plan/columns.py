@@ -470,9 +470,6 @@ class WriteColumns:
             ir.View(ir.Source(self.source_name(i)), self._region("src", i)),
         )
 
-    def src_view(self, i: int) -> ir.View:
-        return self.write(i).src
-
 
 def _matrix(values, pad: int) -> np.ndarray:
     m = np.asarray(values, dtype=np.int64)

@@ -11,7 +11,6 @@ import re
 # `model.layers.7.x`, `layers.7.x`, `language_model.model.layers.7.x`: a "layers" component followed by an index
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # the same inside a name template whose integers became holes (`model.layers.{}.mlp.experts.{}.w1`)
-LAYER_TEMPLATE = "layers.{}."
 _LAYER_TEMPLATE = re.compile(r"(?:^|\.)layers\.\{\}\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 # `model.layers.3.mlp.experts.slot.17.gate_proj.weight`: physical slot 17 of layer 3's routed experts (placement.py)

@@ -135,15 +135,6 @@ def _count(body: PlanBody, lo: int, hi: int, mult: dict, nbytes: dict, num_read:
                 num_read[rank] += int(total)
 
 
-def _layer_weight(key: tuple, mult: Mapping[int, int]) -> int:
-    text, row = key
-    if not mult:
-        return 1
-    if row:
-        return mult.get(row[0], 1) if "layers.{}." in text else 1
-    return mult.get(layer_of(text), 1)
-
-
 def _source_slots(skeleton) -> list[tuple[str, list[int]]]:
     """(source name template, its variable columns) for each Source in a write skeleton."""
     out, pos = [], 2

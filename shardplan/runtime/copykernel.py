@@ -22,7 +22,6 @@ import torch
 
 BLOCK, TILE = 1024, 256  # units (16 B) a program moves, TILE a step (unrolled): fastest of those tried on the H200
 NUM_WARPS = 4
-COLUMNS = ("src", "src_stride", "dst", "dst_stride", "cols", "col0", "count")
 _ELEM = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 

@@ -305,13 +305,6 @@ class PackLayout:
                     ranges.append([offset, stop])
         return [tuple(r) for r in ranges]
 
-    def segment_of(self, rank: int) -> dict[int, int]:
-        """write index -> segment index for one consumer rank."""
-        table = self.segments
-        seg_of_ref = np.repeat(np.arange(len(table)), np.diff(table.ref_start))
-        mine = table.ref_rank == rank
-        return dict(zip(table.ref_index[mine].tolist(), seg_of_ref[mine].tolist()))
-
     @property
     def digest(self) -> str:
         """Hash of the whole layout (offsets, sizes, dtypes, shapes, groups, and every write's rank, index, param and

@@ -121,10 +121,6 @@ class Replayer:
         return batches
 
     # -- public API --
-    @property
-    def num_batches(self) -> int:
-        return len(self._runs) + len(self._computed)
-
     def sources_read(self, group: str | None = None) -> set[str]:
         """Names of the trainer tensors that packing (one group of) the layout reads."""
         segments = (self.layout if group is None else self.layout.group(group)).segments

@@ -36,10 +36,6 @@ def ordinals(values: list) -> tuple[np.ndarray, list]:
     return np.asarray([at[v] for v in values], dtype=np.int64), distinct
 
 
-def real_dims(ndim: np.ndarray, width: int) -> np.ndarray:
-    return np.arange(width)[None, :] < ndim[:, None]
-
-
 def region_tuples(cols: WriteColumns, side: str, rows: np.ndarray) -> list[tuple]:
     """(sizes, strides) tuples of the given rows (call on distinct rows only)."""
     ndim, sizes, strides = cols.geometry_rows(side, rows)

@@ -29,6 +29,7 @@ OPTIONAL = (
     "torchvision",
     "transformers",
     "safetensors",
+    "huggingface_hub",
     "ray",
     "nixl",
     "mooncake",
@@ -58,7 +59,8 @@ BUDGETS = {
     # per-sync amax exchange of blocks cut between trainers, in a thread beside the lanes so later layers' exchange
     # overlaps earlier layers' sends; direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
     # Replicas: one sync feeding several replicas of a layout)
-    "shardplan.record": 5670,  # (record/publicfields.py: public config field sets with sources, issue 27, and
+    "shardplan.record": 5810,  # (every auto_map entry checked before any class resolves, the hub off while
+    # recording remote code; record/publicfields.py: public config field sets with sources, issue 27, and
     # the fields SGLang's models read, issue 26; the coverage report's SGLang column, issue 26; build.py's answers to
     # the CPU build's kernel refusals, issue 27; released names where transformers' revert cannot give them, OLMo
     # Hybrid and Step3, and the cited vLLM loader drops, issue 27; the sweep's rule for partly unwritten params and

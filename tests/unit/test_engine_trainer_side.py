@@ -8,7 +8,7 @@ import torch
 from blocked_imports import run_without_vllm
 
 from shardplan.engine.clients import HttpClient, as_client
-from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, EplbNotSupported, raise_named
+from shardplan.engine.errors import EngineCallFailed, EnginePlanMismatch, EplbRebalanceInFlight, raise_named
 from shardplan.engine.protocol import EngineInitInfo
 
 
@@ -24,9 +24,9 @@ def test_trainer_side_imports_without_vllm_transformers_safetensors():
 
 def test_worker_errors_come_back_as_the_named_class():
     """collective_rpc passes a worker's exception on as text; the backend puts the class name in front of it."""
-    with pytest.raises(EplbNotSupported, match="enable_eplb"):
+    with pytest.raises(EplbRebalanceInFlight, match="rebalance"):
         raise_named(
-            RuntimeError("Worker failed with error 'EplbNotSupported: the engine runs with EPLB (enable_eplb)'"),
+            RuntimeError("Worker failed with error 'EplbRebalanceInFlight: an async rebalance may be in flight'"),
             "llm: init_weight_transfer_engine",
         )
     with pytest.raises(EnginePlanMismatch, match="^http://x: init"):
