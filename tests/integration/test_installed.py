@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,9 +112,18 @@ def _link_distribution(dist: importlib.metadata.Distribution, site: Path) -> Non
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("installed")
+    # the tracked files alone (what a clean checkout holds), built outside the tree: setuptools leaves build/ behind
+    tree = root / "tree"
+    for name in subprocess.check_output(["git", "ls-files", "-z"], cwd=ROOT, text=True).split("\0"):
+        if name and os.path.lexists(ROOT / name):
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / name).is_symlink():
+                (tree / name).symlink_to(os.readlink(ROOT / name))
+            else:
+                shutil.copy2(ROOT / name, tree / name)
     wheels = root / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(tree)],
         check=True,
         cwd=root,
     )
