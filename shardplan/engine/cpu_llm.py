@@ -100,11 +100,16 @@ def start_cpu_llm(model_dir: str | Path, tp: int, *, shardplan_backend: bool = T
     return LLM(model=str(model_dir), **cpu_engine_kwargs(tp), **extra)
 
 
+# vLLM's default grace is 5 s, which its CPU engine core outlives after its workers have exited (it is then killed
+# anyway): a test suite starting dozens of engines waited minutes for nothing
+SHUTDOWN_GRACE_S = 2.0
+
+
 def stop_cpu_llm(llm) -> None:
     """Shut the engine's core and workers down now (rather than when the caller's last reference goes, which a
     reference cycle may delay indefinitely)."""
     try:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
     except Exception:  # noqa: BLE001 - best effort: the engine may be half started or already gone
         pass
     gc.collect()

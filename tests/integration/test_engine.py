@@ -18,6 +18,7 @@ from engine_support import (
     fresh_tokens,
     greedy,
     make_model,
+    prefetch_fresh,
     record_plan,
     start_llm,
     stop_llm,
@@ -74,6 +75,7 @@ def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
     steps = []
     for version in (1, 2, 3):
         checkpoint, loss = w.trainer.call("step", version)
+        prefetch_fresh(checkpoint, w.tp, moe=w.moe, pp=w.pp)  # the fresh engine starts while the test goes on
         report, sent = sync(w, version)
         assert report.complete and report.engines[0].complete, str(report)
         assert report.engines[0].weight_version == str(version)
@@ -132,6 +134,7 @@ def test_trainer_killed_mid_sync_leaves_the_engine_paused_and_marked_incomplete(
     w.trainer = Trainer(checkpoint, w.plan, w.driver.control, w.root / "ckpt-restarted")
     version += 1
     checkpoint, _ = w.trainer.call("step", version)
+    prefetch_fresh(checkpoint, w.tp)
     report, _ = sync(w, version)
     assert report.complete and report.engines[0].weight_version == str(version) and not report.engines[0].paused
     tokens = greedy(w.llm)
@@ -285,6 +288,7 @@ def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
         )
         trainers.call("join", (driver.control.host, driver.control.port))
         (checkpoint, local), _ = trainers.call("step", 1)
+        prefetch_fresh(checkpoint, w.tp)
         name = "model.layers.0.mlp.gate_proj.weight"
         assert local[name] == (256, 256) and halves[name] == (256, 512)  # the rank holds half of the rows
         before = greedy(w.llm)

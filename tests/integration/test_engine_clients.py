@@ -23,6 +23,7 @@ from engine_support import (
     engine_kwargs,
     fresh_tokens,
     make_model,
+    prefetch_fresh,
     record_plan,
 )
 
@@ -104,6 +105,7 @@ def _two_versions(root, model, plan, engine, greedy):
         before, steps = greedy(), []
         for version in (1, 2):
             checkpoint, _ = trainer.call("step", version)
+            prefetch_fresh(checkpoint, 1)  # the fresh engine starts while the test goes on
             trainer.send("sync", version)
             report = driver.sync(version)
             trainer.result()

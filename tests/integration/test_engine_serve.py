@@ -20,6 +20,7 @@ from engine_support import (
     Trainer,
     fresh_tokens,
     make_model,
+    prefetch_fresh,
     record_plan,
     step_and_sync,
 )
@@ -138,6 +139,7 @@ def test_http_server_takes_three_versions_and_matches_fresh_engines(served, tmp_
     steps = []
     for version in (1, 2, 3):
         checkpoint, _ = trainer.call("step", version)
+        prefetch_fresh(checkpoint, 1)  # the fresh engine starts while the test goes on
         trainer.send("sync", version)
         report = driver.sync(version)
         trainer.result()

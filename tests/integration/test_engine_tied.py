@@ -21,7 +21,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_support import TIMEOUT_S, VOCAB, Trainer, fresh_tokens, greedy, record_plan, start_llm, stop_llm
+from engine_support import (
+    TIMEOUT_S,
+    VOCAB,
+    Trainer,
+    fresh_tokens,
+    greedy,
+    prefetch_fresh,
+    record_plan,
+    start_llm,
+    stop_llm,
+)
 
 from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
@@ -85,6 +95,7 @@ def test_tied_lm_head_follows_the_update(case, tmp_path):
         tokens, steps = greedy(llm), []
         for version in (1, 2):
             checkpoint, _ = trainer.call("step", version)
+            prefetch_fresh(checkpoint, tp, gemm, logits, pp=pp)  # the fresh engine starts while the test goes on
             trainer.send("sync", version)
             report = driver.sync(version)
             trainer.result()
