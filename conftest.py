@@ -47,8 +47,15 @@ def pytest_runtest_makereport(item, call):
         outcome.get_result().user_properties.append(("budget_s", _budget_of(item)))
 
 
+_CONFIG: dict = {}
+
+
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+
+
 def pytest_runtest_logreport(report):
-    config = getattr(report, "config", None) or _CONFIG.get("config")
+    config = _CONFIG.get("config")
     if config is None:
         return
     entry = config._budget_times.setdefault(report.nodeid, [0.0, budget_s()])
@@ -58,16 +65,9 @@ def pytest_runtest_logreport(report):
             entry[1] = value
 
 
-_CONFIG: dict = {}
-
-
-def pytest_sessionstart(session):
-    _CONFIG["config"] = session.config
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
-    if budget_s() <= 0:
+    if budget_s() <= 0 or hasattr(session.config, "workerinput"):  # under pytest-xdist the controller judges
         return
     over = sorted(
         ((seconds, budget, nodeid) for nodeid, (seconds, budget) in session.config._budget_times.items()),

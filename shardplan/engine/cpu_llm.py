@@ -83,15 +83,20 @@ def cpu_engine_kwargs(tp: int) -> dict:
     )
 
 
-def start_cpu_llm(model_dir: str | Path, tp: int, *, shardplan_backend: bool = True, **extra):
+def start_cpu_llm(
+    model_dir: str | Path, tp: int, *, shardplan_backend: bool = True, cores: list[int] | None = None, **extra
+):
     """A `vllm.LLM` of `model_dir` at TP `tp` on this CPU, with the shardplan weight-transfer backend unless
-    `shardplan_backend=False` (a fresh engine to compare with); `extra` goes to `LLM` as is."""
+    `shardplan_backend=False` (a fresh engine to compare with); `cores`: the core of each worker (default: 0, 1, ...;
+    one worker alone: vLLM's own choice); `extra` goes to `LLM` as is."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     set_cpu_env()
     workers = tp * int(extra.get("pipeline_parallel_size", 1))  # one core each (vLLM binds per local worker)
-    if workers > 1:
+    if cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:workers])
+    elif workers > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(workers))
     else:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)

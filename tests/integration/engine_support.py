@@ -138,13 +138,21 @@ def start_llm(
         if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         extra.update(engine_gemm.ENGINE_KWARGS)
-    llm = start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, **extra)
+    llm = start_cpu_llm(model_dir, tp, shardplan_backend=shardplan_backend, cores=engine_cores(tp * pp), **extra)
     if pp > 1:
         llm.collective_rpc("allocate_pp_intermediate_tensors")
     return llm
 
 
 stop_llm = stop_cpu_llm
+
+
+def engine_cores(workers: int) -> list[int] | None:
+    """Where an engine's workers run: vLLM binds a lone worker to core 0, so under pytest-xdist the tests of the
+    second xdist worker (and its fresh-engine pool) put theirs on the next core instead of queueing on core 0."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    count = os.cpu_count() or 1
+    return None if workers > 1 or index == 0 else [index % count]
 
 
 def greedy(llm) -> list[list[int]]:

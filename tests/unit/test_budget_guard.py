@@ -47,6 +47,17 @@ def test_a_test_over_its_budget_fails_the_run_and_is_named(pytester, monkeypatch
     assert "test_slow_with_a_reason" not in over and "test_second_user" not in over and "test_quick" not in over
 
 
+def test_the_controller_judges_under_xdist(pytester, monkeypatch):
+    monkeypatch.setenv("SHARDPLAN_TEST_BUDGET_S", "0.3")
+    pytester.makeconftest(GUARD)
+    pytester.makepyfile(test_suite=SUITE)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile")
+    result.assert_outcomes(passed=5)
+    assert result.ret == 1
+    over = result.stdout.str().split("tests over their time budget", 1)[1]
+    assert "test_suite.py::test_slow" in over and "test_slow_with_a_reason" not in over
+
+
 def test_within_budget_the_run_passes(pytester, monkeypatch):
     monkeypatch.setenv("SHARDPLAN_TEST_BUDGET_S", "30")
     pytester.makeconftest(GUARD)
