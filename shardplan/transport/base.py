@@ -29,6 +29,7 @@ and every wait has a deadline.
 from __future__ import annotations
 
 import math
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -185,9 +186,12 @@ class Control:
 
     @classmethod
     def serve(cls, host: str = "127.0.0.1", port: int = 0) -> "Control":
+        # TCPStore's own server listens on every interface whatever host says: bind (host, port) here, hand it the fd
+        port, fd = _listen(host, port)
         server = torch.distributed.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True
-        )
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True,
+            master_listen_fd=fd,
+        )  # fmt: skip
         with Control._pool_lock:
             # clients pooled for an earlier server that had this port talk to a closed socket ("got 0 bytes")
             Control._pools.pop((host, server.port), None)
@@ -266,6 +270,16 @@ class Control:
             raise PeerDied(peer, f"control channel failed while waiting for {what or key}: {e}") from e
         finally:
             self.release(client)
+
+
+def _listen(host: str, port: int) -> tuple[int, int]:
+    """(port, fd) of a socket listening on `host`'s first address only (port 0: a free one)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(1024)
+    return sock.getsockname()[1], sock.detach()  # the store owns the fd from here
 
 
 def _control(host: str, port: int, connect_timeout_s: float) -> Control:
