@@ -7,7 +7,8 @@ cpu_ops/).
 Writes tiny Qwen3 checkpoints (versions 0, 1, 2; `moe`: tiny Qwen3-MoE, 8 experts, top-2; `mla`: tiny Kimi-K2, i.e.
 DeepSeek-V3's MLA + MoE with a shared expert and sigmoid routing with a correction bias, one dense layer), records their
 plan with SGLang's CPU-engine loaders, notes the greedy tokens of a fresh engine on versions 1 and 2, then starts one
-engine on version 0 (no --custom-weight-loader: the `sglang.srt.plugins` entry point registers the shardplan loader) and
+engine on version 0 (no --custom-weight-loader: the `sglang.srt.plugins` entry point registers the shardplan loader,
+opted in with SHARDPLAN_SGLANG=1; the plans in WORKDIR, SHARDPLAN_SGLANG_PLAN_DIRS) and
 drives it with `EngineSync` as vLLM engines are driven: its TP workers join the sync as consumers over the `nccl`
 transport (gloo on CPU) and the trainer sends from HF-named tensors. In order:
   * a plan whose header says "not the CPU engine" is refused by name before anything is sent; one recorded for
@@ -265,8 +266,10 @@ def replicas_run(work, plan_path, versions, config) -> dict:
 
 
 def main():
-    work, tp = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+    work, tp = pathlib.Path(sys.argv[1]).resolve(), int(sys.argv[2])
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
+    os.environ["SHARDPLAN_SGLANG"] = "1"  # the plugin's opt-in, inherited by every engine process (docs/sglang.md)
+    os.environ["SHARDPLAN_SGLANG_PLAN_DIRS"] = str(work)  # where the workers may read plans: this run's
     http = mode == "http"
     model = HERE / MODELS[mode]
     from shardplan.engine.errors import EnginePlanMismatch, SyncIncomplete

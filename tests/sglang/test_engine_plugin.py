@@ -1,8 +1,8 @@
 """The pieces of the live SGLang integration that need no engine: the `sglang.srt.plugins` entry point is installed
-and registers the shardplan loader on SGLang's ModelRunner through its hook registry (once, and without duplicating a
---custom-weight-loader given by hand); a command crosses SGLang's own deserializer (SafeUnpickler) as an empty tensor
-whose name carries it; `as_client` takes an in-process sgl.Engine; the trainer side refuses a plan whose options
-differ from the engine's resolved server args by name, before anything is sent."""
+and, opted in (SHARDPLAN_SGLANG=1), registers the shardplan loader on SGLang's ModelRunner through its hook registry
+(once, and without duplicating a --custom-weight-loader given by hand); a command crosses SGLang's own deserializer
+(SafeUnpickler) as an empty tensor whose name carries it; `as_client` takes an in-process sgl.Engine; the trainer side
+refuses a plan whose options differ from the engine's resolved server args by name, before anything is sent."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from shardplan.record.sglang.session import SglangRecordSession
 QWEN3_TINY = str(pathlib.Path(__file__).resolve().parent / "qwen3-tiny")
 
 
-def test_the_entry_point_registers_the_loader_on_every_model_runner():
+def test_the_entry_point_registers_the_loader_on_every_model_runner(monkeypatch):
+    monkeypatch.setenv("SHARDPLAN_SGLANG", "1")  # the opt-in (without it: tests/unit/test_sglang_commands.py)
     (ep,) = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.name == "shardplan"]
     assert ep.value == "shardplan.engine.sglang.plugin:register"
     cpushim.activate()

@@ -1,6 +1,7 @@
 """SGLang general plugin (entry point group `sglang.srt.plugins` in pyproject.toml): SGLang calls `register` in every
-process it starts (engine/server, schedulers, detokenizer) before serving, so that a plain `sgl.Engine(...)` or
-`python -m sglang.launch_server ...` takes shardplan updates with no extra flag.
+process it starts (engine/server, schedulers, detokenizer) before serving. Opt-in: it registers the loader only where
+the server's environment says SHARDPLAN_SGLANG=1 (SGLang loads every installed plugin; its plugins take no server
+flag), so that an SGLang server in an environment where shardplan happens to be installed takes no shardplan update.
 
 It adds the shardplan loader (`shardplan.engine.sglang.loader.load`) to every TP worker's custom weight loaders,
 as `--custom-weight-loader shardplan.engine.sglang.loader.load` would (that flag keeps working, e.g. where plugins
@@ -9,6 +10,9 @@ are restricted by SGLANG_PLUGINS; it is then not added twice). Through SGLang's 
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 from shardplan.engine.sglang.commands import LOAD_FORMAT
 
@@ -26,6 +30,10 @@ def _add_loader(result, runner, *args, **kwargs):
 
 
 def register() -> None:
+    if os.environ.get("SHARDPLAN_SGLANG") != "1":
+        why = "set SHARDPLAN_SGLANG=1 in the server's environment to opt in, or pass --custom-weight-loader"
+        logging.getLogger("shardplan.engine.sglang").info("shardplan: SGLang loader not registered (%s)", why)
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if not any(hook is _add_loader for _, hook, _ in HookRegistry._hooks.get(TARGET, ())):

@@ -10,34 +10,40 @@ The trainer side's commands (shardplan.engine.sglang.commands) arrive through th
              layouts; end re-runs process_weights_after_loading); then the model's post_load_weights (derived
              tensors such as DeepSeek's MLA w_kc / w_vc), which SGLang itself skips after update_weights_from_tensor
 
-A command never raises into SGLang (an exception in a custom loader kills the scheduler): the outcome is written into
-the control channel (commands.reply_key / state_key), where the trainer side reads it. A failed update leaves every
-group either at the new version (applied whole) or at the one before; state says (version, complete=False), and the
-next complete update repairs it: the plan writes every param.
+A command never raises into SGLang (an exception in a custom loader kills the scheduler): it is checked against a
+strict schema first (commands.parse / check), every wait is bounded by this server's limit (max_wait_s), plans are read
+only from its plan directories (read_plan); the outcome is written into the control channel (commands.reply_key /
+state_key), where the trainer side reads it, or logged by name where none is reachable (failed). A failed update
+leaves every group either at the new version (applied whole) or at the one before; state says (version,
+complete=False), and the next complete update repairs it: the plan writes every param.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from shardplan.engine.errors import EngineNotInitialized, EnginePlanMismatch, EngineUnsupported
 from shardplan.engine.protocol import EngineInitInfo
 from shardplan.engine.sglang.checks import plan_problems
-from shardplan.engine.sglang.commands import reply_key, state_key
+from shardplan.engine.sglang.commands import CommandError, check, parse, reply_key, state_key
 from shardplan.engine.sharding import worker_sharded_plan
 from shardplan.models import resolve_model
 from shardplan.plan.columns import columns_of
 from shardplan.plan.file.format import PlanFile
+from shardplan.plan.file.store import search_dirs
 from shardplan.plan.interp import to_dtype
 from shardplan.runtime.shards import ShardedPlan
 from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig, SyncConfigError
 from shardplan.transport import Control, create
-from shardplan.transport.base import consumer_name
+from shardplan.transport.base import ControlUnreachable, consumer_name
 
 logger = logging.getLogger("shardplan.engine.sglang")
 
@@ -48,11 +54,12 @@ class _Joined:
     rank: int
     info: EngineInitInfo
     consumer: ConsumerSync
-    error: str = ""
     sharded: ShardedPlan | None = None
 
 
 _JOINED: _Joined | None = None  # this process's consumer (one TP worker per scheduler process)
+_ERROR = ""  # the last failure of a command or push on this worker, "" after a success
+WAIT_ENV, PLAN_DIRS_ENV = "SHARDPLAN_SGLANG_MAX_WAIT_S", "SHARDPLAN_SGLANG_PLAN_DIRS"
 
 
 def world_rank() -> int:
@@ -63,40 +70,92 @@ def world_rank() -> int:
     return p.pp_rank * p.tp_size + p.tp_rank
 
 
-def run(model: torch.nn.Module, command: dict) -> None:
-    """One command; never raises (see the module doc)."""
-    rank = world_rank()
-    consumer_id = int(command.get("offset", 0)) + rank  # the id the client reads replies under (sync.Replicas)
-    host, port = command["control"]
-    control = _JOINED.consumer.control if _JOINED is not None else None
+def max_wait_s() -> float:
+    """The longest any wait of a command may take: this server's SHARDPLAN_SGLANG_MAX_WAIT_S (default 600 s); a command
+    may ask for less (its timeout_s, info.timeout_s ...), never more. Reaching the control channel: at most 30 s."""
+    limit = float(os.environ.get(WAIT_ENV) or 600.0)
+    if not 0 < limit < math.inf:
+        raise CommandError(f"{WAIT_ENV}={limit}: a positive number of seconds expected (this server's setting)")
+    return limit
+
+
+def connect(host: str, port: int, timeout_s: float) -> Control:
+    """The control channel at host:port, answering within timeout_s. TCPStore's connect waits forever on an address
+    that accepts and never answers: it runs in a thread, left behind then (blocked on that socket)."""
+    control, done = Control(host, port, connect_timeout_s=timeout_s), []
+    thread = threading.Thread(target=lambda: done.append(_attempt(control.prewarm, 1)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not done or done[0] is not None:
+        raise done[0] if done else ControlUnreachable("control", f"{host}:{port} did not answer in {timeout_s:.1f} s")
+    return control
+
+
+def _attempt(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+        return e
+    return None
+
+
+def run(model: torch.nn.Module, name: str, refuse: str = "") -> None:
+    """One command (a `shardplan-sync:` entry's name); never raises (see the module doc). `refuse`: a reason to refuse
+    it, answered in its control channel."""
+    global _ERROR
+    rank, command, control = world_rank(), None, None
     outcome: dict = {"rank": rank, "ok": True, "error": ""}
     try:
-        if control is None or (control.host, control.port) != (host, int(port)):
-            control = Control(host, int(port), connect_timeout_s=float(command.get("timeout_s", 30.0)))
+        command, limit = parse(name), max_wait_s()
+        host, port = command["control"]
+        control = _JOINED.consumer.control if _JOINED is not None else None
+        if control is None or (control.host, control.port) != (host, port):
+            control = connect(host, port, min(command.get("timeout_s", 30.0), limit, 30.0))
+        check(command)
+        if refuse:
+            raise CommandError(refuse)
         if command["op"] == "init":
-            init(model, EngineInitInfo(**command["info"]), control)
-        elif command["op"] == "update":
-            update(model, int(command["version"]))
+            init(model, EngineInitInfo(**command["info"]), control, limit)
         else:
-            raise EngineUnsupported(f"unknown shardplan command {command['op']!r}")
-    except BaseException as e:  # noqa: BLE001 - reported through the control channel, never into SGLang
+            update(model, command["version"])
+        _ERROR = ""
+    except BaseException as e:  # noqa: BLE001 - answered in the control channel or logged, never raised into SGLang
         outcome.update(ok=False, error=f"{type(e).__name__}: {e}")
-        logger.error("shardplan: consumer%d: %s failed: %s", rank, command["op"], outcome["error"])
-        if _JOINED is not None:
-            _JOINED.error = outcome["error"]
-    outcome.update(state())
+        failed(outcome["error"], f"consumer{rank}")
     if control is None:
-        return  # the control channel is unreachable: the trainer side names this rank after its timeout
+        return  # no control channel: logged (failed); the trainer side names this rank after its timeout
+    consumer_id = command.get("offset", 0) + rank
     try:
         control.set(state_key(consumer_id), json.dumps(state()))
-        control.set(reply_key(command["id"], consumer_id), json.dumps(outcome))
+        control.set(reply_key(command["id"], consumer_id), json.dumps({**state(), **outcome}))
     except Exception as e:  # noqa: BLE001
-        logger.error("shardplan: consumer%d cannot reach the control channel %s:%s: %s", rank, host, port, e)
+        failed(f"cannot answer in the control channel {control.host}:{control.port}: {e}", f"consumer{rank}")
+
+
+def failed(error: str, where: str = "loader") -> None:
+    """A failure: logged by name and kept in this worker's state (its "error") until a command or push succeeds."""
+    global _ERROR
+    _ERROR = error
+    logger.error("shardplan: %s: %s", where, error)
+
+
+def read_plan(path: str) -> PlanFile:
+    """The plan at `path`, only inside the plan directories this server allows (SHARDPLAN_SGLANG_PLAN_DIRS, separated
+    by os.pathsep; default: shardplan's plan search dirs), resolved first (symlinks, ..). A file that does not read
+    as a plan is named by its error's class only: none of its bytes leave this process."""
+    named = [Path(d) for d in os.environ.get(PLAN_DIRS_ENV, "").split(os.pathsep) if d]
+    real = Path(path).resolve()
+    if not any(real.is_relative_to(d.resolve()) for d in named or search_dirs()):
+        raise CommandError(f"plan_path {path!r} is outside the plan directories this server allows ({PLAN_DIRS_ENV})")
+    try:
+        return PlanFile.read(real)
+    except Exception as e:  # noqa: BLE001 - its message may quote the file's bytes
+        raise CommandError(f"plan_path {path!r} is not a readable shardplan plan ({type(e).__name__})") from None
 
 
 def state() -> dict:
     if _JOINED is None:
-        return {"rank": world_rank(), "version": None, "complete": None, "joined": False}
+        return {"rank": world_rank(), "version": None, "complete": None, "joined": False, "error": _ERROR}
     st = _JOINED.consumer.state
     return {
         "rank": _JOINED.rank,
@@ -104,7 +163,7 @@ def state() -> dict:
         "version": st.version,
         "complete": st.complete,
         "joined": True,
-        "error": _JOINED.error,
+        "error": _ERROR,
     }
 
 
@@ -180,21 +239,22 @@ def _unpacker(
     )
 
 
-def init(model: torch.nn.Module, info: EngineInitInfo, control: Control) -> None:
+def init(model: torch.nn.Module, info: EngineInitInfo, control: Control, limit_s: float) -> None:
     global _JOINED
     if not info.plan_path:
         raise EnginePlanMismatch("the SGLang engine needs the plan's path in the init info (EngineSync plan=...)")
     rank = world_rank()
-    plan_file = PlanFile.read(info.plan_path)
+    plan_file = read_plan(info.plan_path)
     check_plan(model, plan_file, info, rank)
     sharded = worker_sharded_plan(plan_file, info.trainer_shards)  # refused before the old sync is left
     if _JOINED is not None:  # init again (a new trainer run): leave the old sync
         _JOINED.consumer.transport.close()
         _JOINED = None
-    config = SyncConfig(timeout_s=info.timeout_s, verify=info.verify, announce_timeout_s=info.announce_timeout_s)
+    timeouts = dict(timeout_s=min(info.timeout_s, limit_s), announce_timeout_s=min(info.announce_timeout_s, limit_s))
+    config = SyncConfig(verify=info.verify, **timeouts)
     device = next(model.parameters()).device
     options = dict(info.transport_options)
-    options.setdefault("timeout_s", config.timeout_s)
+    options["timeout_s"] = min(options.get("timeout_s", config.timeout_s), limit_s)
     try:  # one EngineSync feeding several replicas of the layout: this engine's consumer ids (sync.Replicas)
         consumer_id = Replicas.of(plan_file.ranks, int(info.replicas)).consumer(int(info.replica), rank)
     except SyncConfigError as e:
@@ -217,7 +277,6 @@ def update(model: torch.nn.Module, version: int) -> None:
     try:
         with torch.no_grad():
             j.consumer.sync(version)
-        j.error = ""
     finally:  # derived tensors follow whatever the params now hold, complete or not
         with torch.no_grad():
             post_load_weights(model)
