@@ -51,8 +51,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# the CPU engine recipe the live-engine tests use (a test tool, not part of the package)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration"))
 
-from shardplan.engine.cpu_llm import (  # noqa: E402
+from cpu_engine import (  # noqa: E402
     greedy_tokens,
     set_cpu_env,
     start_cpu_llm,

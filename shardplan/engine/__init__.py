@@ -1,8 +1,7 @@
 """shardplan inside a live vLLM engine (docs/engine.md).
 
 Engine side (imports vLLM): `backend` (the `shardplan` weight-transfer backend), `plugin` (its registration, a
-`vllm.general_plugins` entry point), `reload` (plan bytes into the pre-processing params under layerwise reload),
-`cpu_llm` (a vLLM CPU engine in this process, as the live-engine tests and bench start it).
+`vllm.general_plugins` entry point), `reload` (plan bytes into the pre-processing params under layerwise reload).
 Trainer side (no vLLM): `trainer` (EngineSync, TrainerRank, ModuleSource), `clients` (LLM / Ray / HTTP handles),
 `protocol` (the init and update info), `errors`.
 """

@@ -512,7 +512,9 @@ class ReloadUnpacker:
         info.reset()
         clock["copy into kernel tensors"] += time.perf_counter() - t1
         clock["process"] += t1 - t0 - prepack
-        cpu = self.cpu_seconds  # one OpenMP thread per worker (cpu_llm): vLLM's kernels' CPU time is this thread's
+        # one OpenMP thread per worker (the CPU recipe, tests/integration/cpu_engine.py): vLLM's kernels' CPU time is
+        # this thread's
+        cpu = self.cpu_seconds
         cpu["copy into kernel tensors"] += time.thread_time() - c1
         cpu["moe prepack"], cpu["process"] = cpu["moe prepack"] + prepack_cpu, cpu["process"] + c1 - c0 - prepack_cpu
         self.process_by_class[type(module).__name__] += t1 - t0 - prepack

@@ -1,4 +1,5 @@
-"""A vLLM CPU engine in this process, as the live-engine tests and bench/engine_bench.py start it (docs/engine.md).
+"""A vLLM CPU engine in this process, as the live-engine tests and bench/engine_bench.py start it (docs/engine.md; a
+test tool, not part of the package).
 
 The recipe for a CPU box: a small KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB), eager mode, no tokenizer (prompts as token
 ids), and at TP > 1 one OpenMP core per worker (VLLM_CPU_OMP_THREADS_BIND="0|1|..."). vLLM spawns its workers, so

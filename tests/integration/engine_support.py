@@ -1,7 +1,7 @@
 """Helpers for the live-engine tests: tiny random checkpoints (no hub), their plans, vLLM CPU engines, and a trainer
 process holding a transformers model that takes real AdamW steps.
 
-The engines are shardplan.engine.cpu_llm's (the CPU recipe, shared with bench/engine_bench.py); vLLM spawns its
+The engines are cpu_engine's (the CPU recipe, shared with bench/engine_bench.py); vLLM spawns its
 workers, so test modules guard nothing at import time that a spawned process would re-run.
 """
 
@@ -18,8 +18,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-
-from shardplan.engine.cpu_llm import (
+from cpu_engine import (
     TINY,
     cpu_engine_kwargs,
     greedy_tokens,
@@ -122,7 +121,7 @@ def start_llm(
     moe: str | None = None,
     pp: int = 1,
 ):
-    """shardplan.engine.cpu_llm's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES), `moe`:
+    """cpu_engine's engine; `gemm`: pin vLLM's CPU GEMM path in the workers (engine_gemm.MODES), `moe`:
     its CPU MoE experts' path (engine_gemm.MOE_MODES); None: what the CPU picks. `pp`: pipeline stages (with
     engine_gemm's repair of vLLM 0.32's CPU pipeline parallelism)."""
     extra = {} if pp == 1 else {"pipeline_parallel_size": pp}
@@ -238,6 +237,7 @@ def _trainer_main(
     seed: int,
     save_pretrained: bool = False,
     replicas: int = 1,
+    secret: str = "",
 ):
     """A separate trainer: a transformers model (fp32 master weights) taking AdamW steps on a fixed random batch,
     one shardplan TrainerRank; commands: ("step", k) -> saves checkpoint k (bf16) and returns its dir;
@@ -265,7 +265,7 @@ def _trainer_main(
     batch = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(seed))
     source = ModuleSource(checkpoint_state, plan_path)
     rank = TrainerRank(
-        plan_path, source, Control(host, port), config=SyncConfig(timeout_s=TIMEOUT_S), replicas=replicas
+        plan_path, source, Control(host, port, secret=secret), config=SyncConfig(timeout_s=TIMEOUT_S), replicas=replicas
     )
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     conn.send(("ready", None))
@@ -348,6 +348,7 @@ class Trainer:
                 seed,
                 save_pretrained,
                 replicas,
+                control.secret_hex,
             ),
         )
         self.proc.start()
@@ -400,7 +401,7 @@ def _fsdp_trainer_main(
 ):
     """One FSDP2 trainer rank (transformers model, fp32, fully_shard per decoder layer and at the root, AdamW, its own
     micro-batch). Commands: ("shards", None) -> every rank's boxes (from its DTensors' placements, JSON);
-    ("join", (host, port)) -> its TrainerRank of the driver's sync, from its local shards only; ("step", k) -> a
+    ("join", control) -> its TrainerRank of the driver's sync, from its local shards only; ("step", k) -> a
     data-parallel step, the full bf16 checkpoint k written by rank 0; ("sync", v); ("stop", None)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -439,9 +440,7 @@ def _fsdp_trainer_main(
             if cmd == "shards":
                 conn.send(("ok", shards_to_json(source.shards)))
             elif cmd == "join":
-                trainer = TrainerRank(
-                    plan_path, source, Control(*arg), rank=rank, config=SyncConfig(timeout_s=TIMEOUT_S)
-                )
+                trainer = TrainerRank(plan_path, source, arg, rank=rank, config=SyncConfig(timeout_s=TIMEOUT_S))
                 conn.send(("ok", None))
             elif cmd == "step":
                 loss = model(input_ids=batch, labels=batch).loss
