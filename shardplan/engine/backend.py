@@ -198,7 +198,12 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
         config = SyncConfig(
             timeout_s=init_info.timeout_s, verify=init_info.verify, announce_timeout_s=init_info.announce_timeout_s
         )
-        control = Control(init_info.control_host, int(init_info.control_port), connect_timeout_s=config.timeout_s)
+        control = Control(
+            init_info.control_host,
+            int(init_info.control_port),
+            connect_timeout_s=config.timeout_s,
+            secret=init_info.control_secret or None,
+        )
         try:
             control.prewarm(1)
         except ControlUnreachable as e:

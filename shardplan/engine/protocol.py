@@ -27,6 +27,8 @@ class EngineInitInfo:
     control_host: str = ""
     """Host and port of the sync's control channel (shardplan.transport.Control, hosted by the driver)."""
     control_port: int = 0
+    control_secret: str = field(default="", repr=False)
+    """The control channel's secret (hex, Control.secret_hex): every value read or written is sealed with it."""
     transport: str = "nccl"
     """A shardplan.transport name: on CPU `nccl` runs over gloo; `mooncake:tcp`; ... (docs/transports.md)."""
     transport_options: dict[str, Any] = field(default_factory=dict)

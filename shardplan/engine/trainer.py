@@ -380,6 +380,7 @@ class EngineSync:
         self.init_info = EngineInitInfo(
             control_host=host,
             control_port=self.control.port,
+            control_secret=self.control.secret_hex,
             transport=transport,
             transport_options=dict(transport_options or {}),
             plan_path=self.plan_file.path if engine_plan_path is None else engine_plan_path,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from shardplan.transport.base import (
     Control,
+    ControlForged,
     Done,
     MissingDependency,
     Peer,
@@ -48,6 +49,7 @@ __all__ = [
     "NAMES",
     "create",
     "Control",
+    "ControlForged",
     "Done",
     "MissingDependency",
     "Peer",

@@ -28,7 +28,11 @@ and every wait has a deadline.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import os
+import secrets
 import socket
 import threading
 import time
@@ -77,6 +81,11 @@ class PeerAborted(PeerError):
 
 class ControlUnreachable(PeerDied):
     """The control channel's server cannot be reached (wrong host or port, or the driver is gone)."""
+
+
+class ControlForged(PeerError):
+    """A control-channel value without a valid MAC under this sync's secret: written by someone without the secret,
+    or copied from another key. Refused; the message names the key."""
 
 
 class UnknownTransport(ShardplanError):
@@ -169,8 +178,11 @@ class Control:
         port: int,
         *,
         connect_timeout_s: float = 60.0,
+        secret: bytes | str | None = None,
         _server: torch.distributed.TCPStore | None = None,
     ):
+        # secret: the driver's (Control.serve makes one; bytes or hex); None: $SHARDPLAN_CONTROL_SECRET (hex) if set,
+        # else unauthenticated (values neither sealed nor checked: only for a store nobody else can reach)
         # connect_timeout_s: how long opening a client may take (a wrong port or a dead server is named after it)
         if not (
             isinstance(connect_timeout_s, (int, float))
@@ -183,9 +195,14 @@ class Control:
             )
         self.host, self.port, self.connect_timeout_s = host, port, float(connect_timeout_s)
         self._server = _server
+        secret = (os.environ.get(SECRET_ENV) or None) if secret is None else secret
+        self.secret: bytes | None = bytes.fromhex(secret) if isinstance(secret, str) else secret
 
     @classmethod
-    def serve(cls, host: str = "127.0.0.1", port: int = 0) -> "Control":
+    def serve(cls, host: str = "127.0.0.1", port: int = 0, secret: bytes | str | None = None) -> "Control":
+        """Host the store on (host, port); every value is sealed with `secret` (default: $SHARDPLAN_CONTROL_SECRET,
+        else a fresh random one): clients prove it through this object (pickled) or `secret_hex`."""
+        secret = secret or os.environ.get(SECRET_ENV) or secrets.token_bytes(32)
         # TCPStore's own server listens on every interface whatever host says: bind (host, port) here, hand it the fd
         port, fd = _listen(host, port)
         server = torch.distributed.TCPStore(
@@ -195,12 +212,33 @@ class Control:
         with Control._pool_lock:
             # clients pooled for an earlier server that had this port talk to a closed socket ("got 0 bytes")
             Control._pools.pop((host, server.port), None)
-        control = cls(host, server.port, _server=server)
+        control = cls(host, server.port, secret=secret, _server=server)
         control.prewarm(2)
         return control
 
     def __reduce__(self):
-        return (_control, (self.host, self.port, self.connect_timeout_s))
+        return (_control, (self.host, self.port, self.connect_timeout_s, self.secret))
+
+    @property
+    def secret_hex(self) -> str:
+        """The secret as hex (what SHARDPLAN_CONTROL_SECRET takes); empty when unauthenticated."""
+        return self.secret.hex() if self.secret else ""
+
+    def _seal(self, key: str, value: str) -> str:
+        return value if self.secret is None else _mac(self.secret, key, value) + value
+
+    def _open(self, key: str, raw: bytes, peer: Peer) -> str:
+        """The value of `key` once its MAC (bound to the key) checks; ControlForged naming the key otherwise."""
+        text = raw.decode(errors="replace")
+        if self.secret is None:
+            return text
+        mac, value = text[:MAC_CHARS], text[MAC_CHARS:]
+        if not hmac.compare_digest(mac.encode(), _mac(self.secret, key, value).encode()):
+            raise ControlForged(
+                peer, f"control key {key!r}: value without a valid MAC under this sync's secret (written without "
+                "the secret, or copied from another key); refused"
+            )  # fmt: skip
+        return value
 
     def _new_client(self) -> torch.distributed.TCPStore:
         # TCPStore retries a refused connect until its timeout: bounded by connect_timeout_s, then named
@@ -244,8 +282,9 @@ class Control:
         finally:
             self.release(client)
 
+    # every value goes through _seal / _open here (add's counters carry none: epochs are trusted via sealed joins)
     def set(self, key: str, value: str) -> None:
-        self._call(lambda s: s.set(key, value))
+        self._call(lambda s: s.set(key, self._seal(key, value)))
 
     def add(self, key: str, amount: int) -> int:
         return self._call(lambda s: s.add(key, amount))
@@ -253,15 +292,16 @@ class Control:
     def delete(self, key: str) -> None:
         self._call(lambda s: s.delete_key(key))
 
-    def try_get(self, key: str) -> str | None:
-        return self._call(lambda s: s.get(key).decode() if s.check([key]) else None)
+    def try_get(self, key: str, peer: Peer = "control") -> str | None:
+        raw = self._call(lambda s: s.get(key) if s.check([key]) else None)
+        return None if raw is None else self._open(key, raw, peer)
 
     def get(self, key: str, timeout_s: float, peer: Peer, what: str = "") -> str:
         """Value of `key`, waiting at most `timeout_s`; PeerTimeout(peer) when it never appears."""
         client = self.lease()
         try:
             client.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
-            return client.get(key).decode()
+            raw = client.get(key)
         except Exception as e:  # DistStoreError on timeout; anything else (server gone) is just as final
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                 raise PeerTimeout(
@@ -270,6 +310,16 @@ class Control:
             raise PeerDied(peer, f"control channel failed while waiting for {what or key}: {e}") from e
         finally:
             self.release(client)
+        return self._open(key, raw, peer)
+
+
+SECRET_ENV = "SHARDPLAN_CONTROL_SECRET"
+MAC_CHARS = 64  # hex HMAC-SHA256 in front of every sealed value
+
+
+def _mac(secret: bytes, key: str, value: str) -> str:
+    # the key is bound: a value copied to another key (another version, rank or group) fails
+    return hmac.new(secret, f"{len(key)}:{key}:{value}".encode(), hashlib.sha256).hexdigest()
 
 
 def _listen(host: str, port: int) -> tuple[int, int]:
@@ -282,8 +332,8 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     return sock.getsockname()[1], sock.detach()  # the store owns the fd from here
 
 
-def _control(host: str, port: int, connect_timeout_s: float) -> Control:
-    return Control(host, port, connect_timeout_s=connect_timeout_s)
+def _control(host: str, port: int, connect_timeout_s: float, secret: bytes | None = None) -> Control:
+    return Control(host, port, connect_timeout_s=connect_timeout_s, secret=secret)
 
 
 def deadline_after(timeout_s: float) -> float:

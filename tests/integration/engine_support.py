@@ -411,7 +411,6 @@ def _fsdp_trainer_main(
     from shardplan.engine.sharding import shards_to_json
     from shardplan.engine.trainer import ModuleSource, TrainerRank
     from shardplan.sync import SyncConfig
-    from shardplan.transport import Control
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ class StandInEngine:
     def init_weight_transfer_engine(self, info):
         if self.refuse_init:
             raise_named(RuntimeError(f"Worker failed with error 'EnginePlanMismatch: {self.refuse_init}'"), self.name)
-        control = Control(info["control_host"], info["control_port"])
+        control = Control(info["control_host"], info["control_port"], secret=info.get("control_secret") or None)
         sharded = None
         if info["trainer_shards"]:  # what the backend does for sharded trainers (engine.backend)
             sharded = sharded_plan(PlanFile.read(info["plan_path"]), shards_from_json(info["trainer_shards"]))

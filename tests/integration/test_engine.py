@@ -286,7 +286,7 @@ def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
         driver = EngineSync(
             [w.llm], w.plan, config=SyncConfig(timeout_s=TIMEOUT_S, announce_timeout_s=120), shards=shards
         )
-        trainers.call("join", (driver.control.host, driver.control.port))
+        trainers.call("join", driver.control)
         (checkpoint, local), _ = trainers.call("step", 1)
         prefetch_fresh(checkpoint, w.tp)
         name = "model.layers.0.mlp.gate_proj.weight"

@@ -162,8 +162,8 @@ def test_control_connect_honours_its_timeout():
     served = Control.serve("127.0.0.1")
     import pickle
 
-    again = pickle.loads(pickle.dumps(Control(served.host, served.port, connect_timeout_s=2.5)))
-    assert again.connect_timeout_s == 2.5
+    again = pickle.loads(pickle.dumps(Control(served.host, served.port, connect_timeout_s=2.5, secret=served.secret)))
+    assert again.connect_timeout_s == 2.5 and again.secret == served.secret
     again.set("k", "v")
     assert served.try_get("k") == "v"
 

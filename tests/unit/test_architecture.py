@@ -50,7 +50,8 @@ BUDGETS = {
     # cut between trainers: CutBox, cut_boxes, CutGroup's partials, combine and batched staging per geometry; the
     # fused FP8 kernel's tables cached per geometry, so binding new tensors every sync is cheap; trainer_name's
     # box-name set: spans of FP8 plans at init 2x faster)
-    "shardplan.transport": 1020,  # (the rdt Router keeps locks of current members only; Control.serve binds its socket)
+    "shardplan.transport": 1072,  # (the rdt Router keeps locks of current members only; Control.serve binds its socket;
+    # every control value sealed and checked with the driver's secret: ControlForged)
     "shardplan.sync": 2280,  # (+ old versions' keys deleted two versions later; + expert-parallel trainers with
     # EPLB: schedules per published placement, SlotSpans
     # with slot names parsed once, holders as bit masks, the last KEPT_SCHEDULES kept, refused announcements end the

@@ -33,8 +33,9 @@ def control():
 
 
 @pytest.fixture
-def plans(tmp_path, monkeypatch):
-    """SGLang stubbed (rank 0 of TP1), the worker fresh, the server's plan directory and wait limit."""
+def plans(tmp_path, monkeypatch, control):
+    """SGLang stubbed (rank 0 of TP1), the worker fresh, the server's plan directory and wait limit, and the control
+    channel's secret (an SGLang server is started with SHARDPLAN_CONTROL_SECRET, docs/transports.md)."""
     hooks = types.SimpleNamespace(_hooks={}, register=lambda t, h, k: hooks._hooks.setdefault(t, []).append((t, h, k)))
     parallel = types.SimpleNamespace(pp_rank=0, tp_size=1, tp_rank=0)
     stubs = {
@@ -51,6 +52,7 @@ def plans(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDPLAN_SGLANG_PLAN_DIRS", str(tmp_path / "plans"))
     monkeypatch.setenv("SHARDPLAN_SGLANG_MAX_WAIT_S", str(LIMIT_S))
     monkeypatch.delenv("SHARDPLAN_SGLANG", raising=False)
+    monkeypatch.setenv("SHARDPLAN_CONTROL_SECRET", control.secret_hex)
     (tmp_path / "plans").mkdir()
     return tmp_path / "plans"
 
