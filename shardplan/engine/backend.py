@@ -47,7 +47,7 @@ from shardplan.plan.file.store import load_plan
 from shardplan.plan.layout import Layout
 from shardplan.plan.placement import EplbPlanMismatch, check_engine_slots
 from shardplan.sync import ConsumerSync, Replicas, SyncConfig, SyncConfigError, SyncState
-from shardplan.sync.placement import publish_placement
+from shardplan.sync.placement import check_bound, publish_placement
 from shardplan.transport import Control, create
 from shardplan.transport.base import ControlUnreachable, consumer_name
 
@@ -326,9 +326,17 @@ class ShardplanWeightTransferEngine(WeightTransferEngine[ShardplanInitInfo, Shar
             if self.eplb is not None:  # drain an in-flight rebalance, then say which expert each slot holds
                 placement = self.eplb.before_update()
                 publish_placement(self.control, int(update_info.version), self.consumer.name, placement)
-            self.consumer.sync(int(update_info.version))
-            if placement is not None:
+            report = self.consumer.sync(int(update_info.version))
+            if placement is not None:  # the trainers bound to it, and the engine still holds it
                 self.placement_stale = True
+                check_bound(
+                    self.control,
+                    report.version,
+                    self.consumer.name,
+                    report.peers,
+                    placement,
+                    self.consumer.config.timeout_s,
+                )
                 self.eplb.after_update(placement)
                 self.placement_stale = False
             self.last_error = ""

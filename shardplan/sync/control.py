@@ -37,6 +37,10 @@ def placement_key(v: int, consumer: Peer) -> str:
     return f"v{v}/placement/{consumer}"
 
 
+def bound_key(v: int, trainer: Peer, consumer: Peer) -> str:  # the placement digest a trainer bound to (EPLB)
+    return f"v{v}/bound/{trainer}/{consumer}"
+
+
 def version_keys(v: int, members: Iterable[Peer], schedule) -> Iterator[str]:
     """Every key version `v` may have left in the store (its members, its Schedule): what the coordinator deletes two
     versions later, or the store would grow by every version's marks (MiBs per version with EPLB placements)."""
@@ -48,6 +52,7 @@ def version_keys(v: int, members: Iterable[Peer], schedule) -> Iterator[str]:
         yield from (amax_key(v, trainer_name(t), g) for g in groups)
     for c in schedule.consumers:
         yield placement_key(v, consumer_name(c))
+        yield from (bound_key(v, trainer_name(t), consumer_name(c)) for t in schedule.trainers)
         for gi in range(len(schedule.groups)):
             yield free_key(v, consumer_name(c), gi)
             for t in sorted({p.trainer for p in schedule.of(c, gi)}):

@@ -11,7 +11,10 @@ Both sides build the pack layout from the same *unbound* plan: one segment per s
 join stamps stay valid across rebalances and only which expert tensor fills each slot changes (the trainer aliases
 slot names to expert tensors at pack time). What the two sides agree on per version is the key itself, set once by the
 consumer and read by the trainer; the consumer checks after the update that its engine still holds that placement
-(engine/eplb.py: EplbPlacementChanged otherwise).
+(engine/eplb.py: EplbPlacementChanged otherwise). Each trainer lane also records the digest it bound to
+(`v<V>/bound/<trainer>/<consumer>`), and the consumer checks, once the bytes arrived, that every trainer bound to the
+placement its engine published and holds (check_bound: PlacementNotBound naming the trainer otherwise, the version
+incomplete): a placement key overwritten in between fails that version by name, and the next binds again.
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ from shardplan.plan.placement import (
     with_slot_aliases,
 )
 from shardplan.sync.adapters import ReplayPacker, spans_of
-from shardplan.sync.control import placement_key
+from shardplan.sync.control import bound_key, placement_key
 from shardplan.sync.stages import Span
-from shardplan.transport.base import Control, Peer, PeerTimeout, consumer_name, deadline_after, left
+from shardplan.transport.base import Control, Peer, PeerError, PeerTimeout, consumer_name, deadline_after, left
 
 
 class PlacementNotPublished(PeerTimeout, PlacementError):
     """A consumer did not publish its engine's EPLB placement for this version in time."""
+
+
+class PlacementNotBound(PeerError, PlacementError):
+    """A trainer bound a consumer's slots to another placement than the one its engine published and holds."""
 
 
 def publish_placement(control: Control, version: int, consumer: Peer, placement: Placement) -> None:
@@ -84,6 +91,28 @@ def read_placement(control: Control, version: int, consumer: Peer, slots: EplbSl
     if record.get("digest") != placement.digest:
         raise PlacementError(f"{consumer}'s placement for version {version} does not match its digest")
     return placement
+
+
+def record_bound(control: Control, version: int, trainer: Peer, consumer: Peer, placement: Placement) -> None:
+    """The trainer's side: which placement it binds `consumer`'s slots to for `version` (before any of its bytes)."""
+    control.set(bound_key(version, trainer, consumer), placement.digest)
+
+
+def check_bound(
+    control: Control, version: int, consumer: Peer, trainers: Sequence[Peer], placement: Placement, timeout_s: float
+) -> None:
+    """The consumer's side, once the bytes arrived: every trainer that served it bound to `placement` (the one its
+    engine published and holds); PlacementNotBound naming the first that did not."""
+    deadline = deadline_after(timeout_s)
+    for t in trainers:
+        digest = control.get(bound_key(version, t, consumer), left(deadline), t, "the EPLB placement it bound to")
+        if digest != placement.digest:
+            raise PlacementNotBound(
+                t,
+                f"bound {consumer}'s slots of version {version} to EPLB placement {digest[:16]}, not "
+                f"{placement.digest[:16]}, the one its engine published and holds: the slots hold another "
+                f"placement's experts; the version is incomplete and the next one binds again",
+            )
 
 
 def bind_spans(spans: Sequence[Span], placement: Placement) -> tuple[Span, ...]:

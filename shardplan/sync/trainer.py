@@ -12,7 +12,7 @@ import torch
 from shardplan.runtime.shards import AmaxExchangeError
 from shardplan.runtime.tensors import align_up
 from shardplan.sync.control import abort_mark, amax_key, decode_amaxes, done_key, encode_amaxes, free_key, join
-from shardplan.sync.placement import any_expert
+from shardplan.sync.placement import any_expert, record_bound
 from shardplan.sync.rank import GroupTensors, Rank
 from shardplan.sync.schedule import Piece, Schedule, checksum_tensor, held_whole
 from shardplan.sync.stages import Packer, SyncConfig, SyncReport, WeightSource, event
@@ -176,7 +176,7 @@ class TrainerSync(Rank):
         try:
             begin = getattr(self.packer, "begin", None)
             if begin is not None:  # EPLB: bind this consumer's plan to the placement it published (sync/placement.py)
-                begin(version, c)
+                record_bound(self.control, version, self.name, peer, begin(version, c))
             for k, (gi, group, pieces, segments) in enumerate(steps):
                 finished = None
                 if len(in_flight) == 2:  # this group's slot is still being sent from (group k-2): wait for it

@@ -15,7 +15,7 @@ from shardplan.engine.trainer import ModuleSource
 from shardplan.plan.file.format import PlanFile
 from shardplan.runtime.apply import params_from_plan
 from shardplan.sync import ApplyUnpacker, ConsumerSync, Replicas, ShardedUnpacker, SyncConfig
-from shardplan.sync.placement import publish_placement
+from shardplan.sync.placement import check_bound, publish_placement
 from shardplan.transport import Control, create
 
 TIMEOUT_S = 5.0
@@ -70,7 +70,10 @@ class StandInEngine:
 
         def run(c):
             try:
-                c.sync(update_info["version"])
+                report = c.sync(update_info["version"])
+                if self.placements is not None:  # as the backend does: the trainers bound to the published one
+                    placement = self.placements(update_info["version"], int(c.name[8:]))
+                    check_bound(c.control, report.version, c.name, report.peers, placement, TIMEOUT_S)
             except Exception as e:  # noqa: BLE001
                 errors.append((c, e))
 
