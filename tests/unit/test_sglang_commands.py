@@ -259,3 +259,14 @@ def test_the_plugin_registers_nothing_without_the_opt_in(plans, monkeypatch, cap
     monkeypatch.setenv("SHARDPLAN_SGLANG", "1")
     plugin.register()
     assert [h for _, h, _ in hooks[plugin.TARGET]] == [plugin._add_loader]
+
+
+# ---- the control channel's secret travels in the envelope ----------------------------------------------------------
+def test_the_envelope_carries_the_control_secret(send, control, monkeypatch):
+    """A worker started without SHARDPLAN_CONTROL_SECRET answers, sealed, with the secret its command carried (the
+    test reads the reply through a Control holding the secret: an unsealed one would raise ControlForged); a
+    malformed secret is refused by name."""
+    monkeypatch.delenv("SHARDPLAN_CONTROL_SECRET")
+    error = answered(send, command(control, secret=control.secret_hex))  # an update before any init: answered
+    assert "ControlForged" not in error and "CommandError" not in error, error
+    assert "command field 'secret'" in send(text(command(control, secret="XYZ")))

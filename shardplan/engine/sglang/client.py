@@ -200,7 +200,10 @@ class SglangClient:
             raise EngineUnsupported(f"{self.name}: init info: {e}") from None
         self.world = [self.offset + r for r in ranks]
         self.control = Control(
-            init_info["control_host"], int(init_info["control_port"]), connect_timeout_s=init_info["timeout_s"]
+            init_info["control_host"],
+            int(init_info["control_port"]),
+            connect_timeout_s=init_info["timeout_s"],
+            secret=init_info.get("control_secret") or None,
         )
         self.reply_timeout_s = float(init_info["timeout_s"])
         self._session("init", lambda: self._command({"op": "init", "info": init_info}, int(info["tp_size"]), "init"))
@@ -257,6 +260,7 @@ class SglangClient:
             **command,
             "id": uuid.uuid4().hex[:12],
             "control": [self.control.host, self.control.port],
+            "secret": self.control.secret_hex,
             "timeout_s": self.reply_timeout_s,
             "offset": self.offset,  # each worker answers as consumer offset + its rank
         }

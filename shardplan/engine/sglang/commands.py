@@ -60,7 +60,9 @@ def command_payload(command: dict, tp_size: int) -> list[str]:
 
 
 MAX_CHARS, MAX_DEPTH, MAX_STR, MAX_INT = 256 << 20, 8, 4096, 2**62  # a command's JSON; nesting; any string; |ints|
-ENVELOPE = {"id": str, "control": list, "offset": int, "timeout_s": float}  # where and how long to answer
+# where and how long to answer; `secret`: the control channel's (hex), as EngineInitInfo.control_secret: this call
+# crossed SGLang's own API, whose access rules (--api-key) guard it
+ENVELOPE = {"id": str, "control": list, "offset": int, "timeout_s": float, "secret": str}
 OPS = {"init": {"op": str, "info": dict}, "update": {"op": str, "version": int}}
 INFO = {f.name: type(f.default) if f.default is not MISSING else f.default_factory for f in fields(EngineInitInfo)}
 POSITIVE = ("timeout_s", "announce_timeout_s", "max_group_bytes", "replicas", "dp_replicas", "port")
@@ -125,6 +127,8 @@ def parse(name: str) -> dict | None:
         raise CommandError("command field 'control': [host, port] expected")
     if _field({"port": control[1]}, "port", int, "command field 'control'") > 65535:
         raise CommandError("command field 'control': port out of range")
+    if not re.fullmatch(r"(?:[0-9a-f]{2}){0,64}", command.get("secret", ""), re.A):
+        raise CommandError("command field 'secret': up to 64 bytes as lowercase hex expected")
     return command
 
 

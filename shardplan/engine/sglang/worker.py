@@ -79,10 +79,11 @@ def max_wait_s() -> float:
     return limit
 
 
-def connect(host: str, port: int, timeout_s: float) -> Control:
-    """The control channel at host:port, answering within timeout_s. TCPStore's connect waits forever on an address
-    that accepts and never answers: it runs in a thread, left behind then (blocked on that socket)."""
-    control, done = Control(host, port, connect_timeout_s=timeout_s), []
+def connect(host: str, port: int, timeout_s: float, secret: str | None = None) -> Control:
+    """The control channel at host:port (sealed with `secret`, hex), answering within timeout_s. TCPStore's connect
+    waits forever on an address that accepts and never answers: it runs in a thread, left behind then (blocked on
+    that socket)."""
+    control, done = Control(host, port, connect_timeout_s=timeout_s, secret=secret), []
     thread = threading.Thread(target=lambda: done.append(_attempt(control.prewarm, 1)), daemon=True)
     thread.start()
     thread.join(timeout_s)
@@ -109,8 +110,9 @@ def run(model: torch.nn.Module, name: str, refuse: str = "") -> None:
         command, limit = parse(name), max_wait_s()
         host, port = command["control"]
         control = _JOINED.consumer.control if _JOINED is not None else None
-        if control is None or (control.host, control.port) != (host, port):
-            control = connect(host, port, min(command.get("timeout_s", 30.0), limit, 30.0))
+        secret = command.get("secret", "")
+        if control is None or (control.host, control.port, control.secret_hex) != (host, port, secret):
+            control = connect(host, port, min(command.get("timeout_s", 30.0), limit, 30.0), secret or None)
         check(command)
         if refuse:
             raise CommandError(refuse)
