@@ -1,8 +1,8 @@
 """A vLLM CPU engine in this process, as the live-engine tests and bench/engine_bench.py start it (docs/engine.md; a
 test tool, not part of the package).
 
-The recipe for a CPU box: a small KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB), eager mode, no tokenizer (prompts as token
-ids), and at TP > 1 one OpenMP core per worker (VLLM_CPU_OMP_THREADS_BIND="0|1|..."). vLLM spawns its workers, so
+The recipe for a CPU box: a small KV cache (KV_CACHE_BYTES), eager mode, no tokenizer (prompts as token ids), and at
+TP > 1 one OpenMP core per worker (VLLM_CPU_OMP_THREADS_BIND="0|1|..."). vLLM spawns its workers, so
 the environment is set before the engine starts and every worker inherits it; a caller's module must not start
 anything at import time that a spawned worker would re-run.
 """
@@ -15,7 +15,6 @@ from pathlib import Path
 
 ENV_DEFAULTS = {
     "GLOO_SOCKET_IFNAME": "lo",  # shardplan's `nccl` transport runs over gloo on CPU: keep it on loopback
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -69,6 +68,11 @@ def tiny_qwen3_config(moe: bool) -> dict:
     return cfg
 
 
+# per worker; vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override it, so the recipe leaves that unset.
+# 1 GiB per worker made a suite running two engines and their fresh twins at once run out of memory on 24 GB
+KV_CACHE_BYTES = 64 << 20
+
+
 def cpu_engine_kwargs(tp: int) -> dict:
     """`vllm.LLM` keyword arguments of a small eager CPU engine at tensor-parallel size `tp`."""
     return dict(
@@ -81,6 +85,7 @@ def cpu_engine_kwargs(tp: int) -> dict:
         seed=0,
         tensor_parallel_size=tp,
         gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
 
 

