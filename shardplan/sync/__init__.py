@@ -15,7 +15,8 @@ slots free), waits for N's done marks, verifies, applies N while N+1 is in fligh
 
 Control channel keys (values are short strings or JSON):
     join/<rank>                      {"epoch", "held", "stamps"}  a rank (re)starting; trainers say which tensors they
-                                     hold whole; both sides the stamp of each consumer's bytes (plan rank + digest)
+                                     hold whole; both sides the stamp of each consumer's bytes (plan rank + digest
+                                     + sync protocol version)
     schedule/<id>                    the Schedule (JSON)  written once per membership (and, for EPLB plans whose
                                      trainers hold subsets of the experts, per set of placements); the last 4 kept
     v<V>/announce                    {"schedule", "members": {rank: epoch}, "stamps": {rank: {consumer: stamp}}}
@@ -42,8 +43,10 @@ back any rank that re-joined (a restart writes `join/<rank>` with a fresh epoch)
 (version, complete): complete only when every byte of that version arrived, matched its checksum and was applied;
 (new version, False) as soon as the first group of a version was applied.
 
-Checksum: sum of the buffer as int64 words, wrapping (plus tail bytes); cheap on CPU and GPU; catches missing,
-zeroed, truncated or stale pieces, not swapped words.
+Checksum (schedule.checksum_tensor, per message, both sides): row and column sums of the bytes as int64 words
+(wrapping), folded level by level, keyed by position and mixed; catches missing, zeroed, truncated or stale pieces and
+also swapped words and +x/-x in two words, which the plain sum of protocol 1 did not; two passes over the bytes.
+The join stamps carry the sync protocol version (control.PROTOCOL): a peer of another version is refused by name.
 
 Modules, in import order: stages (Protocols, config, errors, results) -> schedule (pure) -> control (keys, marks)
 -> coordinator, rank -> trainer, consumer -> adapters (replay/apply/shards behind the stage Protocols).

@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
 from shardplan.plan.names import base_group
+from shardplan.sync.schedule import CHECKSUM
 from shardplan.sync.stages import ChecksumMismatch
 from shardplan.transport.base import Control, Peer, consumer_name, trainer_name
+
+PROTOCOL = 2
+"""Version of the sync protocol, carried in every stamp a rank publishes when it joins (wire_stamp), so that a peer
+of another version is refused by name in prepare (LayoutMismatch, before any byte moves) rather than failing every
+piece as a checksum mismatch. 2: the checksum that sees swapped words (schedule.CHECKSUM); 1: the plain wrapping sum
+of int64 words, from before stamps carried a version (a stamp without one is version 1). An older peer, which knows
+no version, refuses a newer one as a stamp that differs from its own, the version named in its message."""
+
+
+def wire_stamp(stamp: str) -> str:
+    """A Packer's or Unpacker's stamp as this rank publishes and compares it: with the sync protocol's version."""
+    return f"{stamp} [sync protocol {PROTOCOL}: {CHECKSUM} checksum]"
+
+
+def stamp_protocol(stamp: str) -> int:
+    """The sync protocol version a published stamp names (1: none named)."""
+    found = re.search(r" \[sync protocol (\d+)\b", stamp)
+    return int(found.group(1)) if found else 1
 
 
 def announce_key(v: int) -> str:
@@ -79,7 +99,8 @@ def join(
     control: Control, name: Peer, held: frozenset[str] | None = None, stamps: Mapping[int, str] | None = None
 ) -> int:
     """(Re-)join with a new epoch. A trainer says which tensors it holds whole (`held`) and, like a consumer, the
-    stamp of each consumer's bytes as it arranges them (consumer rank -> Packer/Unpacker stamp)."""
+    stamp of each consumer's bytes as it arranges them (consumer rank -> Packer/Unpacker stamp; published with the
+    protocol version, wire_stamp)."""
     epoch = control.add(f"epoch/{name}", 1)  # monotonic across restarts: a new incarnation never reuses an epoch
     control.set(
         f"join/{name}",
@@ -87,7 +108,7 @@ def join(
             {
                 "epoch": epoch,
                 "held": None if held is None else sorted(held),
-                "stamps": {str(c): s for c, s in (stamps or {}).items()},
+                "stamps": {str(c): wire_stamp(s) for c, s in (stamps or {}).items()},
             }
         ),
     )

@@ -10,8 +10,8 @@ from typing import Mapping
 import torch
 
 from shardplan.plan.names import base_group
-from shardplan.sync.control import announce_key, join, result_key
-from shardplan.sync.schedule import KEPT_SCHEDULES, Schedule
+from shardplan.sync.control import PROTOCOL, announce_key, join, result_key, stamp_protocol, wire_stamp
+from shardplan.sync.schedule import CHECKSUM, KEPT_SCHEDULES, Schedule
 from shardplan.sync.stages import LayoutMismatch, NotAMember, ScheduleError, SyncConfig, SyncFailed, WeightSource, event
 from shardplan.transport.base import Control, Peer, Transport
 
@@ -64,7 +64,15 @@ class Rank:
         out = {}
         for peer, c in pairs:
             mine, theirs = self.stamps.get(c), ann.get("stamps", {}).get(peer, {}).get(str(c))
-            if mine != theirs and (mine is None or theirs is None):
+            mine = None if mine is None else wire_stamp(mine)
+            if theirs is not None and stamp_protocol(theirs) != PROTOCOL:
+                out[peer] = LayoutMismatch(
+                    peer,
+                    f"{peer} speaks sync protocol {stamp_protocol(theirs)} and {self.name} protocol {PROTOCOL} "
+                    f"({CHECKSUM} checksum): trainer ranks and engine run different shardplan versions, whose "
+                    f"checksums would not agree; run the same version on both sides; nothing was sent",
+                )
+            elif mine != theirs and (mine is None or theirs is None):
                 out[peer] = LayoutMismatch(
                     peer,
                     f"{self.name if mine is None else peer} packs or applies no bytes for consumer {c}: the two "

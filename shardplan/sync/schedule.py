@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping, Sequence
 
 import torch
@@ -229,19 +230,146 @@ def held_whole(source: WeightSource, needed: set[str]) -> frozenset[str] | None:
     return None if needed <= whole else frozenset(whole & needed)
 
 
+CHECKSUM = "rowcol-fmix64"
+"""Name of the checksum below, carried in every join stamp (control.PROTOCOL): peers that compute another one are
+refused by name before any byte moves, rather than failing every piece as a checksum mismatch."""
+
+_ROW = 256  # int64 words per row of the matrices the checksum reduces (2 KiB)
+_LAST = 4096  # words (32 KiB) mixed one by one: a view this small is not reduced at all
+_BLOCK = 256  # rows (512 KiB) the column pass reduces at a time, in cache: one op over all blocks (a 3-D view)
+_COPY_ROWS = (64 << 20) // (8 * _ROW)  # a view not 8-byte aligned goes through aligned scratch this much at a time
+_U64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """The int64 with the same 64 bits as x (mod 2**64)."""
+    x &= _U64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_KEY = _i64(0x9E3779B97F4A7C15)  # term i (from 0) is keyed by (i + 1) * _KEY before it is mixed
+_M1, _M2 = _i64(0xFF51AFD7ED558CCD), _i64(0xC4CEB9FE1A85EC53)  # fmix64's
+_CPU_KEYS = torch.arange(1, 2 * _LAST + 1, dtype=torch.int64) * _KEY  # more than 16 levels' columns + _LAST words
+
+
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer (fmix64, its shifts 32 rather than 33), in place on contiguous int64 words: a
+    bijection of 64-bit words in which every input bit reaches every output bit. Products wrap; the logical shift by
+    32 is each word's high half xored into its low half (an int32 view, little-endian), one op."""
+    halves = z.view(torch.int32)
+    low, high = halves[0::2], halves[1::2]
+    low ^= high
+    z *= _M1
+    low ^= high
+    z *= _M2
+    low ^= high
+    return z
+
+
+def _mix_int(x: int) -> int:
+    """_mix_ of one Python int, as a Python int in int64 range."""
+    x &= _U64
+    x ^= x >> 32
+    x = x * (_M1 & _U64) & _U64
+    x ^= x >> 32
+    x = x * (_M2 & _U64) & _U64
+    return _i64(x ^ x >> 32)
+
+
+def _levels(n: int) -> tuple[list[tuple[int, int]], int]:
+    """(full rows, words of the partial last row) of each level the checksum of n bytes reduces, and the number of
+    words left after the last (at most _LAST)."""
+    full, rest = divmod(n, 8 * _ROW)
+    words, levels = -(-n // 8), []
+    while words > _LAST:
+        levels.append((full, -(-rest // 8)))
+        words = full + (rest > 0)
+        full, rest = divmod(words, _ROW)
+        rest *= 8  # in bytes, as at the first level
+    return levels, words
+
+
+def _rows(words: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of flat int64 words, _ROW to a row."""
+    return words[a * _ROW : b * _ROW].view(b - a, _ROW)
+
+
+def _columns(rows: torch.Tensor) -> torch.Tensor:
+    """Column sums of a (k, _ROW) int64 matrix: per block of _BLOCK rows, then of the blocks' sums. One op over all
+    blocks, not a loop over cache-sized chunks: each op is a parallel region, and on a busy CPU every region waits
+    for its slowest thread."""
+    whole = rows.shape[0] // _BLOCK * _BLOCK
+    if not whole:
+        return rows.sum(0)
+    out = rows[:whole].view(-1, _BLOCK, _ROW).sum(1).sum(0)
+    return out + rows[whole:].sum(0) if whole < rows.shape[0] else out
+
+
 def checksum(view: torch.Tensor) -> int:
-    """Sum of the bytes as int64 words, wrapping (mod 2**64; tail bytes added singly). Works on any device."""
+    """The checksum of a 1-D uint8 view's bytes (checksum_tensor), as an int."""
     return int(checksum_tensor(view))
 
 
 def checksum_tensor(view: torch.Tensor) -> torch.Tensor:
-    """checksum() as a 0-d int64 tensor on the view's device: enqueued, not waited for (the two-sided pipeline reads
-    it once the transfer it guards has finished). int64 words because torch sums them at memory speed, while int32
-    words summed into int64 go through a casting reduction ~20x slower on CPU (slower than the transfer it guards);
-    the wrap keeps the sum a function of the bytes alone, whatever the summation order (CPU threads, GPU blocks)."""
-    n = view.numel()
-    words = n // 8 * 8 if view.data_ptr() % 8 == 0 else 0
-    total = view[:words].view(torch.int64).sum() if words else torch.zeros((), dtype=torch.int64, device=view.device)
-    if words < n:
-        total = total + view[words:].sum(dtype=torch.int64)
-    return total
+    """Checksum of a 1-D uint8 view's bytes, as a 0-d int64 tensor on its device: enqueued, not waited for (the
+    two-sided pipeline reads it once the transfer it guards has finished). Both sides of the sync compute it on every
+    piece (CHECKSUM names it).
+
+    The bytes are read as little-endian int64 words (the last zero-padded). While there are more than _LAST words,
+    they fill the rows of a matrix _ROW words wide (the last row zero-padded); its column sums (wrapping) are kept, and
+    its row sums are the words of the next level (1/_ROW as many). Row and column sums change, exactly, for any change
+    of one or two words: a changed word, two words swapped, +x in one word and -x in another change the sums of the
+    rows or columns that hold them. The terms (each level's column sums, then the words left) are each keyed by their
+    position, put through a 64-bit bijection (_mix_) and summed, with the mixed byte count: so a change the sums show
+    is missed only if the mixed terms happen to cancel (about 2**-64). Views of at most _LAST words (32 KiB) are mixed
+    word by word. An index-weighted sum, by contrast, misses two swapped words that differ in the top bit only (a bf16
+    sign) at an even distance, and row + column weights miss any swap along an anti-diagonal. What reduction cannot
+    see is a change that keeps every row and column sum: +x, -x, -x, +x at the corners of a rectangle of words.
+
+    Integer sums wrap, so the result is a function of the bytes alone, whatever the summation order (CPU threads, GPU
+    blocks) and the view's alignment (a view not 8-byte aligned is read through aligned scratch, in chunks). int64
+    words because torch reduces them at memory speed (int32 words summed into int64 go through a casting reduction
+    ~20x slower on CPU). Cost: two passes over the bytes, row sums and column sums (docs/transports.md gives the
+    figures)."""
+    n, device = view.numel(), view.device
+    levels, left = _levels(n)
+    cols = len(levels) * _ROW  # the terms: every level's column sums, then the words left
+    terms = torch.zeros(cols + left, dtype=torch.int64, device=device)
+    if not levels:
+        terms.view(torch.uint8)[:n].copy_(view)
+    else:
+        full, rest = levels[0]
+        cut = full * _ROW * 8
+        last = torch.zeros(rest, dtype=torch.int64, device=device) if rest else terms[:0]  # the partial row, padded
+        if rest:
+            last.view(torch.uint8)[: n - cut].copy_(view[cut:])
+        chunk = full
+        if view.data_ptr() % 8 == 0 and view.storage_offset() % 8 == 0:
+            rows_of = partial(_rows, view[:cut].view(torch.int64))
+        else:
+            chunk = min(chunk, _COPY_ROWS)
+            scratch = torch.empty(min(chunk, full) * _ROW, dtype=torch.int64, device=device)
+
+            def rows_of(a: int, b: int) -> torch.Tensor:
+                scratch.view(torch.uint8)[: (b - a) * _ROW * 8].copy_(view[a * _ROW * 8 : b * _ROW * 8])
+                return _rows(scratch, 0, b - a)
+
+        for i, (full, rest) in enumerate(levels):
+            final = i + 1 == len(levels)
+            sums = terms[cols:] if final else torch.empty(full + (rest > 0), dtype=torch.int64, device=device)
+            col = terms[i * _ROW : (i + 1) * _ROW]
+            for a in range(0, full, chunk):
+                part = rows_of(a, min(a + chunk, full))
+                torch.sum(part, 1, out=sums[a : a + part.shape[0]])
+                col += _columns(part)
+            if rest:
+                sums[full] = last.sum()
+                col[:rest] += last
+            if not final:
+                full = levels[i + 1][0]
+                rows_of, last, chunk = partial(_rows, sums), sums[full * _ROW :], max(full, 1)
+    if device.type == "cpu":
+        terms += _CPU_KEYS[: terms.numel()]
+    else:  # made there: a copy from pageable host memory may wait for the work the stream holds
+        terms += torch.arange(1, terms.numel() + 1, dtype=torch.int64, device=device) * _KEY
+    return _mix_(terms).sum() + _mix_int(n)

@@ -52,15 +52,16 @@ BUDGETS = {
     # box-name set: spans of FP8 plans at init 2x faster)
     "shardplan.transport": 1072,  # (the rdt Router keeps locks of current members only; Control.serve binds its socket;
     # every control value sealed and checked with the driver's secret: ControlForged)
-    "shardplan.sync": 2307,  # (+ old versions' keys deleted two versions later; + expert-parallel trainers with
+    "shardplan.sync": 2474,  # (+ old versions' keys deleted two versions later; + expert-parallel trainers with
     # EPLB: schedules per published placement, SlotSpans
     # with slot names parsed once, holders as bit masks, the last KEPT_SCHEDULES kept, refused announcements end the
     # waiting ranks; + EplbPacker over a sharded inner, its slot names per rank at
     # first pack; + the
     # per-sync amax exchange of blocks cut between trainers, in a thread beside the lanes so later layers' exchange
     # overlaps earlier layers' sends; direct sends from the trainer's tensors: Piece.messages, direct_view; issue 28;
-    # Replicas: one sync feeding several replicas of a layout; the EPLB placement each trainer bound to, checked by its
-    # consumer: PlacementNotBound)
+    # Replicas: one sync feeding several replicas of a layout; the checksum that sees swapped words, by row and column
+    # sums folded level by level and mixed, and the protocol version in the join stamps; the EPLB placement each
+    # trainer bound to, checked by its consumer: PlacementNotBound)
     "shardplan.record": 5810,  # (every auto_map entry checked before any class resolves, the hub off while
     # recording remote code; record/publicfields.py: public config field sets with sources, issue 27, and
     # the fields SGLang's models read, issue 26; the coverage report's SGLang column, issue 26; build.py's answers to
