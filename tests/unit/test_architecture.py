@@ -77,7 +77,8 @@ BUDGETS = {
     # trainers holding every expert alike: eplb_slot_shards, sharded_packer)
     "shardplan.record.sglang": 920,  # (the registry coverage sweep against SGLang's loader, issue 26; its
     # rule for unwritten params and SGLANG_PADDING, issue 27; the cited SGLang config gaps and loader drops)
-    "shardplan.engine.sglang": 864,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP)
+    "shardplan.engine.sglang": 874,  # plugin, worker-side consumer, checks, trainer-side clients (in-process + HTTP);
+    # (+ the control secret in the command envelope)
     # (+ the untrusted command channel: strict schema, waits bounded by the server, confined plan paths, opt-in plugin)
     # import-only stand-ins for a CPU recording machine (README set-up details)
     "shardplan.record.cpushim": 60,
