@@ -68,6 +68,10 @@ def sync(w, version: int):
     return report, trainer_report
 
 
+@pytest.mark.budget(
+    330,
+    reason="three versions, each against a fresh engine; a layout's first test starts its engine",
+)
 def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
     w = world
     tokens = greedy(w.llm)
@@ -96,6 +100,7 @@ def test_trained_weights_reach_the_engine_and_match_a_fresh_engine(world):
     assert not [m for m in w.trainer.call("modules") if m.startswith("vllm")]
 
 
+@pytest.mark.budget(150, reason="a killed trainer's sync times out; a restarted one syncs; a fresh engine compares")
 @pytest.mark.parametrize("world", ["dense-tp1", "dense-tp2"], indirect=True)
 def test_trainer_killed_mid_sync_leaves_the_engine_paused_and_marked_incomplete(world):
     """The trainer dies after its first group reached the engine: the engine's update fails naming trainer0, every
@@ -226,6 +231,7 @@ def test_trainer_missing_a_tensor_is_named(world):
         ModuleSource(tensors, world.plan)
 
 
+@pytest.mark.budget(150, reason="starts the padded amx MoE engine; three syncs")
 @pytest.mark.parametrize("world", ["moe-tp2", "moe-tp2-amx"], indirect=True)
 def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
     """Re-sending the same weights must leave a tiny Qwen3-MoE's tokens unchanged (those of the engine as loaded, or
@@ -266,6 +272,7 @@ def test_moe_update_reruns_the_cpu_prepack_vllm_032_skips(world):
     w.version += len(steps)
 
 
+@pytest.mark.budget(150, reason="two FSDP2 trainer processes take a step and sync; a fresh engine compares")
 @pytest.mark.parametrize("world", ["dense-tp1"], indirect=True)
 def test_fsdp_trainers_update_the_engine_from_their_local_dtensor_shards(world):
     """Two FSDP2 trainer processes (a gloo group), each holding half of every tensor (DTensor Shard(0)) and taking a

@@ -128,6 +128,7 @@ def _two_versions(root, model, plan, engine, greedy):
     return client
 
 
+@pytest.mark.budget(200, reason="the module's engines (in process, async, Ray-hosted) start in its first test")
 def test_async_llm_in_process_takes_two_versions(engines):
     root, model, plan, async_engine, _ = engines
     client = _two_versions(root, model, plan, async_engine.engine, async_engine.greedy)

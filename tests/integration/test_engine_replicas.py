@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from engine_support import (
     PROMPTS,
     TIMEOUT_S,
@@ -27,6 +28,7 @@ from shardplan.engine.trainer import EngineSync
 from shardplan.sync import SyncConfig
 
 
+@pytest.mark.budget(220, reason="two live engines and a fresh one per version")
 def test_one_trainer_send_updates_two_engine_replicas(tmp_path):
     model = make_model(tmp_path, moe=False)
     plan = record_plan(model, 1, tmp_path / "plans")
@@ -56,6 +58,7 @@ def test_one_trainer_send_updates_two_engine_replicas(tmp_path):
             stop_llm(e)
 
 
+@pytest.mark.budget(150, reason="a data-parallel engine of two cores, a fresh engine per version")
 def test_one_handle_over_two_data_parallel_engine_cores_takes_every_version(tmp_path):
     """`AsyncLLM(data_parallel_size=2)` of a dense model: vLLM runs its DP ranks as two independent engine cores and
     answers each RPC with the first core's reply only. EngineSync([engine], plan, replicas=2): both cores' workers

@@ -137,6 +137,7 @@ def served(tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.mark.budget(180, reason="the module's vllm serve starts in its first test; three versions, fresh engines")
 def test_http_server_takes_three_versions_and_matches_fresh_engines(served, tmp_path):
     base, model, plan, driver, trainer = served
     tokens = completions(base, model)
@@ -184,6 +185,7 @@ def test_http_init_with_a_foreign_plan_is_refused_by_name(served, tmp_path):
         EngineSync([base], path, config=SyncConfig(timeout_s=TIMEOUT_S)).init()
 
 
+@pytest.mark.budget(160, reason="a vllm serve process with two data-parallel engine cores")
 def test_http_server_with_two_data_parallel_ranks_takes_every_version(tmp_path):
     """`vllm serve --data-parallel-size 2`: one URL over two engine cores, each a replica of the TP=1 layout
     (EngineSync([url], plan, replicas=2)). The server answers each RPC with the first core's reply only; both cores'

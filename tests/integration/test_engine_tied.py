@@ -52,7 +52,16 @@ CASES = {
 
 def make_tied_model(root, arch: str):
     """A tiny random model with tie_word_embeddings, as transformers saves it (lm_head stored once, as the
-    embedding)."""
+    embedding). Built in a fresh process: vLLM's Transformers backend, once another test of this process used it,
+    has wrapped transformers' own model classes (LlamaModel's __init__ then asks for a vLLM config)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_make_tied_model, root, arch).result(timeout=300)
+
+
+def _make_tied_model(root, arch: str):
     from transformers import AutoModelForCausalLM, CohereConfig, LlamaConfig, Qwen3Config
 
     common = dict(
@@ -76,6 +85,7 @@ def make_tied_model(root, arch: str):
     return path
 
 
+@pytest.mark.budget(240, reason="a live engine and a fresh engine per version for each tied-lm_head case")
 @pytest.mark.parametrize("case", list(CASES))
 def test_tied_lm_head_follows_the_update(case, tmp_path):
     from safetensors import safe_open

@@ -192,6 +192,7 @@ def recorded(tmp_path_factory):
     return _RECORDED["session"], _RECORDED["plans"], _RECORDED["path"]
 
 
+@pytest.mark.budget(180, reason="records the FP8 plan and runs a 4-rank sync per transport (Ray for rdt)")
 @pytest.mark.parametrize("transport", ["nccl", "mooncake:tcp", "rdt:gloo", "rdt:nixl"])
 def test_fp8_sync_equals_real_loader_on_the_reference_checkpoint(tmp_path_factory, request, transport):
     if transport.startswith("rdt:"):
@@ -287,6 +288,7 @@ def test_the_amax_exchange_of_later_layers_overlaps_the_sends_of_earlier_ones(tm
             assert torch.equal(got[rank][meta.name], real_params[meta.name]), f"rank {rank} {meta.name}"
 
 
+@pytest.mark.budget(120, reason="waits out a stalled holder's timeout")
 def test_a_stalled_holder_of_cut_blocks_is_named_and_its_layers_are_not_packed(tmp_path_factory):
     """The same three trainers with trainer 2 stalled before it publishes its block amaxes: trainer 1, which shares
     cut blocks with it, waits for them, names it after the deadline and packs none of the layers they cut (a cut

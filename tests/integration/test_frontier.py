@@ -69,6 +69,7 @@ SHRUNK = {
 }
 
 
+@pytest.mark.budget(150, reason="records and verifies every rank of a shrunk frontier model against vLLM's loader")
 @pytest.mark.parametrize(
     "model, tp, ep",
     [

@@ -95,6 +95,7 @@ def builds_from_defaults(arch: str) -> bool:
     return True
 
 
+@pytest.mark.budget(100, reason="builds each architecture's transformers model (Step-3.5's is the largest)")
 @pytest.mark.parametrize("arch", WITH_CONFIG)
 def test_names_equal_save_pretrained(arch, tmp_path):
     from shardplan.record.configs import hf_view

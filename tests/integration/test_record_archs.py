@@ -92,6 +92,7 @@ def check_rank(arch: str, session: RecordSession, layout: Layout, rank: int, pla
     assert derived == {n: verdict.undefined[n][0] for n in planned & set(verdict.undefined)}
 
 
+@pytest.mark.budget(100, reason="records and verifies every rank of each architecture against vLLM's loader")
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 @settings(
     max_examples=archs.examples(ci=5, thorough=40),

@@ -344,6 +344,7 @@ def test_fallback_plan_needs_sources_and_loader_on_the_consumer():
         assert max(seg.offset + seg.nbytes for seg in segs) == size, group
 
 
+@pytest.mark.budget(120, reason="a Ray cluster and its faults, each waited out to its timeout")
 @pytest.mark.parametrize("transport", ["rdt:gloo", "rdt:nixl"])
 def test_sync_ray_rdt_with_faults(ray_session, transport):
     if transport == "rdt:nixl":
