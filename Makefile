@@ -29,11 +29,12 @@ demo: setup
 
 # The whole suite (what CI runs after `make lint`): SUITE_TIME. Two pytest-xdist workers, a test file each at a time
 # (--dist loadfile: a module's shared engine is started once); most tests wait on engine processes rather than
-# compute. --durations: the slowest tests and the total; conftest.py fails the run when a test passes its time budget.
+# compute. tests/sglang shares no engine between tests: one test at a time to each worker (--dist load), so its
+# live-engine cases, all in one file, run two at once. --durations: the slowest tests and the total; conftest.py fails the run when a test passes its time budget.
 XDIST := -n 2 --dist loadfile
 test: setup setup-sglang
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=30 --nbmake tests notebooks
-	$(SGL_PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 tests/sglang
+	$(SGL_PY) -m pytest -q -p no:cacheprovider -n 2 --dist load --durations=10 tests/sglang
 
 # The SGLang tests alone (tests/sglang, in .venv-sglang): recording SGLang's loaders, verify against them.
 test-sglang: setup-sglang

@@ -76,6 +76,7 @@ def check(result: dict) -> None:
     assert v4["tokens"] == fresh["1"], v4
 
 
+@pytest.mark.budget(300, reason="a live and a fresh SGLang CPU engine; four versions, one failing mid-sync")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_sync_drives_an_in_process_engine(work, tp):
     result = run(work, tp)
@@ -86,15 +87,18 @@ def test_engine_sync_drives_an_in_process_engine(work, tp):
     assert result["after_refusals"] == result["v0"]
 
 
+@pytest.mark.budget(240, reason="an SGLang HTTP server and, unless another case of this worker made them, fresh engines")
 def test_engine_sync_drives_the_http_server(work):
     check(run(work, 1, "http"))
 
 
+@pytest.mark.budget(240, reason="a live and a fresh SGLang CPU MoE engine")
 @pytest.mark.parametrize("tp, mode", [(2, "moe"), (1, "mla")])  # two engine cases: CI time
 def test_engine_sync_drives_a_moe_engine(work, tp, mode):
     check(run(work, tp, mode))
 
 
+@pytest.mark.budget(300, reason="an in-process engine and a server, the server killed and restarted, fresh engines")
 def test_engine_sync_feeds_two_replicas_and_a_lost_one_leaves_the_other_complete(work):
     """EngineSync([in-process engine, HTTP server], plan, replicas=2): version 1 reaches both replicas (consumer ids 0
     and 1, each worker's state says its replica); version 2 loses the HTTP replica mid-sync (server and worker killed):
