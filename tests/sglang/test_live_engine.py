@@ -87,7 +87,7 @@ def test_engine_sync_drives_an_in_process_engine(work, tp):
     assert result["after_refusals"] == result["v0"]
 
 
-@pytest.mark.budget(240, reason="an SGLang HTTP server and, unless another case of this worker made them, fresh engines")
+@pytest.mark.budget(240, reason="an SGLang HTTP server, and fresh engines unless this worker made them already")
 def test_engine_sync_drives_the_http_server(work):
     check(run(work, 1, "http"))
 
