@@ -27,10 +27,11 @@ demo: setup
 	$(PY) -m shardplan.cli record --model kimi-k2 --tp 32 --ep --out out/
 	$(PY) -m shardplan.cli inspect out/kimi-k2--tp32-ep--bfloat16.plan --rank 0 --max-lines 20
 
-# The whole suite (what CI runs after `make lint`): SUITE_TIME. Two pytest-xdist workers, a test file each at a time
-# (--dist loadfile: a module's shared engine is started once); most tests wait on engine processes rather than
-# compute. tests/sglang shares no engine between tests: one test at a time to each worker (--dist load), so its
-# live-engine cases, all in one file, run two at once. --durations: the slowest tests and the total; conftest.py fails the run when a test passes its time budget.
+# The whole suite (what CI runs after `make lint`): ~35 min on a 2-core box with the venvs built. Two pytest-xdist
+# workers: most tests wait on engine processes rather than compute. tests/ and notebooks/ go a file at a time to a
+# worker (--dist loadfile: a module's shared engine starts once); tests/sglang shares no engine between tests, so a
+# test at a time (--dist load) and its live-engine cases, all in one file, run two at once. --durations: the slowest
+# tests and the total; conftest.py fails the run when a test passes its time budget.
 XDIST := -n 2 --dist loadfile
 test: setup setup-sglang
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=30 --nbmake tests notebooks
